@@ -1,0 +1,26 @@
+# efflab: the experiment DAG. Wiring only; every stage's work is `python -m efflab.<stage>`.
+# Run: snakemake --cores all            (params.yaml)
+#      snakemake --cores 2 --configfile tests/config/params.test.yaml
+from snakemake.utils import min_version
+
+min_version("9.0")
+
+
+configfile: "params.yaml"
+
+
+include: "workflow/rules/common.smk"
+include: "workflow/rules/base_model.smk"
+include: "workflow/rules/prepare_data.smk"
+include: "workflow/rules/quantize.smk"
+include: "workflow/rules/finetune.smk"
+include: "workflow/rules/merge.smk"
+include: "workflow/rules/bench_attention.smk"
+include: "workflow/rules/bench_inference.smk"
+include: "workflow/rules/report.smk"
+
+
+rule all:
+    input:
+        rules.report.output,
+    default_target: True

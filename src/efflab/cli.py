@@ -1,0 +1,94 @@
+"""The thin command line every stage shares: validate, stage outputs atomically, record metrics.
+
+`python -m efflab.<stage> --params params.yaml [--name NAME] [--log FILE]`. User errors are one
+line on stderr and exit code 2; the stage's folder is written under a temporary name and only
+renamed into place when the stage succeeded, so a failure leaves no partial outputs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from . import config
+from .config import UserError
+from .layout import METRICS, Layout
+
+log = logging.getLogger("efflab")
+
+
+def _setup_logging(log_file: str | None) -> None:
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
+    if log_file:
+        Path(log_file).parent.mkdir(parents=True, exist_ok=True)
+        handlers.append(logging.FileHandler(log_file, mode="w"))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", handlers=handlers,
+                        force=True)
+    for noisy in ("transformers", "accelerate", "peft", "bitsandbytes", "urllib3", "filelock", "httpx"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+
+
+STAGES = ("base_model", "prepare_data", "quantize", "finetune", "merge", "bench_attention", "bench_inference",
+          "report")
+
+
+def stage_names(cfg: dict, stage: str) -> list[str] | None:
+    """The names a stage's jobs run over, or None for a single-job stage."""
+    return {
+        "quantize": lambda: list(cfg["quantize"]["schemes"]),
+        "finetune": lambda: list(cfg["finetune"]["runs"]),
+        "merge": lambda: config.adapter_runs(cfg),
+        "bench_attention": lambda: list(cfg["bench_attention"]["implementations"]),
+        "bench_inference": lambda: list(cfg["bench_inference"]["variants"]),
+    }.get(stage, lambda: None)()
+
+
+def write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
+
+
+def main(stage: str, run, argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog=f"python -m efflab.{stage}", description=run.__doc__)
+    parser.add_argument("--params", default="params.yaml", help="the experiment file (default: params.yaml)")
+    parser.add_argument("--name", help="which run/scheme/variant of the stage's grid")
+    parser.add_argument("--results", default="results", help="results folder (default: results)")
+    parser.add_argument("--log", help="also write the log to this file")
+    args = parser.parse_args(argv)
+    _setup_logging(args.log)
+    staging = None
+    try:
+        cfg = config.load(args.params)
+        names = stage_names(cfg, stage)
+        if names is not None and args.name not in names:
+            raise UserError(f"--name: {args.name!r} is not one of the {stage} jobs in {args.params} "
+                            f"({', '.join(names) or 'none'})")
+        if names is None and args.name:
+            raise UserError(f"--name: stage {stage} has a single job and takes no name")
+        layout = Layout(Path(args.results))
+        final = layout.out(stage, args.name)
+        staging = final.with_name(f".{final.name}.partial")
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        t0 = time.perf_counter()
+        log.info("%s%s: start", stage, f"[{args.name}]" if args.name else "")
+        metrics = run(cfg, {"layout": layout, "name": args.name, "out": staging, "final": final})
+        metrics = {"stage": stage, "name": args.name, "status": metrics.pop("status", "ok"),
+                   "wall_s": time.perf_counter() - t0, **metrics}
+        write_json(staging / METRICS, metrics)
+        shutil.rmtree(final, ignore_errors=True)
+        staging.rename(final)
+        log.info("%s%s: done in %.1f s -> %s", stage, f"[{args.name}]" if args.name else "",
+                 metrics["wall_s"], final)
+    except UserError as err:
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+        print(f"efflab {stage}: error: {err}", file=sys.stderr)
+        sys.exit(2)
+    except BaseException:
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise

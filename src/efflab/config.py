@@ -1,0 +1,119 @@
+"""Loading and validating params.yaml: the single experiment definition.
+
+Defaults live in params.yaml; the JSON schema (workflow/schemas/params.schema.yaml) requires every
+key, and the cross-checks below catch what a schema cannot express (names that refer to each other).
+"""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import jsonschema
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SCHEMA_PATH = REPO_ROOT / "workflow" / "schemas" / "params.schema.yaml"
+ADAPTER_METHODS = ("lora", "qlora")
+
+
+class UserError(Exception):
+    """Bad input from the user: reported as one line, never as a traceback."""
+
+
+def _key(path) -> str:
+    return ".".join(str(p) for p in path) or "<top level>"
+
+
+def _schema_message(err: jsonschema.ValidationError) -> str:
+    key = _key(err.absolute_path)
+    if err.validator == "additionalProperties" and err.schema.get("additionalProperties") is False:
+        extra = sorted(set(err.instance) - set(err.schema.get("properties", {})))
+        allowed = ", ".join(sorted(err.schema.get("properties", {})))
+        return f"{key}: unknown key {extra[0]!r} (expected one of: {allowed})"
+    if err.validator == "required":
+        return f"{key}: {err.message}"
+    if err.validator == "propertyNames":
+        return f"{key}: name {err.instance!r} is not valid (lower-case letters, digits, '_', '-')"
+    if err.validator == "enum":
+        return f"{key}: {err.instance!r} is not one of {err.validator_value}"
+    if err.validator in ("oneOf", "anyOf") and err.context:
+        return f"{key}: {err.instance!r} is not valid: " + " or ".join(
+            sorted({c.message for c in err.context}))
+    return f"{key}: {err.message}"
+
+
+def load_schema() -> dict:
+    return yaml.safe_load(SCHEMA_PATH.read_text())
+
+
+def validate(cfg: dict, source: str = "params") -> dict:
+    """Validate a parsed params dict; raise UserError naming the first offending key."""
+    if not isinstance(cfg, dict):
+        raise UserError(f"{source}: expected a mapping of stage sections, got {type(cfg).__name__}")
+    validator = jsonschema.Draft202012Validator(load_schema())
+    errors = sorted(validator.iter_errors(cfg), key=lambda e: (len(e.absolute_path), list(map(str, e.absolute_path))))
+    if errors:
+        raise UserError(f"{source}: {_schema_message(errors[0])}")
+    _cross_check(cfg, source)
+    return cfg
+
+
+def _cross_check(cfg: dict, source: str) -> None:
+    schemes = cfg["quantize"]["schemes"]
+    runs = cfg["finetune"]["runs"]
+    if cfg["report"]["baseline_scheme"] not in schemes:
+        raise UserError(f"{source}: report.baseline_scheme: {cfg['report']['baseline_scheme']!r} "
+                        f"is not a scheme in quantize.schemes ({', '.join(schemes)})")
+    if schemes[cfg["report"]["baseline_scheme"]]["method"] != "none":
+        raise UserError(f"{source}: report.baseline_scheme: expected a scheme with method 'none'")
+    for name in runs:
+        run = finetune_run(cfg, name)
+        if run["method"] == "qlora" and run["quant"]["method"] not in ("nf4", "fp4"):
+            raise UserError(f"{source}: finetune.runs.{name}.quant.method: QLoRA needs a 4-bit base "
+                            f"(nf4 or fp4), got {run['quant']['method']!r}")
+    for name, variant in cfg["bench_inference"]["variants"].items():
+        key = f"bench_inference.variants.{name}"
+        kind, of = variant["kind"], variant.get("of")
+        if kind == "base":
+            if of is not None:
+                raise UserError(f"{source}: {key}.of: kind 'base' takes no 'of'")
+            continue
+        if of is None:
+            raise UserError(f"{source}: {key}.of: kind {kind!r} needs the name of a "
+                            f"{'quantize scheme' if kind == 'quantized' else 'finetune run'}")
+        if kind == "quantized" and of not in schemes:
+            raise UserError(f"{source}: {key}.of: {of!r} is not a scheme in quantize.schemes")
+        if kind in ("merged", "adapter"):
+            if of not in runs or runs[of]["method"] not in ADAPTER_METHODS:
+                raise UserError(f"{source}: {key}.of: {of!r} is not a lora/qlora run in finetune.runs")
+
+
+def load(path: str | Path) -> dict:
+    """Read and validate a params file."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{path}: params file not found")
+    try:
+        cfg = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" (line {mark.line + 1})" if mark else ""
+        raise UserError(f"{path}: not valid YAML{where}: {getattr(err, 'problem', err)}") from None
+    return validate(cfg, str(path))
+
+
+def _deep_merge(base: dict, over: dict) -> dict:
+    out = copy.deepcopy(base)
+    for key, value in over.items():
+        out[key] = _deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def finetune_run(cfg: dict, name: str) -> dict:
+    """A finetune run's full settings: finetune.defaults overridden by finetune.runs.<name>."""
+    return _deep_merge(cfg["finetune"]["defaults"], cfg["finetune"]["runs"][name])
+
+
+def adapter_runs(cfg: dict) -> list[str]:
+    """Finetune runs that produce an adapter, so that merge has work to do."""
+    return [n for n, r in cfg["finetune"]["runs"].items() if r["method"] in ADAPTER_METHODS]

@@ -1,0 +1,106 @@
+"""Generate dvc.yaml from the Snakemake DAG, so that DVC runs exactly the jobs Snakemake would.
+
+Snakemake is the source of truth: this asks `snakemake --dry-run --forceall --printshellcmds` for
+every job of the given params file and writes one DVC stage per job with the same command, the same
+inputs as deps, the same outputs (metrics.json as DVC metrics kept in git, loss curves as plots),
+and the params sections the stage reads. `--check` fails when the committed dvc.yaml has drifted.
+"""
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from .config import REPO_ROOT
+
+# The params.yaml keys each stage reads ({name} is the job's name); DVC reruns a stage when they change.
+STAGE_PARAMS = {
+    "base_model": ["runtime", "base_model"],
+    "prepare_data": ["prepare_data"],
+    "quantize": ["runtime", "quantize.eval_rows", "quantize.batch_size", "quantize.schemes.{name}",
+                 "report.baseline_scheme"],
+    "finetune": ["runtime", "finetune.defaults", "finetune.runs.{name}"],
+    "merge": ["runtime", "merge", "finetune.defaults", "finetune.runs.{name}"],
+    "bench_attention": ["runtime", "bench_attention.seq_lens", "bench_attention.batch_size",
+                        "bench_attention.warmup", "bench_attention.repeats"],
+    "bench_inference": ["runtime", "bench_inference.max_new_tokens", "bench_inference.warmup",
+                        "bench_inference.repeats", "bench_inference.prompts", "bench_inference.variants.{name}"],
+    "report": ["report"],
+}
+
+
+def snakemake_jobs(params: str = "params.yaml", workdir: Path | None = None) -> list[dict]:
+    """Every job Snakemake would run for `params`: rule, name, inputs, outputs, log and command."""
+    cmd = [sys.executable, "-m", "snakemake", "--snakefile", str(REPO_ROOT / "Snakefile"), "--configfile",
+           params, "--dry-run", "--forceall", "--printshellcmds", "--nocolor", "--cores", "1"]
+    if workdir is not None:
+        cmd += ["--directory", str(workdir)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=workdir, timeout=300)
+    if proc.returncode != 0:
+        raise SystemExit(f"efflab dvcgen: snakemake dry-run failed:\n{proc.stderr.strip()[-2000:]}")
+    jobs, job = [], None
+    for line in proc.stdout.splitlines():
+        if line.startswith(("rule ", "localrule ")):
+            job = {"rule": line.split()[1].rstrip(":"), "input": [], "output": [], "log": [], "wildcards": {}}
+            jobs.append(job)
+        elif job is not None and line.startswith("    ") and ": " in line:
+            key, value = line.strip().split(": ", 1)
+            if key in ("input", "output", "log"):
+                job[key] = [v.strip() for v in value.split(", ")]
+            elif key == "wildcards":
+                job["wildcards"] = dict(kv.split("=", 1) for kv in value.split(", "))
+        elif job is not None and line.startswith("Shell command: "):
+            job["cmd"] = line[len("Shell command: "):]
+    jobs = [j for j in jobs if j["rule"] in STAGE_PARAMS]
+    return sorted(jobs, key=lambda j: (list(STAGE_PARAMS).index(j["rule"]), j["wildcards"].get("name", "")))
+
+
+def _relative(path: str) -> str:
+    p = Path(path)
+    return str(p.relative_to(REPO_ROOT)) if p.is_absolute() and p.is_relative_to(REPO_ROOT) else path
+
+
+def dvc_stages(jobs: list[dict]) -> dict:
+    stages = {}
+    for job in jobs:
+        name = job["wildcards"].get("name")
+        stage = {"cmd": job["cmd"], "deps": [_relative(d) for d in job["input"]],
+                 "params": [p.format(name=name) for p in STAGE_PARAMS[job["rule"]]]}
+        for out in job["output"]:
+            if out.endswith("metrics.json"):
+                stage.setdefault("metrics", []).append({out: {"cache": False}})
+            elif out.endswith("loss.csv"):
+                stage.setdefault("plots", []).append({out: {"cache": False, "x": "step", "y": "loss"}})
+            else:
+                stage.setdefault("outs", []).append(out)
+        stages[f"{job['rule']}-{name}" if name else job["rule"]] = stage
+    return stages
+
+
+def render(params: str = "params.yaml", workdir: Path | None = None) -> str:
+    header = ("# Generated from the Snakemake DAG by `python -m efflab.dvcgen` (make dvc.yaml); do not edit.\n"
+              "# Snakemake is the source of truth; tests fail when this file drifts from it.\n")
+    return header + yaml.safe_dump({"stages": dvc_stages(snakemake_jobs(params, workdir))}, sort_keys=False,
+                                   width=120)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m efflab.dvcgen", description=__doc__.splitlines()[0])
+    parser.add_argument("--params", default="params.yaml")
+    parser.add_argument("--output", default="dvc.yaml")
+    parser.add_argument("--check", action="store_true", help="exit 1 if the file differs from the DAG")
+    args = parser.parse_args(argv)
+    text = render(args.params, Path.cwd())
+    target = Path(args.output)
+    if args.check:
+        if not target.is_file() or target.read_text() != text:
+            sys.exit(f"efflab dvcgen: {target} is out of date with the Snakemake DAG; run `make dvc.yaml`")
+        return
+    target.write_text(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""Stage merge: fold a LoRA/QLoRA adapter into its base and check that the merge keeps the fine-tune.
+
+The reference is the adapter on the base it was trained against: the full-precision base for LoRA,
+the 4-bit base for QLoRA. The merge target is the base in merge.dtype; for QLoRA it is the
+dequantized 4-bit base (the weights the adapter actually saw), not the original weights.
+Fidelity: max |logit difference| between reference and merged on validation rows, and both
+validation perplexities; the same again for the merged folder as saved (in the base dtype).
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from . import cli
+from .config import finetune_run
+from .measure import environment, pick_device, set_threads
+from .modeling import (base_dtype, forward_batches, load_model, load_tokenizer, loss_summary, read_split,
+                       summed_nll)
+
+log = logging.getLogger("efflab")
+
+
+def reference_logits(model, rows, batch_size, tokenizer) -> tuple[list[torch.Tensor], dict]:
+    kept, total, count = [], 0.0, 0
+    for batch, logits in forward_batches(model, rows, batch_size, tokenizer):
+        nll, n = summed_nll(logits, batch["labels"])
+        total, count = total + nll, count + n
+        kept.append(logits[batch["attention_mask"].bool()].float())
+    return kept, loss_summary(total, count, len(rows))
+
+
+def compare(model, reference: list[torch.Tensor], rows, batch_size, tokenizer) -> dict:
+    worst, total, count = 0.0, 0.0, 0
+    for (batch, logits), ref in zip(forward_batches(model, rows, batch_size, tokenizer), reference):
+        nll, n = summed_nll(logits, batch["labels"])
+        total, count = total + nll, count + n
+        worst = max(worst, (logits[batch["attention_mask"].bool()].float() - ref).abs().max().item())
+    return {"max_abs_logit_diff": worst, "validation": loss_summary(total, count, len(rows))}
+
+
+def run(cfg: dict, paths: dict) -> dict:
+    """Merge one adapter run and measure the fidelity of the merged model."""
+    from peft import PeftModel
+
+    name, layout, m = paths["name"], paths["layout"], cfg["merge"]
+    run_cfg = finetune_run(cfg, name)
+    set_threads(cfg["runtime"])
+    device = pick_device(cfg["runtime"])
+    dtype = base_dtype(layout)
+    tokenizer = load_tokenizer(layout.base_model())
+    rows = read_split(layout.split("validation"), m["eval_rows"])
+    batch_size = run_cfg["batch_size"]
+    adapter = layout.model("finetune", name)
+
+    quant = run_cfg["quant"] if run_cfg["method"] == "qlora" else None
+    base = load_model(layout.base_model(), m["dtype"] if quant is None else dtype, device, quant=quant)
+    reference = PeftModel.from_pretrained(base, adapter).eval()
+    ref_logits, ref_eval = reference_logits(reference, rows, batch_size, tokenizer)
+    del reference, base
+
+    target = load_model(layout.base_model(), m["dtype"] if quant is None else dtype, device, quant=quant)
+    if quant is not None:
+        target = target.dequantize()
+    target = target.to(getattr(torch, m["dtype"]))
+    merged = PeftModel.from_pretrained(target, adapter).merge_and_unload().eval()
+    in_memory = compare(merged, ref_logits, rows, batch_size, tokenizer)
+
+    folder = paths["out"] / "model"
+    merged.to(getattr(torch, dtype)).save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+    del merged
+    saved = compare(load_model(folder, dtype, device), ref_logits, rows, batch_size, tokenizer)
+    log.info("%s: merged max |logit diff| %.2e (%s), saved in %s %.2e; perplexity %.3f adapter vs %.3f merged",
+             name, in_memory["max_abs_logit_diff"], m["dtype"], dtype, saved["max_abs_logit_diff"],
+             ref_eval["perplexity"], in_memory["validation"]["perplexity"])
+    return {
+        "run": name, "method": run_cfg["method"],
+        "reference": "adapter on the 4-bit base it was trained on" if quant else "adapter on the base",
+        "merge_target": f"dequantized {quant['method']} base" if quant else "full-precision base",
+        "merge_dtype": m["dtype"], "saved_dtype": dtype,
+        "adapter_validation": ref_eval, "merged": in_memory, "merged_saved": saved,
+        "environment": environment(device, m),
+    }
+
+
+if __name__ == "__main__":
+    cli.main("merge", run)

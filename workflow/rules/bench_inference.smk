@@ -1,0 +1,14 @@
+rule bench_inference:
+    input:
+        unpack(inference_inputs),
+        module("bench_inference"),
+        base="results/base_model/metrics.json",
+    output:
+        metrics="results/bench_inference/{name}/metrics.json",
+    log:
+        "results/logs/bench_inference/{name}.log",
+    threads: HEAVY
+    resources:
+        mem_mb=4000,
+    shell:
+        "python -m efflab.bench_inference --params {PARAMS:q} --name {wildcards.name:q} --log {log:q}"

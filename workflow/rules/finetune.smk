@@ -1,0 +1,17 @@
+rule finetune:
+    input:
+        module("finetune"),
+        base="results/base_model/metrics.json",
+        train="results/prepare_data/train.parquet",
+        validation="results/prepare_data/validation.parquet",
+    output:
+        model=directory("results/finetune/{name}/model"),
+        metrics="results/finetune/{name}/metrics.json",
+        loss="results/finetune/{name}/loss.csv",
+    log:
+        "results/logs/finetune/{name}.log",
+    threads: HEAVY
+    resources:
+        mem_mb=8000,
+    shell:
+        "python -m efflab.finetune --params {PARAMS:q} --name {wildcards.name:q} --log {log:q}"

@@ -1,0 +1,16 @@
+rule merge:
+    input:
+        module("merge"),
+        adapter="results/finetune/{name}/model",
+        base="results/base_model/metrics.json",
+        validation="results/prepare_data/validation.parquet",
+    output:
+        model=directory("results/merge/{name}/model"),
+        metrics="results/merge/{name}/metrics.json",
+    log:
+        "results/logs/merge/{name}.log",
+    threads: HEAVY
+    resources:
+        mem_mb=6000,
+    shell:
+        "python -m efflab.merge --params {PARAMS:q} --name {wildcards.name:q} --log {log:q}"

@@ -1,0 +1,15 @@
+rule prepare_data:
+    input:
+        module("prepare_data"),
+        base="results/base_model/metrics.json",
+    output:
+        train="results/prepare_data/train.parquet",
+        validation="results/prepare_data/validation.parquet",
+        metrics="results/prepare_data/metrics.json",
+    log:
+        "results/logs/prepare_data/prepare_data.log",
+    threads: 1
+    resources:
+        mem_mb=2000,
+    shell:
+        "python -m efflab.prepare_data --params {PARAMS:q} --log {log:q}"

@@ -1,0 +1,16 @@
+rule quantize:
+    input:
+        module("quantize"),
+        quantize_reference,
+        base="results/base_model/metrics.json",
+        validation="results/prepare_data/validation.parquet",
+    output:
+        model=directory("results/quantize/{name}/model"),
+        metrics="results/quantize/{name}/metrics.json",
+    log:
+        "results/logs/quantize/{name}.log",
+    threads: HEAVY
+    resources:
+        mem_mb=4000,
+    shell:
+        "python -m efflab.quantize --params {PARAMS:q} --name {wildcards.name:q} --log {log:q}"
