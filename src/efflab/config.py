@@ -32,8 +32,8 @@ def _schema_message(err: jsonschema.ValidationError) -> str:
         return f"{key}: unknown key {extra[0]!r} (expected one of: {allowed})"
     if err.validator == "required":
         return f"{key}: {err.message}"
-    if err.validator == "propertyNames":
-        return f"{key}: name {err.instance!r} is not valid (lower-case letters, digits, '_', '-')"
+    if err.validator == "pattern" and "description" in err.schema:
+        return f"{key}: {err.instance!r} is not valid: expected {err.schema['description']}"
     if err.validator == "enum":
         return f"{key}: {err.instance!r} is not one of {err.validator_value}"
     if err.validator in ("oneOf", "anyOf") and err.context:

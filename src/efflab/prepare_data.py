@@ -10,9 +10,11 @@ import random
 
 import numpy as np
 import pandas as pd
+import torch
 
 from . import cli
 from .config import UserError
+from .measure import environment
 from .modeling import classify_source, load_tokenizer, package_folder
 
 log = logging.getLogger("efflab")
@@ -144,7 +146,8 @@ def run(cfg: dict, paths: dict) -> dict:
     return {"source": pd_cfg["source"], "attribution": attribution, "template": pd_cfg["template"],
             "mask_prompt": pd_cfg["mask_prompt"], "raw_rows": len(raw),
             "dropped_rows_without_labels": len(raw) - len(frame), **stats,
-            "example": tokenizer.decode(splits["train"].iloc[0]["input_ids"])}
+            "example": tokenizer.decode(splits["train"].iloc[0]["input_ids"]),
+            "environment": environment(torch.device("cpu"), pd_cfg)}
 
 
 if __name__ == "__main__":

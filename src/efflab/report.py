@@ -171,7 +171,7 @@ def run(cfg: dict, paths: dict) -> dict:
     frames = [df.assign(stage=stage) for stage, df in tables.items()]
     pd.concat(frames, ignore_index=True).to_csv(out / "summary.csv", index=False)
     envs = {json.dumps({k: v for k, v in m["environment"].items() if k not in ("params_sha256", "torch_threads")},
-                       sort_keys=True) for ms in metrics.values() for m in ms}
+                       sort_keys=True) for ms in metrics.values() for m in ms if "environment" in m}
     env = base["environment"]
     dtype_note = base.get("dtype_choice", {}).get("reason", f"{base['dtype']} as configured")
     lines = [

@@ -1,0 +1,38 @@
+import pandas as pd
+
+from efflab.config import finetune_run
+from efflab.layout import Layout
+
+from conftest import TEST_PARAMS, run_stage
+
+
+def _lora_param_count(cfg, name):
+    """r * (in + out) for every targeted projection, from the model config: an independent count."""
+    c, run = cfg["base_model"]["config_overrides"], finetune_run(cfg, name)
+    hidden, head, layers = c["hidden_size"], c["head_dim"], c["num_hidden_layers"]
+    shapes = {"q_proj": (hidden, c["num_attention_heads"] * head), "k_proj": (hidden, c["num_key_value_heads"] * head),
+              "v_proj": (hidden, c["num_key_value_heads"] * head), "o_proj": (c["num_attention_heads"] * head, hidden)}
+    return layers * sum(run["lora"]["r"] * sum(shapes[t]) for t in run["lora"]["target_modules"])
+
+
+def test_lora_trains_only_the_adapter_and_loss_goes_down(results, test_cfg):
+    m = run_stage("finetune", TEST_PARAMS, results, "lora-r8")
+    assert m["parameters"]["trainable"] == _lora_param_count(test_cfg, "lora-r8")
+    assert m["validation_after"]["loss"] < m["validation_before"]["loss"]
+    curve = pd.read_csv(Layout(results).out("finetune", "lora-r8") / "loss.csv")
+    assert len(curve) == m["steps"] == test_cfg["finetune"]["defaults"]["max_steps"]
+    assert curve.loss.iloc[-3:].mean() < curve.loss.iloc[:3].mean()
+    assert (Layout(results).model("finetune", "lora-r8") / "adapter_config.json").is_file()
+    assert 0 < m["tokens_seen"] <= m["steps"] * 4 * test_cfg["prepare_data"]["max_length"]
+    assert m["train_memory"]["kind"] == "cpu_peak_rss" and m["train_memory"]["peak_mib"] > 0
+
+
+def test_qlora_trains_on_a_4bit_base_and_full_trains_everything(results, test_cfg):
+    q = run_stage("finetune", TEST_PARAMS, results, "qlora-r8")
+    full = run_stage("finetune", TEST_PARAMS, results, "full")
+    assert q["parameters"]["trainable"] == _lora_param_count(test_cfg, "qlora-r8")
+    assert q["parameters"]["total"] == full["parameters"]["total"] + q["parameters"]["trainable"]
+    assert q["validation_after"]["loss"] < q["validation_before"]["loss"]
+    assert full["parameters"]["trainable"] == full["parameters"]["total"]
+    assert full["validation_after"]["loss"] < full["validation_before"]["loss"]
+    assert (Layout(results).model("finetune", "full") / "model.safetensors").is_file()

@@ -1,0 +1,35 @@
+import torch
+from peft import PeftModel
+
+from efflab.layout import Layout
+from efflab.modeling import forward_batches, load_model, load_tokenizer, read_split
+
+from conftest import TEST_PARAMS, run_stage
+
+
+def test_merged_logits_equal_adapter_logits(results):
+    run_stage("finetune", TEST_PARAMS, results, "lora-r8")
+    m = run_stage("merge", TEST_PARAMS, results, "lora-r8")
+    assert m["merged"]["max_abs_logit_diff"] < 1e-4
+    assert abs(m["merged"]["validation"]["loss"] - m["adapter_validation"]["loss"]) < 1e-5
+
+    # Independently of the stage: reload the saved merged folder and the adapter, compare logits.
+    layout, cpu = Layout(results), torch.device("cpu")
+    tok = load_tokenizer(layout.base_model())
+    rows = read_split(layout.split("validation"), 4)
+    merged = load_model(layout.model("merge", "lora-r8"), "float32", cpu)
+    adapter = PeftModel.from_pretrained(load_model(layout.base_model(), "float32", cpu),
+                                        layout.model("finetune", "lora-r8")).eval()
+    base_logits = [l for _, l in forward_batches(load_model(layout.base_model(), "float32", cpu), rows, 4, tok)]
+    for (_, a), (_, b), base in zip(forward_batches(adapter, rows, 4, tok), forward_batches(merged, rows, 4, tok),
+                                    base_logits):
+        assert torch.allclose(a, b, atol=1e-4)
+        assert not torch.allclose(a, base, atol=1e-4), "the adapter changed the model"
+
+
+def test_qlora_merge_into_the_dequantized_base_keeps_the_fine_tune(results):
+    run_stage("finetune", TEST_PARAMS, results, "qlora-r8")
+    m = run_stage("merge", TEST_PARAMS, results, "qlora-r8")
+    assert m["merge_target"] == "dequantized nf4 base"
+    assert m["merged"]["max_abs_logit_diff"] < 1e-3
+    assert abs(m["merged"]["validation"]["loss"] - m["adapter_validation"]["loss"]) < 1e-3

@@ -1,0 +1,19 @@
+import torch
+
+from efflab.layout import Layout
+from efflab.modeling import load_model
+
+from conftest import TEST_PARAMS, run_stage
+
+
+def test_int8_and_4bit_are_bnb_layers_and_shrink_the_footprint(results):
+    baseline = run_stage("quantize", TEST_PARAMS, results, "baseline")
+    int8 = run_stage("quantize", TEST_PARAMS, results, "int8")
+    nf4 = run_stage("quantize", TEST_PARAMS, results, "nf4")
+    assert baseline["bnb_layer_types"] == [] and baseline["perplexity_change_pct"] == 0
+    assert int8["bnb_layer_types"] == ["Linear8bitLt"] and nf4["bnb_layer_types"] == ["Linear4bit"]
+    assert nf4["memory_footprint_bytes"] < int8["memory_footprint_bytes"] < baseline["memory_footprint_bytes"]
+    assert int8["parameters"] == nf4["parameters"] == baseline["parameters"], "4-bit parameters are counted unpacked"
+    assert nf4["base_validation"] == baseline["validation"]
+    reloaded = load_model(Layout(results).model("quantize", "nf4"), "float32", torch.device("cpu"))
+    assert any(type(m).__name__ == "Linear4bit" for m in reloaded.modules()), "the saved folder reloads as 4-bit"
