@@ -6,6 +6,7 @@ key, and the cross-checks below catch what a schema cannot express (names that r
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 import jsonschema
@@ -14,6 +15,23 @@ import yaml
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCHEMA_PATH = REPO_ROOT / "workflow" / "schemas" / "params.schema.yaml"
 ADAPTER_METHODS = ("lora", "qlora")
+
+
+# The params.yaml keys each stage reads ({name} is the job's name); Snakemake
+# and DVC rerun a job when they change.
+STAGE_PARAMS = {
+    "base_model": ["runtime", "base_model"],
+    "prepare_data": ["prepare_data"],
+    "quantize": ["runtime", "quantize.eval_rows", "quantize.batch_size", "quantize.schemes.{name}",
+                 "report.baseline_scheme"],
+    "finetune": ["runtime", "finetune.defaults", "finetune.runs.{name}"],
+    "merge": ["runtime", "merge", "finetune.defaults", "finetune.runs.{name}"],
+    "bench_attention": ["runtime", "bench_attention.seq_lens", "bench_attention.batch_size",
+                        "bench_attention.warmup", "bench_attention.repeats"],
+    "bench_inference": ["runtime", "bench_inference.max_new_tokens", "bench_inference.warmup",
+                        "bench_inference.repeats", "bench_inference.prompts", "bench_inference.variants.{name}"],
+    "report": ["report"],
+}
 
 
 class UserError(Exception):
@@ -117,3 +135,16 @@ def finetune_run(cfg: dict, name: str) -> dict:
 def adapter_runs(cfg: dict) -> list[str]:
     """Finetune runs that produce an adapter, so that merge has work to do."""
     return [n for n, r in cfg["finetune"]["runs"].items() if r["method"] in ADAPTER_METHODS]
+
+
+def lookup(cfg: dict, dotted: str):
+    node = cfg
+    for part in dotted.split("."):
+        node = node[part]
+    return node
+
+
+def stage_settings(cfg: dict, stage: str, name: str | None = None) -> str:
+    """The params a job reads, as canonical JSON: a Snakemake rule param, so edits rerun the job."""
+    keys = [k.format(name=name) for k in STAGE_PARAMS[stage]]
+    return json.dumps({k: lookup(cfg, k) for k in keys}, sort_keys=True)

@@ -14,23 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from .config import REPO_ROOT
-
-# The params.yaml keys each stage reads ({name} is the job's name); DVC reruns a stage when they change.
-STAGE_PARAMS = {
-    "base_model": ["runtime", "base_model"],
-    "prepare_data": ["prepare_data"],
-    "quantize": ["runtime", "quantize.eval_rows", "quantize.batch_size", "quantize.schemes.{name}",
-                 "report.baseline_scheme"],
-    "finetune": ["runtime", "finetune.defaults", "finetune.runs.{name}"],
-    "merge": ["runtime", "merge", "finetune.defaults", "finetune.runs.{name}"],
-    "bench_attention": ["runtime", "bench_attention.seq_lens", "bench_attention.batch_size",
-                        "bench_attention.warmup", "bench_attention.repeats"],
-    "bench_inference": ["runtime", "bench_inference.max_new_tokens", "bench_inference.warmup",
-                        "bench_inference.repeats", "bench_inference.prompts", "bench_inference.variants.{name}"],
-    "report": ["report"],
-}
-
+from .config import REPO_ROOT, STAGE_PARAMS
 
 def snakemake_jobs(params: str = "params.yaml", workdir: Path | None = None) -> list[dict]:
     """Every job Snakemake would run for `params`: rule, name, inputs, outputs, log and command."""

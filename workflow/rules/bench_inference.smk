@@ -5,10 +5,13 @@ rule bench_inference:
         base="results/base_model/metrics.json",
     output:
         metrics="results/bench_inference/{name}/metrics.json",
+    params:
+        file=PARAMS,
+        settings=settings("bench_inference"),
     log:
         "results/logs/bench_inference/{name}.log",
     threads: HEAVY
     resources:
         mem_mb=4000,
     shell:
-        "python -m efflab.bench_inference --params {PARAMS:q} --name {wildcards.name:q} --log {log:q}"
+        "python -m efflab.bench_inference --params {params.file:q} --name {wildcards.name:q} --log {log:q}"

@@ -29,6 +29,11 @@ def module(stage):
     return str(SRC / f"{stage}.py")
 
 
+def settings(stage):
+    """The params a stage's job reads; Snakemake reruns the job when they change."""
+    return lambda wildcards: efflab_config.stage_settings(config, stage, wildcards.get("name"))
+
+
 def names(stage):
     return stage_names(config, stage)
 

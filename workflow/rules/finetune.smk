@@ -8,10 +8,13 @@ rule finetune:
         model=directory("results/finetune/{name}/model"),
         metrics="results/finetune/{name}/metrics.json",
         loss="results/finetune/{name}/loss.csv",
+    params:
+        file=PARAMS,
+        settings=settings("finetune"),
     log:
         "results/logs/finetune/{name}.log",
     threads: HEAVY
     resources:
         mem_mb=8000,
     shell:
-        "python -m efflab.finetune --params {PARAMS:q} --name {wildcards.name:q} --log {log:q}"
+        "python -m efflab.finetune --params {params.file:q} --name {wildcards.name:q} --log {log:q}"

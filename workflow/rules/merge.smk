@@ -7,10 +7,13 @@ rule merge:
     output:
         model=directory("results/merge/{name}/model"),
         metrics="results/merge/{name}/metrics.json",
+    params:
+        file=PARAMS,
+        settings=settings("merge"),
     log:
         "results/logs/merge/{name}.log",
     threads: HEAVY
     resources:
         mem_mb=6000,
     shell:
-        "python -m efflab.merge --params {PARAMS:q} --name {wildcards.name:q} --log {log:q}"
+        "python -m efflab.merge --params {params.file:q} --name {wildcards.name:q} --log {log:q}"

@@ -6,10 +6,13 @@ rule prepare_data:
         train="results/prepare_data/train.parquet",
         validation="results/prepare_data/validation.parquet",
         metrics="results/prepare_data/metrics.json",
+    params:
+        file=PARAMS,
+        settings=settings("prepare_data"),
     log:
         "results/logs/prepare_data/prepare_data.log",
     threads: 1
     resources:
         mem_mb=2000,
     shell:
-        "python -m efflab.prepare_data --params {PARAMS:q} --log {log:q}"
+        "python -m efflab.prepare_data --params {params.file:q} --log {log:q}"

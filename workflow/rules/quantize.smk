@@ -7,10 +7,13 @@ rule quantize:
     output:
         model=directory("results/quantize/{name}/model"),
         metrics="results/quantize/{name}/metrics.json",
+    params:
+        file=PARAMS,
+        settings=settings("quantize"),
     log:
         "results/logs/quantize/{name}.log",
     threads: HEAVY
     resources:
         mem_mb=4000,
     shell:
-        "python -m efflab.quantize --params {PARAMS:q} --name {wildcards.name:q} --log {log:q}"
+        "python -m efflab.quantize --params {params.file:q} --name {wildcards.name:q} --log {log:q}"

@@ -13,8 +13,11 @@ rule report:
         plots=expand("results/report/{plot}.png",
                      plot=["quantize", "finetune_loss", "bench_attention", "bench_inference"]),
         metrics="results/report/metrics.json",
+    params:
+        file=PARAMS,
+        settings=settings("report"),
     log:
         "results/logs/report/report.log",
     threads: 1
     shell:
-        "python -m efflab.report --params {PARAMS:q} --log {log:q}"
+        "python -m efflab.report --params {params.file:q} --log {log:q}"
