@@ -6,6 +6,7 @@ import logging
 from pathlib import Path
 
 import matplotlib
+import matplotlib.ticker
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -118,10 +119,13 @@ def plot_loss(layout, runs: list[str], path: Path) -> None:
 def plot_attention(df: pd.DataFrame, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     for impl, part in df[df["status"] == "ok"].groupby("implementation"):
-        ax.errorbar(part["seq len"], part["median (ms)"], yerr=part["p90 (ms)"] - part["median (ms)"],
-                    marker="o", capsize=3, label=impl)
+        upper = part["p90 (ms)"] - part["median (ms)"]
+        ax.errorbar(part["seq len"], part["median (ms)"], yerr=[[0] * len(part), upper], marker="o", capsize=3,
+                    label=impl)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
+    ax.set_xticks(sorted(df["seq len"].unique()))
+    ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
     ax.set_xlabel("sequence length (tokens)")
     ax.set_ylabel("forward latency (ms, median; bar to p90)")
     ax.set_title("Attention implementations")
