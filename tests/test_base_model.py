@@ -1,11 +1,14 @@
 import json
 
+import pytest
+import torch
 from transformers import AutoConfig
 
-from efflab.modeling import load_model, load_tokenizer
+from efflab.config import UserError
 from efflab.layout import Layout
+from efflab.modeling import classify_source, load_model, load_tokenizer
 
-import torch
+from conftest import run_stage
 
 
 def test_tiny_base_model_is_built_from_the_real_config_and_tokenizer(prepared, test_cfg):
@@ -22,3 +25,28 @@ def test_tiny_base_model_is_built_from_the_real_config_and_tokenizer(prepared, t
     assert (folder / "model.safetensors").is_file() and not list(folder.glob("*.bin"))
     assert metrics["bytes_on_disk"] > 0 and metrics["load_s"] > 0
     assert metrics["dtype_choice"]["requested"] == "auto"
+
+
+def test_a_local_folder_is_a_source_and_keeps_its_weights(prepared, tmp_path, write_params):
+    from safetensors.torch import load_file
+
+    folder = Layout(prepared).base_model()
+
+    def edit(cfg):
+        cfg["base_model"] |= {"source": str(folder), "random_init": False, "config_overrides": {}}
+    results = tmp_path / "results"
+    metrics = run_stage("base_model", write_params(edit), results)
+    assert metrics["source_kind"] == "local"
+    original, copied = load_file(folder / "model.safetensors"), load_file(results / "base_model/model/model.safetensors")
+    assert original.keys() == copied.keys()
+    assert all(torch.equal(original[k].to(copied[k].dtype), copied[k]) for k in original)
+
+
+def test_sources_are_classified_without_touching_the_network(tmp_path):
+    assert classify_source("HuggingFaceTB/SmolLM2-135M-Instruct", "k") == "hub"
+    assert classify_source("embedded:smollm2-135m-instruct", "k") == "embedded"
+    assert classify_source(str(tmp_path), "k") == "local"
+    with pytest.raises(UserError, match="k: './nope' does not exist"):
+        classify_source("./nope", "k")
+    with pytest.raises(UserError, match="neither an existing path nor a hub id"):
+        classify_source("not a model", "k")

@@ -214,4 +214,4 @@ def resolve_dtype(requested: str, device: torch.device) -> tuple[str, dict]:
     chosen = max(probe, key=probe.get)
     return chosen, {"requested": "auto", "linear_gflops": probe,
                     "reason": f"{chosen} is the faster linear layer on this CPU "
-                              f"({probe['bfloat16']:.1f} vs {probe['float32']:.1f} GFLOP/s bf16 vs fp32)"}
+                              f"(bf16 {probe['bfloat16']:.1f} vs fp32 {probe['float32']:.1f} GFLOP/s)"}
