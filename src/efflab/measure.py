@@ -98,6 +98,20 @@ def _proc_status_kib(field: str) -> int | None:
     return None
 
 
+def _release_freed_memory() -> None:
+    """Collect garbage and hand freed heap pages back to the OS (glibc malloc_trim), so memory that
+    earlier work freed but the allocator kept resident is not silently reused inside a measurement."""
+    import ctypes
+    import ctypes.util
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def _reset_cpu_peak() -> bool:
     """Reset the kernel's resident-memory high-water mark (VmHWM) of this process."""
     try:
@@ -126,9 +140,7 @@ def track_memory(device: torch.device):
         result["delta_mib"] = (torch.cuda.max_memory_allocated(device) - base) / MiB
         result["cuda_max_reserved_mib"] = torch.cuda.max_memory_reserved(device) / MiB
         return
-    import gc
-
-    gc.collect()
+    _release_freed_memory()
     reset = _reset_cpu_peak()
     base = _proc_status_kib("VmRSS")
     yield result
