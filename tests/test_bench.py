@@ -1,25 +1,58 @@
+import yaml
+
 from conftest import TEST_PARAMS, run_stage
 
 
-def test_attention_implementations_agree_with_eager_and_flash_is_unavailable_on_cpu(results, test_cfg):
-    sdpa = run_stage("bench_attention", TEST_PARAMS, results, "sdpa")
-    flash = run_stage("bench_attention", TEST_PARAMS, results, "flash_attention_2")
-    seq_lens = test_cfg["bench_attention"]["seq_lens"]
-    assert [r["seq_len"] for r in sdpa["rows"]] == seq_lens
+def test_attention_cells_run_isolated_agree_with_eager_and_flash_is_unavailable_on_cpu(results, write_params):
+    def edit(cfg):
+        cfg["runtime"]["isolation"] = "subprocess"
+        cfg["bench_attention"] |= {"seq_lens": [32, 128], "batch_sizes": [1]}
+    params = write_params(edit)
+    cfg = yaml.safe_load(params.read_text())
+    sdpa = run_stage("bench_attention", params, results, "sdpa")
+    flash = run_stage("bench_attention", params, results, "flash_attention_2")
+    b = cfg["bench_attention"]
+    assert [(r["mode"], r["seq_len"]) for r in sdpa["rows"]] == [(m, s) for m in b["modes"] for s in b["seq_lens"]]
     for row in sdpa["rows"]:
-        assert row["status"] == "ok" and row["max_abs_diff_vs_eager"] < 1e-4
-        assert row["latency"]["n"] == test_cfg["bench_attention"]["repeats"]
-        assert row["latency"]["p90"] >= row["latency"]["median"] > 0
-        assert row["memory"]["kind"] == "cpu_peak_rss"
+        assert row["status"] == "ok" and row["isolation"] == "subprocess"
+        assert row["max_abs_diff_vs_eager"] < 1e-4
+        assert row["latency"]["n"] == b["repeats"]
+        assert row["latency"]["p99"] >= row["latency"]["p90"] >= row["latency"]["median"] > 0
+        assert row["memory"]["kind"] == "cpu_peak_rss" and row["memory"]["delta_mib"] > 0
+    fwd = {r["seq_len"]: r for r in sdpa["rows"] if r["mode"] == "forward"}
+    bwd = {r["seq_len"]: r for r in sdpa["rows"] if r["mode"] == "forward_backward"}
+    assert bwd[128]["memory"]["delta_mib"] > fwd[128]["memory"]["delta_mib"], "training keeps activations"
+    assert bwd[128]["latency"]["median"] > fwd[128]["latency"]["median"]
+    assert {(f["mode"], f["batch_size"]) for f in sdpa["memory_exponents"]} == {(m, 1) for m in b["modes"]}
+    assert all(f["exponent"] is not None and f["exponent"] > 0 for f in sdpa["memory_exponents"])
     assert flash["status"] == "unavailable"
     assert all(r["status"] == "unavailable" and "CUDA" in r["reason"] for r in flash["rows"])
 
 
-def test_inference_separates_prefill_from_decode_at_a_fixed_length(results, test_cfg):
+def test_eager_attention_memory_grows_faster_than_linear_in_sequence_length(results, write_params):
+    def edit(cfg):
+        cfg["runtime"]["isolation"] = "subprocess"
+        cfg["bench_attention"] |= {"seq_lens": [256, 1024], "batch_sizes": [1], "modes": ["forward"]}
+    params = write_params(edit)
+    eager = run_stage("bench_attention", params, results, "eager")
+    (fit,) = eager["memory_exponents"]
+    assert fit["exponent"] > 1.2, "eager materialises the seq x seq attention matrix"
+
+
+def test_inference_separates_prefill_from_decode_per_kv_cache_and_batch_cell(results, test_cfg):
     b = test_cfg["bench_inference"]
     m = run_stage("bench_inference", TEST_PARAMS, results, "baseline")
-    assert m["new_tokens"] == b["max_new_tokens"]
-    assert m["ttft"]["n"] == m["decode_tokens_per_s"]["n"] == len(b["prompts"]) * b["repeats"]
-    assert m["ttft"]["median"] > 0 and m["decode_tokens_per_s"]["median"] > 0
-    assert m["per_token_latency"]["n"] == len(b["prompts"]) * b["repeats"] * (b["max_new_tokens"] - 1)
-    assert m["memory"]["kind"] == "cpu_peak_rss"
+    variant = b["variants"]["baseline"]
+    assert [(c["kv_cache"], c["batch_size"]) for c in m["cells"]] == [
+        (kv, bs) for kv in variant["kv_cache"] for bs in variant["batch_sizes"]]
+    n = b["max_new_tokens"]
+    for c in m["cells"]:
+        assert c["status"] == "ok"
+        generations = b["repeats"] * -(-len(b["prompts"]) // c["batch_size"])
+        assert c["generations"] == c["ttft"]["n"] == c["decode_tokens_per_s"]["n"] == generations
+        assert c["per_token_latency"]["n"] == generations * (n - 1)
+        assert c["ttft"]["median"] > 0 and c["decode_tokens_per_s"]["median"] > 0
+        assert c["memory"]["kind"] == "cpu_peak_rss"
+    cell = {(c["kv_cache"], c["batch_size"]): c for c in m["cells"]}
+    assert cell[(True, 1)]["samples"][0]["answer"] == cell[(False, 1)]["samples"][0]["answer"], \
+        "greedy decoding gives the same tokens with and without the KV cache"

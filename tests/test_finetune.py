@@ -1,4 +1,5 @@
 import pandas as pd
+import pytest
 
 from efflab.config import finetune_run
 from efflab.layout import Layout
@@ -36,3 +37,18 @@ def test_qlora_trains_on_a_4bit_base_and_full_trains_everything(results, test_cf
     assert full["parameters"]["trainable"] == full["parameters"]["total"]
     assert full["validation_after"]["loss"] < full["validation_before"]["loss"]
     assert (Layout(results).model("finetune", "full") / "model.safetensors").is_file()
+
+
+def test_training_flops_follow_palm_and_mfu_is_a_fraction_of_the_measured_ceiling(results, test_cfg):
+    full = run_stage("finetune", TEST_PARAMS, results, "full")
+    c = test_cfg["base_model"]["config_overrides"]
+    h, hd, layers, vocab = c["hidden_size"], c["head_dim"], c["num_hidden_layers"], 49152
+    heads, kv, inter = c["num_attention_heads"], c["num_key_value_heads"], c["intermediate_size"]
+    per_layer = h * heads * hd + 2 * h * kv * hd + heads * hd * h + 3 * h * inter
+    n = layers * per_layer + vocab * h  # every matmul weight, the (tied) LM head included
+    t = full["throughput"]
+    seq = full["tokens_seen"] / (full["steps"] * test_cfg["finetune"]["defaults"]["batch_size"])
+    assert t["flops"]["matmul_params"] == n
+    assert t["flops"]["model_flops_per_token"] == pytest.approx(6 * n + 12 * layers * heads * hd * seq)
+    assert 0 < t["mfu_vs_measured_ceiling"] < 1
+    assert t["matmul_ceiling"]["dtype"] == "float32" and t["published_peak"]["tflops"] is None

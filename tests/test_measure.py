@@ -1,3 +1,5 @@
+import os
+import signal
 import time
 
 import pytest
@@ -6,6 +8,40 @@ import torch
 from efflab import measure
 
 CPU = torch.device("cpu")
+MiB = 1024 * 1024
+
+
+# Benchmark cells for the isolation tests: module-level, so a spawned child can import them.
+def cell_doubles(x):
+    return {"value": 2 * x}
+
+
+def cell_raises():
+    raise ValueError("bad cell")
+
+
+def cell_grows(step_mib=64, total_mib=8192):
+    blocks = []
+    for _ in range(total_mib // step_mib):
+        blocks.append(torch.ones(step_mib * MiB // 4))
+        time.sleep(0.02)
+    return {"allocated_mib": total_mib}
+
+
+def cell_sleeps(seconds):
+    time.sleep(seconds)
+    return {}
+
+
+def cell_killed():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def cell_allocates(mib):
+    with measure.track_memory(CPU) as mem:
+        block = torch.ones(mib * MiB // 4)
+        del block
+    return {"memory": mem}
 
 
 def test_percentiles_on_a_known_list():
@@ -15,6 +51,17 @@ def test_percentiles_on_a_known_list():
     assert stats["p90"] == pytest.approx(9.1)
     assert stats["min"] == 1 and stats["max"] == 10
     assert stats["std"] == pytest.approx(3.02765, rel=1e-4)
+    assert stats["p50"] == stats["median"] and stats["p99"] == pytest.approx(9.91)
+    assert measure.summarize([2.0, 4.0])["p99"] == pytest.approx(3.98)
+
+
+def test_bootstrap_interval_of_the_median_brackets_it_and_is_reproducible():
+    samples = [float(x) for x in range(1, 102)]
+    lo, hi = measure.summarize(samples)["ci95_median"]
+    assert 40 < lo < 51 < hi < 62
+    assert measure.summarize(samples)["ci95_median"] == [lo, hi], "seeded: a rerun gives the same interval"
+    assert measure.summarize([3.0] * 7)["ci95_median"] == [3.0, 3.0]
+    assert measure.summarize([3.0])["ci95_median"] == [3.0, 3.0]
 
 
 def test_a_known_sleep_is_timed_within_tolerance():
@@ -45,3 +92,58 @@ def test_environment_fingerprint_names_the_machine_and_libraries():
     assert env["device"] == "cpu" and env["cpu_cores"] >= 1
     assert env["packages"]["torch"] and env["packages"]["transformers"]
     assert env["params_sha256"] == measure.environment(CPU, {"a": 1})["params_sha256"]
+
+
+def test_a_failing_cell_is_recorded_and_the_next_cell_still_runs():
+    first = measure.run_cell(cell_raises, {}, timeout_s=120)
+    second = measure.run_cell(cell_doubles, {"x": 21}, timeout_s=120)
+    assert first["status"] == "failed" and first["reason"] == "ValueError: bad cell"
+    assert second["status"] == "ok" and second["value"] == 42 and second["isolation"] == "subprocess"
+
+
+def test_a_cell_over_its_memory_cap_is_recorded_as_oom():
+    result = measure.run_cell(cell_grows, {}, memory_cap_mib=768, timeout_s=120)
+    assert result["status"] == "oom" and "memory cap of 768 MiB" in result["reason"]
+    assert 768 < result["cell_process_max_rss_mib"] < 4096, "killed soon after passing the cap"
+    assert measure.run_cell(cell_doubles, {"x": 1}, memory_cap_mib=768)["status"] == "ok"
+
+
+def test_a_cell_past_its_timeout_is_killed_and_recorded():
+    result = measure.run_cell(cell_sleeps, {"seconds": 60}, timeout_s=4)
+    assert result["status"] == "timeout" and "4 s" in result["reason"]
+    assert result["cell_wall_s"] < 20
+
+
+def test_a_cell_killed_by_sigkill_is_recorded_as_probable_oom():
+    result = measure.run_cell(cell_killed, {}, timeout_s=120)
+    assert result["status"] == "oom" and "SIGKILL" in result["reason"]
+
+
+def test_inprocess_cells_record_exceptions_too():
+    assert measure.run_cell(cell_raises, {}, isolation="inprocess")["status"] == "failed"
+    assert measure.run_cell(cell_doubles, {"x": 2}, isolation="inprocess")["value"] == 4
+
+
+def test_a_fresh_cell_is_not_polluted_by_earlier_work_in_the_parent():
+    junk = [torch.ones(64 * MiB // 4) for _ in range(8)]  # 512 MiB freed before the cell
+    del junk
+    result = measure.run_cell(cell_allocates, {"mib": 128}, timeout_s=120)
+    assert result["status"] == "ok" and result["memory"]["kind"] == "cpu_peak_rss"
+    assert result["memory"]["delta_mib"] == pytest.approx(128, rel=0.05)
+
+
+def test_matmul_ceiling_and_mfu_are_consistent():
+    ceiling = measure.matmul_ceiling("float32", CPU, size=512)
+    assert ceiling["tflops"] > 0 and ceiling["dtype"] == "float32"
+    # a workload doing exactly the ceiling's FLOP rate has MFU 1
+    assert measure.mfu(1000.0, ceiling["tflops"] * 1e9, ceiling["tflops"]) == pytest.approx(1.0)
+    assert measure.mfu(1000.0, 1e9, None) is None
+    assert measure.published_peak_tflops(CPU, "bfloat16")["tflops"] is None
+
+
+def test_fingerprint_ignores_commit_and_params_but_not_the_stack():
+    env = measure.environment(CPU, {"a": 1})
+    other = measure.environment(CPU, {"a": 2}) | {"git_commit": "0000000"}
+    assert measure.fingerprint(env) == measure.fingerprint(other) == env["fingerprint"]
+    changed = env | {"packages": env["packages"] | {"torch": "0.0.1"}}
+    assert measure.fingerprint(changed) != env["fingerprint"]

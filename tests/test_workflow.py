@@ -42,13 +42,15 @@ def check_results(work: Path, cfg: dict) -> None:
     assert missing == []
     report = (work / "results/report/report.md").read_text()
     for section in ("## Quantization", "## Fine-tuning", "## Merging adapters", "## Attention implementations",
-                    "## Inference variants"):
+                    "### Memory vs sequence length", "## Inference variants", "## Environments"):
         assert section in report
+    assert "Not compared in one table" not in report, "one machine, one stack: one table per stage"
     assert "unavailable: flash_attention_2 needs a CUDA GPU" in report
     pngs = sorted((work / "results/report").glob("*.png"))
-    assert len(pngs) >= 3 and all(p.read_bytes()[:4] == b"\x89PNG" for p in pngs)
+    assert len(pngs) >= 5 and all(p.read_bytes()[:4] == b"\x89PNG" for p in pngs)
     summary = pd.read_csv(work / "results/report/summary.csv")
-    assert set(summary.stage) == {"quantize", "finetune", "merge", "bench_attention", "bench_inference"}
+    assert set(summary.stage) == {"quantize", "finetune", "merge", "bench_attention",
+                                  "attention_memory_exponent", "bench_inference"}
     for run in cfg["finetune"]["runs"]:
         m = json.loads((work / f"results/finetune/{run}/metrics.json").read_text())
         assert m["validation_after"]["loss"] < m["validation_before"]["loss"], run

@@ -12,8 +12,8 @@ import time
 import torch
 
 from . import cli
-from .measure import environment, pick_device, resolve_dtype, set_threads
-from .modeling import (DTYPES, EMBEDDED_MODELS, classify_source, count_parameters, folder_bytes,
+from .measure import count_parameters, environment, pick_device, resolve_dtype, set_threads
+from .modeling import (DTYPES, EMBEDDED_MODELS, classify_source, folder_bytes,
                        load_model, package_folder)
 from .config import UserError
 

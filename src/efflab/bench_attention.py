@@ -1,72 +1,138 @@
-"""Stage bench_attention: one attention implementation over the configured sequence lengths.
+"""Stage bench_attention: one attention implementation over sequence lengths × batch sizes × modes.
 
-Forward latency (warmup + repeats: median, p90), peak memory of one forward (kind named), and
-max |logit difference| vs eager on the same inputs. An implementation that cannot run here is a row
-with status 'unavailable' and the reason, never a crash.
+Each cell (seq_len, batch, mode) runs the model's decoder stack (no LM head, whose logits would swamp
+the attention memory) on random tokens: `forward` without gradients, or `forward_backward` with frozen
+weights and a gradient into the input embeddings (the activation memory that training keeps). It
+records latency (warmup + repeats: median, p90, p99, bootstrap CI), peak memory with its kind, and the
+max |difference| of the output (forward) or of the input gradient (forward_backward) vs eager on the same
+inputs. Every cell can run in its own process (runtime.isolation), so an OOM, crash or timeout becomes a
+row with its status and the grid goes on. Per (mode, batch) the exponent of memory vs sequence length is
+fitted: ≈2 means quadratic, ≈1 linear. An implementation that cannot run here is `unavailable` with the
+reason, never a crash.
 """
 from __future__ import annotations
 
+import importlib.util
 import logging
+import math
 
 import torch
 
 from . import cli
-from .measure import environment, pick_device, set_threads, time_fn, track_memory
+from .measure import environment, pick_device, run_cell, set_threads, time_fn, track_memory
 from .modeling import base_dtype, load_model
 
 log = logging.getLogger("efflab")
 
 
 def unavailable_reason(impl: str, device: torch.device) -> str | None:
-    if impl != "flash_attention_2":
-        return None
     from transformers.utils import is_flash_attn_2_available
 
-    if device.type != "cuda":
-        return "flash_attention_2 needs a CUDA GPU (flash-attn has no CPU kernels)"
-    if not is_flash_attn_2_available():
-        return "the flash-attn package is not installed (pip install 'efflab[gpu]')"
+    if impl == "flash_attention_2":
+        if device.type != "cuda":
+            return "flash_attention_2 needs a CUDA GPU (flash-attn has no CPU kernels)"
+        if not is_flash_attn_2_available():
+            return "the flash-attn package is not installed (pip install 'efflab[gpu]')"
+    if impl == "flex_attention" and importlib.util.find_spec("torch.nn.attention.flex_attention") is None:
+        return f"torch {torch.__version__} has no torch.nn.attention.flex_attention"
     return None
 
 
+def _inputs(model, seq_len: int, batch_size: int, device: torch.device) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seq_len * 1000 + batch_size)
+    return torch.randint(0, model.config.vocab_size, (batch_size, seq_len), generator=gen).to(device)
+
+
+def _step(decoder, ids: torch.Tensor, mode: str):
+    """One measured call; returns (output, input-embedding gradient or None)."""
+    if mode == "forward":
+        with torch.no_grad():
+            return decoder(input_ids=ids).last_hidden_state, None
+    embeds = decoder.get_input_embeddings()(ids).detach().requires_grad_(True)
+    out = decoder(inputs_embeds=embeds).last_hidden_state
+    out.float().pow(2).mean().backward()
+    return out.detach(), embeds.grad
+
+
+def attention_cell(folder: str, dtype: str, device: str, impl: str, seq_len: int, batch_size: int, mode: str,
+                   warmup: int, repeats: int) -> dict:
+    """Measure one (implementation, sequence length, batch size, mode) cell."""
+    device = torch.device(device)
+    model = load_model(folder, dtype, device, attn_implementation=impl)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    decoder = model.get_decoder()
+    ids = _inputs(model, seq_len, batch_size, device)
+    # Timing first: its warmup absorbs one-time allocations the memory peak should not count.
+    latency = time_fn(lambda: _step(decoder, ids, mode), device, warmup, repeats)
+    with track_memory(device) as mem:
+        out, grad = _step(decoder, ids, mode)
+    if impl == "eager":
+        diff = 0.0
+    else:
+        eager = load_model(folder, dtype, device, attn_implementation="eager")
+        for p in eager.parameters():
+            p.requires_grad_(False)
+        ref_out, ref_grad = _step(eager.get_decoder(), ids, mode)
+        mine, ref = (out, ref_out) if mode == "forward" else (grad, ref_grad)
+        diff = (mine.float() - ref.float()).abs().max().item()
+    tokens = batch_size * seq_len
+    log.info("%s %s seq %d batch %d: median %.4f s (p90 %.4f), peak delta %s MiB, |diff| %.2e", impl, mode,
+             seq_len, batch_size, latency["median"], latency["p90"], mem.get("delta_mib"), diff)
+    return {"latency": latency, "memory": mem, "tokens_per_s": tokens / latency["median"],
+            "max_abs_diff_vs_eager": diff,
+            "compared": "last hidden state" if mode == "forward" else "gradient of the input embeddings"}
+
+
+def fit_exponent(rows: list[dict]) -> dict:
+    """Least-squares slope of log(peak memory delta) vs log(sequence length) over the ok rows."""
+    points = [(math.log(r["seq_len"]), math.log(r["memory"]["delta_mib"])) for r in rows
+              if r["status"] == "ok" and (r["memory"].get("delta_mib") or 0) > 0]
+    if len(points) < 2:
+        return {"exponent": None, "points": len(points), "reason": "fewer than two measured sequence lengths"}
+    mx = sum(x for x, _ in points) / len(points)
+    my = sum(y for _, y in points) / len(points)
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    slope = sum((x - mx) * (y - my) for x, y in points) / sxx
+    residual = sum((y - (my + slope * (x - mx))) ** 2 for x, y in points)
+    total = sum((y - my) ** 2 for _, y in points)
+    return {"exponent": slope, "points": len(points), "r2": 1 - residual / total if total else 1.0}
+
+
 def run(cfg: dict, paths: dict) -> dict:
-    """Benchmark one attention implementation against eager."""
-    b, impl, layout = cfg["bench_attention"], paths["name"], paths["layout"]
-    set_threads(cfg["runtime"])
-    device = pick_device(cfg["runtime"])
+    """Benchmark one attention implementation over the configured grid."""
+    b, rt, impl, layout = cfg["bench_attention"], cfg["runtime"], paths["name"], paths["layout"]
+    set_threads(rt)
+    device = pick_device(rt)
     dtype = base_dtype(layout)
     reason = unavailable_reason(impl, device)
-    model = None
-    if reason is None:
-        try:
-            model = load_model(layout.base_model(), dtype, device, attn_implementation=impl)
-        except (ImportError, ValueError) as err:
-            reason = f"{impl} could not be loaded: {str(err).splitlines()[0]}"
-    eager = model if impl == "eager" else (
-        load_model(layout.base_model(), dtype, device, attn_implementation="eager") if model else None)
-    vocab = model.config.vocab_size if model else None
-    rows = []
-    for seq_len in b["seq_lens"]:
-        row = {"implementation": impl, "seq_len": seq_len, "batch_size": b["batch_size"]}
-        if model is None:
-            rows.append(row | {"status": "unavailable", "reason": reason})
-            continue
-        gen = torch.Generator().manual_seed(seq_len)
-        ids = torch.randint(0, vocab, (b["batch_size"], seq_len), generator=gen).to(device)
-        with torch.no_grad():
-            # Timing first: its warmup absorbs one-time allocations the memory peak should not count.
-            latency = time_fn(lambda: model(input_ids=ids), device, b["warmup"], b["repeats"])
-            with track_memory(device) as mem:
-                logits = model(input_ids=ids).logits
-            reference = logits if eager is model else eager(input_ids=ids).logits
-            diff = (logits.float() - reference.float()).abs().max().item()
-            del logits, reference
-        rows.append(row | {"status": "ok", "latency": latency, "memory": mem, "max_abs_diff_vs_eager": diff,
-                           "tokens_per_s": b["batch_size"] * seq_len / latency["median"]})
-        log.info("%s seq %d: median %.3f s (p90 %.3f), peak %s, |diff| %.2e", impl, seq_len,
-                 latency["median"], latency["p90"], mem.get("delta_mib"), diff)
-    status = "ok" if model is not None else "unavailable"
-    return {"status": status, "implementation": impl, "reason": reason, "dtype": dtype, "rows": rows,
+    rows, fits = [], []
+    for mode in b["modes"]:
+        for batch_size in b["batch_sizes"]:
+            group = []
+            for seq_len in b["seq_lens"]:
+                cell = {"implementation": impl, "mode": mode, "seq_len": seq_len, "batch_size": batch_size}
+                if reason:
+                    group.append(cell | {"status": "unavailable", "reason": reason})
+                    continue
+                result = run_cell(attention_cell, dict(
+                    folder=str(layout.base_model()), dtype=dtype, device=str(device), impl=impl, seq_len=seq_len,
+                    batch_size=batch_size, mode=mode, warmup=b["warmup"], repeats=b["repeats"]),
+                    isolation=rt["isolation"], timeout_s=rt["cell_timeout_s"],
+                    memory_cap_mib=rt["cell_memory_cap_mib"])
+                if result["status"] != "ok":
+                    log.warning("%s %s seq %d batch %d: %s: %s", impl, mode, seq_len, batch_size,
+                                result["status"], result.get("reason"))
+                group.append(cell | result)
+            rows += group
+            if not reason:
+                fits.append({"implementation": impl, "mode": mode, "batch_size": batch_size,
+                             "memory_kind": next((r["memory"]["kind"] for r in group if r["status"] == "ok"), None),
+                             **fit_exponent(group)})
+    statuses = {r["status"] for r in rows}
+    status = "unavailable" if statuses == {"unavailable"} else "ok"
+    return {"status": status, "implementation": impl, "reason": reason, "dtype": dtype,
+            "measured": "decoder stack (no LM head) on random tokens", "rows": rows, "memory_exponents": fits,
             "environment": environment(device, b)}
 
 

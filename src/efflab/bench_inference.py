@@ -1,19 +1,23 @@
 """Stage bench_inference: greedy generation of a fixed length over a fixed prompt set, per variant.
 
-Variants: the base model, a quantized scheme, a merged run, or an adapter on its base. A streamer
+Variants: the base model, a quantized scheme, a merged run, or an adapter on its base; each over its
+cells of KV cache on/off × batch size, every cell in its own process (runtime.isolation). A streamer
 timestamps every token as generate() emits it, so one call gives the prefill (time to first token)
 and the decode (time per output token) apart; the generation length is forced so runs compare.
 """
 from __future__ import annotations
 
 import logging
+import math
 import time
+from pathlib import Path
 
 import torch
 
 from . import cli
 from .config import finetune_run
-from .measure import environment, pick_device, set_threads, summarize, track_memory
+from .layout import Layout
+from .measure import environment, pick_device, run_cell, set_threads, summarize, track_memory
 from .modeling import base_dtype, load_model, load_tokenizer
 
 log = logging.getLogger("efflab")
@@ -48,54 +52,89 @@ def load_variant(cfg: dict, variant: dict, layout, dtype: str, device: torch.dev
     return PeftModel.from_pretrained(base, layout.model("finetune", of)).eval()
 
 
-def generate_timed(model, tokenizer, prompt_ids: torch.Tensor, new_tokens: int) -> dict:
+def prompt_batches(tokenizer, prompts: list[str], batch_size: int, device: torch.device) -> list[dict]:
+    """The prompts, chat-templated, left-padded into batches of `batch_size` (cycling through the prompt
+    set so that every batch is full and each prompt appears at least once)."""
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                           tokenize=False) for p in prompts]
+    count = math.ceil(len(texts) / batch_size) * batch_size
+    cycled = [texts[i % len(texts)] for i in range(count)]
+    tokenizer.padding_side = "left"
+    return [tokenizer(cycled[i:i + batch_size], return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+            for i in range(0, count, batch_size)]
+
+
+def generate_timed(model, tokenizer, batch: dict, new_tokens: int, kv_cache: bool = True) -> dict:
+    """One greedy generation of exactly `new_tokens` tokens per sequence, timestamped per token."""
     clock = TokenClock()
+    prompt_len = batch["input_ids"].shape[1]
     start = time.perf_counter()
     with torch.no_grad():
-        out = model.generate(input_ids=prompt_ids, attention_mask=torch.ones_like(prompt_ids),
-                             max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                             num_beams=1, streamer=clock, pad_token_id=tokenizer.pad_token_id)
-    if prompt_ids.device.type == "cuda":
+        out = model.generate(**batch, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                             num_beams=1, use_cache=kv_cache, streamer=clock, pad_token_id=tokenizer.pad_token_id)
+    if batch["input_ids"].device.type == "cuda":
         torch.cuda.synchronize()
     token_times = clock.times[1:]  # the first put() is the prompt itself
     return {"ttft_s": token_times[0] - start, "token_gaps_s": [b - a for a, b in zip(token_times, token_times[1:])],
-            "decode_s": token_times[-1] - token_times[0], "new_tokens": out.shape[1] - prompt_ids.shape[1],
-            "text": tokenizer.decode(out[0, prompt_ids.shape[1]:], skip_special_tokens=True)}
+            "decode_s": token_times[-1] - token_times[0], "new_tokens": out.shape[1] - prompt_len,
+            "batch_size": int(out.shape[0]), "prompt_tokens": int(batch["attention_mask"].sum()),
+            "texts": tokenizer.batch_decode(out[:, prompt_len:], skip_special_tokens=True)}
 
 
-def run(cfg: dict, paths: dict) -> dict:
-    """Benchmark greedy generation of one variant."""
-    b, name, layout = cfg["bench_inference"], paths["name"], paths["layout"]
-    variant = b["variants"][name]
-    set_threads(cfg["runtime"])
-    device = pick_device(cfg["runtime"])
-    dtype = base_dtype(layout)
+def inference_cell(cfg: dict, results: str, name: str, dtype: str, device: str, kv_cache: bool,
+                   batch_size: int) -> dict:
+    """Measure one (variant, KV cache, batch size) cell: prefill and decode, apart, at a fixed length."""
+    b, layout, device = cfg["bench_inference"], Layout(Path(results)), torch.device(device)
     tokenizer = load_tokenizer(layout.base_model())
-    model = load_variant(cfg, variant, layout, dtype, device)
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                             return_tensors="pt", return_dict=True)["input_ids"].to(device)
-               for p in b["prompts"]]
+    model = load_variant(cfg, b["variants"][name], layout, dtype, device)
+    batches = prompt_batches(tokenizer, b["prompts"], batch_size, device)
     n = b["max_new_tokens"]
+    for _ in range(b["warmup"]):
+        for batch in batches:
+            generate_timed(model, tokenizer, batch, n, kv_cache)
     with track_memory(device) as mem:
-        for _ in range(max(b["warmup"], 1)):
-            warm = [generate_timed(model, tokenizer, p, n) for p in prompts]
-    runs = [generate_timed(model, tokenizer, p, n) for _ in range(b["repeats"]) for p in prompts]
+        runs = [generate_timed(model, tokenizer, batch, n, kv_cache) for _ in range(b["repeats"]) for batch in batches]
     if any(r["new_tokens"] != n for r in runs):
         raise RuntimeError(f"generation length differs from max_new_tokens={n}")
     ttft = summarize([r["ttft_s"] for r in runs])
-    decode_tps = summarize([(n - 1) / r["decode_s"] for r in runs], unit="tokens/s")
-    per_token = summarize([g for r in runs for g in r["token_gaps_s"]])
-    per_token.pop("samples")
-    log.info("%s: TTFT median %.3f s, decode %.1f tokens/s (p50 per token %.1f ms), peak %s MiB (%s)", name,
-             ttft["median"], decode_tps["median"], 1000 * per_token["median"], mem.get("peak_mib"), mem["kind"])
+    decode_tps = summarize([r["batch_size"] * (n - 1) / r["decode_s"] for r in runs], unit="tokens/s")
+    per_token = summarize([g for r in runs for g in r["token_gaps_s"]], keep_samples=False)
+    log.info("%s kv_cache=%s batch %d: TTFT median %.3f s, decode %.1f tokens/s (per token p50 %.1f / p99 %.1f ms), "
+             "peak delta %s MiB (%s)", name, kv_cache, batch_size, ttft["median"], decode_tps["median"],
+             1000 * per_token["median"], 1000 * per_token["p99"], _fmt(mem.get("delta_mib")), mem["kind"])
+    return {"ttft": ttft, "decode_tokens_per_s": decode_tps, "per_token_latency": per_token, "memory": mem,
+            "generations": len(runs), "prompt_tokens": [r["prompt_tokens"] for r in runs[:len(batches)]],
+            "memory_footprint_bytes": model.get_memory_footprint(),
+            "samples": [{"prompt": p, "answer": t} for p, t in zip(b["prompts"], runs[0]["texts"])]}
+
+
+def _fmt(value) -> str:
+    return "n/a" if value is None else f"{value:.0f}"
+
+
+def run(cfg: dict, paths: dict) -> dict:
+    """Benchmark greedy generation of one variant over its KV-cache and batch-size cells."""
+    b, rt, name, layout = cfg["bench_inference"], cfg["runtime"], paths["name"], paths["layout"]
+    variant = b["variants"][name]
+    set_threads(rt)
+    device = pick_device(rt)
+    dtype = base_dtype(layout)
+    cells = []
+    for kv_cache in variant.get("kv_cache", b["kv_cache"]):
+        for batch_size in variant.get("batch_sizes", b["batch_sizes"]):
+            result = run_cell(inference_cell, dict(cfg=cfg, results=str(layout.root), name=name, dtype=dtype,
+                                                   device=str(device), kv_cache=kv_cache, batch_size=batch_size),
+                              isolation=rt["isolation"], timeout_s=rt["cell_timeout_s"],
+                              memory_cap_mib=rt["cell_memory_cap_mib"])
+            if result["status"] != "ok":
+                log.warning("%s kv_cache=%s batch %d: %s: %s", name, kv_cache, batch_size, result["status"],
+                            result.get("reason"))
+            cells.append({"kv_cache": kv_cache, "batch_size": batch_size} | result)
     return {
+        "status": "ok" if any(c["status"] == "ok" for c in cells) else "failed",
         "variant": name, "kind": variant["kind"], "of": variant.get("of"), "dtype": dtype,
-        "prompts": len(prompts), "prompt_tokens": [int(p.shape[1]) for p in prompts], "new_tokens": n,
-        "repeats": b["repeats"], "warmup": b["warmup"],
-        "ttft": ttft, "decode_tokens_per_s": decode_tps, "per_token_latency": per_token, "memory": mem,
-        "memory_footprint_bytes": model.get_memory_footprint(),
-        "samples": [{"prompt": p, "answer": w["text"]} for p, w in zip(b["prompts"], warm)],
-        "environment": environment(device, b),
+        "prompts": len(b["prompts"]), "new_tokens": b["max_new_tokens"], "repeats": b["repeats"],
+        "warmup": b["warmup"], "cells": cells, "environment": environment(device, b),
     }
 
 

@@ -26,10 +26,11 @@ STAGE_PARAMS = {
                  "report.baseline_scheme"],
     "finetune": ["runtime", "finetune.defaults", "finetune.runs.{name}"],
     "merge": ["runtime", "merge", "finetune.defaults", "finetune.runs.{name}"],
-    "bench_attention": ["runtime", "bench_attention.seq_lens", "bench_attention.batch_size",
-                        "bench_attention.warmup", "bench_attention.repeats"],
+    "bench_attention": ["runtime", "bench_attention.seq_lens", "bench_attention.batch_sizes",
+                        "bench_attention.modes", "bench_attention.warmup", "bench_attention.repeats"],
     "bench_inference": ["runtime", "bench_inference.max_new_tokens", "bench_inference.warmup",
-                        "bench_inference.repeats", "bench_inference.prompts", "bench_inference.variants.{name}"],
+                        "bench_inference.repeats", "bench_inference.kv_cache", "bench_inference.batch_sizes",
+                        "bench_inference.prompts", "bench_inference.variants.{name}"],
     "report": ["report"],
 }
 

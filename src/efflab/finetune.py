@@ -14,8 +14,9 @@ import torch
 
 from . import cli
 from .config import UserError, finetune_run
-from .measure import environment, pick_device, set_threads, track_memory
-from .modeling import base_dtype, count_parameters, eval_loss, load_model, load_tokenizer, read_split
+from .measure import (count_parameters, environment, matmul_ceiling, mfu, pick_device, published_peak_tflops,
+                      set_threads, track_memory, training_flops_per_token)
+from .modeling import base_dtype, eval_loss, load_model, load_tokenizer, read_split
 
 log = logging.getLogger("efflab")
 
@@ -90,6 +91,10 @@ def run(cfg: dict, paths: dict) -> dict:
     log.info("%s: %s trainable of %s parameters (%.3f%%), precision %s", name, f"{params['trainable']:,}",
              f"{params['total']:,}", params["trainable_pct"], precision)
     before = eval_loss(model, val_rows, run_cfg["batch_size"], tokenizer)
+    matmul_dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(
+        precision, "float32" if run_cfg["method"] == "full" else dtype)
+    ceiling = matmul_ceiling(matmul_dtype, device)
+    log.info("%s: matmul ceiling %.3f TFLOP/s (%s, measured now)", name, ceiling["tflops"], matmul_dtype)
 
     scratch = paths["out"] / "trainer"
     args = TrainingArguments(
@@ -123,13 +128,24 @@ def run(cfg: dict, paths: dict) -> dict:
     steps = result.global_step
     tokens = trainer.state.num_input_tokens_seen
     samples = steps * run_cfg["batch_size"] * run_cfg["gradient_accumulation_steps"]
-    log.info("%s: validation loss %.3f -> %.3f in %d steps, %.0f tokens/s, peak %s MiB (%s)", name,
-             before["loss"], after["loss"], steps, tokens / train_s, _fmt(train_mem["peak_mib"]), train_mem["kind"])
+    flops = training_flops_per_token(model, tokens / samples, run_cfg["gradient_checkpointing"])
+    published = published_peak_tflops(device, matmul_dtype)
+    throughput = {
+        "tokens_per_s": tokens / train_s, "samples_per_s": samples / train_s,
+        "tokens": "real (non-padding) input tokens", "flops": flops, "matmul_ceiling": ceiling,
+        "mfu_vs_measured_ceiling": mfu(tokens / train_s, flops["model_flops_per_token"], ceiling["tflops"]),
+        "published_peak": published,
+        "mfu_vs_published_peak": mfu(tokens / train_s, flops["model_flops_per_token"], published["tflops"]),
+    }
+    log.info("%s: validation loss %.3f -> %.3f in %d steps, %.0f tokens/s, MFU %.1f%% of the measured ceiling, "
+             "peak %s MiB (%s)", name, before["loss"], after["loss"], steps, tokens / train_s,
+             100 * throughput["mfu_vs_measured_ceiling"], _fmt(train_mem["peak_mib"]), train_mem["kind"])
     return {
         "run": name, "method": run_cfg["method"], "settings": run_cfg, "compute_dtype": dtype,
         "mixed_precision": precision, "threads": threads, "parameters": params,
         "steps": steps, "train_s": train_s, "step_s": train_s / steps,
         "tokens_seen": tokens, "tokens_per_s": tokens / train_s, "samples_per_s": samples / train_s,
+        "throughput": throughput,
         "train_memory": train_mem, "first_loss": curve[0]["loss"], "last_loss": curve[-1]["loss"],
         "validation_before": before, "validation_after": after,
         "validation_loss_drop": before["loss"] - after["loss"],

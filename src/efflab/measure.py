@@ -44,27 +44,48 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def summarize(samples: list[float], unit: str = "s") -> dict:
-    """Median and spread of a list of measurements in `unit`."""
+def percentile(ordered: list[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default) of an already sorted list."""
+    pos = (len(ordered) - 1) * q
+    lo, hi = int(pos), min(int(pos) + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def bootstrap_median_ci(samples: list[float], level: float = 0.95, resamples: int = 2000,
+                        seed: int = 0) -> list[float]:
+    """Percentile-bootstrap confidence interval of the median (seeded, so reruns agree)."""
+    import numpy as np
+
+    data = np.asarray(samples, dtype=float)
+    if len(data) < 2:
+        return [float(data[0])] * 2
+    rng = np.random.default_rng(seed)
+    medians = np.median(data[rng.integers(0, len(data), size=(resamples, len(data)))], axis=1)
+    tail = 100 * (1 - level) / 2
+    return [float(np.percentile(medians, tail)), float(np.percentile(medians, 100 - tail))]
+
+
+def summarize(samples: list[float], unit: str = "s", keep_samples: bool = True) -> dict:
+    """Median and spread of a list of measurements in `unit`: n, mean, std, p50/p90/p99, min, max and a
+    bootstrap 95% confidence interval of the median."""
     ordered = sorted(samples)
     n = len(ordered)
-
-    def pct(q: float) -> float:  # linear interpolation, like numpy's default
-        pos = (n - 1) * q
-        lo, hi = int(pos), min(int(pos) + 1, n - 1)
-        return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
-
-    return {
+    stats = {
         "n": n,
         "unit": unit,
-        "median": pct(0.5),
-        "p90": pct(0.9),
+        "median": percentile(ordered, 0.5),
+        "p50": percentile(ordered, 0.5),
+        "p90": percentile(ordered, 0.9),
+        "p99": percentile(ordered, 0.99),
         "mean": statistics.fmean(ordered),
         "std": statistics.stdev(ordered) if n > 1 else 0.0,
         "min": ordered[0],
         "max": ordered[-1],
-        "samples": samples,
+        "ci95_median": bootstrap_median_ci(ordered),
     }
+    if keep_samples:
+        stats["samples"] = list(samples)
+    return stats
 
 
 def time_fn(fn, device: torch.device, warmup: int, repeats: int) -> dict:
@@ -139,6 +160,9 @@ def track_memory(device: torch.device):
         result["peak_mib"] = torch.cuda.max_memory_allocated(device) / MiB
         result["delta_mib"] = (torch.cuda.max_memory_allocated(device) - base) / MiB
         result["cuda_max_reserved_mib"] = torch.cuda.max_memory_reserved(device) / MiB
+        result["nvml_process_mib"], reason = nvml_process_mib(device)
+        if reason:
+            result["nvml_unavailable"] = reason
         return
     _release_freed_memory()
     reset = _reset_cpu_peak()
@@ -152,7 +176,237 @@ def track_memory(device: torch.device):
         result["unavailable"] = "cannot reset or read the RSS high-water mark (/proc/self/clear_refs, VmHWM)"
         return
     result["peak_mib"] = peak / 1024
+    result["baseline_mib"] = base / 1024
     result["delta_mib"] = (peak - base) / 1024
+
+
+def nvml_process_mib(device: torch.device) -> tuple[float | None, str | None]:
+    """GPU memory NVML attributes to this process (what nvidia-smi shows: allocator reserve, CUDA
+    context, kernels), at the time of the call; None and a reason where NVML cannot say."""
+    try:
+        import pynvml
+    except ImportError:
+        return None, "pynvml (nvidia-ml-py) is not installed"
+    try:
+        pynvml.nvmlInit()
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+            if proc.pid == os.getpid() and proc.usedGpuMemory is not None:
+                return proc.usedGpuMemory / MiB, None
+        return None, "NVML lists no memory for this process (containers often hide PIDs)"
+    except Exception as err:  # NVML errors are not user errors: record, don't crash
+        return None, f"NVML failed: {err}"
+
+
+# --- isolation: one benchmark cell per process -------------------------------------------------
+
+CELL_STATUSES = ("ok", "failed", "oom", "timeout", "unavailable")
+
+
+def _failure(err: BaseException) -> dict:
+    import traceback
+
+    text = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    oom = isinstance(err, MemoryError) or isinstance(err, getattr(torch, "OutOfMemoryError", MemoryError)) \
+        or "out of memory" in text.lower() or "can't allocate memory" in text.lower()
+    # NotImplementedError: the library does not do this here (e.g. FlexAttention's backward on CPU).
+    status = "oom" if oom else "unavailable" if isinstance(err, NotImplementedError) else "failed"
+    return {"status": status, "reason": f"{type(err).__name__}: {text}"[:500],
+            "traceback": traceback.format_exception(err)[-3:]}
+
+
+def _cell_child(fn, kwargs: dict, conn, log_file: str | None, threads: int) -> None:
+    import logging
+    import sys
+
+    handlers: list = [logging.StreamHandler(sys.stderr)]
+    if log_file:
+        handlers.append(logging.FileHandler(log_file, mode="a"))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s [cell] %(message)s",
+                        handlers=handlers, force=True)
+    torch.set_num_threads(threads)
+    try:
+        result = {"status": "ok"} | fn(**kwargs)
+    except BaseException as err:  # the whole point: any failure becomes a recorded result
+        result = _failure(err)
+    conn.send(result)
+    conn.close()
+
+
+def _rss_mib(pid: int) -> float | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def _log_file() -> str | None:
+    import logging
+
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            return handler.baseFilename
+    return None
+
+
+def run_cell(fn, kwargs: dict, isolation: str = "subprocess", timeout_s: float | None = None,
+             memory_cap_mib: float | None = None) -> dict:
+    """Run one benchmark cell `fn(**kwargs) -> dict` and return its result with a `status`.
+
+    With isolation 'subprocess' the cell runs in a fresh spawned interpreter: its memory peak cannot
+    be polluted by earlier work, and a crash, an out-of-memory (an allocation failure, the resident
+    set passing `memory_cap_mib`, or a SIGKILL from the kernel's OOM killer) or passing `timeout_s`
+    becomes a recorded result ('failed', 'oom', 'timeout' with the reason) and the grid goes on.
+    With 'inprocess' the cell runs here; exceptions are still recorded, but not crashes or caps.
+    """
+    import multiprocessing
+    import signal
+
+    t0 = time.perf_counter()
+    if isolation == "inprocess":
+        try:
+            result = {"status": "ok"} | fn(**kwargs)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except Exception as err:
+            result = _failure(err)
+        return result | {"isolation": "inprocess", "cell_wall_s": time.perf_counter() - t0}
+
+    ctx = multiprocessing.get_context("spawn")
+    receiver, sender = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_cell_child, args=(fn, kwargs, sender, _log_file(), torch.get_num_threads()))
+    proc.start()
+    sender.close()
+    result, peak_rss = None, 0.0
+    try:
+        while result is None:
+            if receiver.poll(0.02):
+                try:
+                    result = receiver.recv()
+                except EOFError:  # the child died without a word
+                    break
+                break
+            if not proc.is_alive() and not receiver.poll(0):
+                break
+            rss = _rss_mib(proc.pid) or 0.0
+            peak_rss = max(peak_rss, rss)
+            if memory_cap_mib is not None and rss > memory_cap_mib:
+                proc.kill()
+                result = {"status": "oom", "reason": f"resident memory {rss:.0f} MiB passed the cell memory cap "
+                                                     f"of {memory_cap_mib:.0f} MiB"}
+            elif timeout_s is not None and time.perf_counter() - t0 > timeout_s:
+                proc.kill()
+                result = {"status": "timeout", "reason": f"the cell ran longer than {timeout_s:g} s"}
+    finally:
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+        receiver.close()
+    if result is None:
+        code = proc.exitcode
+        if code == -signal.SIGKILL:
+            result = {"status": "oom", "reason": "the cell process was killed by SIGKILL (most likely the kernel's "
+                                                 "out-of-memory killer)"}
+        else:
+            what = f"signal {signal.Signals(-code).name}" if code and code < 0 else f"exit code {code}"
+            result = {"status": "failed", "reason": f"the cell process died with {what} before reporting"}
+    return result | {"isolation": "subprocess", "cell_wall_s": time.perf_counter() - t0,
+                     "cell_process_max_rss_mib": peak_rss or None}
+
+
+# --- parameters, FLOPs and the compute ceiling ---------------------------------------------------
+
+def count_parameters(model) -> dict:
+    """Trainable and total parameters, counted as the full-precision model would have them: a packed
+    bitsandbytes 4-bit weight stores two parameters per byte, so its element count is not its size."""
+    total = trainable = 0
+    for p in model.parameters():
+        state = getattr(p, "quant_state", None)
+        n = int(torch.Size(state.shape).numel()) if p.__class__.__name__ == "Params4bit" and state is not None \
+            else p.numel()
+        total += n
+        if p.requires_grad:
+            trainable += n
+    return {"trainable": trainable, "total": total, "trainable_pct": 100.0 * trainable / total}
+
+
+def matmul_params(model) -> dict:
+    """Weights that take part in matrix multiplies (every nn.Linear, bnb layers and the LM head
+    included, at their full shape), and how many of them train."""
+    total = trainable = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            n = module.in_features * module.out_features
+            total += n
+            if module.weight.requires_grad:
+                trainable += n
+    return {"total": total, "trainable": trainable}
+
+
+def training_flops_per_token(model, seq_len: float, gradient_checkpointing: bool = False) -> dict:
+    """Model FLOPs per trained token (PaLM appendix B): forward 2N + 4·L·d_attn·T, backward 2N + 8·L·d_attn·T
+    for the activation gradients plus 2·N_trainable for the weight gradients; full fine-tuning gives the
+    familiar 6N + 12·L·d_attn·T. Checkpointing recomputes the forward once more (counted as hardware FLOPs)."""
+    cfg = model.config
+    layers = cfg.num_hidden_layers
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    mm = matmul_params(model)
+    attn_fwd = 4 * layers * heads * head_dim * seq_len
+    forward = 2 * mm["total"] + attn_fwd
+    model_flops = forward + (2 * mm["total"] + 2 * attn_fwd) + 2 * mm["trainable"]
+    return {"model_flops_per_token": model_flops,
+            "hardware_flops_per_token": model_flops + (forward if gradient_checkpointing else 0),
+            "matmul_params": mm["total"], "matmul_params_trainable": mm["trainable"], "seq_len": seq_len,
+            "formula": "2N + 4*L*d*T forward, 2N + 8*L*d*T activation grads, 2*N_trainable weight grads"}
+
+
+# Dense (no sparsity) tensor-core peaks from NVIDIA's datasheets, TFLOP/s; matched by device name.
+PUBLISHED_PEAK_TFLOPS = {
+    "H200": {"bfloat16": 989.4, "float16": 989.4, "float32": 66.9},
+    "H100 PCIe": {"bfloat16": 756.5, "float16": 756.5, "float32": 51.2},
+    "H100": {"bfloat16": 989.4, "float16": 989.4, "float32": 66.9},
+    "A100": {"bfloat16": 312.0, "float16": 312.0, "float32": 19.5},
+    "L40S": {"bfloat16": 362.1, "float16": 362.1, "float32": 91.6},
+    "L4": {"bfloat16": 121.0, "float16": 121.0, "float32": 30.3},
+    "V100": {"float16": 125.0, "float32": 15.7},
+    "T4": {"float16": 65.0, "float32": 8.1},
+}
+
+
+def published_peak_tflops(device: torch.device, dtype: str) -> dict:
+    if device.type != "cuda":
+        return {"tflops": None, "reason": "no published peak for a CPU; the measured matmul ceiling is used"}
+    name = torch.cuda.get_device_name(device)
+    for key, peaks in PUBLISHED_PEAK_TFLOPS.items():  # most specific names first
+        if key in name:
+            if dtype in peaks:
+                return {"tflops": peaks[dtype], "gpu": key, "source": "NVIDIA datasheet, dense"}
+            return {"tflops": None, "reason": f"{key} has no published {dtype} tensor peak"}
+    return {"tflops": None, "reason": f"no published peak known for {name!r}"}
+
+
+def matmul_ceiling(dtype: str, device: torch.device, size: int | None = None) -> dict:
+    """The best matmul throughput this machine reaches in `dtype`, measured now (the MFU denominator)."""
+    from .modeling import DTYPES
+
+    size = size or (8192 if device.type == "cuda" else 2048)
+    a = torch.randn(size, size, device=device).to(DTYPES[dtype])
+    b = torch.randn(size, size, device=device).to(DTYPES[dtype])
+    stats = time_fn(lambda: torch.mm(a, b), device, warmup=2, repeats=5)
+    return {"tflops": 2 * size**3 / stats["median"] / 1e12, "dtype": dtype, "size": size,
+            "median_s": stats["median"], "threads": torch.get_num_threads()}
+
+
+def mfu(tokens_per_s: float, flops_per_token: float, ceiling_tflops: float | None) -> float | None:
+    if not ceiling_tflops:
+        return None
+    return tokens_per_s * flops_per_token / (ceiling_tflops * 1e12)
 
 
 def package_versions() -> dict:
@@ -186,8 +440,29 @@ def _git_commit() -> str | None:
         return None
 
 
+def _gpu_driver() -> str | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20)
+        return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+# What makes two results comparable: the machine and the software stack, not the commit or the params
+# (those differ between stages by design and are recorded for provenance).
+FINGERPRINT_KEYS = ("device", "cpu", "cpu_cores", "gpu", "gpu_memory_mib", "gpu_driver", "cuda", "packages")
+
+
+def fingerprint(env: dict) -> str:
+    """A short hash of the environment fields that make results comparable."""
+    blob = json.dumps({k: env.get(k) for k in FINGERPRINT_KEYS}, sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:12]
+
+
 def environment(device: torch.device, params_section: dict | None = None) -> dict:
-    """Where a number was measured: hardware, library versions, commit, params hash."""
+    """Where a number was measured: hardware, library versions, commit, params hash and the fingerprint
+    of the comparable part (see FINGERPRINT_KEYS)."""
     env = {
         "device": device.type,
         "cpu": _cpu_model(),
@@ -199,10 +474,12 @@ def environment(device: torch.device, params_section: dict | None = None) -> dic
     }
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        env |= {"gpu": props.name, "gpu_memory_mib": props.total_memory / MiB, "cuda": torch.version.cuda}
+        env |= {"gpu": props.name, "gpu_memory_mib": props.total_memory / MiB, "cuda": torch.version.cuda,
+                "gpu_driver": _gpu_driver()}
     if params_section is not None:
         blob = json.dumps(params_section, sort_keys=True).encode()
         env["params_sha256"] = hashlib.sha256(blob).hexdigest()[:16]
+    env["fingerprint"] = fingerprint(env)
     return env
 
 

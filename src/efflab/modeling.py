@@ -144,18 +144,5 @@ def read_split(path: str | Path, limit: int | None = None) -> list[dict]:
             for r in frame.itertuples()]
 
 
-def count_parameters(model) -> dict:
-    """Trainable and total parameters; a packed 4-bit weight holds two parameters per byte."""
-    total = trainable = 0
-    for p in model.parameters():
-        n = p.numel()
-        if p.__class__.__name__ == "Params4bit":
-            n *= 2
-        total += n
-        if p.requires_grad:
-            trainable += n
-    return {"trainable": trainable, "total": total, "trainable_pct": 100.0 * trainable / total}
-
-
 def folder_bytes(folder: str | Path) -> int:
     return sum(f.stat().st_size for f in Path(folder).rglob("*") if f.is_file())

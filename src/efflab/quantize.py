@@ -11,8 +11,8 @@ import logging
 import time
 
 from . import cli
-from .measure import environment, pick_device, set_threads, track_memory
-from .modeling import base_dtype, count_parameters, eval_loss, folder_bytes, load_model, load_tokenizer, read_split
+from .measure import count_parameters, environment, pick_device, set_threads, track_memory
+from .modeling import base_dtype, eval_loss, folder_bytes, load_model, load_tokenizer, read_split
 
 log = logging.getLogger("efflab")
 

@@ -13,6 +13,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from . import cli  # noqa: E402
+from .measure import FINGERPRINT_KEYS, fingerprint  # noqa: E402
 
 log = logging.getLogger("efflab")
 MiB = 2**20
@@ -20,6 +21,16 @@ MiB = 2**20
 
 def load_metrics(layout, stage: str, names: list[str] | None) -> list[dict]:
     return [json.loads(layout.metrics(stage, n).read_text()) for n in (names or [None])]
+
+
+def _fp(metrics: dict) -> str:
+    """The environment fingerprint of a result (computed for results written before it was stored)."""
+    env = metrics["environment"]
+    return env.get("fingerprint") or fingerprint(env)
+
+
+def _pct(x: float | None) -> float | None:
+    return None if x is None else 100 * x
 
 
 def _mem(m: dict | None) -> float | None:
@@ -33,6 +44,7 @@ def quantize_table(rows: list[dict]) -> pd.DataFrame:
         "footprint (MiB)": r["memory_footprint_bytes"] / MiB, "x smaller than baseline": r["footprint_ratio_vs_base"],
         "on disk (MiB)": r["bytes_on_disk"] / MiB, "load (s)": r["load_s"],
         "val perplexity": r["validation"]["perplexity"], "perplexity change (%)": r["perplexity_change_pct"],
+        "env": _fp(r),
     } for r in rows])
 
 
@@ -41,9 +53,13 @@ def finetune_table(rows: list[dict]) -> pd.DataFrame:
         "run": r["run"], "method": r["method"], "precision": r["mixed_precision"],
         "trainable params": r["parameters"]["trainable"], "trainable (%)": r["parameters"]["trainable_pct"],
         "total params": r["parameters"]["total"], "steps": r["steps"], "step (s)": r["step_s"],
-        "tokens/s": r["tokens_per_s"], f"peak memory (MiB, {r['train_memory']['kind']})": _mem(r["train_memory"]),
+        "tokens/s": r["tokens_per_s"], "samples/s": r["samples_per_s"],
+        "MFU (% of measured matmul)": _pct(r.get("throughput", {}).get("mfu_vs_measured_ceiling")),
+        "matmul ceiling (TFLOP/s)": r.get("throughput", {}).get("matmul_ceiling", {}).get("tflops"),
+        "MFU (% of published peak)": _pct(r.get("throughput", {}).get("mfu_vs_published_peak")),
+        f"peak memory (MiB, {r['train_memory']['kind']})": _mem(r["train_memory"]),
         "val loss before": r["validation_before"]["loss"], "val loss after": r["validation_after"]["loss"],
-        "val perplexity after": r["validation_after"]["perplexity"],
+        "val perplexity after": r["validation_after"]["perplexity"], "env": _fp(r),
     } for r in rows])
 
 
@@ -54,39 +70,74 @@ def merge_table(rows: list[dict]) -> pd.DataFrame:
         "max |logit diff| (saved folder)": r["merged_saved"]["max_abs_logit_diff"], "saved dtype": r["saved_dtype"],
         "perplexity adapter": r["adapter_validation"]["perplexity"],
         "perplexity merged": r["merged"]["validation"]["perplexity"],
-        "perplexity saved": r["merged_saved"]["validation"]["perplexity"],
+        "perplexity saved": r["merged_saved"]["validation"]["perplexity"], "env": _fp(r),
     } for r in rows])
+
+
+def _status(row: dict) -> str:
+    return "ok" if row["status"] == "ok" else f"{row['status']}: {row.get('reason', '')}"
+
+
+def _ci(stats: dict, scale: float = 1.0) -> str:
+    lo, hi = stats.get("ci95_median", [None, None])
+    return "-" if lo is None else f"{scale * lo:.4g}–{scale * hi:.4g}"
 
 
 def attention_table(rows: list[dict]) -> pd.DataFrame:
     out = []
     for r in rows:
+        if r["status"] == "unavailable":  # the whole implementation: one row, not one per cell
+            out.append({"implementation": r["implementation"], "status": f"unavailable: {r['reason']}",
+                        "env": _fp(r)})
+            continue
         for row in r["rows"]:
             ok = row["status"] == "ok"
+            lat = row.get("latency", {})
             out.append({
-                "implementation": row["implementation"], "seq len": row["seq_len"], "batch": row["batch_size"],
-                "status": row["status"] if ok else f"unavailable: {row['reason']}",
-                "median (ms)": 1000 * row["latency"]["median"] if ok else None,
-                "p90 (ms)": 1000 * row["latency"]["p90"] if ok else None,
+                "implementation": row["implementation"], "mode": row.get("mode", "forward"),
+                "seq len": row["seq_len"], "batch": row["batch_size"], "status": _status(row),
+                "median (ms)": 1000 * lat["median"] if ok else None,
+                "95% CI of median (ms)": _ci(lat, 1000) if ok else "-",
+                "p90 (ms)": 1000 * lat["p90"] if ok else None,
+                "p99 (ms)": 1000 * lat["p99"] if ok and "p99" in lat else None,
                 "tokens/s": row["tokens_per_s"] if ok else None,
                 "peak delta (MiB)": row["memory"].get("delta_mib") if ok else None,
                 "memory kind": row["memory"]["kind"] if ok else None,
                 "max |diff| vs eager": row["max_abs_diff_vs_eager"] if ok else None,
+                "env": _fp(r),
             })
     return pd.DataFrame(out)
 
 
-def inference_table(rows: list[dict]) -> pd.DataFrame:
+def exponent_table(rows: list[dict]) -> pd.DataFrame:
     return pd.DataFrame([{
-        "variant": r["variant"], "kind": r["kind"], "of": r["of"] or "-",
-        "TTFT median (ms)": 1000 * r["ttft"]["median"], "TTFT p90 (ms)": 1000 * r["ttft"]["p90"],
-        "decode tokens/s median": r["decode_tokens_per_s"]["median"],
-        "decode tokens/s p90": r["decode_tokens_per_s"]["p90"],
-        "per-token p50 (ms)": 1000 * r["per_token_latency"]["median"],
-        "per-token p90 (ms)": 1000 * r["per_token_latency"]["p90"],
-        f"peak (MiB, {r['memory']['kind']})": _mem(r["memory"]),
-        "footprint (MiB)": r["memory_footprint_bytes"] / MiB,
-    } for r in rows])
+        "implementation": f["implementation"], "mode": f["mode"], "batch": f["batch_size"],
+        "memory ~ seq^k: k": f["exponent"], "R²": f.get("r2"), "points": f["points"],
+        "memory kind": f["memory_kind"], "env": _fp(r),
+    } for r in rows for f in r.get("memory_exponents", [])])
+
+
+def inference_table(rows: list[dict]) -> pd.DataFrame:
+    out = []
+    for r in rows:
+        for c in r["cells"]:
+            ok = c["status"] == "ok"
+            out.append({
+                "variant": r["variant"], "kind": r["kind"], "of": r["of"] or "-",
+                "KV cache": "on" if c["kv_cache"] else "off", "batch": c["batch_size"], "status": _status(c),
+                "TTFT median (ms)": 1000 * c["ttft"]["median"] if ok else None,
+                "TTFT p90 (ms)": 1000 * c["ttft"]["p90"] if ok else None,
+                "decode tokens/s median": c["decode_tokens_per_s"]["median"] if ok else None,
+                "decode tokens/s 95% CI": _ci(c["decode_tokens_per_s"]) if ok else "-",
+                "per-token p50 (ms)": 1000 * c["per_token_latency"]["median"] if ok else None,
+                "per-token p90 (ms)": 1000 * c["per_token_latency"]["p90"] if ok else None,
+                "per-token p99 (ms)": 1000 * c["per_token_latency"]["p99"] if ok else None,
+                "peak delta (MiB)": c["memory"].get("delta_mib") if ok else None,
+                "memory kind": c["memory"]["kind"] if ok else None,
+                "footprint (MiB)": c["memory_footprint_bytes"] / MiB if ok else None,
+                "env": _fp(r),
+            })
+    return pd.DataFrame(out)
 
 
 def plot_quantize(df: pd.DataFrame, path: Path) -> None:
@@ -116,45 +167,117 @@ def plot_loss(layout, runs: list[str], path: Path) -> None:
     plt.close(fig)
 
 
-def plot_attention(df: pd.DataFrame, path: Path) -> None:
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for impl, part in df[df["status"] == "ok"].groupby("implementation"):
-        upper = part["p90 (ms)"] - part["median (ms)"]
-        ax.errorbar(part["seq len"], part["median (ms)"], yerr=[[0] * len(part), upper], marker="o", capsize=3,
-                    label=impl)
+def _ci_bars(part: pd.DataFrame, median: str, ci: str) -> list[list[float]]:
+    bounds = part[ci].str.split("–", expand=True).astype(float)
+    return [(part[median] - bounds[0]).clip(lower=0).tolist(), (bounds[1] - part[median]).clip(lower=0).tolist()]
+
+
+def _seq_axis(ax, df: pd.DataFrame) -> None:
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xticks(sorted(df["seq len"].unique()))
     ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
     ax.set_xlabel("sequence length (tokens)")
-    ax.set_ylabel("forward latency (ms, median; bar to p90)")
-    ax.set_title("Attention implementations")
-    ax.legend()
+
+
+def plot_attention(df: pd.DataFrame, path: Path) -> None:
+    ok = df[df["status"] == "ok"]
+    modes = sorted(ok["mode"].unique()) or ["forward"]
+    fig, axes = plt.subplots(1, len(modes), figsize=(6 * len(modes), 4), squeeze=False)
+    for ax, mode in zip(axes[0], modes):
+        for (impl, batch), part in ok[ok["mode"] == mode].groupby(["implementation", "batch"]):
+            ax.errorbar(part["seq len"], part["median (ms)"], yerr=_ci_bars(part, "median (ms)", "95% CI of median (ms)"),
+                        marker="o", capsize=3, label=f"{impl} (batch {batch})")
+        _seq_axis(ax, ok)
+        ax.set_ylabel("latency (ms, median; bars: 95% CI)")
+        ax.set_title(f"Attention implementations: {mode.replace('_', '+')}")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_attention_memory(df: pd.DataFrame, exponents: pd.DataFrame, path: Path) -> None:
+    ok = df[(df["status"] == "ok") & (df["peak delta (MiB)"] > 0)]
+    modes = sorted(ok["mode"].unique()) or ["forward"]
+    fig, axes = plt.subplots(1, len(modes), figsize=(6 * len(modes), 4), squeeze=False)
+    for ax, mode in zip(axes[0], modes):
+        for (impl, batch), part in ok[ok["mode"] == mode].groupby(["implementation", "batch"]):
+            fit = exponents[(exponents["implementation"] == impl) & (exponents["mode"] == mode)
+                            & (exponents["batch"] == batch)]["memory ~ seq^k: k"]
+            k = f", k={fit.iloc[0]:.2f}" if len(fit) and pd.notna(fit.iloc[0]) else ""
+            ax.plot(part["seq len"], part["peak delta (MiB)"], marker="o", label=f"{impl} (batch {batch}{k})")
+        _seq_axis(ax, ok)
+        ax.set_ylabel(f"peak memory over baseline (MiB, {ok['memory kind'].iloc[0] if len(ok) else ''})")
+        ax.set_title(f"Attention memory vs length: {mode.replace('_', '+')}")
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
 def plot_inference(df: pd.DataFrame, path: Path) -> None:
-    fig, ax = plt.subplots(figsize=(7, 4))
-    med = df["decode tokens/s median"]
-    ax.bar(df["variant"], med, yerr=[[0] * len(df), (df["decode tokens/s p90"] - med).clip(lower=0)],
-           capsize=4, color="tab:green", alpha=0.8)
-    ax.set_ylabel("decode tokens/s (median; bar to p90)")
-    ax.set_title("Greedy generation by variant")
-    plt.setp(ax.get_xticklabels(), rotation=20, ha="right")
+    ok = df[df["status"] == "ok"].copy()
+    ok["cell"] = ok["variant"] + ok.apply(
+        lambda r: "" if r["KV cache"] == "on" and r["batch"] == 1 else f" (KV {r['KV cache']}, b{r['batch']})", axis=1)
+    fig, ax = plt.subplots(figsize=(max(7, 0.9 * len(ok)), 4))
+    ax.bar(ok["cell"], ok["decode tokens/s median"], yerr=_ci_bars(ok, "decode tokens/s median", "decode tokens/s 95% CI"),
+           capsize=4, color=["tab:green" if c == "on" else "tab:orange" for c in ok["KV cache"]], alpha=0.8)
+    ax.set_ylabel("decode tokens/s (median; bars: 95% CI)")
+    ax.set_title("Greedy generation by variant (orange: KV cache off)")
+    plt.setp(ax.get_xticklabels(), rotation=25, ha="right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
 def _md(df: pd.DataFrame) -> str:
-    return df.to_markdown(index=False, floatfmt=".4g")
+    """A markdown table; cells with no value (a failed or unavailable row) print as '-', not 'nan'."""
+    clean = df.astype(object).where(df.notna(), None)
+    return clean.to_markdown(index=False, floatfmt=".4g", missingval="-")
+
+
+def _flat(env: dict) -> dict:
+    flat = {k: env.get(k) for k in FINGERPRINT_KEYS if k != "packages"}
+    flat |= {pkg: ver for pkg, ver in (env.get("packages") or {}).items()}
+    return flat
+
+
+def env_differences(environments: dict[str, dict], fps: list[str]) -> str:
+    """'torch: 2.13.0 / 2.12.0; cpu: A / B' — what differs between the given fingerprints."""
+    flats = [_flat(environments[fp]) for fp in fps]
+    keys = [k for k in flats[0] if len({json.dumps(f.get(k)) for f in flats}) > 1]
+    return "; ".join(f"{k}: {' / '.join(str(f.get(k)) for f in flats)}" for k in keys) or "fingerprints differ"
+
+
+def comparison(df: pd.DataFrame, environments: dict[str, dict], allow_mixed: bool) -> str:
+    """One comparison table, or, when its rows were measured in different environments and mixing was not
+    asked for, one table per environment and the reason."""
+    if df.empty:
+        return "_no rows_"
+    fps = list(dict.fromkeys(df["env"]))
+    if len(fps) == 1:
+        return _md(df.drop(columns="env"))
+    diff = env_differences(environments, fps)
+    if allow_mixed:
+        return (f"> Rows from {len(fps)} environments ({diff}) are combined because "
+                "`report.allow_mixed_environments` is true; the env column says which is which.\n\n" + _md(df))
+    parts = [f"> **Not compared in one table:** these rows were measured in {len(fps)} different environments "
+             f"({diff}). Each environment gets its own table; set `report.allow_mixed_environments: true` "
+             "to combine them.", ""]
+    for fp in fps:
+        parts += [f"Environment `{fp}`:", "", _md(df[df["env"] == fp].drop(columns="env")), ""]
+    return "\n".join(parts)
+
+
+def environment_table(environments: dict[str, dict]) -> pd.DataFrame:
+    return pd.DataFrame([{"env": fp, **_flat(env)} for fp, env in environments.items()]).dropna(axis=1, how="all")
 
 
 def run(cfg: dict, paths: dict) -> dict:
     """Write summary.csv, report.md and the plots from every stage's metrics."""
     layout, out = paths["layout"], paths["out"]
+    allow_mixed = cfg["report"]["allow_mixed_environments"]
     names = {s: cli.stage_names(cfg, s) for s in cli.STAGES}
     metrics = {s: load_metrics(layout, s, names[s]) for s in cli.STAGES if s != "report"}
     base, data = metrics["base_model"][0], metrics["prepare_data"][0]
@@ -163,20 +286,27 @@ def run(cfg: dict, paths: dict) -> dict:
         "finetune": finetune_table(metrics["finetune"]),
         "merge": merge_table(metrics["merge"]),
         "bench_attention": attention_table(metrics["bench_attention"]),
+        "attention_memory_exponent": exponent_table(metrics["bench_attention"]),
         "bench_inference": inference_table(metrics["bench_inference"]),
     }
     plots = {"quantize.png": lambda p: plot_quantize(tables["quantize"], p),
              "finetune_loss.png": lambda p: plot_loss(layout, names["finetune"], p),
              "bench_attention.png": lambda p: plot_attention(tables["bench_attention"], p),
+             "bench_attention_memory.png": lambda p: plot_attention_memory(
+                 tables["bench_attention"], tables["attention_memory_exponent"], p),
              "bench_inference.png": lambda p: plot_inference(tables["bench_inference"], p)}
     for file, draw in plots.items():
         draw(out / file)
 
     frames = [df.assign(stage=stage) for stage, df in tables.items()]
     pd.concat(frames, ignore_index=True).to_csv(out / "summary.csv", index=False)
-    envs = {json.dumps({k: v for k, v in m["environment"].items() if k not in ("params_sha256", "torch_threads")},
-                       sort_keys=True) for ms in metrics.values() for m in ms if "environment" in m}
+    environments = {_fp(m): m["environment"] for ms in metrics.values() for m in ms if "environment" in m}
+
+    def table(key: str) -> str:
+        return comparison(tables[key], environments, allow_mixed)
+
     env = base["environment"]
+    inf = metrics["bench_inference"][0]
     dtype_note = base.get("dtype_choice", {}).get("reason", f"{base['dtype']} as configured")
     lines = [
         "# efflab report", "",
@@ -188,34 +318,53 @@ def run(cfg: dict, paths: dict) -> dict:
         f"Measured on: {env['device']} — {env['cpu']} ({env['cpu_cores']} cores)"
         + (f", {env['gpu']}" if env.get("gpu") else "") + f"; torch {env['packages']['torch']}, "
         f"transformers {env['packages']['transformers']}, peft {env['packages']['peft']}, "
-        f"bitsandbytes {env['packages']['bitsandbytes']}; commit {env['git_commit']}.",
-        "" if len(envs) == 1 else "\n> **Warning:** these results come from more than one environment "
-                                  f"({len(envs)} fingerprints); compare across stages with care.",
-        "", "## Quantization (post-training, bitsandbytes)", "",
+        f"bitsandbytes {env['packages']['bitsandbytes']}; commit {env['git_commit']}.", "",
+        "**How to read the numbers.** Latencies are medians of repeats after warmup (perf_counter on CPU, CUDA "
+        "events on GPU) with the p90/p99 and a bootstrap 95% confidence interval of the median; plots show that "
+        "interval as error bars. Memory names its kind: `cpu_peak_rss` is the resident-memory high-water mark "
+        "of the measured work (reset at its start; 'delta' is over the resident memory just before it), "
+        "`cuda_max_allocated` the allocator's peak of live tensors. Benchmark cells run "
+        f"{'each in a fresh process' if cfg['runtime']['isolation'] == 'subprocess' else 'in the stage process'} "
+        "(`runtime.isolation`); a cell that fails, runs out of memory or times out is a row with its status.",
+        "",
+        "## Quantization (post-training, bitsandbytes)", "",
         "Footprint is `get_memory_footprint()` (parameters and buffers as loaded); perplexity on "
         f"{metrics['quantize'][0]['validation']['rows']} validation rows; change is against the baseline scheme.", "",
-        _md(tables["quantize"]), "", "![quantization](quantize.png)", "",
+        table("quantize"), "", "![quantization](quantize.png)", "",
         "## Fine-tuning: full vs LoRA vs QLoRA", "",
-        "Tokens/s counts real (non-padding) tokens; peak memory is of the training loop, kind named in the column.",
-        "", _md(tables["finetune"]), "", "![loss curves](finetune_loss.png)", "",
+        "Tokens/s counts real (non-padding) tokens. MFU = model FLOPs per token (PaLM's 6N + 12·L·d·T for full "
+        "fine-tuning; 4N + 2·N_trainable + 12·L·d·T with frozen weights) × tokens/s, over the matmul throughput "
+        "measured on this machine in the training dtype at the start of the run (and over the published peak "
+        "on known GPUs). Peak memory is of the training loop, kind named in the column.",
+        "", table("finetune"), "", "![loss curves](finetune_loss.png)", "",
         "## Merging adapters", "",
         "Reference: the adapter on the base it was trained against. Differences are max |logit| over "
-        "every real token of the validation rows.", "", _md(tables["merge"]), "",
-        "## Attention implementations", "", _md(tables["bench_attention"]), "",
-        "![attention](bench_attention.png)", "",
+        "every real token of the validation rows.", "", table("merge"), "",
+        "## Attention implementations", "",
+        f"{metrics['bench_attention'][0].get('measured', 'model forward')}; `forward_backward` freezes the weights "
+        "and back-propagates into the input embeddings, so its memory is the activations training keeps. "
+        "Agreement vs eager: max |difference| of the output (forward) or of the input gradient (forward+backward).",
+        "", table("bench_attention"), "", "![attention latency](bench_attention.png)", "",
+        "### Memory vs sequence length", "",
+        "Least-squares exponent k of peak memory delta ∝ seq_len^k (k ≈ 2: quadratic, k ≈ 1: linear).", "",
+        table("attention_memory_exponent"), "", "![attention memory](bench_attention_memory.png)", "",
         "## Inference variants (greedy, fixed length)", "",
-        f"{metrics['bench_inference'][0]['new_tokens']} new tokens per prompt, "
-        f"{metrics['bench_inference'][0]['prompts']} prompts × {metrics['bench_inference'][0]['repeats']} repeats "
-        "after warmup. TTFT = prefill; decode tokens/s excludes the first token.", "",
-        _md(tables["bench_inference"]), "", "![inference](bench_inference.png)", "",
-        "### Sample answers (first prompt)", "",
-        *[f"- **{m['variant']}**: {m['samples'][0]['answer'].strip()[:200]!r}" for m in metrics["bench_inference"]],
-        "",
+        f"Exactly {inf['new_tokens']} new tokens per sequence, {inf['prompts']} prompts × {inf['repeats']} repeats "
+        "after warmup, per cell (KV cache on/off × batch size). TTFT = prefill; decode tokens/s counts every "
+        "sequence of the batch and excludes the first token; per-token latencies are the gaps between "
+        "consecutive tokens.", "",
+        table("bench_inference"), "", "![inference](bench_inference.png)", "",
+        "### Sample answers (first prompt, first cell)", "",
+        *[f"- **{m['variant']}**: {m['cells'][0]['samples'][0]['answer'].strip()[:200]!r}"
+          for m in metrics["bench_inference"] if m["cells"] and m["cells"][0]["status"] == "ok"],
+        "", "## Environments", "",
+        "Results are compared in one table only when their fingerprints (machine and library versions) agree.",
+        "", _md(environment_table(environments)), "",
     ]
     (out / "report.md").write_text("\n".join(lines))
     log.info("report: %s", paths["final"] / "report.md")
     return {"tables": {k: len(v) for k, v in tables.items()}, "plots": sorted(plots),
-            "environments": len(envs)}
+            "environments": len(environments)}
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ rule report:
         report="results/report/report.md",
         summary="results/report/summary.csv",
         plots=expand("results/report/{plot}.png",
-                     plot=["quantize", "finetune_loss", "bench_attention", "bench_inference"]),
+                     plot=["quantize", "finetune_loss", "bench_attention", "bench_attention_memory",
+                           "bench_inference"]),
         metrics="results/report/metrics.json",
     params:
         file=PARAMS,
