@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+from pathlib import Path
 
 from .config import REPO_ROOT, UserError
 
@@ -45,7 +46,12 @@ def model_names() -> list[str]:
 
 
 def load_config(name: str) -> dict:
-    """The shipped config dict of a model, with its `_efflab` block (source, auto class, published count)."""
+    """The config dict of a shipped model (with its `_efflab` block: source, auto class, published count),
+    or of a local HF model folder given by path, e.g. the pipeline's results/base_model/model."""
+    folder = Path(name)
+    if (folder / "config.json").is_file():
+        return {"_efflab": {"source": name, "auto_class": "AutoModelForCausalLM", "published_parameters": None},
+                **json.loads((folder / "config.json").read_text())}
     path = MODELS_DIR / f"{name}.json"
     if not path.is_file():
         raise UserError(f"model {name!r}: no {path.relative_to(REPO_ROOT)} (shipped: {', '.join(model_names())})")
