@@ -152,3 +152,42 @@ def test_unknown_model_and_dtype_are_user_errors():
         estimate.bytes_per_element("int3")
     with pytest.raises(UserError, match="match no linear layer"):
         estimate.lora_parameters("gpt2", 8, ["q_proj"])
+
+
+def _bnb_constants(model) -> int:
+    """Bytes of the quantization constants a loaded bitsandbytes model holds: INT8 row scales (SCB),
+    4-bit absmax, and with double quantization the second-level absmax and offset."""
+    total = 0
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if getattr(weight, "SCB", None) is not None:
+            total += weight.SCB.numel() * weight.SCB.element_size()
+        state = getattr(weight, "quant_state", None)
+        if state is not None:
+            total += state.absmax.numel() * state.absmax.element_size()
+            if state.state2 is not None:
+                total += state.state2.absmax.numel() * state.state2.absmax.element_size()
+                total += state.offset.numel() * state.offset.element_size()
+    return total
+
+
+@pytest.mark.parametrize("method,double_quant", [("int8", False), ("nf4", True), ("nf4", False)])
+def test_bnb_footprint_matches_bitsandbytes_on_a_tiny_model(tmp_path, method, double_quant):
+    """The estimator against real bitsandbytes (CPU backend) loading a tiny Llama through transformers."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig
+
+    fields = {k: v for k, v in estimate.load_config("smollm2-135m").items() if not k.startswith("_")}
+    fields.update(num_hidden_layers=2, hidden_size=128, intermediate_size=320, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=1000)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(**fields), dtype=torch.float16).save_pretrained(tmp_path)
+    quant = (BitsAndBytesConfig(load_in_8bit=True) if method == "int8" else
+             BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=method, bnb_4bit_use_double_quant=double_quant,
+                                bnb_4bit_compute_dtype=torch.float16))
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=quant, dtype=torch.float16,
+                                                 device_map={"": "cpu"})
+    est = estimate.bnb_footprint(str(tmp_path), method, double_quant=double_quant)
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())  # rotary inv_freq
+    assert model.get_memory_footprint() - buffers == est["weight_bytes"] + est["kept_bytes"]
+    assert _bnb_constants(model) == est["constant_bytes"]

@@ -236,8 +236,9 @@ def _training_memory(i):
 
 
 def _mixed_precision_saving_pct(i):
-    full = estimate.training_memory(i["model"], "full-fp32", i["seq_len"], i["batch"])["total"]
-    mixed = estimate.training_memory(i["model"], "full-mixed", i["seq_len"], i["batch"], compute_dtype="float16")["total"]
+    m, s, b = i["model"], i["seq_len"], i["batch"]
+    full = estimate.training_memory(m, "full-fp32", s, b)["total"]
+    mixed = estimate.training_memory(m, "full-mixed", s, b, compute_dtype="float16")["total"]
     return 100 * (1 - mixed / full), f"1 − {_gb(mixed)} mixed / {_gb(full)} fp32 ({i['model']}, Adam, activations)"
 
 
@@ -417,7 +418,8 @@ def evaluate(claim: dict, layout) -> dict:
     if kind == "analytic":
         value, how = compute(claim["quantity"], claim["inputs"])
         j = judge(value, claim)
-        return {**row, **_row_result(j), "reason": "; ".join(filter(None, [j["why"], how, *notes]))}
+        return {**row, **_row_result(j), "reason": "; ".join(filter(None, [j["why"], how, *notes])),
+                "finding": j["why"]}
     if "metric" in claim:
         try:
             value, how = METRICS[claim["metric"]["kind"]](layout, claim["metric"])
@@ -426,7 +428,8 @@ def evaluate(claim: dict, layout) -> dict:
                 return _needs_gpu(row, claim, layout, notes)
             return {**row, "reproduced": "", "ratio": None, "verdict": "not reproducible here", "reason": str(why)}
         j = judge(value, claim)
-        return {**row, **_row_result(j), "reason": "; ".join(filter(None, [j["why"], how, _scale_note(layout)]))}
+        return {**row, **_row_result(j), "reason": "; ".join(filter(None, [j["why"], how, _scale_note(layout)])),
+                "finding": j["why"]}
     return _needs_gpu(row, claim, layout, notes)
 
 
@@ -454,7 +457,8 @@ def verdict_class(verdict: str) -> str:
 
 
 def evaluate_all(claims: list[dict], layout) -> pd.DataFrame:
-    return pd.DataFrame([evaluate(c, layout) for c in claims])
+    columns = ["id", "source", "quote", "kind", "reported", "reproduced", "ratio", "verdict", "reason", "finding"]
+    return pd.DataFrame([evaluate(c, layout) for c in claims], columns=columns).fillna({"finding": ""})
 
 
 def markdown(df: pd.DataFrame) -> str:
@@ -464,6 +468,12 @@ def markdown(df: pd.DataFrame) -> str:
              + ", ".join(f"{counts.get(v, 0)} {v}" for v in VERDICTS) + ". Analytic values come from "
              "efflab.estimate on the shipped model configs (parameter counts from the meta-device model); "
              "ratio is reproduced / reported.", ""]
+    wrong = df[df["verdict"] == "differs"]
+    if len(wrong):
+        lines += ["Where the seeds' figures do not reproduce:", ""]
+        lines += [f"- **{r.id}** ({r.source}): reported {r.reported}, reproduced {r.reproduced} — "
+                  f"{r.finding}" for r in wrong.itertuples()]
+        lines.append("")
     table = df.assign(claim=df["id"] + ": “" + df["quote"].str.replace("\t", " ") + "”",
                       ratio=df["ratio"].map(lambda r: "" if r is None or pd.isna(r) else f"{r:.3g}"))
     table = table[["claim", "source", "reported", "reproduced", "ratio", "verdict", "reason"]]
