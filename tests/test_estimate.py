@@ -191,3 +191,21 @@ def test_bnb_footprint_matches_bitsandbytes_on_a_tiny_model(tmp_path, method, do
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())  # rotary inv_freq
     assert model.get_memory_footprint() - buffers == est["weight_bytes"] + est["kept_bytes"]
     assert _bnb_constants(model) == est["constant_bytes"]
+
+
+@pytest.mark.parametrize("targets", [["q_proj", "v_proj"], ["q_proj", "k_proj", "v_proj", "o_proj"], "all-linear"])
+def test_lora_count_matches_peft(tmp_path, targets):
+    """The meta-model LoRA count against peft's own trainable count on a real tiny model."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = {k: v for k, v in estimate.load_config("smollm2-135m").items() if not k.startswith("_")}
+    fields.update(num_hidden_layers=2, hidden_size=96, intermediate_size=256, num_attention_heads=6,
+                  num_key_value_heads=2, vocab_size=500)
+    config = AutoConfig.for_model(**fields)
+    config.save_pretrained(tmp_path)
+    torch.manual_seed(0)
+    model = get_peft_model(AutoModelForCausalLM.from_config(config), LoraConfig(r=4, target_modules=targets))
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert estimate.lora_parameters(str(tmp_path), 4, targets) == trainable

@@ -103,6 +103,19 @@ def _largest_layer(i):
     return n, f"largest module of {i['model']}: {_n(n)} parameters (the shared embedding)"
 
 
+def _linear_features(i):
+    layer = next((lay for lay in estimate.linear_layers(i["model"], **_overrides(i)) if lay["name"] == i["module"]),
+                 None)
+    if layer is None:
+        raise UserError(f"{i['model']}: no linear layer named {i['module']!r}")
+    return layer[i["field"]], f"{i['module']} of {i['model']} with {_overrides(i)}: {layer['in']} -> {layer['out']}"
+
+
+def _mean(i):
+    values = i["values"]
+    return sum(values) / len(values), f"mean of {values} = {sum(values) / len(values):.4g}"
+
+
 def _weights_bytes(i):
     n = estimate.parameter_count(i["model"], **_overrides(i))
     per = estimate.bytes_per_element(i["dtype"])
@@ -254,7 +267,7 @@ def _adam_memory_multiple(i):
 QUANTITIES = {
     "dense_matrix": _dense_matrix, "lora_matrix": _lora_matrix, "lora_matrix_reduction_pct": _lora_matrix_reduction_pct,
     "lora_reduction_pct": _lora_reduction_pct, "parameters": _parameters, "largest_layer_parameters": _largest_layer,
-    "weights_bytes": _weights_bytes, "bytes_per_param": _bytes_per_param, "model_states": _model_states,
+    "linear_features": _linear_features, "mean": _mean, "weights_bytes": _weights_bytes, "bytes_per_param": _bytes_per_param, "model_states": _model_states,
     "activations": _activations, "activation_dtype_ratio": _activation_dtype_ratio,
     "activation_exponent": _activation_exponent, "kv_cache": _kv_cache,
     "checkpointing_extra_compute_pct": _checkpointing_extra_compute_pct, "zero_per_device": _zero_per_device,
@@ -445,7 +458,7 @@ def _needs_gpu(row: dict, claim: dict, layout, notes: list[str]) -> dict:
         j = judge(value, claim)
         agrees = "agrees" if j["verdict"] == "reproduced" else "does not agree"
         out.update(reproduced=f"{j['reproduced']} (analytic)", ratio=j["ratio"],
-                   reason="; ".join(filter(None, [f"analytic cross-check {agrees} within {claim['tolerance']:.0%}",
+                   reason="; ".join(filter(None, [f"analytic cross-check {agrees} within {claim['tolerance']:.1%}",
                                                   j["why"], how, *notes])))
     else:
         out["reason"] = "; ".join(notes)
