@@ -151,7 +151,7 @@ def activation_bytes(name: str, seq_len: int, batch: int, bytes_per_el: float = 
     attention (4N)sbh + (2N+1)as^2b + N sbh + sbh, MLP N sbh + 2 N sb(4h) + sbh, two LayerNorms 2 N sbh,
     total (16N + 2)sbh + (2N + 1)as^2b; N bytes per element, 1 byte per dropout-mask element.
     FlashAttention keeps no s^2 tensor (scores, softmax, dropout mask are recomputed in the backward) but
-    stores the fp32 row log-sum-exp, 4 a s b bytes (Dao et al. 2022, algorithm 2).
+    stores the fp32 row log-sum-exp, 4 a s b bytes (FlashAttention-2, Dao 2023, algorithm 1).
     Checkpointing per decoder layer (what HF's gradient_checkpointing does) keeps only each layer's input,
     N sbh per layer; the backward then rebuilds one layer at a time (see `layer_activation_bytes`).
     The MLP term assumes a 4h MLP; embeddings and the logits are not included.
@@ -176,7 +176,8 @@ def kv_cache_bytes(name: str, seq_len: int, batch: int = 1, bytes_per_el: float 
 
 def flops_per_token(n_params: int, training: bool = True, checkpointing: bool = False) -> float:
     """2N forward; training 6N (forward + backward at twice the forward, Kaplan et al. 2020);
-    full activation recomputation adds a second forward: 8N (Korthikanti et al. 2022, section 4)."""
+    full activation recomputation adds a second forward: 8N (Narayanan et al. 2021, section 5.1;
+    Korthikanti et al. 2022)."""
     if not training:
         return 2 * n_params
     return (8 if checkpointing else 6) * n_params
