@@ -94,6 +94,7 @@ def architecture(name: str, **overrides) -> dict:
 
 
 def parameter_count(name: str, **overrides) -> int:
+    """Parameters of the model as transformers builds it; tied tensors count once, buffers not at all."""
     return sum(p.numel() for p in meta_model(name, **overrides).parameters())
 
 
@@ -103,7 +104,7 @@ def largest_layer_parameters(name: str, **overrides) -> int:
 
 
 def linear_layers(name: str, **overrides) -> list[dict]:
-    """Every nn.Linear and GPT-2 Conv1D: name, in/out features, bias, and whether it is the output head."""
+    """Every nn.Linear and GPT-2 Conv1D: name, in/out features, and whether it is the output head."""
     import torch
     from transformers.pytorch_utils import Conv1D
 
@@ -117,8 +118,7 @@ def linear_layers(name: str, **overrides) -> list[dict]:
             fan_out, fan_in = m.weight.shape
         else:
             continue
-        layers.append({"name": module_name, "in": fan_in, "out": fan_out, "bias": m.bias is not None,
-                       "head": m is head})
+        layers.append({"name": module_name, "in": fan_in, "out": fan_out, "head": m is head})
     return layers
 
 
