@@ -1,0 +1,134 @@
+"""The claims registry and the claims stage: schema, coverage, verdicts, measured claims from results."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+from efflab import claims, estimate
+from efflab.config import UserError
+from efflab.layout import Layout
+
+from conftest import TEST_PARAMS, run_stage
+
+SEEDS = Path("/work/shared/seeds")
+
+
+@pytest.fixture(scope="module")
+def registry() -> list[dict]:
+    return claims.load_registry()
+
+
+@pytest.fixture(scope="module")
+def empty_run(tmp_path_factory) -> tuple[dict, pd.DataFrame, Path]:
+    root = tmp_path_factory.mktemp("claims")
+    out = root / "out"
+    metrics = claims.run({}, {"layout": Layout(root / "results"), "name": None, "out": out, "final": out})
+    return metrics, pd.read_csv(out / "claims.csv"), out
+
+
+def test_registry_validates_and_covers_the_seeds(registry):
+    assert len(registry) >= 30
+    assert len({c["id"] for c in registry}) == len(registry)
+    kinds = {c["kind"] for c in registry}
+    assert kinds == {"analytic", "measured", "hardware"}
+    assert len({c["source"] for c in registry}) == 5
+    shipped = set(estimate.model_names())
+    for c in registry:
+        for spec in (c.get("inputs"), c.get("estimate", {}).get("inputs")):
+            if spec and "model" in spec:
+                assert spec["model"] in shipped, c["id"]
+
+
+@pytest.mark.skipif(not SEEDS.is_dir(), reason="the seed texts are not on this machine")
+def test_quotes_are_verbatim(registry):
+    for c in registry:
+        assert c["quote"] in (SEEDS / c["source"]).read_text(), c["id"]
+
+
+def test_bad_registry_is_one_line_user_error(tmp_path, registry):
+    bad = dict(registry[0], kind="guessed")
+    path = tmp_path / "claims.yaml"
+    path.write_text(yaml.safe_dump({"claims": [bad]}))
+    with pytest.raises(UserError, match=r"claims\.0\.kind: 'guessed' is not one of"):
+        claims.load_registry(path)
+    path.write_text(yaml.safe_dump({"claims": [registry[0], registry[0]]}))
+    with pytest.raises(UserError, match="appears twice"):
+        claims.load_registry(path)
+
+
+def test_empty_results_give_a_row_and_a_valid_verdict_per_claim(empty_run, registry):
+    metrics, df, out = empty_run
+    assert list(df["id"]) == [c["id"] for c in registry]
+    assert df["verdict"].map(claims.verdict_class).isin(claims.VERDICTS).all()
+    assert sum(metrics["by_verdict"].values()) == metrics["claims"] == len(registry)
+    by_id = df.set_index("id")
+    for c in registry:
+        verdict = by_id.loc[c["id"], "verdict"]
+        if c.get("unreproducible"):
+            assert verdict == "not reproducible here"
+        elif c["kind"] == "analytic":
+            assert verdict in ("reproduced", "differs")
+        elif c["kind"] == "measured":
+            assert verdict == "not reproducible here" and "results" in by_id.loc[c["id"], "reason"]
+        else:
+            assert verdict == f"needs GPU: {c['gpu']}"
+    md = (out / "claims.md").read_text()
+    assert md.startswith("## Reported vs reproduced") and md.count("\n| ") >= len(registry)
+
+
+def test_wrong_seed_figures_are_called_out_with_arithmetic(empty_run):
+    df = empty_run[1].set_index("id")
+    row = df.loc["fp32-mantissa-bits"]
+    assert row["verdict"] == "differs" and row["reproduced"] == "23 bits" and "total width" in row["reason"]
+    row = df.loc["activations-llama-2-13b-21gb"]
+    assert row["verdict"] == "differs" and "GB vs GiB" in row["reason"] and "21.09 GiB" in row["reason"]
+    assert "GB vs GiB" in df.loc["t0-3b-zero3-offload-all-init1-cpu", "reason"]
+    row = df.loc["qlora-13b-base-weights"]
+    assert row["verdict"] == "differs" and "block constants" in row["reason"] and "GiB" not in row["reason"]
+    assert df.loc["gradscaler-growth-interval", "reproduced"] == "2,000 count"
+    assert df.loc["checkpointing-llama-13b-800mb", "verdict"] == "reproduced"
+    assert "MiB" in df.loc["checkpointing-llama-13b-800mb", "reason"]
+
+
+def _write(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data))
+
+
+def test_measured_claims_read_this_pipelines_results(tmp_path):
+    layout = Layout(tmp_path / "results")
+    config = {k: v for k, v in estimate.load_config("smollm2-135m").items() if not k.startswith("_")}
+    _write(layout.base_model() / "config.json", config)
+    _write(layout.metrics("base_model"), {"source": "embedded:smollm2-135m-instruct", "parameters": 134_515_008,
+                                          "dtype": "float32", "environment": {"device": "cpu"}})
+    # a float32 baseline: 4 B/param; int8 keeps the tied embedding and the norms in float32
+    kept = estimate.bnb_footprint(str(layout.base_model()), "int8")["kept_params"]
+    quantized = 134_515_008 - kept
+    _write(layout.metrics("quantize", "int8"), {"compute_dtype": "float32", "footprint_ratio_vs_base": 2.9,
+                                                "base_memory_footprint_bytes": 4 * 134_515_008,
+                                                "memory_footprint_bytes": quantized + 4 * kept})
+    settings = {"lr": 1e-3, "gradient_checkpointing": False, "method": "lora"}
+    for run, extra, step_s in (("lora", {}, 1.0), ("lora-ckpt", {"gradient_checkpointing": True}, 1.3)):
+        _write(layout.metrics("finetune", run), {"run": run, "method": "lora", "settings": {**settings, **extra},
+                                                 "step_s": step_s, "tokens_per_s": 100 / step_s,
+                                                 "parameters": {"trainable": 9, "total": 1000, "trainable_pct": 0.9}})
+    registry = {c["id"]: c for c in claims.load_registry()}
+    int8 = claims.evaluate(registry["int8-2x-measured"], layout)
+    assert float(int8["reproduced"].split()[0]) == pytest.approx(2 * 134_515_008 / (quantized + 2 * kept), rel=1e-3)
+    assert "re-expressed at 16 bits" in int8["reason"] and "134,515,008 params" in int8["reason"]
+    ckpt = claims.evaluate(registry["checkpointing-30pct-slowdown"], layout)
+    assert ckpt["verdict"] == "reproduced" and ckpt["reproduced"] == "30 %"
+    assert claims.evaluate(registry["lora-over-99pct-measured"], layout)["reproduced"] == "99.1 %"
+    assert claims.evaluate(registry["qlora-throughput-30pct-worse"], layout)["verdict"] == "not reproducible here"
+    assert claims.evaluate(registry["flash-attention-2-4x"], layout)["verdict"].startswith("needs GPU: ")
+
+
+def test_stage_runs_through_its_cli(tmp_path):
+    results = tmp_path / "results"
+    metrics = run_stage("claims", TEST_PARAMS, results)
+    assert metrics["stage"] == "claims" and metrics["claims"] == sum(metrics["by_verdict"].values())
+    assert (results / "claims" / "claims.md").is_file() and (results / "claims" / "claims.csv").is_file()
