@@ -25,6 +25,18 @@ from .modeling import base_dtype, load_model
 log = logging.getLogger("efflab")
 
 
+def flex_backward_reason(device: torch.device) -> str | None:
+    """Ask torch on a tiny input whether FlexAttention can back-propagate on this device."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    q = torch.randn(1, 1, 16, 16, device=device, requires_grad=True)
+    try:
+        flex_attention(q, q.detach(), q.detach()).sum().backward()
+    except NotImplementedError as err:
+        return f"flex_attention: {str(err).splitlines()[0]}"
+    return None
+
+
 def unavailable_reason(impl: str, device: torch.device) -> str | None:
     from transformers.utils import is_flash_attn_2_available
 
@@ -108,12 +120,14 @@ def run(cfg: dict, paths: dict) -> dict:
     reason = unavailable_reason(impl, device)
     rows, fits = [], []
     for mode in b["modes"]:
+        mode_reason = reason or (flex_backward_reason(device) if impl == "flex_attention"
+                                 and mode == "forward_backward" else None)
         for batch_size in b["batch_sizes"]:
             group = []
             for seq_len in b["seq_lens"]:
                 cell = {"implementation": impl, "mode": mode, "seq_len": seq_len, "batch_size": batch_size}
-                if reason:
-                    group.append(cell | {"status": "unavailable", "reason": reason})
+                if mode_reason:
+                    group.append(cell | {"status": "unavailable", "reason": mode_reason})
                     continue
                 result = run_cell(attention_cell, dict(
                     folder=str(layout.base_model()), dtype=dtype, device=str(device), impl=impl, seq_len=seq_len,
@@ -125,7 +139,7 @@ def run(cfg: dict, paths: dict) -> dict:
                                 result["status"], result.get("reason"))
                 group.append(cell | result)
             rows += group
-            if not reason:
+            if not mode_reason:
                 fits.append({"implementation": impl, "mode": mode, "batch_size": batch_size,
                              "memory_kind": next((r["memory"]["kind"] for r in group if r["status"] == "ok"), None),
                              **fit_exponent(group)})
