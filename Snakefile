@@ -17,6 +17,7 @@ include: "workflow/rules/finetune.smk"
 include: "workflow/rules/merge.smk"
 include: "workflow/rules/bench_attention.smk"
 include: "workflow/rules/bench_inference.smk"
+include: "workflow/rules/claims.smk"
 include: "workflow/rules/report.smk"
 
 

@@ -42,7 +42,8 @@ def check_results(work: Path, cfg: dict) -> None:
     assert missing == []
     report = (work / "results/report/report.md").read_text()
     for section in ("## Quantization", "## Fine-tuning", "## Merging adapters", "## Attention implementations",
-                    "### Memory vs sequence length", "## Inference variants", "## Environments"):
+                    "### Memory vs sequence length", "## Inference variants", "## Reported vs reproduced",
+                    "## Environments"):
         assert section in report
     assert "Not compared in one table" not in report, "one machine, one stack: one table per stage"
     assert "unavailable: flash_attention_2 needs a CUDA GPU" in report

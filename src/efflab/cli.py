@@ -33,7 +33,7 @@ def _setup_logging(log_file: str | None) -> None:
 
 
 STAGES = ("base_model", "prepare_data", "quantize", "finetune", "merge", "bench_attention", "bench_inference",
-          "report")
+          "claims", "report")
 
 
 def stage_names(cfg: dict, stage: str) -> list[str] | None:

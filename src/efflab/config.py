@@ -31,6 +31,7 @@ STAGE_PARAMS = {
     "bench_inference": ["runtime", "bench_inference.max_new_tokens", "bench_inference.warmup",
                         "bench_inference.repeats", "bench_inference.kv_cache", "bench_inference.batch_sizes",
                         "bench_inference.prompts", "bench_inference.variants.{name}"],
+    "claims": ["claims"],
     "report": ["report"],
 }
 

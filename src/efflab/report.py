@@ -357,6 +357,7 @@ def run(cfg: dict, paths: dict) -> dict:
         "### Sample answers (first prompt, first cell)", "",
         *[f"- **{m['variant']}**: {m['cells'][0]['samples'][0]['answer'].strip()[:200]!r}"
           for m in metrics["bench_inference"] if m["cells"] and m["cells"][0]["status"] == "ok"],
+        "", (layout.out("claims") / "claims.md").read_text().strip(),
         "", "## Environments", "",
         "Results are compared in one table only when their fingerprints (machine and library versions) agree.",
         "", _md(environment_table(environments)), "",

@@ -7,6 +7,7 @@ rule report:
         expand("results/bench_attention/{name}/metrics.json", name=names("bench_attention")),
         expand("results/bench_inference/{name}/metrics.json", name=names("bench_inference")),
         "results/prepare_data/metrics.json",
+        claims="results/claims/claims.md",
     output:
         report="results/report/report.md",
         summary="results/report/summary.csv",
