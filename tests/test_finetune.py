@@ -52,3 +52,18 @@ def test_training_flops_follow_palm_and_mfu_is_a_fraction_of_the_measured_ceilin
     assert t["flops"]["model_flops_per_token"] == pytest.approx(6 * n + 12 * layers * heads * hd * seq)
     assert 0 < t["mfu_vs_measured_ceiling"] < 1
     assert t["matmul_ceiling"]["dtype"] == "float32" and t["published_peak"]["tflops"] is None
+
+
+def test_two_cpu_processes_train_in_sync_through_accelerate_and_write_once(results, write_params):
+    def edit(cfg):
+        cfg["finetune"]["runs"]["lora-ddp"] = {"method": "lora", "num_processes": 2}
+    params = write_params(edit)
+    m = run_stage("finetune", params, results, "lora-ddp")
+    assert m["processes"] == 2 and [r["rank"] for r in m["ranks"]] == [0, 1]
+    assert len({r["weights_sha256"] for r in m["ranks"]}) == 1, "DDP synchronised the gradients"
+    assert all(r["validation_after"] < m["validation_before"]["loss"] for r in m["ranks"]), "both ranks trained"
+    samples = m["steps"] * 2 * m["settings"]["batch_size"]
+    assert m["samples_per_s"] == pytest.approx(samples / m["train_s"]), "throughput counts every rank"
+    out = Layout(results).out("finetune", "lora-ddp")
+    assert sorted(p.name for p in out.iterdir()) == ["loss.csv", "metrics.json", "model"]
+    assert (out / "model" / "adapter_model.safetensors").is_file()

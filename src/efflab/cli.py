@@ -75,7 +75,8 @@ def main(stage: str, run, argv: list[str] | None = None) -> None:
         staging.mkdir(parents=True)
         t0 = time.perf_counter()
         log.info("%s%s: start", stage, f"[{args.name}]" if args.name else "")
-        metrics = run(cfg, {"layout": layout, "name": args.name, "out": staging, "final": final})
+        metrics = run(cfg, {"layout": layout, "name": args.name, "out": staging, "final": final,
+                            "params": args.params})
         metrics = {"stage": stage, "name": args.name, "status": metrics.pop("status", "ok"),
                    "wall_s": time.perf_counter() - t0, **metrics}
         write_json(staging / METRICS, metrics)

@@ -6,9 +6,15 @@ the loss curve and validation loss before and after. Saves the peft adapter or t
 from __future__ import annotations
 
 import csv
+import hashlib
 import logging
+import os
 import shutil
+import socket
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -71,13 +77,62 @@ def write_loss_curve(history: list[dict], path) -> list[dict]:
 
 
 def run(cfg: dict, paths: dict) -> dict:
-    """Fine-tune one named run and measure what it cost and bought."""
+    """Fine-tune one named run and measure what it cost and bought (DDP when num_processes > 1)."""
+    run_cfg = finetune_run(cfg, paths["name"])
+    if run_cfg["num_processes"] * run_cfg["num_machines"] > 1 and "LOCAL_RANK" not in os.environ:
+        return launch_distributed(run_cfg, paths)
+    return train(cfg, paths)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch_distributed(run_cfg: dict, paths: dict) -> dict:
+    """Run this stage's training as `accelerate launch` DDP workers (gloo on CPU, NCCL on GPU); rank 0
+    writes the outputs into this job's folder and hands its metrics back through a file."""
+    import json
+
+    log_file = next((h.baseFilename for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)), None)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
+           "--num_processes", str(run_cfg["num_processes"] * run_cfg["num_machines"]),
+           "--num_machines", str(run_cfg["num_machines"]), "--main_process_port", str(_free_port()),
+           "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "efflab.finetune", WORKER_FLAG,
+           "--params", str(paths["params"]), "--name", paths["name"], "--results", str(paths["layout"].root),
+           "--out", str(paths["out"])] + (["--log", log_file] if log_file else [])
+    log.info("%s: launching %d DDP processes: %s", paths["name"], run_cfg["num_processes"], " ".join(cmd))
+    proc = subprocess.run(cmd)
+    handoff = paths["out"] / "rank0_metrics.json"
+    if proc.returncode != 0 or not handoff.is_file():
+        raise RuntimeError(f"accelerate launch exited with code {proc.returncode}; see the log above")
+    metrics = json.loads(handoff.read_text())
+    handoff.unlink()
+    return metrics
+
+
+def _weights_sha256(model) -> str:
+    digest = hashlib.sha256()
+    for name, p in sorted(model.named_parameters()):
+        if p.requires_grad:
+            digest.update(name.encode())
+            digest.update(p.detach().float().cpu().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def train(cfg: dict, paths: dict) -> dict:
+    """The training itself, in this process (one DDP rank when launched by accelerate)."""
     from datasets import Dataset
     from transformers import DataCollatorForSeq2Seq, Trainer, TrainingArguments, set_seed
 
     name, layout = paths["name"], paths["layout"]
     run_cfg = finetune_run(cfg, name)
+    world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
     threads = set_threads(cfg["runtime"])
+    if world > 1:  # the job's threads are shared by the ranks on this machine
+        threads = max(1, threads // int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+        torch.set_num_threads(threads)
     device = pick_device(cfg["runtime"])
     dtype = base_dtype(layout)
     precision = mixed_precision(run_cfg, dtype, device)
@@ -107,6 +162,7 @@ def run(cfg: dict, paths: dict) -> dict:
         logging_steps=1, save_strategy="no", eval_strategy="no", report_to=[], seed=run_cfg["seed"],
         data_seed=run_cfg["seed"], use_cpu=device.type == "cpu", dataloader_num_workers=0,
         include_num_input_tokens_seen="non_padding", remove_unused_columns=False,
+        ddp_find_unused_parameters=False, disable_tqdm=rank != 0,
     )
     trainer = Trainer(model=model, args=args, train_dataset=Dataset.from_list(train_rows),
                       data_collator=DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100))
@@ -114,9 +170,16 @@ def run(cfg: dict, paths: dict) -> dict:
         t0 = time.perf_counter()
         result = trainer.train()
         train_s = time.perf_counter() - t0
-    shutil.rmtree(scratch, ignore_errors=True)
     model.eval()
     after = eval_loss(model, val_rows, run_cfg["batch_size"], tokenizer)
+    ranks = [{"rank": rank, "weights_sha256": _weights_sha256(model), "validation_after": after["loss"]}]
+    if world > 1:
+        gathered = [None] * world
+        torch.distributed.all_gather_object(gathered, ranks[0])
+        ranks = gathered
+        if rank != 0:  # only rank 0 writes outputs and metrics
+            return {}
+    shutil.rmtree(scratch, ignore_errors=True)
     curve = write_loss_curve(trainer.state.log_history, paths["out"] / "loss.csv")
 
     folder = paths["out"] / "model"
@@ -127,7 +190,7 @@ def run(cfg: dict, paths: dict) -> dict:
     tokenizer.save_pretrained(folder)
     steps = result.global_step
     tokens = trainer.state.num_input_tokens_seen
-    samples = steps * run_cfg["batch_size"] * run_cfg["gradient_accumulation_steps"]
+    samples = steps * run_cfg["batch_size"] * run_cfg["gradient_accumulation_steps"] * world
     flops = training_flops_per_token(model, tokens / samples, run_cfg["gradient_checkpointing"])
     published = published_peak_tflops(device, matmul_dtype)
     throughput = {
@@ -143,6 +206,7 @@ def run(cfg: dict, paths: dict) -> dict:
     return {
         "run": name, "method": run_cfg["method"], "settings": run_cfg, "compute_dtype": dtype,
         "mixed_precision": precision, "threads": threads, "parameters": params,
+        "processes": world, "ranks": ranks,
         "steps": steps, "train_s": train_s, "step_s": train_s / steps,
         "tokens_seen": tokens, "tokens_per_s": tokens / train_s, "samples_per_s": samples / train_s,
         "throughput": throughput,
@@ -157,5 +221,37 @@ def _fmt(value) -> str:
     return "n/a" if value is None else f"{value:.0f}"
 
 
+WORKER_FLAG = "--ddp-worker"
+
+
+def worker_main(argv: list[str]) -> None:
+    """Entry point of one `accelerate launch` rank: train, and on rank 0 hand the metrics back."""
+    import argparse
+    import json
+
+    from . import config
+    from .layout import Layout
+
+    parser = argparse.ArgumentParser()
+    for flag in ("--params", "--name", "--results", "--out", "--log"):
+        parser.add_argument(flag)
+    args = parser.parse_args(argv)
+    rank = int(os.environ.get("RANK", 0))
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
+    if args.log:
+        handlers.append(logging.FileHandler(args.log, mode="a"))
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s [rank {rank}] %(message)s",
+                        handlers=handlers, force=True)
+    cfg = config.load(args.params)
+    out = Path(args.out)
+    metrics = train(cfg, {"layout": Layout(Path(args.results)), "name": args.name, "out": out, "final": out,
+                          "params": args.params})
+    if rank == 0:
+        (out / "rank0_metrics.json").write_text(json.dumps(metrics, default=str))
+
+
 if __name__ == "__main__":
-    cli.main("finetune", run)
+    if WORKER_FLAG in sys.argv:
+        worker_main([a for a in sys.argv[1:] if a != WORKER_FLAG])
+    else:
+        cli.main("finetune", run)
