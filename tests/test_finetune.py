@@ -67,3 +67,40 @@ def test_two_cpu_processes_train_in_sync_through_accelerate_and_write_once(resul
     out = Layout(results).out("finetune", "lora-ddp")
     assert sorted(p.name for p in out.iterdir()) == ["loss.csv", "metrics.json", "model"]
     assert (out / "model" / "adapter_model.safetensors").is_file()
+
+
+def test_dora_adds_magnitude_vectors_and_rslora_rescales(results, write_params, test_cfg):
+    def edit(cfg):
+        cfg["finetune"]["runs"]["dora"] = {"method": "lora", "lora": {"use_dora": True}, "max_steps": 2}
+        cfg["finetune"]["runs"]["rslora"] = {"method": "lora", "lora": {"use_rslora": True}, "max_steps": 2}
+    params = write_params(edit)
+    dora = run_stage("finetune", params, results, "dora")
+    rslora = run_stage("finetune", params, results, "rslora")
+    c, lora = test_cfg["base_model"]["config_overrides"], test_cfg["finetune"]["defaults"]["lora"]
+    outs = {"q_proj": c["num_attention_heads"] * c["head_dim"], "k_proj": c["num_key_value_heads"] * c["head_dim"],
+            "v_proj": c["num_key_value_heads"] * c["head_dim"], "o_proj": c["hidden_size"]}
+    magnitudes = c["num_hidden_layers"] * sum(outs[t] for t in lora["target_modules"])
+    assert dora["parameters"]["trainable"] == _lora_param_count(test_cfg, "lora-r8") + magnitudes
+    assert dora["lora_scaling"] == lora["alpha"] / lora["r"]
+    assert rslora["lora_scaling"] == pytest.approx(lora["alpha"] / lora["r"] ** 0.5)
+
+
+def test_8bit_adam_keeps_a_quarter_of_the_optimizer_state(results, write_params, test_cfg):
+    def edit(cfg):
+        for name, optim in (("adam32", "adamw_torch"), ("adam8", "adamw_bnb_8bit")):
+            cfg["finetune"]["runs"][name] = {"method": "full", "optimizer": optim, "max_steps": 2}
+    params = write_params(edit)
+    adam32 = run_stage("finetune", params, results, "adam32")
+    adam8 = run_stage("finetune", params, results, "adam8")
+    assert adam32["optimizer_state_bytes"] >= 8 * adam32["parameters"]["trainable"], "two fp32 moments"
+    # The Trainer keeps the embedding's Adam states in 32 bits (bitsandbytes' stability advice), and
+    # bitsandbytes keeps tensors under 4096 elements in 32 bits; every other weight trades two fp32 moments
+    # (8 bytes) for two 8-bit ones (2 bytes + block constants): a saving of just under 6 bytes each.
+    c = test_cfg["base_model"]["config_overrides"]
+    h, hd = c["hidden_size"], c["head_dim"]
+    shapes = [h * c["num_attention_heads"] * hd] * 2 + [h * c["num_key_value_heads"] * hd] * 2 \
+        + [h * c["intermediate_size"]] * 3
+    eligible = c["num_hidden_layers"] * sum(n for n in shapes if n >= 4096)
+    saving = adam32["optimizer_state_bytes"] - adam8["optimizer_state_bytes"]
+    assert 5 * eligible < saving <= 6 * eligible
+    assert adam8["validation_after"]["loss"] < adam8["validation_before"]["loss"]

@@ -59,7 +59,8 @@ def build_model(run: dict, layout, dtype: str, device: torch.device):
         model.enable_input_require_grads()
     lora = run["lora"]
     peft_config = LoraConfig(task_type="CAUSAL_LM", r=lora["r"], lora_alpha=lora["alpha"],
-                             lora_dropout=lora["dropout"], target_modules=lora["target_modules"], bias="none")
+                             lora_dropout=lora["dropout"], target_modules=lora["target_modules"], bias="none",
+                             use_dora=lora["use_dora"], use_rslora=lora["use_rslora"])
     try:
         return get_peft_model(model, peft_config)
     except ValueError as err:
@@ -112,6 +113,15 @@ def launch_distributed(run_cfg: dict, paths: dict) -> dict:
     return metrics
 
 
+def _lora_scaling(model) -> float | None:
+    """The scale peft applies to B·A (alpha/r, or alpha/sqrt(r) with rsLoRA), read from a LoRA layer."""
+    for module in model.modules():
+        scaling = getattr(module, "scaling", None)
+        if isinstance(scaling, dict) and scaling:
+            return float(next(iter(scaling.values())))
+    return None
+
+
 def _weights_sha256(model) -> str:
     digest = hashlib.sha256()
     for name, p in sorted(model.named_parameters()):
@@ -158,7 +168,7 @@ def train(cfg: dict, paths: dict) -> dict:
         gradient_accumulation_steps=run_cfg["gradient_accumulation_steps"],
         learning_rate=run_cfg["learning_rate"], lr_scheduler_type=run_cfg["lr_scheduler"],
         warmup_steps=run_cfg["warmup_steps"], weight_decay=run_cfg["weight_decay"],
-        max_grad_norm=run_cfg["max_grad_norm"], bf16=precision == "bf16", fp16=precision == "fp16",
+        max_grad_norm=run_cfg["max_grad_norm"], optim=run_cfg["optimizer"], bf16=precision == "bf16", fp16=precision == "fp16",
         logging_steps=1, save_strategy="no", eval_strategy="no", report_to=[], seed=run_cfg["seed"],
         data_seed=run_cfg["seed"], use_cpu=device.type == "cpu", dataloader_num_workers=0,
         include_num_input_tokens_seen="non_padding", remove_unused_columns=False,
@@ -170,6 +180,8 @@ def train(cfg: dict, paths: dict) -> dict:
         t0 = time.perf_counter()
         result = trainer.train()
         train_s = time.perf_counter() - t0
+    optimizer_state_bytes = sum(t.numel() * t.element_size() for state in trainer.optimizer.state.values()
+                                for t in state.values() if torch.is_tensor(t))
     model.eval()
     after = eval_loss(model, val_rows, run_cfg["batch_size"], tokenizer)
     ranks = [{"rank": rank, "weights_sha256": _weights_sha256(model), "validation_after": after["loss"]}]
@@ -206,7 +218,8 @@ def train(cfg: dict, paths: dict) -> dict:
     return {
         "run": name, "method": run_cfg["method"], "settings": run_cfg, "compute_dtype": dtype,
         "mixed_precision": precision, "threads": threads, "parameters": params,
-        "processes": world, "ranks": ranks,
+        "processes": world, "ranks": ranks, "optimizer": run_cfg["optimizer"],
+        "optimizer_state_bytes": optimizer_state_bytes, "lora_scaling": _lora_scaling(model),
         "steps": steps, "train_s": train_s, "step_s": train_s / steps,
         "tokens_seen": tokens, "tokens_per_s": tokens / train_s, "samples_per_s": samples / train_s,
         "throughput": throughput,
