@@ -104,3 +104,48 @@ def test_8bit_adam_keeps_a_quarter_of_the_optimizer_state(results, write_params,
     saving = adam32["optimizer_state_bytes"] - adam8["optimizer_state_bytes"]
     assert 5 * eligible < saving <= 6 * eligible
     assert adam8["validation_after"]["loss"] < adam8["validation_before"]["loss"]
+
+
+def _weights(results, run):
+    from safetensors.torch import load_file
+
+    return load_file(Layout(results).model("finetune", run) / "adapter_model.safetensors")
+
+
+def test_a_killed_run_resumes_from_its_last_checkpoint_and_ends_where_an_uninterrupted_one_does(
+        results, write_params):
+    import os
+    import subprocess
+    import sys
+
+    def edit(cfg):
+        for name in ("whole", "killed"):
+            cfg["finetune"]["runs"][name] = {"method": "lora", "max_steps": 8, "checkpoint_every": 2}
+    params = write_params(edit)
+    whole = run_stage("finetune", params, results, "whole")
+    cmd = [sys.executable, "-m", "efflab.finetune", "--params", str(params), "--results", str(results),
+           "--name", "killed"]
+    killed = subprocess.run(cmd, env=os.environ | {"EFFLAB_KILL_AFTER_CHECKPOINT": "4"}, capture_output=True)
+    assert killed.returncode == -9, "kill -9 after the step-4 checkpoint"
+    out = Layout(results).out("finetune")
+    assert not (out / "killed").exists() and (out / ".killed.checkpoints" / "checkpoint-4").is_dir()
+    resumed = run_stage("finetune", params, results, "killed")
+    assert resumed["resumed_from"] == 4 and resumed["steps"] == 4 and resumed["total_steps"] == 8
+    assert abs(resumed["last_loss"] - whole["last_loss"]) < 1e-6
+    assert abs(resumed["validation_after"]["loss"] - whole["validation_after"]["loss"]) < 1e-6
+    a, b = _weights(results, "whole"), _weights(results, "killed")
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-6
+    assert not (out / ".killed.checkpoints").exists(), "a finished run clears its checkpoints"
+
+
+def test_the_same_params_train_bitwise_identically_on_cpu(results, write_params):
+    def edit(cfg):
+        for name in ("one", "two"):
+            cfg["finetune"]["runs"][name] = {"method": "lora", "max_steps": 4}
+    params = write_params(edit)
+    one, two = run_stage("finetune", params, results, "one"), run_stage("finetune", params, results, "two")
+    curve = lambda run: (Layout(results).out("finetune", run) / "loss.csv").read_text()  # noqa: E731
+    assert curve("one") == curve("two")
+    assert one["ranks"][0]["weights_sha256"] == two["ranks"][0]["weights_sha256"]
+    a, b = _weights(results, "one"), _weights(results, "two")
+    assert all(a[k].equal(b[k]) for k in a)

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import TrainerCallback
 
 from . import cli
 from .config import UserError, finetune_run
@@ -113,6 +114,51 @@ def launch_distributed(run_cfg: dict, paths: dict) -> dict:
     return metrics
 
 
+KILL_ENV = "EFFLAB_KILL_AFTER_CHECKPOINT"
+
+
+class KillAfterCheckpoint(TrainerCallback):
+    """Fault injection for the resume tests: SIGKILL this process right after the checkpoint of the step
+    named in $EFFLAB_KILL_AFTER_CHECKPOINT is on disk (what a pre-empted cluster job looks like)."""
+
+    def on_save(self, args, state, control, **kwargs):
+        if state.global_step == int(os.environ[KILL_ENV]):
+            import signal
+
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def checkpoints(layout, name: str, run_cfg: dict, rank: int) -> tuple[Path, str | None]:
+    """The run's step-checkpoint folder (a hidden sibling of its outputs, which Snakemake does not own and
+    so does not delete when a killed job's outputs are cleaned up) and the checkpoint to resume from.
+    Checkpoints written with different settings are discarded, never resumed."""
+    import json
+
+    from transformers.trainer_utils import get_last_checkpoint
+
+    folder = layout.out("finetune").joinpath(f".{name}.checkpoints")
+    stamp = folder / "settings.json"
+    wanted = json.dumps({"settings": run_cfg, "base": layout.metrics("base_model").read_text(),
+                         "train": layout.split("train").stat().st_size}, sort_keys=True)
+    if rank == 0:
+        if folder.is_dir() and (not stamp.is_file() or stamp.read_text() != wanted):
+            log.info("%s: discarding checkpoints written with other settings: %s", name, folder)
+            shutil.rmtree(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        stamp.write_text(wanted)
+    last = get_last_checkpoint(str(folder)) if folder.is_dir() and run_cfg["checkpoint_every"] else None
+    return folder, last
+
+
+def _checkpoint_state(checkpoint: str | None) -> dict:
+    import json
+
+    if not checkpoint:
+        return {"global_step": 0, "num_input_tokens_seen": 0}
+    state = json.loads((Path(checkpoint) / "trainer_state.json").read_text())
+    return {"global_step": state["global_step"], "num_input_tokens_seen": state.get("num_input_tokens_seen", 0)}
+
+
 def _lora_scaling(model) -> float | None:
     """The scale peft applies to B·A (alpha/r, or alpha/sqrt(r) with rsLoRA), read from a LoRA layer."""
     for module in model.modules():
@@ -161,24 +207,30 @@ def train(cfg: dict, paths: dict) -> dict:
     ceiling = matmul_ceiling(matmul_dtype, device)
     log.info("%s: matmul ceiling %.3f TFLOP/s (%s, measured now)", name, ceiling["tflops"], matmul_dtype)
 
-    scratch = paths["out"] / "trainer"
+    scratch, resume = checkpoints(layout, name, run_cfg, rank)
+    every = run_cfg["checkpoint_every"]
     args = TrainingArguments(
         output_dir=str(scratch), max_steps=run_cfg["max_steps"],
+        save_strategy="steps" if every else "no", save_steps=every or 500, save_total_limit=2,
         per_device_train_batch_size=run_cfg["batch_size"],
         gradient_accumulation_steps=run_cfg["gradient_accumulation_steps"],
         learning_rate=run_cfg["learning_rate"], lr_scheduler_type=run_cfg["lr_scheduler"],
         warmup_steps=run_cfg["warmup_steps"], weight_decay=run_cfg["weight_decay"],
         max_grad_norm=run_cfg["max_grad_norm"], optim=run_cfg["optimizer"], bf16=precision == "bf16", fp16=precision == "fp16",
-        logging_steps=1, save_strategy="no", eval_strategy="no", report_to=[], seed=run_cfg["seed"],
+        logging_steps=1, eval_strategy="no", report_to=[], seed=run_cfg["seed"],
         data_seed=run_cfg["seed"], use_cpu=device.type == "cpu", dataloader_num_workers=0,
         include_num_input_tokens_seen="non_padding", remove_unused_columns=False,
         ddp_find_unused_parameters=False, disable_tqdm=rank != 0,
     )
     trainer = Trainer(model=model, args=args, train_dataset=Dataset.from_list(train_rows),
-                      data_collator=DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100))
+                      data_collator=DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100),
+                      callbacks=[KillAfterCheckpoint()] if os.environ.get(KILL_ENV) else None)
+    resumed = _checkpoint_state(resume)
+    if resume:
+        log.info("%s: resuming from %s (step %d)", name, resume, resumed["global_step"])
     with track_memory(device) as train_mem:
         t0 = time.perf_counter()
-        result = trainer.train()
+        result = trainer.train(resume_from_checkpoint=resume)
         train_s = time.perf_counter() - t0
     optimizer_state_bytes = sum(t.numel() * t.element_size() for state in trainer.optimizer.state.values()
                                 for t in state.values() if torch.is_tensor(t))
@@ -191,7 +243,6 @@ def train(cfg: dict, paths: dict) -> dict:
         ranks = gathered
         if rank != 0:  # only rank 0 writes outputs and metrics
             return {}
-    shutil.rmtree(scratch, ignore_errors=True)
     curve = write_loss_curve(trainer.state.log_history, paths["out"] / "loss.csv")
 
     folder = paths["out"] / "model"
@@ -200,8 +251,9 @@ def train(cfg: dict, paths: dict) -> dict:
     else:
         model.save_pretrained(folder, safe_serialization=True)
     tokenizer.save_pretrained(folder)
-    steps = result.global_step
-    tokens = trainer.state.num_input_tokens_seen
+    shutil.rmtree(scratch, ignore_errors=True)  # the run is complete: its step checkpoints are not needed
+    steps = result.global_step - resumed["global_step"]  # what this process trained (and timed)
+    tokens = trainer.state.num_input_tokens_seen - resumed["num_input_tokens_seen"]
     samples = steps * run_cfg["batch_size"] * run_cfg["gradient_accumulation_steps"] * world
     flops = training_flops_per_token(model, tokens / samples, run_cfg["gradient_checkpointing"])
     published = published_peak_tflops(device, matmul_dtype)
@@ -218,7 +270,8 @@ def train(cfg: dict, paths: dict) -> dict:
     return {
         "run": name, "method": run_cfg["method"], "settings": run_cfg, "compute_dtype": dtype,
         "mixed_precision": precision, "threads": threads, "parameters": params,
-        "processes": world, "ranks": ranks, "optimizer": run_cfg["optimizer"],
+        "processes": world, "ranks": ranks, "total_steps": result.global_step,
+        "resumed_from": resumed["global_step"] or None, "optimizer": run_cfg["optimizer"],
         "optimizer_state_bytes": optimizer_state_bytes, "lora_scaling": _lora_scaling(model),
         "steps": steps, "train_s": train_s, "step_s": train_s / steps,
         "tokens_seen": tokens, "tokens_per_s": tokens / train_s, "samples_per_s": samples / train_s,
