@@ -11,12 +11,15 @@
 # their PIDs recorded in $EFFLAB_SLURM_DIR/pids; `stop` signals those PIDs and no others. Every wait
 # is bounded, every client call runs under `timeout`. Idempotent: `start` on a healthy cluster only
 # checks it, `stop` on a stopped one does nothing. The config lives in $EFFLAB_SLURM_DIR (default
-# /tmp/efflab-slurm), never in /etc/slurm; clients find it through SLURM_CONF.
+# /tmp/efflab-slurm); clients find it through SLURM_CONF, and job steps through a symlink
+# /etc/slurm/slurm.conf made only where none exists and removed by `stop`: the Snakemake SLURM executor
+# runs each job's `srun` with every SLURM_* variable stripped, so there it reads the default path.
 set -euo pipefail
 
 STATE=${EFFLAB_SLURM_DIR:-/tmp/efflab-slurm}
 CONF=$STATE/slurm.conf
 PIDS=$STATE/pids
+ETC_CONF=/etc/slurm/slurm.conf
 DB=$STATE/db  # owned by mysql: mariadbd writes its socket, pid and log here
 DB_SOCKET=$DB/mysqld.sock
 PACKAGES=(slurmctld slurmd slurm-client munge slurmdbd mariadb-server)
@@ -59,8 +62,11 @@ install_packages() {
 }
 
 write_config() {
-    local node
-    node=$(slurmd -C | head -1) || die "slurmd -C failed"
+    local hw name mem cpus
+    hw=$(slurmd -C | head -1) || die "slurmd -C failed"
+    name=$(sed -n 's/.*NodeName=\([^ ]*\).*/\1/p' <<<"$hw")
+    mem=$(sed -n 's/.*RealMemory=\([0-9]*\).*/\1/p' <<<"$hw")
+    cpus=${EFFLAB_SLURM_CPUS:-$((2 * $(nproc)))}
     mkdir -p "$STATE"/{ctld,spool,log}
     cat >"$CONF" <<EOF
 # Written by tests/slurm/cluster.sh: one node, no cgroups, accounting through slurmdbd.
@@ -88,7 +94,10 @@ AccountingStorageHost=localhost
 AccountingStoreFlags=job_comment
 JobAcctGatherType=jobacct_gather/linux
 JobCompType=jobcomp/none
-$node NodeAddr=127.0.0.1 State=UNKNOWN
+# Twice the real cores by default (EFFLAB_SLURM_CPUS): two jobs overlap their start-up and the executor's
+# status-poll waits; a job's own thread count, and so its numbers, do not change.
+SlurmdParameters=config_overrides
+NodeName=$name NodeAddr=127.0.0.1 CPUs=$cpus RealMemory=$mem State=UNKNOWN
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 EOF
     cat >"$STATE/slurmdbd.conf" <<EOF
@@ -103,6 +112,10 @@ StorageUser=root
 StorageLoc=slurm_acct_db
 EOF
     chmod 600 "$STATE/slurmdbd.conf"
+    if [[ ! -L $ETC_CONF || $(readlink "$ETC_CONF") != "$CONF" ]]; then
+        [[ -e $ETC_CONF ]] && die "$ETC_CONF exists: job steps would read it instead of $CONF"
+        mkdir -p "$(dirname "$ETC_CONF")" && ln -s "$CONF" "$ETC_CONF"
+    fi
 }
 
 record() { echo "$1 $2" >>"$PIDS"; }  # name pid
@@ -173,7 +186,7 @@ cmd_start() {
 }
 
 cmd_status() {
-    [[ -f $CONF ]] || { say "not configured ($CONF missing)"; return 1; }
+    [[ -f $CONF && $(readlink "$ETC_CONF") == "$CONF" ]] || { say "not configured ($CONF, $ETC_CONF)"; return 1; }
     munge_ok || { say "munge does not answer"; return 1; }
     ctld_ok || { say "slurmctld does not answer"; return 1; }
     node_ok || { say "node not usable: $(timeout 5 sinfo -h -N -o '%t %E' 2>&1)"; return 1; }
@@ -196,6 +209,7 @@ cmd_stop() {
         say "stopped $name ($pid)"
     done
     rm -f "$PIDS" "$STATE"/{slurmctld,slurmd,slurmdbd}.pid "$DB/mariadb.pid"
+    if [[ -L $ETC_CONF && $(readlink "$ETC_CONF") == "$CONF" ]]; then rm -f "$ETC_CONF"; fi
 }
 
 case ${1:-} in
