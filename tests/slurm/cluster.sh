@@ -196,15 +196,18 @@ cmd_status() {
 
 cmd_stop() {
     [[ -f $PIDS ]] || { say "nothing recorded, nothing to stop"; return; }
-    local lines=() name pid
+    local lines=() live=() name pid
     mapfile -t lines <"$PIDS"
-    for ((i = ${#lines[@]} - 1; i >= 0; i--)); do  # reverse order of start
+    for ((i = ${#lines[@]} - 1; i >= 0; i--)); do  # reverse order of start; they shut down in parallel
         read -r name pid <<<"${lines[i]}"
         # Only a live process that is still the daemon we started (PIDs get reused).
         [[ $(cat "/proc/$pid/comm" 2>/dev/null) == "$name" ]] || continue
-        kill -TERM "$pid" 2>/dev/null || true
-        local deadline=$((SECONDS + 15))
-        while kill -0 "$pid" 2>/dev/null && ((SECONDS < deadline)); do sleep 0.2; done
+        kill -TERM "$pid" 2>/dev/null && live+=("$name:$pid")
+    done
+    local deadline=$((SECONDS + 15))
+    for entry in "${live[@]}"; do
+        name=${entry%%:*} pid=${entry##*:}
+        while kill -0 "$pid" 2>/dev/null && ((SECONDS < deadline)); do sleep 0.1; done
         kill -0 "$pid" 2>/dev/null && { say "$name ($pid) ignored SIGTERM; SIGKILL"; kill -KILL "$pid" || true; }
         say "stopped $name ($pid)"
     done
