@@ -81,7 +81,7 @@ GPU_THREADS = max(1, HEAVY // GPU_JOBS)
 MEM_BASE_MB = 2000
 MEM_MODEL_FACTOR = {"base_model": 3, "quantize": 3, "full": 5, "lora": 2, "qlora": 2, "merge": 3,
                     "bench_attention": 2, "bench_inference": 2}
-# Minutes per GB of model for a CPU-sized run; the floor covers start-up on a tiny model.
+# Wall-time limit in minutes for a CPU-sized run on a model of up to 1 GB; linear in size above.
 RUNTIME_MIN = {"base_model": 15, "prepare_data": 10, "quantize": 20, "finetune": 60, "merge": 20,
                "bench_attention": 20, "bench_inference": 20, "report": 10}
 # Before base_model has run (dry runs, DAG planning) its size is not known yet; Snakemake evaluates
@@ -112,12 +112,12 @@ def mem_mb(stage):
 
 
 def runtime(stage):
-    """Wall-time limit in minutes: scales with the model, and with max_steps for fine-tuning."""
+    """Wall-time limit in minutes: scales with the model and, for fine-tuning, max_steps; doubles on each retry."""
     def estimate(wildcards, input, attempt):
         minutes = RUNTIME_MIN[stage] * max(1.0, model_mb(input) / 1000)
         if stage == "finetune":
             minutes *= max(1.0, efflab_config.finetune_run(config, wildcards.name)["max_steps"] / 100)
-        return int(minutes * attempt)
+        return int(minutes * 2 ** (attempt - 1))
     return estimate
 
 
