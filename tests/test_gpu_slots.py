@@ -82,3 +82,12 @@ def test_separate_processes_never_share_a_gpu(tmp_path):
     for intervals in by_gpu.values():
         intervals.sort()
         assert all(prev_end <= start for (_, prev_end), (start, _) in zip(intervals, intervals[1:]))
+
+
+def test_gpu_count_falls_back_to_nvidia_smi(tmp_path, monkeypatch):
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text('#!/bin/sh\necho "GPU 0: NVIDIA H100 (UUID: GPU-a)"\necho "GPU 1: NVIDIA H100 (UUID: GPU-b)"\n')
+    fake.chmod(0o755)
+    monkeypatch.setattr(gpu_slots, "NVIDIA_PROC", tmp_path / "no-driver")
+    monkeypatch.setenv("PATH", str(tmp_path), prepend=":")
+    assert gpu_slots.driver_gpu_count() == 2

@@ -16,6 +16,8 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -42,11 +44,18 @@ _held: list[Slot] = []  # claimed slots stay locked until the process exits
 
 
 def driver_gpu_count() -> int:
-    """GPUs the NVIDIA driver exposes, read without initialising CUDA."""
+    """GPUs the NVIDIA driver exposes, read without initialising CUDA in this process."""
     try:
         return len(list(NVIDIA_PROC.iterdir()))
     except OSError:
+        pass
+    if not shutil.which("nvidia-smi"):  # some containers hide /proc/driver/nvidia but ship nvidia-smi
         return 0
+    try:
+        listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return sum(line.startswith("GPU ") for line in listing.splitlines())
 
 
 def visible_gpus(environ: dict, gpu_count: int) -> list[str]:
