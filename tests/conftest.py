@@ -5,6 +5,9 @@ from __future__ import annotations
 import copy
 import json
 import shutil
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +17,7 @@ from efflab import cli
 
 REPO = Path(__file__).resolve().parents[1]
 TEST_PARAMS = REPO / "tests" / "config" / "params.test.yaml"
+BIN = Path(sys.executable).parent
 
 
 def run_stage(stage: str, params: Path, results: Path, name: str | None = None) -> dict:
@@ -58,3 +62,16 @@ def write_params(tmp_path, test_cfg):
         path.write_text(yaml.safe_dump(cfg))
         return path
     return write
+
+
+@pytest.fixture(scope="session")
+def local_pipeline(tmp_path_factory) -> dict:
+    """The whole CI pipeline run once by `snakemake --cores 2` in a temporary folder: its folder and
+    wall time. Shared by the end-to-end test and the SLURM test, which compares its results with it."""
+    work = tmp_path_factory.mktemp("local_pipeline")
+    shutil.copy(TEST_PARAMS, work / "params.yaml")
+    t0 = time.perf_counter()
+    proc = subprocess.run([str(BIN / "snakemake"), "-s", str(REPO / "Snakefile"), "--directory", str(work),
+                           "--cores", "2"], cwd=work, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, f"local snakemake failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return {"dir": work, "wall_s": time.perf_counter() - t0, "log": proc.stderr}

@@ -13,10 +13,9 @@ import pytest
 from efflab import dvcgen
 from efflab.cli import STAGES
 
-from conftest import REPO, TEST_PARAMS
+from conftest import BIN, REPO, TEST_PARAMS
 
 pytestmark = pytest.mark.slow
-BIN = Path(sys.executable).parent
 TIMEOUT = 1200
 
 
@@ -71,13 +70,12 @@ def test_cfg_module():
     return yaml.safe_load(TEST_PARAMS.read_text())
 
 
-def test_snakemake_runs_every_stage(tmp_path, test_cfg_module):
-    shutil.copy(TEST_PARAMS, tmp_path / "params.yaml")
-    sh([BIN / "snakemake", "-s", REPO / "Snakefile", "--directory", tmp_path, "--cores", "2"], tmp_path)
-    check_results(tmp_path, test_cfg_module)
+def test_snakemake_runs_every_stage(local_pipeline, test_cfg_module):
+    work = local_pipeline["dir"]
+    check_results(work, test_cfg_module)
     for stage in STAGES:
-        assert list((tmp_path / "results/logs" / stage).glob("*.log")), f"no log for {stage}"
-    again = sh([BIN / "snakemake", "-s", REPO / "Snakefile", "--directory", tmp_path, "-n", "--cores", "2"], tmp_path)
+        assert list((work / "results/logs" / stage).glob("*.log")), f"no log for {stage}"
+    again = sh([BIN / "snakemake", "-s", REPO / "Snakefile", "--directory", work, "-n", "--cores", "2"], work)
     assert "Nothing to be done" in again.stdout + again.stderr
 
 

@@ -9,12 +9,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import shutil
 import sys
 import time
 from pathlib import Path
 
-from . import config
+from . import config, gpu_slots
 from .config import UserError
 from .layout import METRICS, Layout
 
@@ -68,13 +69,16 @@ def main(stage: str, run, argv: list[str] | None = None) -> None:
                             f"({', '.join(names) or 'none'})")
         if names is None and args.name:
             raise UserError(f"--name: stage {stage} has a single job and takes no name")
+        gpu_slots.assign(stage, cfg["runtime"])
         layout = Layout(Path(args.results))
         final = layout.out(stage, args.name)
         staging = final.with_name(f".{final.name}.partial")
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
         t0 = time.perf_counter()
-        log.info("%s%s: start", stage, f"[{args.name}]" if args.name else "")
+        slurm_job = os.environ.get("SLURM_JOB_ID")  # proof, in the job log, of where the job ran
+        log.info("%s%s: start%s", stage, f"[{args.name}]" if args.name else "",
+                 f" in SLURM job {slurm_job}" if slurm_job else "")
         metrics = run(cfg, {"layout": layout, "name": args.name, "out": staging, "final": final,
                             "params": args.params})
         metrics = {"stage": stage, "name": args.name, "status": metrics.pop("status", "ok"),

@@ -81,7 +81,8 @@ def write_loss_curve(history: list[dict], path) -> list[dict]:
 def run(cfg: dict, paths: dict) -> dict:
     """Fine-tune one named run and measure what it cost and bought (DDP when num_processes > 1)."""
     run_cfg = finetune_run(cfg, paths["name"])
-    if run_cfg["num_processes"] * run_cfg["num_machines"] > 1 and "LOCAL_RANK" not in os.environ:
+    distributed = run_cfg["num_processes"] * run_cfg["num_machines"] > 1 or run_cfg["accelerate_config"]
+    if distributed and "LOCAL_RANK" not in os.environ:
         return launch_distributed(run_cfg, paths)
     return train(cfg, paths)
 
@@ -98,7 +99,11 @@ def launch_distributed(run_cfg: dict, paths: dict) -> dict:
     import json
 
     log_file = next((h.baseFilename for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)), None)
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
+    config = run_cfg["accelerate_config"]
+    if config and not Path(config).is_file():
+        raise UserError(f"finetune.accelerate_config: {config!r} does not exist (expected an accelerate config file)")
+    kind = ["--config_file", config] if config else ["--multi_gpu"]  # multi_gpu: gloo DDP on a CPU-only machine
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", *kind,
            "--num_processes", str(run_cfg["num_processes"] * run_cfg["num_machines"]),
            "--num_machines", str(run_cfg["num_machines"]), "--main_process_port", str(_free_port()),
            "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "efflab.finetune", WORKER_FLAG,

@@ -9,8 +9,9 @@ rule base_model:
         settings=settings("base_model"),
     log:
         "results/logs/base_model/base_model.log",
-    threads: HEAVY
+    threads: threads_for("base_model")
     resources:
-        mem_mb=4000,
+        mem_mb=mem_mb("base_model"),
+        runtime=runtime("base_model"),
     shell:
         "python -m efflab.base_model --params {params.file:q} --log {log:q}"

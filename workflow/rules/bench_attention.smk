@@ -9,8 +9,10 @@ rule bench_attention:
         settings=settings("bench_attention"),
     log:
         "results/logs/bench_attention/{name}.log",
-    threads: HEAVY
+    threads: threads_for("bench_attention")
     resources:
-        mem_mb=6000,
+        mem_mb=mem_mb("bench_attention"),
+        runtime=runtime("bench_attention"),
+        **gpu_resources("bench_attention"),
     shell:
         "python -m efflab.bench_attention --params {params.file:q} --name {wildcards.name:q} --log {log:q}"

@@ -10,8 +10,10 @@ rule bench_inference:
         settings=settings("bench_inference"),
     log:
         "results/logs/bench_inference/{name}.log",
-    threads: HEAVY
+    threads: threads_for("bench_inference")
     resources:
-        mem_mb=4000,
+        mem_mb=mem_mb("bench_inference"),
+        runtime=runtime("bench_inference"),
+        **gpu_resources("bench_inference"),
     shell:
         "python -m efflab.bench_inference --params {params.file:q} --name {wildcards.name:q} --log {log:q}"

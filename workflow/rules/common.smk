@@ -1,8 +1,10 @@
+import json
 import os
 import sys
 from pathlib import Path
 
 from efflab import config as efflab_config
+from efflab import gpu_slots
 from efflab.cli import stage_names
 
 # The stage CLIs read the params file themselves, so it must be the file Snakemake validated:
@@ -17,7 +19,6 @@ except efflab_config.UserError as err:
     sys.exit(f"efflab: error: {err}")
 
 SRC = Path(workflow.basedir) / "src" / "efflab"
-HEAVY = max(workflow.cores, 1)
 
 
 wildcard_constraints:
@@ -55,3 +56,73 @@ def inference_inputs(wildcards):
         "adapter": f"results/finetune/{of}/model",
     }[kind]
     return {"model": folder}
+
+
+# Resources, under the standard names that both the local scheduler and the SLURM executor read:
+# threads, mem_mb, runtime (minutes), gpu. Cluster specifics (partition, account, GPU model) live in
+# workflow/profiles/, never here or in params.yaml.
+#
+# A CPU stage takes every core it is given (--cores; under SLURM the per-job cap in the profile):
+# its timings are the measurement, so two of them must not share the CPU. A GPU stage takes one GPU
+# and its share of the cores, so one job per GPU runs at once and CPU-only stages run alongside.
+# GPU resources are only requested when the run uses a GPU (runtime.device: cuda, or auto on a machine
+# with one), so CPU runs schedule exactly as before.
+HEAVY = max(workflow.cores, 1)
+_GPUS = gpu_slots.visible_gpus(os.environ, gpu_slots.driver_gpu_count())
+USE_GPU = config["runtime"]["device"] == "cuda" or (config["runtime"]["device"] == "auto" and bool(_GPUS))
+_gpu_limit = workflow.global_resources.get("gpu")
+GPU_JOBS = max(1, (_gpu_limit.value if _gpu_limit is not None else None) or len(_GPUS))
+GPU_THREADS = max(1, HEAVY // GPU_JOBS)
+
+# Host memory in units of the base model's in-memory size (weights in the compute dtype), on top of
+# MEM_BASE_MB for Python, torch and the data: full fine-tuning holds weights, gradients and two Adam
+# moments in fp32; LoRA and QLoRA hold the frozen base plus small adapters; quantize and merge hold a
+# second copy of the model; the benchmarks hold one model and its activations.
+MEM_BASE_MB = 2000
+MEM_MODEL_FACTOR = {"base_model": 3, "quantize": 3, "full": 5, "lora": 2, "qlora": 2, "merge": 3,
+                    "bench_attention": 2, "bench_inference": 2}
+# Wall-time limit in minutes for a CPU-sized run on a model of up to 1 GB; linear in size above.
+RUNTIME_MIN = {"base_model": 15, "prepare_data": 10, "quantize": 20, "finetune": 60, "merge": 20,
+               "bench_attention": 20, "bench_inference": 20, "report": 10}
+# Before base_model has run (dry runs, DAG planning) its size is not known yet; Snakemake evaluates
+# resources again when a job's inputs exist, and then the measured size is used.
+MODEL_MB_UNKNOWN = 1000
+
+
+def model_mb(input):
+    """The base model's in-memory size in MB, from base_model's metrics once they exist."""
+    metrics = Path(input.base) if "base" in input.keys() else None
+    if metrics is None or not metrics.is_file():
+        return MODEL_MB_UNKNOWN
+    return json.loads(metrics.read_text())["memory_footprint_bytes"] / 1e6
+
+
+def threads_for(stage):
+    return GPU_THREADS if USE_GPU and stage in gpu_slots.GPU_STAGES else HEAVY
+
+
+def mem_mb(stage):
+    """Host memory that scales with the model and doubles on each retry (an OOM kill is the usual cause)."""
+    def estimate(wildcards, input, attempt):
+        kind = stage
+        if stage == "finetune":
+            kind = efflab_config.finetune_run(config, wildcards.name)["method"]
+        return int((MEM_BASE_MB + MEM_MODEL_FACTOR.get(kind, 0) * model_mb(input)) * 2 ** (attempt - 1))
+    return estimate
+
+
+def runtime(stage):
+    """Wall-time limit in minutes: scales with the model and, for fine-tuning, max_steps; doubles on each retry."""
+    def estimate(wildcards, input, attempt):
+        minutes = RUNTIME_MIN[stage] * max(1.0, model_mb(input) / 1000)
+        if stage == "finetune":
+            minutes *= max(1.0, efflab_config.finetune_run(config, wildcards.name)["max_steps"] / 100)
+        return int(minutes * 2 ** (attempt - 1))
+    return estimate
+
+
+def gpu_resources(stage):
+    """gpu and cpus_per_gpu for a GPU stage on a GPU run; nothing otherwise."""
+    if USE_GPU and stage in gpu_slots.GPU_STAGES:
+        return {"gpu": 1, "cpus_per_gpu": GPU_THREADS}
+    return {}

@@ -13,8 +13,10 @@ rule finetune:
         settings=settings("finetune"),
     log:
         "results/logs/finetune/{name}.log",
-    threads: HEAVY
+    threads: threads_for("finetune")
     resources:
-        mem_mb=8000,
+        mem_mb=mem_mb("finetune"),
+        runtime=runtime("finetune"),
+        **gpu_resources("finetune"),
     shell:
         "python -m efflab.finetune --params {params.file:q} --name {wildcards.name:q} --log {log:q}"

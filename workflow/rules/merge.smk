@@ -12,8 +12,10 @@ rule merge:
         settings=settings("merge"),
     log:
         "results/logs/merge/{name}.log",
-    threads: HEAVY
+    threads: threads_for("merge")
     resources:
-        mem_mb=6000,
+        mem_mb=mem_mb("merge"),
+        runtime=runtime("merge"),
+        **gpu_resources("merge"),
     shell:
         "python -m efflab.merge --params {params.file:q} --name {wildcards.name:q} --log {log:q}"

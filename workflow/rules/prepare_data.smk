@@ -13,6 +13,7 @@ rule prepare_data:
         "results/logs/prepare_data/prepare_data.log",
     threads: 1
     resources:
-        mem_mb=2000,
+        mem_mb=mem_mb("prepare_data"),
+        runtime=runtime("prepare_data"),
     shell:
         "python -m efflab.prepare_data --params {params.file:q} --log {log:q}"

@@ -12,8 +12,10 @@ rule quantize:
         settings=settings("quantize"),
     log:
         "results/logs/quantize/{name}.log",
-    threads: HEAVY
+    threads: threads_for("quantize")
     resources:
-        mem_mb=4000,
+        mem_mb=mem_mb("quantize"),
+        runtime=runtime("quantize"),
+        **gpu_resources("quantize"),
     shell:
         "python -m efflab.quantize --params {params.file:q} --name {wildcards.name:q} --log {log:q}"

@@ -21,5 +21,8 @@ rule report:
     log:
         "results/logs/report/report.log",
     threads: 1
+    resources:
+        mem_mb=mem_mb("report"),
+        runtime=runtime("report"),
     shell:
         "python -m efflab.report --params {params.file:q} --log {log:q}"

@@ -1,0 +1,154 @@
+"""SLURM for real: the CI pipeline through `snakemake --executor slurm` on a one-node cluster that
+tests/slurm/cluster.sh starts on this machine (Debian's slurm-wlm, munge, slurmdbd for sacct).
+
+Every cluster call runs under a hard timeout (`timeout -s KILL` around snakemake, whose status polls
+could otherwise wait forever), so a hung cluster fails the test instead of stalling CI. To keep CI
+short, SLURM runs one job of every stage but the report (7 jobs), and its results are compared with
+the session's local run of the same pipeline.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from efflab.cli import stage_names
+from efflab.config import adapter_runs
+
+from conftest import BIN, REPO, TEST_PARAMS
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+CLUSTER = REPO / "tests" / "slurm" / "cluster.sh"
+STATE = Path(os.environ.get("EFFLAB_SLURM_DIR", "/tmp/efflab-slurm"))
+PIPELINE_TIMEOUT = 480
+# Fields that legitimately differ between two runs of the same job: where and how fast it ran.
+VOLATILE = re.compile(r"environment|(^|_)(s|ms|wall|time|seconds|latency|ttft|tokens_per_s|per_s|throughput|gflops|"
+                      r"rss|peak|memory|allocated|reserved|bytes_per_s)($|_)|dtype_choice")
+
+
+def run(cmd: list, timeout: float, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=timeout, **kwargs)
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    """A running cluster for the session; stopped at the end if this session started it."""
+    if os.geteuid() != 0:
+        pytest.skip("the SLURM test needs root (it installs slurm-wlm and starts munged and the SLURM daemons)")
+    if not shutil.which("slurmctld") and not shutil.which("apt-get"):
+        pytest.skip("the SLURM test needs Debian's slurm-wlm installed, or apt-get to install it")
+    env = dict(os.environ, EFFLAB_SLURM_DIR=str(STATE))
+    was_up = run([CLUSTER, "status"], 30, env=env).returncode == 0
+    t0 = time.perf_counter()
+    start = run(["timeout", "-s", "KILL", 900, CLUSTER, "start"], 930, env=env)
+    if start.returncode != 0:
+        run(["timeout", "-s", "KILL", 120, CLUSTER, "stop"], 150, env=env)  # whatever did start
+        pytest.skip(f"the local SLURM cluster could not start (rc {start.returncode}): "
+                    f"{start.stderr.strip().splitlines()[-1:] or start.stdout[-300:]}")
+    bring_up_s = time.perf_counter() - t0
+    try:
+        yield {"env": dict(env, SLURM_CONF=str(STATE / "slurm.conf")), "bring_up_s": bring_up_s}
+    finally:
+        if not was_up:
+            run(["timeout", "-s", "KILL", 120, CLUSTER, "stop"], 150, env=env)
+
+
+def comparable(metrics):
+    """The metrics without timings, memory peaks and the environment block."""
+    if isinstance(metrics, dict):
+        return {k: comparable(v) for k, v in metrics.items() if not VOLATILE.search(k)}
+    if isinstance(metrics, list):
+        return [comparable(v) for v in metrics]
+    return metrics
+
+
+def assert_same(a, b, where=""):
+    if isinstance(a, float) and isinstance(b, float):
+        assert math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-9) or (math.isnan(a) and math.isnan(b)), f"{where}: {a} != {b}"
+    elif isinstance(a, dict) and isinstance(b, dict):
+        assert a.keys() == b.keys(), f"{where}: keys differ: {a.keys() ^ b.keys()}"
+        for k in a:
+            assert_same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, list) and isinstance(b, list):
+        assert len(a) == len(b), f"{where}: lengths differ"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def one_job_per_stage(cfg: dict) -> dict:
+    """The jobs SLURM runs: one of every stage but the report, chosen to keep the DAG shallow (each
+    level costs the executor's submit and status-poll round trip): quantize's baseline scheme, the
+    first adapter run fine-tuned and merged, the first attention implementation, the base model's
+    inference variant."""
+    run = adapter_runs(cfg)[0]
+    variant = next(n for n, v in cfg["bench_inference"]["variants"].items() if v["kind"] == "base")
+    return {"base_model": [None], "prepare_data": [None], "quantize": [cfg["report"]["baseline_scheme"]],
+            "finetune": [run], "merge": [run], "bench_attention": stage_names(cfg, "bench_attention")[:1],
+            "bench_inference": [variant]}
+
+
+def job_files(stage, name):
+    folder = f"results/{stage}/{name}" if name else f"results/{stage}"
+    return f"{folder}/metrics.json", f"results/logs/{stage}/{name or stage}.log"
+
+
+def test_pipeline_through_slurm_equals_a_local_run(slurm_cluster, local_pipeline, test_cfg, tmp_path):
+    jobs = one_job_per_stage(test_cfg)
+    targets = [job_files(stage, name)[0] for stage, names in jobs.items() for name in names]
+    work = tmp_path / "repo"
+    work.mkdir()
+    for item in ("Snakefile", "workflow", "src"):
+        (shutil.copytree if (REPO / item).is_dir() else shutil.copy)(REPO / item, work / item)
+    shutil.copy(TEST_PARAMS, work / "params.yaml")
+    env = dict(slurm_cluster["env"], PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}")
+
+    t0 = time.perf_counter()
+    proc = run(["timeout", "-s", "KILL", PIPELINE_TIMEOUT, BIN / "snakemake", "--executor", "slurm",
+                "--profile", "workflow/profiles/slurm", "--cores", "2", "--jobs", "4", "--retries", "0",
+                "--slurm-init-seconds-before-status-checks", "1", "--seconds-between-status-checks", "1",
+                "--latency-wait", "5", "--slurm-keep-successful-logs", *targets],
+               PIPELINE_TIMEOUT + 30, cwd=work, env=env)
+    slurm_wall_s = time.perf_counter() - t0
+    assert proc.returncode == 0, f"snakemake --executor slurm failed (rc {proc.returncode}, -9 = hung and " \
+                                 f"killed after {PIPELINE_TIMEOUT} s):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+
+    job_ids = {}
+    for stage, names in jobs.items():
+        for name in names:
+            metrics, log = job_files(stage, name)
+            found = re.findall(r": start in SLURM job (\d+)", (work / log).read_text())
+            assert len(found) == 1, f"{log} does not name the SLURM job it ran in"
+            job_ids[f"{stage}/{name or ''}"] = found[0]
+            local = json.loads((local_pipeline["dir"] / metrics).read_text())
+            assert_same(comparable(json.loads((work / metrics).read_text())), comparable(local), metrics)
+    assert len(set(job_ids.values())) == len(job_ids), f"jobs shared a SLURM job: {job_ids}"
+
+    sacct_cmd = ["timeout", "-s", "KILL", 10, "sacct", "-X", "-n", "-P", "-o", "JobID,State,ExitCode,Comment",
+                 "-j", ",".join(job_ids.values())]
+    deadline = time.monotonic() + 30  # slurmdbd records a finished job within a second or two
+    while True:
+        sacct = run(sacct_cmd, 20, env=env)
+        rows = {row.split("|")[0]: row.split("|")[1:] for row in sacct.stdout.splitlines() if row}
+        if set(rows) >= set(job_ids.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    for job, jid in job_ids.items():
+        assert jid in rows, f"sacct does not list SLURM job {jid} ({job}):\n{sacct.stdout}{sacct.stderr}"
+        state, exit_code, comment = rows[jid]
+        assert (state, exit_code) == ("COMPLETED", "0:0"), f"{job}: SLURM job {jid} {state} {exit_code}"
+        assert comment.startswith(f"rule_{job.split('/')[0]}"), f"{job}: SLURM job {jid} comment {comment!r}"
+
+    evidence = {"bring_up_s": round(slurm_cluster["bring_up_s"], 1), "slurm_wall_s": round(slurm_wall_s, 1),
+                "local_pipeline_wall_s": round(local_pipeline["wall_s"], 1), "jobs": job_ids,
+                "sacct": sacct.stdout.splitlines()}
+    (STATE / "last_test_evidence.json").write_text(json.dumps(evidence, indent=2) + "\n")
+    print(json.dumps(evidence, indent=2))
