@@ -33,3 +33,15 @@ def test_qlora_merge_into_the_dequantized_base_keeps_the_fine_tune(results):
     assert m["merge_target"] == "dequantized nf4 base"
     assert m["merged"]["max_abs_logit_diff"] < 1e-3
     assert abs(m["merged"]["validation"]["loss"] - m["adapter_validation"]["loss"]) < 1e-3
+
+
+def test_only_the_round_trip_merge_keeps_what_the_qlora_adapter_learned(results):
+    run_stage("finetune", TEST_PARAMS, results, "qlora-r8")
+    m = run_stage("merge", TEST_PARAMS, results, "qlora-r8")
+    t = m["targets"]
+    original, roundtrip = t["original base"], t["nf4 round-trip base"]
+    requantized = t["round-trip merge re-quantized to nf4"]
+    assert roundtrip["kl_mean"] < original["kl_mean"] and roundtrip["max_abs_logit_diff"] < original["max_abs_logit_diff"]
+    assert roundtrip["kl_mean"] < requantized["kl_mean"], "re-quantizing the merged weights adds new rounding error"
+    assert m["closest_target"] == "nf4 round-trip base"
+    assert all(r["kl_mean"] > -1e-6 for r in t.values()), "KL is non-negative up to float rounding"

@@ -49,7 +49,7 @@ def check_results(work: Path, cfg: dict) -> None:
     pngs = sorted((work / "results/report").glob("*.png"))
     assert len(pngs) >= 5 and all(p.read_bytes()[:4] == b"\x89PNG" for p in pngs)
     summary = pd.read_csv(work / "results/report/summary.csv")
-    assert set(summary.stage) == {"quantize", "finetune", "merge", "bench_attention",
+    assert set(summary.stage) == {"quantize", "finetune", "merge", "merge_targets", "bench_attention",
                                   "attention_memory_exponent", "bench_inference"}
     for run in cfg["finetune"]["runs"]:
         m = json.loads((work / f"results/finetune/{run}/metrics.json").read_text())

@@ -21,6 +21,12 @@ from .modeling import (base_dtype, forward_batches, load_model, load_tokenizer, 
 log = logging.getLogger("efflab")
 
 
+def kl_per_token(ref: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """KL(reference || model) of the next-token distributions, one value per position."""
+    ref_logp, logp = torch.log_softmax(ref.float(), -1), torch.log_softmax(logits.float(), -1)
+    return (ref_logp.exp() * (ref_logp - logp)).sum(-1)
+
+
 def reference_logits(model, rows, batch_size, tokenizer) -> tuple[list[torch.Tensor], dict]:
     kept, total, count = [], 0.0, 0
     for batch, logits in forward_batches(model, rows, batch_size, tokenizer):
@@ -31,12 +37,29 @@ def reference_logits(model, rows, batch_size, tokenizer) -> tuple[list[torch.Ten
 
 
 def compare(model, reference: list[torch.Tensor], rows, batch_size, tokenizer) -> dict:
-    worst, total, count = 0.0, 0.0, 0
+    """Max |logit difference| and mean KL vs the reference over every real token, and the perplexity."""
+    worst, total, count, kl_sum, positions = 0.0, 0.0, 0, 0.0, 0
     for (batch, logits), ref in zip(forward_batches(model, rows, batch_size, tokenizer), reference):
         nll, n = summed_nll(logits, batch["labels"])
         total, count = total + nll, count + n
-        worst = max(worst, (logits[batch["attention_mask"].bool()].float() - ref).abs().max().item())
-    return {"max_abs_logit_diff": worst, "validation": loss_summary(total, count, len(rows))}
+        mine = logits[batch["attention_mask"].bool()].float()
+        worst = max(worst, (mine - ref).abs().max().item())
+        kl_sum, positions = kl_sum + kl_per_token(ref, mine).sum().item(), positions + len(ref)
+    return {"max_abs_logit_diff": worst, "kl_mean": kl_sum / positions,
+            "validation": loss_summary(total, count, len(rows))}
+
+
+def merged_into(layout, adapter, dtype: str, merge_dtype: str, device, quant: dict | None, roundtrip: bool):
+    """The adapter merged into the base: the base as loaded in full precision, or (roundtrip) after the
+    same 4-bit quantize→dequantize round trip the QLoRA adapter was trained against."""
+    from peft import PeftModel
+
+    target = load_model(layout.base_model(), merge_dtype if quant is None else dtype, device,
+                        quant=quant if roundtrip else None)
+    if quant is not None and roundtrip:
+        target = target.dequantize()
+    target = target.to(getattr(torch, merge_dtype))
+    return PeftModel.from_pretrained(target, adapter).merge_and_unload().eval()
 
 
 def run(cfg: dict, paths: dict) -> dict:
@@ -59,11 +82,7 @@ def run(cfg: dict, paths: dict) -> dict:
     ref_logits, ref_eval = reference_logits(reference, rows, batch_size, tokenizer)
     del reference, base
 
-    target = load_model(layout.base_model(), m["dtype"] if quant is None else dtype, device, quant=quant)
-    if quant is not None:
-        target = target.dequantize()
-    target = target.to(getattr(torch, m["dtype"]))
-    merged = PeftModel.from_pretrained(target, adapter).merge_and_unload().eval()
+    merged = merged_into(layout, adapter, dtype, m["dtype"], device, quant, roundtrip=True)
     in_memory = compare(merged, ref_logits, rows, batch_size, tokenizer)
 
     folder = paths["out"] / "model"
@@ -71,6 +90,19 @@ def run(cfg: dict, paths: dict) -> dict:
     tokenizer.save_pretrained(folder)
     del merged
     saved = compare(load_model(folder, dtype, device), ref_logits, rows, batch_size, tokenizer)
+    targets = {}
+    if quant is not None:  # which merge keeps the fine-tune? (the saved folder is the round-trip merge)
+        naive = merged_into(layout, adapter, dtype, m["dtype"], device, quant, roundtrip=False)
+        targets["original base"] = compare(naive, ref_logits, rows, batch_size, tokenizer)
+        del naive
+        targets[f"{quant['method']} round-trip base"] = in_memory
+        requantized = load_model(folder, dtype, device, quant=quant)
+        targets[f"round-trip merge re-quantized to {quant['method']}"] = compare(
+            requantized, ref_logits, rows, batch_size, tokenizer)
+        del requantized
+        for target, result in targets.items():
+            log.info("%s: merged into the %s: max |logit diff| %.3e, KL %.3e, perplexity %.3f", name, target,
+                     result["max_abs_logit_diff"], result["kl_mean"], result["validation"]["perplexity"])
     log.info("%s: merged max |logit diff| %.2e (%s), saved in %s %.2e; perplexity %.3f adapter vs %.3f merged",
              name, in_memory["max_abs_logit_diff"], m["dtype"], dtype, saved["max_abs_logit_diff"],
              ref_eval["perplexity"], in_memory["validation"]["perplexity"])
@@ -80,6 +112,7 @@ def run(cfg: dict, paths: dict) -> dict:
         "merge_target": f"dequantized {quant['method']} base" if quant else "full-precision base",
         "merge_dtype": m["dtype"], "saved_dtype": dtype,
         "adapter_validation": ref_eval, "merged": in_memory, "merged_saved": saved,
+        "targets": targets, "closest_target": min(targets, key=lambda t: targets[t]["kl_mean"]) if targets else None,
         "environment": environment(device, m),
     }
 

@@ -83,6 +83,15 @@ def _ci(stats: dict, scale: float = 1.0) -> str:
     return "-" if lo is None else f"{scale * lo:.4g}–{scale * hi:.4g}"
 
 
+def merge_targets_table(rows: list[dict]) -> pd.DataFrame:
+    return pd.DataFrame([{
+        "run": r["run"], "merged into": target, "max |logit diff| vs adapter on 4-bit base": t["max_abs_logit_diff"],
+        "mean KL vs adapter": t["kl_mean"], "perplexity": t["validation"]["perplexity"],
+        "perplexity adapter": r["adapter_validation"]["perplexity"],
+        "keeps the fine-tune best": "yes" if target == r.get("closest_target") else "", "env": _fp(r),
+    } for r in rows for target, t in r.get("targets", {}).items()])
+
+
 def attention_table(rows: list[dict]) -> pd.DataFrame:
     out = []
     for r in rows:
@@ -285,6 +294,7 @@ def run(cfg: dict, paths: dict) -> dict:
         "quantize": quantize_table(metrics["quantize"]),
         "finetune": finetune_table(metrics["finetune"]),
         "merge": merge_table(metrics["merge"]),
+        "merge_targets": merge_targets_table(metrics["merge"]),
         "bench_attention": attention_table(metrics["bench_attention"]),
         "attention_memory_exponent": exponent_table(metrics["bench_attention"]),
         "bench_inference": inference_table(metrics["bench_inference"]),
@@ -340,6 +350,11 @@ def run(cfg: dict, paths: dict) -> dict:
         "## Merging adapters", "",
         "Reference: the adapter on the base it was trained against. Differences are max |logit| over "
         "every real token of the validation rows.", "", table("merge"), "",
+        "### Which merge keeps a QLoRA fine-tune", "",
+        "The QLoRA adapter learned corrections to the 4-bit weights. Merged into the original base it corrects "
+        "errors that are not there; merged into the base after the same NF4 quantize→dequantize round trip "
+        "it reproduces what was trained; re-quantizing that merge adds fresh rounding. KL is the mean "
+        "KL(adapter ‖ merged) per token.", "", table("merge_targets"), "",
         "## Attention implementations", "",
         f"{metrics['bench_attention'][0].get('measured', 'model forward')}; `forward_backward` freezes the weights "
         "and back-propagates into the input embeddings, so its memory is the activations training keeps. "

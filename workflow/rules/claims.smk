@@ -2,9 +2,9 @@ rule claims:
     input:
         module("claims"),
         module("estimate"),
-        "workflow/claims.yaml",
-        "workflow/schemas/claims.schema.yaml",
-        expand("workflow/models/{model}.json", model=glob_wildcards("workflow/models/{model}.json").model),
+        repo_file("workflow/claims.yaml"),
+        repo_file("workflow/schemas/claims.schema.yaml"),
+        model_configs(),
         "results/base_model/metrics.json",
         expand("results/quantize/{name}/metrics.json", name=names("quantize")),
         expand("results/finetune/{name}/metrics.json", name=names("finetune")),
@@ -19,5 +19,8 @@ rule claims:
     log:
         "results/logs/claims/claims.log",
     threads: 1
+    resources:
+        mem_mb=mem_mb("claims"),
+        runtime=runtime("claims"),
     shell:
         "python -m efflab.claims --params {params.file:q} --log {log:q}"

@@ -30,6 +30,16 @@ def module(stage):
     return str(SRC / f"{stage}.py")
 
 
+def repo_file(path):
+    """A file of the project itself (not of the run directory), as an input."""
+    return str(Path(workflow.basedir) / path)
+
+
+def model_configs():
+    """The shipped architecture configs the claims stage reads."""
+    return sorted(str(p) for p in (Path(workflow.basedir) / "workflow" / "models").glob("*.json"))
+
+
 def settings(stage):
     """The params a stage's job reads; Snakemake reruns the job when they change."""
     return lambda wildcards: efflab_config.stage_settings(config, stage, wildcards.get("name"))
@@ -83,7 +93,7 @@ MEM_MODEL_FACTOR = {"base_model": 3, "quantize": 3, "full": 5, "lora": 2, "qlora
                     "bench_attention": 2, "bench_inference": 2}
 # Wall-time limit in minutes for a CPU-sized run on a model of up to 1 GB; linear in size above.
 RUNTIME_MIN = {"base_model": 15, "prepare_data": 10, "quantize": 20, "finetune": 60, "merge": 20,
-               "bench_attention": 20, "bench_inference": 20, "report": 10}
+               "bench_attention": 20, "bench_inference": 20, "claims": 10, "report": 10}
 # Before base_model has run (dry runs, DAG planning) its size is not known yet; Snakemake evaluates
 # resources again when a job's inputs exist, and then the measured size is used.
 MODEL_MB_UNKNOWN = 1000
