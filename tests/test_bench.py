@@ -56,3 +56,15 @@ def test_inference_separates_prefill_from_decode_per_kv_cache_and_batch_cell(res
     cell = {(c["kv_cache"], c["batch_size"]): c for c in m["cells"]}
     assert cell[(True, 1)]["samples"][0]["answer"] == cell[(False, 1)]["samples"][0]["answer"], \
         "greedy decoding gives the same tokens with and without the KV cache"
+
+
+def test_flex_attention_runs_forward_and_says_why_not_backward_on_cpu(results, write_params):
+    def edit(cfg):
+        cfg["bench_attention"] |= {"implementations": ["eager", "flex_attention"], "seq_lens": [32],
+                                   "batch_sizes": [1], "warmup": 1, "repeats": 1}
+    params = write_params(edit)
+    flex = run_stage("bench_attention", params, results, "flex_attention")
+    rows = {r["mode"]: r for r in flex["rows"]}
+    assert rows["forward"]["status"] == "ok" and rows["forward"]["max_abs_diff_vs_eager"] < 1e-4
+    assert rows["forward_backward"]["status"] == "unavailable"
+    assert "backward on CPU" in rows["forward_backward"]["reason"]

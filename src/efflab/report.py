@@ -196,7 +196,7 @@ def plot_attention(df: pd.DataFrame, path: Path) -> None:
     for ax, mode in zip(axes[0], modes):
         for (impl, batch), part in ok[ok["mode"] == mode].groupby(["implementation", "batch"]):
             ax.errorbar(part["seq len"], part["median (ms)"], yerr=_ci_bars(part, "median (ms)", "95% CI of median (ms)"),
-                        marker="o", capsize=3, label=f"{impl} (batch {batch})")
+                        marker="o", capsize=3, label=f"{impl} (batch {int(batch)})")
         _seq_axis(ax, ok)
         ax.set_ylabel("latency (ms, median; bars: 95% CI)")
         ax.set_title(f"Attention implementations: {mode.replace('_', '+')}")
@@ -215,7 +215,7 @@ def plot_attention_memory(df: pd.DataFrame, exponents: pd.DataFrame, path: Path)
             fit = exponents[(exponents["implementation"] == impl) & (exponents["mode"] == mode)
                             & (exponents["batch"] == batch)]["memory ~ seq^k: k"]
             k = f", k={fit.iloc[0]:.2f}" if len(fit) and pd.notna(fit.iloc[0]) else ""
-            ax.plot(part["seq len"], part["peak delta (MiB)"], marker="o", label=f"{impl} (batch {batch}{k})")
+            ax.plot(part["seq len"], part["peak delta (MiB)"], marker="o", label=f"{impl} (batch {int(batch)}{k})")
         _seq_axis(ax, ok)
         ax.set_ylabel(f"peak memory over baseline (MiB, {ok['memory kind'].iloc[0] if len(ok) else ''})")
         ax.set_title(f"Attention memory vs length: {mode.replace('_', '+')}")
