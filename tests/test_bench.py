@@ -22,7 +22,7 @@ def test_attention_cells_run_isolated_agree_with_eager_and_flash_is_unavailable_
     fwd = {r["seq_len"]: r for r in sdpa["rows"] if r["mode"] == "forward"}
     bwd = {r["seq_len"]: r for r in sdpa["rows"] if r["mode"] == "forward_backward"}
     assert bwd[128]["memory"]["delta_mib"] > fwd[128]["memory"]["delta_mib"], "training keeps activations"
-    assert bwd[128]["latency"]["median"] > fwd[128]["latency"]["median"]
+    assert bwd[128]["compared"] == "gradient of the input embeddings"
     assert {(f["mode"], f["batch_size"]) for f in sdpa["memory_exponents"]} == {(m, 1) for m in b["modes"]}
     assert all(f["exponent"] is not None and f["exponent"] > 0 for f in sdpa["memory_exponents"])
     assert flash["status"] == "unavailable"
