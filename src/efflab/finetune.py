@@ -21,8 +21,9 @@ from transformers import TrainerCallback
 
 from . import cli
 from .config import UserError, finetune_run
-from .measure import (count_parameters, environment, matmul_ceiling, mfu, pick_device, published_peak_tflops,
-                      set_threads, track_memory, training_flops_per_token)
+from .measure import (count_parameters, environment, log_file_path, matmul_ceiling, mfu, pick_device,
+                      published_peak_tflops, set_threads, setup_child_logging, track_memory,
+                      training_flops_per_token)
 from .modeling import base_dtype, eval_loss, load_model, load_tokenizer, read_split
 
 log = logging.getLogger("efflab")
@@ -98,7 +99,7 @@ def launch_distributed(run_cfg: dict, paths: dict) -> dict:
     writes the outputs into this job's folder and hands its metrics back through a file."""
     import json
 
-    log_file = next((h.baseFilename for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)), None)
+    log_file = log_file_path()
     config = run_cfg["accelerate_config"]
     if config and not Path(config).is_file():
         raise UserError(f"finetune.accelerate_config: {config!r} does not exist (expected an accelerate config file)")
@@ -206,11 +207,12 @@ def train(cfg: dict, paths: dict) -> dict:
     params = count_parameters(model)
     log.info("%s: %s trainable of %s parameters (%.3f%%), precision %s", name, f"{params['trainable']:,}",
              f"{params['total']:,}", params["trainable_pct"], precision)
-    before = eval_loss(model, val_rows, run_cfg["batch_size"], tokenizer)
     matmul_dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(
         precision, "float32" if run_cfg["method"] == "full" else dtype)
-    ceiling = matmul_ceiling(matmul_dtype, device)
-    log.info("%s: matmul ceiling %.3f TFLOP/s (%s, measured now)", name, ceiling["tflops"], matmul_dtype)
+    if rank == 0:  # only rank 0 reports: the other ranks need neither the start loss nor the ceiling
+        before = eval_loss(model, val_rows, run_cfg["batch_size"], tokenizer)
+        ceiling = matmul_ceiling(matmul_dtype, device)
+        log.info("%s: matmul ceiling %.3f TFLOP/s (%s, measured now)", name, ceiling["tflops"], matmul_dtype)
 
     scratch, resume = checkpoints(layout, name, run_cfg, rank)
     every = run_cfg["checkpoint_every"]
@@ -308,11 +310,7 @@ def worker_main(argv: list[str]) -> None:
         parser.add_argument(flag)
     args = parser.parse_args(argv)
     rank = int(os.environ.get("RANK", 0))
-    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
-    if args.log:
-        handlers.append(logging.FileHandler(args.log, mode="a"))
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s [rank {rank}] %(message)s",
-                        handlers=handlers, force=True)
+    setup_child_logging(args.log, f"rank {rank}")
     cfg = config.load(args.params)
     out = Path(args.out)
     metrics = train(cfg, {"layout": Layout(Path(args.results)), "name": args.name, "out": out, "final": out,

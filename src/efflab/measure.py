@@ -109,12 +109,12 @@ def time_fn(fn, device: torch.device, warmup: int, repeats: int) -> dict:
     return summarize(samples) | {"warmup": warmup, "clock": "cuda_events" if device.type == "cuda" else "perf_counter"}
 
 
-def _proc_status_kib(field: str) -> int | None:
+def _proc_status_kib(field: str, pid: int | str = "self") -> int | None:
     try:
-        for line in Path("/proc/self/status").read_text().splitlines():
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             if line.startswith(field + ":"):
                 return int(line.split()[1])
-    except OSError:
+    except (OSError, ValueError):  # a process may exit while being read
         return None
     return None
 
@@ -201,9 +201,6 @@ def nvml_process_mib(device: torch.device) -> tuple[float | None, str | None]:
 
 # --- isolation: one benchmark cell per process -------------------------------------------------
 
-CELL_STATUSES = ("ok", "failed", "oom", "timeout", "unavailable")
-
-
 def _failure(err: BaseException) -> dict:
     import traceback
 
@@ -216,15 +213,20 @@ def _failure(err: BaseException) -> dict:
             "traceback": traceback.format_exception(err)[-3:]}
 
 
-def _cell_child(fn, kwargs: dict, conn, log_file: str | None, threads: int) -> None:
+def setup_child_logging(log_file: str | None, tag: str) -> None:
+    """Log a child process (a benchmark cell, a DDP rank) to stderr and append to its stage's log file."""
     import logging
     import sys
 
     handlers: list = [logging.StreamHandler(sys.stderr)]
     if log_file:
         handlers.append(logging.FileHandler(log_file, mode="a"))
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s [cell] %(message)s",
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s [{tag}] %(message)s",
                         handlers=handlers, force=True)
+
+
+def _cell_child(fn, kwargs: dict, conn, log_file: str | None, threads: int) -> None:
+    setup_child_logging(log_file, "cell")
     torch.set_num_threads(threads)
     try:
         result = {"status": "ok"} | fn(**kwargs)
@@ -234,17 +236,8 @@ def _cell_child(fn, kwargs: dict, conn, log_file: str | None, threads: int) -> N
     conn.close()
 
 
-def _rss_mib(pid: int) -> float | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except (OSError, ValueError):
-        return None
-    return None
-
-
-def _log_file() -> str | None:
+def log_file_path() -> str | None:
+    """The file this process logs to (the stage's --log), for child processes to append to."""
     import logging
 
     for handler in logging.getLogger().handlers:
@@ -293,7 +286,7 @@ def run_cell(fn, kwargs: dict, isolation: str = "subprocess", timeout_s: float |
 
     ctx = _cell_context()
     receiver, sender = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_cell_child, args=(fn, kwargs, sender, _log_file(), torch.get_num_threads()))
+    proc = ctx.Process(target=_cell_child, args=(fn, kwargs, sender, log_file_path(), torch.get_num_threads()))
     proc.start()
     sender.close()
     result, peak_rss = None, 0.0
@@ -307,7 +300,7 @@ def run_cell(fn, kwargs: dict, isolation: str = "subprocess", timeout_s: float |
                 break
             if not proc.is_alive() and not receiver.poll(0):
                 break
-            rss = _rss_mib(proc.pid) or 0.0
+            rss = (_proc_status_kib("VmRSS", proc.pid) or 0) / 1024
             peak_rss = max(peak_rss, rss)
             if memory_cap_mib is not None and rss > memory_cap_mib:
                 proc.kill()
