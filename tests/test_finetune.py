@@ -1,3 +1,4 @@
+import torch
 import pandas as pd
 import pytest
 
@@ -149,3 +150,108 @@ def test_the_same_params_train_bitwise_identically_on_cpu(results, write_params)
     assert one["ranks"][0]["weights_sha256"] == two["ranks"][0]["weights_sha256"]
     a, b = _weights(results, "one"), _weights(results, "two")
     assert all(a[k].equal(b[k]) for k in a)
+
+
+def test_packed_rows_see_only_themselves_and_keep_the_loss(results, write_params, test_cfg):
+    """Padding-free batches: the logits of rows laid end to end equal those of each row alone (no attention
+    across rows), and a packed run trains on the same real tokens with the same loss as a padded one."""
+    from efflab.finetune import collator
+    from efflab.modeling import load_model, load_tokenizer, read_split
+
+    layout = Layout(results)
+    model = load_model(layout.base_model(), "float32", torch.device("cpu"))
+    rows = read_split(layout.split("train"), 3)
+    packed = collator({"packing": True}, load_tokenizer(layout.base_model()))(rows)
+    with torch.no_grad():
+        together = model(input_ids=packed["input_ids"], position_ids=packed["position_ids"], use_cache=False).logits[0]
+        alone = torch.cat([model(input_ids=torch.tensor([r["input_ids"]]), use_cache=False).logits[0] for r in rows])
+    assert together.shape == alone.shape
+    assert (together - alone).abs().max().item() < 1e-4
+
+    def edit(cfg):
+        for name, packing in (("packed", True), ("padded", False)):
+            cfg["finetune"]["runs"][name] = {"method": "lora", "packing": packing, "max_steps": 3,
+                                             "mixed_precision": "no"}
+    params = write_params(edit)
+    a, b = run_stage("finetune", params, results, "packed"), run_stage("finetune", params, results, "padded")
+    assert a["tokens_seen"] == b["tokens_seen"], "the same rows, the same real tokens"
+    assert a["pad_fraction"] == 0 and a["tokens_processed"] == a["tokens_seen"]
+    assert b["pad_fraction"] > 0.05 and b["tokens_processed"] > b["tokens_seen"]
+    curve = lambda run: pd.read_csv(Layout(results).out("finetune", run) / "loss.csv").loss  # noqa: E731
+    diff = (curve("packed") - curve("padded")).abs()
+    # Step 1 is the same maths on the same weights; later steps differ only by the bf16 rounding of the tiny
+    # model's weights in differently shaped matmuls, carried through the updates.
+    assert diff.iloc[0] < 1e-5 and diff.max() < 2e-3
+
+
+def test_gradient_accumulation_keeps_the_effective_batch(results, write_params):
+    def edit(cfg):
+        cfg["finetune"]["runs"]["batch4"] = {"method": "lora", "batch_size": 4, "max_steps": 3, "mixed_precision": "no"}
+        cfg["finetune"]["runs"]["batch2x2"] = {"method": "lora", "batch_size": 2, "gradient_accumulation_steps": 2,
+                                               "max_steps": 3, "mixed_precision": "no"}
+    params = write_params(edit)
+    one, two = run_stage("finetune", params, results, "batch4"), run_stage("finetune", params, results, "batch2x2")
+    assert one["effective_batch"] == two["effective_batch"] == 4
+    assert one["samples_per_s"] * one["train_s"] == two["samples_per_s"] * two["train_s"] == 12
+    assert one["tokens_seen"] == two["tokens_seen"], "the same rows reach each optimizer step"
+    curve = lambda run: pd.read_csv(Layout(results).out("finetune", run) / "loss.csv").loss  # noqa: E731
+    diff = (curve("batch4") - curve("batch2x2")).abs()
+    assert diff.iloc[0] < 1e-5 and diff.max() < 2e-3, "the loss is over the whole effective batch"
+
+
+def test_gradient_checkpointing_lowers_the_training_memory(results, write_params):
+    """A deeper tiny model, so that the kept activations stand well above the noise of the RSS peak."""
+    deep = {"num_hidden_layers": 16, "hidden_size": 256, "intermediate_size": 1024, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 64}
+
+    def edit(cfg):
+        cfg["base_model"]["config_overrides"] = deep
+        for name, gc in (("kept", False), ("recomputed", True)):
+            cfg["finetune"]["runs"][name] = {"method": "lora", "gradient_checkpointing": gc, "max_steps": 2,
+                                             "batch_size": 8, "mixed_precision": "no", "checkpoint_every": 0}
+    params = write_params(edit)
+    run_stage("base_model", params, results)
+    kept, recomputed = run_stage("finetune", params, results, "kept"), run_stage("finetune", params, results, "recomputed")
+    # Kept activations of 16 layers x the step's tokens: checkpointing keeps only each layer's input.
+    tokens = kept["tokens_processed"] / kept["steps"]
+    per_layer_mib = tokens * deep["intermediate_size"] * 4 * 3 / 2**20  # at least the MLP's three fp32 tensors
+    saved = kept["train_memory"]["delta_mib"] - recomputed["train_memory"]["delta_mib"]
+    assert saved > 8 * per_layer_mib, f"checkpointing saved only {saved:.0f} MiB"
+    assert abs(kept["last_loss"] - recomputed["last_loss"]) < 1e-4, "recomputation does not change the maths"
+
+
+def test_knobs_a_cpu_cannot_honour_are_unavailable_and_the_grid_goes_on(results, write_params):
+    from efflab import report
+
+    def edit(cfg):
+        cfg["finetune"]["runs"]["fp16"] = {"method": "lora", "mixed_precision": "fp16"}
+        cfg["finetune"]["runs"]["tf32-pinned"] = {"method": "lora", "tf32": True, "pin_memory": True}
+        cfg["bench_inference"]["variants"] = {"adapter-fp16": {"kind": "adapter", "of": "fp16"}}
+    params = write_params(edit)
+    fp16 = run_stage("finetune", params, results, "fp16")
+    both = run_stage("finetune", params, results, "tf32-pinned")
+    assert fp16["status"] == "unavailable" and "fp16" in fp16["reason"] and "CUDA" in fp16["reason"]
+    assert both["status"] == "unavailable" and "tf32" in both["reason"] and "pin_memory" in both["reason"]
+    out = Layout(results).out("finetune", "fp16")
+    assert sorted(p.name for p in out.iterdir()) == ["loss.csv", "metrics.json", "model"]
+    merged = run_stage("merge", params, results, "fp16")
+    assert merged["status"] == "skipped" and "finetune fp16 is unavailable" in merged["reason"]
+    inference = run_stage("bench_inference", params, results, "adapter-fp16")
+    assert inference["status"] == "skipped" and inference["cells"] == []
+    table = report.not_run_table({"finetune": [fp16, both], "merge": [merged]})
+    assert list(table["status"]) == ["unavailable", "unavailable", "skipped"]
+
+
+@pytest.mark.parametrize("error, status", [("CUDA out of memory. Tried to allocate 2.00 GiB", "oom"),
+                                           ("this combination is not supported", "failed")])
+def test_a_run_that_fails_is_recorded_with_its_reason(results, monkeypatch, error, status):
+    from efflab import finetune
+
+    def fail(cfg, paths):
+        (paths["out"] / "half-written.bin").write_bytes(b"x")
+        raise (torch.OutOfMemoryError if status == "oom" else RuntimeError)(error)
+    monkeypatch.setattr(finetune, "train", fail)
+    m = run_stage("finetune", TEST_PARAMS, results, "lora-r8")
+    assert m["status"] == status and error in m["reason"]
+    out = Layout(results).out("finetune", "lora-r8")
+    assert sorted(p.name for p in out.iterdir()) == ["loss.csv", "metrics.json", "model"], "no partial outputs"

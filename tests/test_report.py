@@ -1,3 +1,4 @@
+import pytest
 import pandas as pd
 import torch
 
@@ -30,3 +31,23 @@ def test_results_from_different_environments_are_not_put_in_one_table_unless_ask
 def test_missing_values_print_as_a_dash():
     table = report._md(pd.DataFrame([{"a": 1.5, "b": None}, {"a": float("nan"), "b": "x"}]))
     assert "nan" not in table and "-" in table.splitlines()[-1]
+
+
+def _run(name, memory, step_s, **settings):
+    base = {"method": "lora", "gradient_checkpointing": False, "packing": True, "eval_rows": 8, "lora": {"r": 8}}
+    return {"run": name, "status": "ok", "settings": base | settings, "step_s": step_s, "tokens_per_s": 100 / step_s,
+            "train_memory": {"kind": "cpu_peak_rss", "peak_mib": memory + 1000, "delta_mib": memory},
+            "validation_after": {"loss": 3.0}, "environment": {"fingerprint": "e"}}
+
+
+def test_runs_that_differ_in_one_knob_become_a_knob_row():
+    rows = [_run("lora", 400, 1.0), _run("lora-gc", 250, 1.3, gradient_checkpointing=True),
+            _run("lora-r16", 420, 1.0, lora={"r": 16}), _run("lora-eval", 400, 1.0, eval_rows=16),
+            {"run": "broken", "status": "failed", "reason": "x", "settings": {}}]
+    table = report.knob_table(rows)
+    knobs = dict(zip(table["knob"], table.to_dict("records")))
+    assert set(knobs) == {"gradient_checkpointing", "lora.r"}, "eval_rows is not a knob; the failed run is left out"
+    gc = knobs["gradient_checkpointing"]
+    assert gc["from → to"] == "false → true" and gc["runs"] == "lora → lora-gc"
+    assert gc["memory change (%)"] == pytest.approx(-37.5) and gc["step time change (%)"] == pytest.approx(30)
+    assert gc["tokens/s ratio"] == pytest.approx(1 / 1.3)

@@ -119,6 +119,11 @@ def run(cfg: dict, paths: dict) -> dict:
     set_threads(rt)
     device = pick_device(rt)
     dtype = base_dtype(layout)
+    upstream = {"merged": "merge", "adapter": "finetune"}.get(variant["kind"])
+    skipped = upstream and layout.skipped_because(upstream, variant["of"])
+    if skipped:
+        return {**skipped, "variant": name, "kind": variant["kind"], "of": variant.get("of"), "cells": [],
+                "environment": environment(device, b)}
     cells = []
     for kv_cache in variant.get("kv_cache", b["kv_cache"]):
         for batch_size in variant.get("batch_sizes", b["batch_sizes"]):

@@ -325,7 +325,8 @@ def _quantize_ratio(layout, metric: dict) -> tuple[float, str]:
 
 def _finetune_runs(layout) -> list[dict]:
     folder = layout.out("finetune")
-    return [json.loads(p.read_text()) for p in sorted(folder.glob("*/metrics.json"))] if folder.is_dir() else []
+    runs = [json.loads(p.read_text()) for p in sorted(folder.glob("*/metrics.json"))] if folder.is_dir() else []
+    return [r for r in runs if r.get("status", "ok") == "ok"]  # runs that did not train measured nothing
 
 
 def _finetune_trainable(layout, metric: dict) -> tuple[float, str]:

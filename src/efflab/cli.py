@@ -42,7 +42,7 @@ def stage_names(cfg: dict, stage: str) -> list[str] | None:
     return {
         "quantize": lambda: list(cfg["quantize"]["schemes"]),
         "finetune": lambda: list(cfg["finetune"]["runs"]),
-        "merge": lambda: config.adapter_runs(cfg),
+        "merge": lambda: config.merge_runs(cfg),
         "bench_attention": lambda: list(cfg["bench_attention"]["implementations"]),
         "bench_inference": lambda: list(cfg["bench_inference"]["variants"]),
     }.get(stage, lambda: None)()

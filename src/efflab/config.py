@@ -91,6 +91,9 @@ def _cross_check(cfg: dict, source: str) -> None:
         if run["method"] == "qlora" and run["quant"]["method"] not in ("nf4", "fp4"):
             raise UserError(f"{source}: finetune.runs.{name}.quant.method: QLoRA needs a 4-bit base "
                             f"(nf4 or fp4), got {run['quant']['method']!r}")
+    for name in cfg["merge"]["runs"] or []:
+        if name not in runs or runs[name]["method"] not in ADAPTER_METHODS:
+            raise UserError(f"{source}: merge.runs: {name!r} is not a lora/qlora run in finetune.runs")
     for name, variant in cfg["bench_inference"]["variants"].items():
         key = f"bench_inference.variants.{name}"
         kind, of = variant["kind"], variant.get("of")
@@ -106,6 +109,8 @@ def _cross_check(cfg: dict, source: str) -> None:
         if kind in ("merged", "adapter"):
             if of not in runs or runs[of]["method"] not in ADAPTER_METHODS:
                 raise UserError(f"{source}: {key}.of: {of!r} is not a lora/qlora run in finetune.runs")
+        if kind == "merged" and of not in merge_runs(cfg):
+            raise UserError(f"{source}: {key}.of: {of!r} is not merged (add it to merge.runs)")
 
 
 def load(path: str | Path) -> dict:
@@ -137,6 +142,12 @@ def finetune_run(cfg: dict, name: str) -> dict:
 def adapter_runs(cfg: dict) -> list[str]:
     """Finetune runs that produce an adapter, so that merge has work to do."""
     return [n for n, r in cfg["finetune"]["runs"].items() if r["method"] in ADAPTER_METHODS]
+
+
+def merge_runs(cfg: dict) -> list[str]:
+    """The adapter runs the merge stage merges: merge.runs, or every adapter run when it is null."""
+    chosen = cfg["merge"]["runs"]
+    return adapter_runs(cfg) if chosen is None else list(chosen)
 
 
 def lookup(cfg: dict, dotted: str):

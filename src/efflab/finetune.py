@@ -21,7 +21,7 @@ from transformers import TrainerCallback
 
 from . import cli
 from .config import UserError, finetune_run
-from .measure import (count_parameters, environment, log_file_path, matmul_ceiling, mfu, pick_device,
+from .measure import (classify_failure, count_parameters, environment, log_file_path, matmul_ceiling, mfu, pick_device,
                       published_peak_tflops, set_threads, setup_child_logging, track_memory,
                       training_flops_per_token)
 from .modeling import base_dtype, eval_loss, load_model, load_tokenizer, read_split
@@ -36,9 +36,36 @@ def mixed_precision(run: dict, dtype: str, device: torch.device) -> str:
         if device.type == "cuda":
             return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
         return "bf16" if dtype == "bfloat16" else "no"
-    if want == "fp16" and device.type != "cuda":
-        raise UserError("finetune.mixed_precision: fp16 with gradient scaling needs a CUDA device")
     return want
+
+
+def unavailable_knobs(run: dict, device: torch.device) -> list[str]:
+    """The knobs of a run that this device cannot honour. Such a run is recorded as unavailable with these
+    reasons rather than trained without them: a row labelled tf32 that ran without TF32 would be a lie."""
+    reasons = []
+    if device.type != "cuda":
+        if run["mixed_precision"] == "fp16":
+            reasons.append("mixed_precision fp16 (with gradient scaling) needs a CUDA GPU")
+        if run["tf32"]:
+            reasons.append("tf32 needs an NVIDIA GPU of compute capability 8.0 (Ampere) or newer")
+        if run["pin_memory"] is True:
+            reasons.append("pin_memory: page-locked host memory only speeds up copies to a CUDA GPU")
+    elif run["tf32"] and torch.cuda.get_device_capability(device)[0] < 8:
+        reasons.append(f"tf32 needs compute capability 8.0 or newer; {torch.cuda.get_device_name(device)} has "
+                       f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}")
+    return reasons
+
+
+def collator(run: dict, tokenizer):
+    """Padding-free batches when packing: the batch's rows laid end to end in one row with position ids
+    restarting at every row, which transformers turns into a block-diagonal causal mask (eager, sdpa) or
+    variable-length kernels (flash_attention_2). Same rows and label tokens per step as padded batches,
+    so the loss is the same; only the pad tokens' compute is gone."""
+    from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening
+
+    if run["packing"]:
+        return DataCollatorWithFlattening(return_position_ids=True, separator_id=-100)
+    return DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
 
 
 def build_model(run: dict, layout, dtype: str, device: torch.device):
@@ -80,12 +107,40 @@ def write_loss_curve(history: list[dict], path) -> list[dict]:
 
 
 def run(cfg: dict, paths: dict) -> dict:
-    """Fine-tune one named run and measure what it cost and bought (DDP when num_processes > 1)."""
+    """Fine-tune one named run and measure what it cost and bought (DDP when num_processes > 1).
+    A run the device cannot do, or that fails or runs out of memory, is recorded with its status and
+    reason (the grid goes on); bad params still stop with an error."""
     run_cfg = finetune_run(cfg, paths["name"])
+    device = pick_device(cfg["runtime"])
+    missing = unavailable_knobs(run_cfg, device)
+    if missing:
+        return not_trained(paths, run_cfg, device, {"status": "unavailable", "reason": "; ".join(missing)})
     distributed = run_cfg["num_processes"] * run_cfg["num_machines"] > 1 or run_cfg["accelerate_config"]
-    if distributed and "LOCAL_RANK" not in os.environ:
-        return launch_distributed(run_cfg, paths)
-    return train(cfg, paths)
+    try:
+        if distributed and "LOCAL_RANK" not in os.environ:
+            return launch_distributed(run_cfg, paths)
+        return train(cfg, paths)
+    except UserError:
+        raise
+    except Exception as err:  # a grid cell that failed is a result, not the end of the grid
+        log.exception("%s: training failed", paths["name"])
+        return not_trained(paths, run_cfg, device, classify_failure(err))
+
+
+NOT_TRAINED = "NOT_TRAINED.txt"
+
+
+def not_trained(paths: dict, run_cfg: dict, device: torch.device, failure: dict) -> dict:
+    """The outputs of a run that did not train: its status and reason, an empty loss curve and a model folder
+    holding only a note, so that the rules downstream run and record it as skipped."""
+    for leftover in paths["out"].iterdir():
+        shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
+    log.warning("%s: %s: %s", paths["name"], failure["status"], failure["reason"])
+    write_loss_curve([], paths["out"] / "loss.csv")
+    (paths["out"] / "model").mkdir()
+    (paths["out"] / "model" / NOT_TRAINED).write_text(f"{failure['status']}: {failure['reason']}\n")
+    return {**failure, "run": paths["name"], "method": run_cfg["method"], "settings": run_cfg,
+            "environment": environment(device, run_cfg)}
 
 
 def _free_port() -> int:
@@ -165,6 +220,21 @@ def _checkpoint_state(checkpoint: str | None) -> dict:
     return {"global_step": state["global_step"], "num_input_tokens_seen": state.get("num_input_tokens_seen", 0)}
 
 
+class TokensProcessed:
+    """Counts the token positions the model computes in training, pad tokens included (the input embedding
+    sees every one), so the report can say how much of the compute went to padding."""
+
+    def __init__(self, model):
+        self.count = 0
+        self._hook = model.get_input_embeddings().register_forward_pre_hook(self._seen)
+
+    def _seen(self, module, inputs):
+        self.count += inputs[0].numel()
+
+    def remove(self) -> None:
+        self._hook.remove()
+
+
 def _lora_scaling(model) -> float | None:
     """The scale peft applies to B·A (alpha/r, or alpha/sqrt(r) with rsLoRA), read from a LoRA layer."""
     for module in model.modules():
@@ -186,7 +256,7 @@ def _weights_sha256(model) -> str:
 def train(cfg: dict, paths: dict) -> dict:
     """The training itself, in this process (one DDP rank when launched by accelerate)."""
     from datasets import Dataset
-    from transformers import DataCollatorForSeq2Seq, Trainer, TrainingArguments, set_seed
+    from transformers import Trainer, TrainingArguments, set_seed
 
     name, layout = paths["name"], paths["layout"]
     run_cfg = finetune_run(cfg, name)
@@ -198,12 +268,15 @@ def train(cfg: dict, paths: dict) -> dict:
     device = pick_device(cfg["runtime"])
     dtype = base_dtype(layout)
     precision = mixed_precision(run_cfg, dtype, device)
-    set_seed(run_cfg["seed"])
+    set_seed(run_cfg["seed"], deterministic=run_cfg["deterministic"])
     tokenizer = load_tokenizer(layout.base_model())
     train_rows = read_split(layout.split("train"))
     val_rows = read_split(layout.split("validation"), run_cfg["eval_rows"])
 
     model = build_model(run_cfg, layout, dtype, device)
+    # Training needs no KV cache, and with one transformers would not see packed rows' boundaries (it reads
+    # them from the position ids only when there is no cache) and would let them attend to each other.
+    model.config.use_cache = False
     params = count_parameters(model)
     log.info("%s: %s trainable of %s parameters (%.3f%%), precision %s", name, f"{params['trainable']:,}",
              f"{params['total']:,}", params["trainable_pct"], precision)
@@ -224,21 +297,27 @@ def train(cfg: dict, paths: dict) -> dict:
         learning_rate=run_cfg["learning_rate"], lr_scheduler_type=run_cfg["lr_scheduler"],
         warmup_steps=run_cfg["warmup_steps"], weight_decay=run_cfg["weight_decay"],
         max_grad_norm=run_cfg["max_grad_norm"], optim=run_cfg["optimizer"], bf16=precision == "bf16", fp16=precision == "fp16",
+        tf32=run_cfg["tf32"] if device.type == "cuda" else None, torch_compile=run_cfg["torch_compile"],
+        full_determinism=run_cfg["deterministic"],
         logging_steps=1, eval_strategy="no", report_to=[], seed=run_cfg["seed"],
-        data_seed=run_cfg["seed"], use_cpu=device.type == "cpu", dataloader_num_workers=0,
+        data_seed=run_cfg["seed"], use_cpu=device.type == "cpu",
+        dataloader_num_workers=run_cfg["dataloader_num_workers"],
+        dataloader_pin_memory=device.type == "cuda" and run_cfg["pin_memory"] in ("auto", True),
         include_num_input_tokens_seen="non_padding", remove_unused_columns=False,
         ddp_find_unused_parameters=False, disable_tqdm=rank != 0,
     )
     trainer = Trainer(model=model, args=args, train_dataset=Dataset.from_list(train_rows),
-                      data_collator=DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100),
+                      data_collator=collator(run_cfg, tokenizer),
                       callbacks=[KillAfterCheckpoint()] if os.environ.get(KILL_ENV) else None)
     resumed = _checkpoint_state(resume)
     if resume:
         log.info("%s: resuming from %s (step %d)", name, resume, resumed["global_step"])
+    processed = TokensProcessed(model)
     with track_memory(device) as train_mem:
         t0 = time.perf_counter()
         result = trainer.train(resume_from_checkpoint=resume)
         train_s = time.perf_counter() - t0
+    processed.remove()
     optimizer_state_bytes = sum(t.numel() * t.element_size() for state in trainer.optimizer.state.values()
                                 for t in state.values() if torch.is_tensor(t))
     model.eval()
@@ -278,6 +357,9 @@ def train(cfg: dict, paths: dict) -> dict:
         "run": name, "method": run_cfg["method"], "settings": run_cfg, "compute_dtype": dtype,
         "mixed_precision": precision, "threads": threads, "parameters": params,
         "processes": world, "ranks": ranks, "total_steps": result.global_step,
+        "effective_batch": run_cfg["batch_size"] * run_cfg["gradient_accumulation_steps"] * world,
+        "padding_free": run_cfg["packing"], "tokens_processed": processed.count,
+        "pad_fraction": 1 - tokens / processed.count if processed.count else None,
         "resumed_from": resumed["global_step"] or None, "optimizer": run_cfg["optimizer"],
         "optimizer_state_bytes": optimizer_state_bytes, "lora_scaling": _lora_scaling(model),
         "steps": steps, "train_s": train_s, "step_s": train_s / steps,

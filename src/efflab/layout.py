@@ -5,6 +5,7 @@ holding metrics.json and, where the stage makes one, model/.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,3 +34,12 @@ class Layout:
 
     def metrics(self, stage: str, name: str | None = None) -> Path:
         return self.out(stage, name) / METRICS
+
+    def skipped_because(self, stage: str, name: str) -> dict | None:
+        """A 'skipped' result naming why, when the job `stage/name` this one builds on did not succeed
+        (a fine-tuning run that failed or was unavailable on this device): the grid goes on without it."""
+        upstream = json.loads(self.metrics(stage, name).read_text())
+        if upstream.get("status", "ok") == "ok":
+            return None
+        return {"status": "skipped",
+                "reason": f"{stage} {name} is {upstream['status']}: {upstream.get('reason', 'no reason given')}"}

@@ -201,7 +201,7 @@ def nvml_process_mib(device: torch.device) -> tuple[float | None, str | None]:
 
 # --- isolation: one benchmark cell per process -------------------------------------------------
 
-def _failure(err: BaseException) -> dict:
+def classify_failure(err: BaseException) -> dict:
     import traceback
 
     text = str(err).strip().splitlines()[0] if str(err).strip() else ""
@@ -231,7 +231,7 @@ def _cell_child(fn, kwargs: dict, conn, log_file: str | None, threads: int) -> N
     try:
         result = {"status": "ok"} | fn(**kwargs)
     except BaseException as err:  # the whole point: any failure becomes a recorded result
-        result = _failure(err)
+        result = classify_failure(err)
     conn.send(result)
     conn.close()
 
@@ -281,7 +281,7 @@ def run_cell(fn, kwargs: dict, isolation: str = "subprocess", timeout_s: float |
         except (KeyboardInterrupt, SystemExit):
             raise
         except Exception as err:
-            result = _failure(err)
+            result = classify_failure(err)
         return result | {"isolation": "inprocess", "cell_wall_s": time.perf_counter() - t0}
 
     ctx = _cell_context()

@@ -70,6 +70,11 @@ def run(cfg: dict, paths: dict) -> dict:
     run_cfg = finetune_run(cfg, name)
     set_threads(cfg["runtime"])
     device = pick_device(cfg["runtime"])
+    skipped = layout.skipped_because("finetune", name)
+    if skipped:
+        (paths["out"] / "model").mkdir()
+        (paths["out"] / "model" / "NOT_MERGED.txt").write_text(skipped["reason"] + "\n")
+        return {**skipped, "run": name, "method": run_cfg["method"], "environment": environment(device, m)}
     dtype = base_dtype(layout)
     tokenizer = load_tokenizer(layout.base_model())
     rows = read_split(layout.split("validation"), m["eval_rows"])

@@ -48,9 +48,15 @@ def quantize_table(rows: list[dict]) -> pd.DataFrame:
     } for r in rows])
 
 
+def _ok(rows: list[dict]) -> list[dict]:
+    return [r for r in rows if r.get("status", "ok") == "ok"]
+
+
 def finetune_table(rows: list[dict]) -> pd.DataFrame:
     return pd.DataFrame([{
         "run": r["run"], "method": r["method"], "precision": r["mixed_precision"],
+        "effective batch": r.get("effective_batch"),
+        "pad tokens computed (%)": _pct(r.get("pad_fraction")),
         "trainable params": r["parameters"]["trainable"], "trainable (%)": r["parameters"]["trainable_pct"],
         "total params": r["parameters"]["total"], "steps": r["steps"], "step (s)": r["step_s"],
         "tokens/s": r["tokens_per_s"], "samples/s": r["samples_per_s"],
@@ -60,10 +66,108 @@ def finetune_table(rows: list[dict]) -> pd.DataFrame:
         f"peak memory (MiB, {r['train_memory']['kind']})": _mem(r["train_memory"]),
         "val loss before": r["validation_before"]["loss"], "val loss after": r["validation_after"]["loss"],
         "val perplexity after": r["validation_after"]["perplexity"], "env": _fp(r),
-    } for r in rows])
+    } for r in _ok(rows)])
+
+
+# Settings that change what a run costs or buys; the others (eval_rows, checkpoint_every, ...) do not make two
+# runs a knob comparison.
+NOT_KNOBS = {"eval_rows", "checkpoint_every", "num_machines", "accelerate_config"}
+
+
+def _flat_settings(settings: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in settings.items():
+        if isinstance(value, dict):
+            out |= _flat_settings(value, f"{prefix}{key}.")
+        elif key not in NOT_KNOBS:
+            out[prefix + key] = json.dumps(value)
+    return out
+
+
+def knob_pairs(rows: list[dict]) -> list[tuple[str, str, str, dict, dict]]:
+    """Pairs of trained runs whose settings differ in exactly one knob (the earlier run in params.yaml order
+    first): what that knob alone cost and bought, everything else equal."""
+    runs = [(r, _flat_settings(r["settings"])) for r in _ok(rows)]
+    pairs, seen = [], set()
+    for i, (a, fa) in enumerate(runs):
+        for b, fb in runs[i + 1:]:
+            differ = [k for k in fa.keys() | fb.keys() if fa.get(k) != fb.get(k)]
+            same = frozenset({json.dumps(fa, sort_keys=True), json.dumps(fb, sort_keys=True)})
+            if len(differ) == 1 and same not in seen:  # runs with equal knobs (e.g. other eval_rows) pair once
+                seen.add(same)
+                knob = differ[0]
+                pairs.append((knob, fa.get(knob, "-"), fb.get(knob, "-"), a, b))
+    return pairs
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None or not a else b / a
+
+
+def knob_table(rows: list[dict]) -> pd.DataFrame:
+    out = []
+    for knob, value_a, value_b, a, b in knob_pairs(rows):
+        mem_a, mem_b = _mem(a["train_memory"]), _mem(b["train_memory"])
+        delta_a, delta_b = a["train_memory"].get("delta_mib"), b["train_memory"].get("delta_mib")
+        out.append({
+            "knob": knob, "from → to": f"{value_a} → {value_b}",
+            "runs": f"{a['run']} → {b['run']}",
+            "peak memory (MiB)": f"{mem_a:.0f} → {mem_b:.0f}" if mem_a and mem_b else "-",
+            "training memory over baseline (MiB)": f"{delta_a:.0f} → {delta_b:.0f}" if delta_a and delta_b else "-",
+            "memory change (%)": _pct(_ratio(delta_a, delta_b) - 1) if _ratio(delta_a, delta_b) else None,
+            "memory kind": a["train_memory"]["kind"],
+            "step time change (%)": _pct(_ratio(a["step_s"], b["step_s"]) - 1),
+            "tokens/s ratio": _ratio(a["tokens_per_s"], b["tokens_per_s"]),
+            "val loss after": f"{a['validation_after']['loss']:.4f} → {b['validation_after']['loss']:.4f}",
+            "env": _fp(a) if _fp(a) == _fp(b) else f"{_fp(a)} / {_fp(b)}",
+        })
+    return pd.DataFrame(out)
+
+
+def not_run_table(metrics: dict[str, list[dict]]) -> pd.DataFrame:
+    """Every job of the grid that did not produce numbers, and why: nothing disappears silently."""
+    return pd.DataFrame([{
+        "stage": stage, "name": m.get("name"), "status": m["status"], "reason": m.get("reason", ""),
+    } for stage, ms in metrics.items() for m in ms if m.get("status", "ok") != "ok"],
+        columns=["stage", "name", "status", "reason"])
+
+
+# Why a GPU rerun is not bitwise identical by default, and what finetune.deterministic does about it.
+GPU_DETERMINISM = [
+    "cuBLAS picks reduction orders per workspace: bitwise repeats need `CUBLAS_WORKSPACE_CONFIG=:4096:8`, "
+    "which `deterministic: true` sets (transformers' `enable_full_determinism`).",
+    "Atomic adds in backward kernels (index_add/scatter in embedding backward, SDPA's memory-efficient and "
+    "FlashAttention-2 backward) sum in a run-dependent order; `deterministic: true` makes PyTorch use "
+    "deterministic kernels where they exist (`torch.use_deterministic_algorithms`, "
+    "`FLASH_ATTENTION_DETERMINISTIC=1`) and raise an error where none exists, rather than drift silently.",
+    "cuDNN / cuBLAS autotuning (`torch.backends.cudnn.benchmark`) and `torch_compile`'s max-autotune choose "
+    "kernels by timing, so two runs can pick different kernels.",
+    "`tf32: true` and bf16/fp16 mixed precision change the rounding, not the determinism: reruns agree with "
+    "each other but not with an fp32 run.",
+    "bitsandbytes 4-bit/8-bit kernels (QLoRA, 8-bit optimizers) and `dataloader_num_workers > 0` with "
+    "unseeded worker RNGs are further sources; efflab seeds the workers through the Trainer's `seed`/`data_seed`.",
+]
+
+
+def plot_finetune(rows: list[dict], path: Path) -> None:
+    """Peak memory and throughput per run, side by side: what each method and knob costs and buys."""
+    ok = _ok(rows)
+    fig, (mem_ax, tps_ax) = plt.subplots(1, 2, figsize=(10, 0.5 * len(ok) + 1.8), sharey=True)
+    names = [r["run"] for r in ok]
+    kind = ok[0]["train_memory"]["kind"] if ok else ""
+    mem_ax.barh(names, [_mem(r["train_memory"]) or 0 for r in ok], color="tab:blue")
+    mem_ax.set_xlabel(f"peak memory (MiB, {kind})")
+    tps_ax.barh(names, [r["tokens_per_s"] for r in ok], color="tab:green")
+    tps_ax.set_xlabel("training tokens/s (real tokens)")
+    mem_ax.invert_yaxis()
+    fig.suptitle("Fine-tuning runs: memory and throughput")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def merge_table(rows: list[dict]) -> pd.DataFrame:
+    rows = _ok(rows)
     return pd.DataFrame([{
         "run": r["run"], "reference": r["reference"], "merged into": r["merge_target"],
         f"max |logit diff| (merge dtype)": r["merged"]["max_abs_logit_diff"],
@@ -84,6 +188,7 @@ def _ci(stats: dict, scale: float = 1.0) -> str:
 
 
 def merge_targets_table(rows: list[dict]) -> pd.DataFrame:
+    rows = _ok(rows)
     return pd.DataFrame([{
         "run": r["run"], "merged into": target, "max |logit diff| vs adapter on 4-bit base": t["max_abs_logit_diff"],
         "mean KL vs adapter": t["kl_mean"], "perplexity": t["validation"]["perplexity"],
@@ -166,6 +271,8 @@ def plot_loss(layout, runs: list[str], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     for run in runs:
         curve = pd.read_csv(layout.out("finetune", run) / "loss.csv")
+        if curve.empty:  # the run did not train
+            continue
         ax.plot(curve["step"], curve["loss"], marker=".", label=run)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("training loss (response tokens)")
@@ -293,6 +400,7 @@ def run(cfg: dict, paths: dict) -> dict:
     tables = {
         "quantize": quantize_table(metrics["quantize"]),
         "finetune": finetune_table(metrics["finetune"]),
+        "finetune_knobs": knob_table(metrics["finetune"]),
         "merge": merge_table(metrics["merge"]),
         "merge_targets": merge_targets_table(metrics["merge"]),
         "bench_attention": attention_table(metrics["bench_attention"]),
@@ -301,6 +409,7 @@ def run(cfg: dict, paths: dict) -> dict:
     }
     plots = {"quantize.png": lambda p: plot_quantize(tables["quantize"], p),
              "finetune_loss.png": lambda p: plot_loss(layout, names["finetune"], p),
+             "finetune.png": lambda p: plot_finetune(metrics["finetune"], p),
              "bench_attention.png": lambda p: plot_attention(tables["bench_attention"], p),
              "bench_attention_memory.png": lambda p: plot_attention_memory(
                  tables["bench_attention"], tables["attention_memory_exponent"], p),
@@ -316,7 +425,8 @@ def run(cfg: dict, paths: dict) -> dict:
         return comparison(tables[key], environments, allow_mixed)
 
     env = base["environment"]
-    inf = metrics["bench_inference"][0]
+    inf = next((m for m in metrics["bench_inference"] if m["status"] == "ok"), metrics["bench_inference"][0])
+    not_run = not_run_table(metrics)
     dtype_note = base.get("dtype_choice", {}).get("reason", f"{base['dtype']} as configured")
     lines = [
         "# efflab report", "",
@@ -346,7 +456,16 @@ def run(cfg: dict, paths: dict) -> dict:
         "fine-tuning; 4N + 2·N_trainable + 12·L·d·T with frozen weights) × tokens/s, over the matmul throughput "
         "measured on this machine in the training dtype at the start of the run (and over the published peak "
         "on known GPUs). Peak memory is of the training loop, kind named in the column.",
-        "", table("finetune"), "", "![loss curves](finetune_loss.png)", "",
+        "", table("finetune"), "", "![memory and throughput](finetune.png)", "", "![loss curves](finetune_loss.png)",
+        "", "### What each knob costs and buys", "",
+        "Every pair of trained runs whose settings differ in exactly one knob, everything else equal (add runs "
+        "to `finetune.runs` to sweep a knob). Memory change is of the training memory over the process's "
+        "resident memory before training; step time is the mean wall time per optimizer step.", "",
+        table("finetune_knobs"), "",
+        "### Determinism", "",
+        "On CPU the same params give a bitwise-identical loss curve and adapter weights on a rerun (tested). "
+        "On a GPU these break bitwise reruns:", "",
+        *[f"- {line}" for line in GPU_DETERMINISM], "",
         "## Merging adapters", "",
         "Reference: the adapter on the base it was trained against. Differences are max |logit| over "
         "every real token of the validation rows.", "", table("merge"), "",
@@ -372,6 +491,10 @@ def run(cfg: dict, paths: dict) -> dict:
         "### Sample answers (first prompt, first cell)", "",
         *[f"- **{m['variant']}**: {m['cells'][0]['samples'][0]['answer'].strip()[:200]!r}"
           for m in metrics["bench_inference"] if m["cells"] and m["cells"][0]["status"] == "ok"],
+        "", "## Cells that did not run", "",
+        "Grid cells that failed, ran out of memory, were unavailable on this device or were skipped because "
+        "what they build on did not run; the rest of the grid ran.", "",
+        _md(not_run) if not not_run.empty else "_none: every cell ran_",
         "", (layout.out("claims") / "claims.md").read_text().strip(),
         "", "## Environments", "",
         "Results are compared in one table only when their fingerprints (machine and library versions) agree.",
@@ -379,7 +502,7 @@ def run(cfg: dict, paths: dict) -> dict:
     ]
     (out / "report.md").write_text("\n".join(lines))
     log.info("report: %s", paths["final"] / "report.md")
-    return {"tables": {k: len(v) for k, v in tables.items()}, "plots": sorted(plots),
+    return {"tables": {k: len(v) for k, v in tables.items()}, "plots": sorted(plots), "not_run": len(not_run),
             "environments": len(environments)}
 
 
