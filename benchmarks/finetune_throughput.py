@@ -1,0 +1,144 @@
+"""Benchmark: efflab's LoRA fine-tuning throughput vs the plain HF Trainer + peft script a user would write
+(benchmarks/trainer_baseline.py), same model, data, steps and hyperparameters, in one run on one machine.
+
+Cells (each a fresh process, interleaved over the repeats so drift hits every cell alike):
+  baseline       benchmarks/trainer_baseline.py: dynamic padding, the Trainer's defaults
+  efflab         `python -m efflab.finetune` with the run's settings as shipped (padding-free packing,
+                 the precision the base_model probe found fastest here, step checkpoints on)
+  efflab-padded  the same with packing off: what packing alone buys, and efflab's overhead otherwise
+  efflab-bf16    the same with bf16 mixed precision forced on (the seeds' other speed-up)
+
+Needs the base model and the prepared data (`snakemake --cores all results/prepare_data/train.parquet
+results/base_model/model`, or any earlier `make run`).
+
+    python benchmarks/finetune_throughput.py --run lora-r8 --repeats 3
+
+Reports per cell the median and range of real-token throughput, the ratio of medians vs the baseline and MFU
+(model FLOPs per token × tokens/s over the matmul ceiling efflab measured on this machine in the training
+dtype), and writes them to results/benchmarks/finetune_throughput.{json,md}.
+"""
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+from efflab.config import finetune_run, load
+
+REPO = Path(__file__).resolve().parents[1]
+CELLS = ("baseline", "efflab", "efflab-padded", "efflab-bf16")
+
+
+def efflab_cell(params: dict, run: str, overrides: dict, results: Path, work: Path) -> dict:
+    """One efflab fine-tuning run through the stage's real CLI, in a scratch results folder that shares the
+    pipeline's base model and data."""
+    scratch = work / "results"
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir()
+    for stage in ("base_model", "prepare_data"):
+        (scratch / stage).symlink_to((results / stage).resolve())
+    cfg = json.loads(json.dumps(params))
+    cfg["finetune"]["runs"] = {"bench": {**cfg["finetune"]["runs"][run], **overrides}}
+    cfg["merge"]["runs"] = []
+    cfg["bench_inference"]["variants"] = {"baseline": {"kind": "base"}}
+    path = work / "params.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    subprocess.run([sys.executable, "-m", "efflab.finetune", "--params", str(path), "--results", str(scratch),
+                    "--name", "bench"], check=True, capture_output=True)
+    m = json.loads((scratch / "finetune" / "bench" / "metrics.json").read_text())
+    t = m["throughput"]
+    return {"tokens_per_s": m["tokens_per_s"], "train_s": m["train_s"], "tokens_seen": m["tokens_seen"],
+            "last_loss": m["last_loss"], "mfu": t["mfu_vs_measured_ceiling"], "mixed_precision": m["mixed_precision"],
+            "flops_per_token": t["flops"]["model_flops_per_token"], "ceiling_tflops": t["matmul_ceiling"]["tflops"],
+            "pad_fraction": m["pad_fraction"]}
+
+
+def baseline_cell(settings: dict, results: Path, work: Path) -> dict:
+    lora = settings["lora"]
+    out = work / "baseline.json"
+    subprocess.run([sys.executable, str(REPO / "benchmarks" / "trainer_baseline.py"),
+                    "--model", str(results / "base_model" / "model"),
+                    "--train", str(results / "prepare_data" / "train.parquet"),
+                    "--max-steps", str(settings["max_steps"]), "--batch-size", str(settings["batch_size"]),
+                    "--learning-rate", str(settings["learning_rate"]), "--warmup-steps", str(settings["warmup_steps"]),
+                    "--r", str(lora["r"]), "--alpha", str(lora["alpha"]), "--dropout", str(lora["dropout"]),
+                    "--targets", ",".join(lora["target_modules"]), "--seed", str(settings["seed"]),
+                    "--json", str(out)], check=True, capture_output=True)
+    return json.loads(out.read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--params", default="params.yaml")
+    parser.add_argument("--run", default="lora-r8", help="the finetune run whose settings both sides use")
+    parser.add_argument("--results", default="results")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--cells", default=",".join(CELLS))
+    parser.add_argument("--out", default="results/benchmarks/finetune_throughput")
+    args = parser.parse_args()
+    params, results = load(args.params), Path(args.results)
+    settings = finetune_run(params, args.run)
+    if settings["method"] != "lora":
+        sys.exit(f"finetune_throughput: error: --run {args.run!r} is a {settings['method']} run; the baseline "
+                 "script is a LoRA script")
+    for needed in (results / "base_model" / "model", results / "prepare_data" / "train.parquet"):
+        if not needed.exists():
+            sys.exit(f"finetune_throughput: error: {needed} does not exist (run the pipeline's base_model and "
+                     "prepare_data first)")
+    cells = args.cells.split(",")
+    overrides = {"efflab": {}, "efflab-padded": {"packing": False}, "efflab-bf16": {"mixed_precision": "bf16"}}
+    samples: dict[str, list[dict]] = {c: [] for c in cells}
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        for repeat in range(args.repeats):
+            for cell in cells:
+                t0 = time.perf_counter()
+                result = baseline_cell(settings, results, work) if cell == "baseline" else \
+                    efflab_cell(params, args.run, overrides[cell], results, work)
+                samples[cell].append(result)
+                print(f"[{repeat + 1}/{args.repeats}] {cell}: {result['tokens_per_s']:.1f} tokens/s "
+                      f"({result['tokens_seen']} tokens in {result['train_s']:.1f} s; cell {time.perf_counter() - t0:.0f} s)",
+                      flush=True)
+
+    efflab = next((s for c, s in samples.items() if c != "baseline" and s), [])
+    flops = statistics.median(s["flops_per_token"] for s in efflab) if efflab else None
+    ceiling = statistics.median(s["ceiling_tflops"] for s in efflab) if efflab else None
+    base = statistics.median(s["tokens_per_s"] for s in samples["baseline"]) if samples.get("baseline") else None
+    summary = {}
+    for cell, runs in samples.items():
+        tps = [s["tokens_per_s"] for s in runs]
+        median = statistics.median(tps)
+        summary[cell] = {
+            "n": len(tps), "tokens_per_s_median": median, "tokens_per_s_min": min(tps), "tokens_per_s_max": max(tps),
+            "ratio_vs_baseline": median / base if base else None,
+            "mfu": median * flops / (ceiling * 1e12) if flops and ceiling else None,
+            "last_loss": [s["last_loss"] for s in runs], "pad_fraction": runs[0].get("pad_fraction"),
+            "mixed_precision": runs[0].get("mixed_precision", "no (the Trainer's default)"),
+        }
+    lines = [f"Fine-tuning throughput, run `{args.run}` ({settings['max_steps']} steps, batch {settings['batch_size']}), "
+             f"{args.repeats} interleaved repeats; MFU over the measured {ceiling:.3f} TFLOP/s matmul ceiling" if ceiling
+             else "", "",
+             "| cell | n | tokens/s median | min–max | × baseline | MFU (%) | precision |",
+             "|---|---|---|---|---|---|---|"]
+    for cell, s in summary.items():
+        ratio = f"{s['ratio_vs_baseline']:.2f}" if s["ratio_vs_baseline"] else "-"
+        mfu = f"{100 * s['mfu']:.1f}" if s["mfu"] else "-"
+        lines.append(f"| {cell} | {s['n']} | {s['tokens_per_s_median']:.1f} | {s['tokens_per_s_min']:.1f}–"
+                     f"{s['tokens_per_s_max']:.1f} | {ratio} | {mfu} | {s['mixed_precision']} |")
+    table = "\n".join(lines)
+    print(table)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({"run": args.run, "settings": settings, "summary": summary,
+                                                    "samples": samples}, indent=2))
+    out.with_suffix(".md").write_text(table + "\n")
+
+
+if __name__ == "__main__":
+    main()

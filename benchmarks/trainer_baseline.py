@@ -1,0 +1,72 @@
+"""The baseline efflab's fine-tuning is compared with: a plain HF Trainer + peft LoRA script, written the way
+the transformers and peft docs teach it, with nothing of efflab in it.
+
+It trains on the same tokenized rows efflab trains on (results/prepare_data/train.parquet: input ids and
+labels with the prompt masked), so model, data, steps and hyperparameters are the same and only how the
+training is run differs: here dynamic padding to the longest row of each batch (DataCollatorForSeq2Seq),
+the model in the dtype it was saved in, the Trainer's defaults for everything else.
+
+    python benchmarks/trainer_baseline.py --model results/base_model/model \
+        --train results/prepare_data/train.parquet --max-steps 12 --json baseline.json
+
+Prints and writes: wall time of trainer.train(), real (non-padding) tokens seen, tokens/s, last loss.
+"""
+import argparse
+import json
+import tempfile
+import time
+
+import pandas as pd
+from datasets import Dataset
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq2Seq, Trainer, TrainingArguments
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, help="a local HF model folder")
+    parser.add_argument("--train", required=True, help="a parquet file with input_ids and labels columns")
+    parser.add_argument("--max-steps", type=int, default=12)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--learning-rate", type=float, default=1e-3)
+    parser.add_argument("--warmup-steps", type=int, default=2)
+    parser.add_argument("--r", type=int, default=8)
+    parser.add_argument("--alpha", type=float, default=16)
+    parser.add_argument("--dropout", type=float, default=0.05)
+    parser.add_argument("--targets", default="q_proj,k_proj,v_proj,o_proj")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", help="also write the result here")
+    args = parser.parse_args()
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(args.model)
+    model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", r=args.r, lora_alpha=args.alpha,
+                                             lora_dropout=args.dropout, target_modules=args.targets.split(",")))
+    frame = pd.read_parquet(args.train)
+    train = Dataset.from_dict({"input_ids": [list(map(int, x)) for x in frame.input_ids],
+                               "labels": [list(map(int, x)) for x in frame.labels]})
+    with tempfile.TemporaryDirectory() as out:
+        training_args = TrainingArguments(
+            output_dir=out, max_steps=args.max_steps, per_device_train_batch_size=args.batch_size,
+            learning_rate=args.learning_rate, lr_scheduler_type="cosine", warmup_steps=args.warmup_steps,
+            logging_steps=1, save_strategy="no", report_to=[], seed=args.seed,
+            include_num_input_tokens_seen="non_padding")
+        trainer = Trainer(model=model, args=training_args, train_dataset=train,
+                          data_collator=DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100))
+        t0 = time.perf_counter()
+        trainer.train()
+        train_s = time.perf_counter() - t0
+    tokens = trainer.state.num_input_tokens_seen
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    result = {"train_s": train_s, "steps": trainer.state.global_step, "tokens_seen": tokens,
+              "tokens_per_s": tokens / train_s, "last_loss": losses[-1], "dtype": str(model.dtype)}
+    print(json.dumps(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
