@@ -24,7 +24,16 @@ def test_tiny_base_model_is_built_from_the_real_config_and_tokenizer(prepared, t
     assert metrics["parameters"] == sum(p.numel() for p in model.parameters())
     assert (folder / "model.safetensors").is_file() and not list(folder.glob("*.bin"))
     assert metrics["bytes_on_disk"] > 0 and metrics["load_s"] > 0
-    assert metrics["dtype_choice"]["requested"] == "auto"
+    assert metrics["dtype"] == metrics["dtype_choice"]["requested"] == test_cfg["base_model"]["dtype"]
+
+
+def test_auto_dtype_is_the_faster_of_the_measured_matmuls_on_cpu():
+    from efflab.measure import resolve_dtype
+
+    chosen, evidence = resolve_dtype("auto", torch.device("cpu"))
+    probe = evidence["linear_gflops"]
+    assert set(probe) == {"float32", "bfloat16"} and all(v > 0 for v in probe.values())
+    assert chosen == max(probe, key=probe.get) and chosen in evidence["reason"]
 
 
 def test_a_local_folder_is_a_source_and_keeps_its_weights(prepared, tmp_path, write_params):

@@ -21,8 +21,8 @@ from transformers import TrainerCallback
 
 from . import cli
 from .config import UserError, finetune_run
-from .measure import (classify_failure, count_parameters, environment, log_file_path, matmul_ceiling, mfu, pick_device,
-                      published_peak_tflops, set_threads, setup_child_logging, track_memory,
+from .measure import (classify_failure, count_parameters, environment, log_file_path, matmul_ceiling, mfu,
+                      pick_device, published_peak_tflops, set_threads, setup_child_logging, track_memory,
                       training_flops_per_token)
 from .modeling import base_dtype, eval_loss, load_model, load_tokenizer, read_split
 
