@@ -207,7 +207,7 @@ def test_gradient_checkpointing_lowers_the_training_memory(results, write_params
     def edit(cfg):
         cfg["base_model"]["config_overrides"] = deep
         for name, gc in (("kept", False), ("recomputed", True)):
-            cfg["finetune"]["runs"][name] = {"method": "lora", "gradient_checkpointing": gc, "max_steps": 2,
+            cfg["finetune"]["runs"][name] = {"method": "lora", "gradient_checkpointing": gc, "max_steps": 1,
                                              "batch_size": 8, "mixed_precision": "no", "checkpoint_every": 0}
     params = write_params(edit)
     run_stage("base_model", params, results)
