@@ -135,12 +135,17 @@ def _targeted(layer: dict, targets) -> bool:
     return any(layer["name"] == t or layer["name"].endswith("." + t) for t in targets)
 
 
-def lora_parameters(name: str, r: int, targets, **overrides) -> int:
-    """Trainable LoRA parameters for rank r on the targeted linear layers of the meta model."""
+def targeted_layers(name: str, targets, **overrides) -> list[dict]:
+    """The linear layers (see `linear_layers`) that LoRA `targets` select, as peft matches them."""
     hits = [lay for lay in linear_layers(name, **overrides) if _targeted(lay, targets)]
     if not hits:
         raise UserError(f"LoRA targets {targets!r} match no linear layer of {name}")
-    return sum(lora_matrix_parameters(lay["out"], lay["in"], r) for lay in hits)
+    return hits
+
+
+def lora_parameters(name: str, r: int, targets, **overrides) -> int:
+    """Trainable LoRA parameters for rank r on the targeted linear layers of the meta model."""
+    return sum(lora_matrix_parameters(lay["out"], lay["in"], r) for lay in targeted_layers(name, targets, **overrides))
 
 
 def activation_bytes(name: str, seq_len: int, batch: int, bytes_per_el: float = 2, flash: bool = False,

@@ -1,0 +1,285 @@
+"""Peak memory of this pipeline's own fine-tuning and generation runs, predicted before they start.
+
+The prediction is of tensor bytes: what a run keeps alive on top of what is resident when its measurement
+starts (the loaded model, the process). That is what `measure.track_memory` reports as `delta_mib`, so
+prediction and measurement compare directly; on CPU the measurement is resident memory (RSS), which also
+holds what the allocator keeps after tensors are freed, so a measured/predicted ratio above 1 is the
+allocator's share, not a missing tensor.
+
+Training: the peak is at the start of the backward pass of the longest padded batch, when every tensor the
+forward saved for the backward is alive together with the three vocabulary-sized fp32 tensors of the loss,
+or at the optimizer step (gradients + optimizer states), whichever is larger. The saved tensors are counted
+per decoder layer from what each op of the transformers implementation saves (autograd saves an input only
+when the other operand needs a gradient; autocast saves its low-precision copies), for the decoder family
+efflab loads with SDPA attention (RMSNorm, rotary q/k, grouped-query SDPA with a padding mask, gated MLP):
+llama, mistral, qwen2. Sizes are bytes; results are MiB.
+"""
+from __future__ import annotations
+
+import math
+
+from . import estimate
+
+MiB = 2**20
+ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DECODERS = ("llama", "mistral", "qwen2")
+# cross-entropy's fp32 log-softmax output (saved), its gradient and the logits' gradient: live together when
+# the backward pass starts (the logits themselves are freed once the Trainer drops the model outputs)
+LOSS_VOCAB_TENSORS = 3
+# bitsandbytes 8-bit optimizers keep 32-bit state for tensors under 4096 elements (min_8bit_size) and
+# otherwise one byte per moment, one fp32 absmax per 256-element block per moment and a 256-entry fp32 qmap
+BNB_MIN_8BIT_SIZE, BNB_STATE_BLOCK, BNB_QMAP = 4096, 256, 256
+TRAINING_COMPARES_TO = "cpu_peak_rss delta: peak over the resident memory just before trainer.train()"
+GENERATION_COMPARES_TO = "cpu_peak_rss delta: peak over the resident memory of the loaded, warmed-up model"
+
+
+def padded_batch_lengths(lengths: list[int], batch_size: int, steps: int, accumulation: int,
+                         seed: int) -> list[list[tuple[int, int]]]:
+    """(rows, padded length) of every micro-batch of every optimizer step, in the order the Trainer draws
+    them: accelerate's SeedableRandomSampler is a torch.randperm seeded with data_seed + epoch, batches are
+    consecutive slices (the last one of an epoch short), each padded to its longest row."""
+    import torch
+
+    micro: list[tuple[int, int]] = []
+    epoch = 0
+    while len(micro) < steps * accumulation:
+        generator = torch.Generator()
+        generator.manual_seed(seed + epoch)
+        order = torch.randperm(len(lengths), generator=generator).tolist()
+        micro += [(len(order[i:i + batch_size]), max(lengths[j] for j in order[i:i + batch_size]))
+                  for i in range(0, len(order), batch_size)]
+        epoch += 1
+    return [micro[k * accumulation:(k + 1) * accumulation] for k in range(steps)]
+
+
+def _arch(folder) -> dict:
+    cfg = estimate.hf_config(str(folder))
+    heads = cfg.num_attention_heads
+    return {"model_type": cfg.model_type, "layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size,
+            "intermediate": cfg.intermediate_size, "heads": heads,
+            "kv_heads": getattr(cfg, "num_key_value_heads", None) or heads,
+            "head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // heads, "vocab": cfg.vocab_size}
+
+
+def _precisions(run: dict, dtype: str, precision: str) -> dict:
+    """Element sizes of the run as efflab's finetune builds it: full fine-tuning loads fp32 weights; LoRA keeps
+    the base in the base dtype; QLoRA's prepare_model_for_kbit_training upcasts everything not 4-bit (norms,
+    embeddings, head) to fp32. peft keeps adapters in fp32. Autocast (mixed precision) computes linears and
+    SDPA in 16 bits."""
+    method = run["method"]
+    return {"autocast": {"bf16": 2, "fp16": 2}.get(precision), "base": 4 if method in ("full", "qlora") else
+            ELEMENT_BYTES[dtype], "four_bit": method == "qlora", "trainable_base": method == "full"}
+
+
+class _Saved:
+    """Bytes per token saved for the backward pass; a tensor saved by several ops counts once (by name)."""
+
+    def __init__(self):
+        self.names: set[str] = set()
+        self.per_token = 0.0
+
+    def keep(self, name: str, nbytes: float) -> None:
+        if name not in self.names:
+            self.names.add(name)
+            self.per_token += nbytes
+
+
+def _linear_input(saved: _Saved, p: dict, lora: dict | None, module: str, source: str, width: int,
+                  source_bytes: int, grad_in: bool) -> None:
+    """What a linear layer keeps of its input (`source`, `width` features of `source_bytes` each)."""
+    c = p["autocast"]
+    if p["trainable_base"]:  # the weight's gradient needs the input: a 16-bit copy per layer under autocast
+        saved.keep(f"{source}@{module}" if c and c != source_bytes else source, (c or source_bytes) * width)
+    if lora and module in lora["modules"]:
+        dropout = lora["dropout"] > 0
+        if dropout and grad_in:  # CPU/CUDA dropout keeps its fp32 scaled mask for the input's gradient
+            saved.keep(f"{source}:mask@{module}", 4 * width)
+        if c:  # lora_A's weight gradient needs its input, cast to 16 bits by autocast
+            saved.keep(f"{source}:lora@{module}", c * width)
+        elif dropout or source_bytes != 4:  # the dropped (or fp32-cast) input, a new fp32 tensor per adapter
+            saved.keep(f"{source}:lora@{module}", 4 * width)
+        else:  # no dropout, fp32 input: lora_A keeps the input itself, shared by the adapters that read it
+            saved.keep(source, 4 * width)
+
+
+def _decoder_layer(a: dict, p: dict, lora: dict | None, grad_in: bool) -> tuple[float, float, bool]:
+    """(bytes per token, bytes per (row x length^2), output requires grad) saved by one decoder layer."""
+    h, i, attn = a["hidden"], a["intermediate"], a["heads"] * a["head_dim"]
+    c, base = p["autocast"], p["base"]
+    saved = _Saved()
+    norm = 4 + (4 if p["trainable_base"] else 0)  # RMSNorm keeps its fp32 input, and x/rms when its weight trains
+    if grad_in:
+        saved.keep("x", norm * h)
+    for module in ("q_proj", "k_proj", "v_proj"):
+        _linear_input(saved, p, lora, module, "y1", h, base, grad_in)
+    grad_attn = grad_in or p["trainable_base"] or bool(lora and {"q_proj", "k_proj", "v_proj"} & lora["modules"])
+    out_bytes = c or base  # linear outputs: 16-bit under autocast; a 4-bit layer returns its input's dtype
+    per_square = 0.0
+    if grad_attn:
+        # SDPA (flash on CPU, also with a mask) keeps q, the repeated k and v, and its output at the heads'
+        # width, the fp32 log-sum-exp per head, and the boolean padding mask converted to the query dtype
+        sdpa = c or max(out_bytes, base)
+        saved.per_token += 4 * sdpa * attn + 4 * a["heads"]
+        saved.names.add("attn")  # the output, o_proj's input
+        per_square = sdpa
+    _linear_input(saved, p, lora, "o_proj", "attn", attn, c or max(out_bytes, base), grad_attn)
+    grad_mlp = grad_attn or bool(lora and "o_proj" in lora["modules"])
+    if grad_mlp:
+        saved.keep("r1", norm * h)
+    for module in ("gate_proj", "up_proj"):
+        _linear_input(saved, p, lora, module, "y2", h, base, grad_mlp)
+    mlp = base if p["four_bit"] else (c or base)
+    if grad_mlp:  # SiLU keeps the gate, the product keeps SiLU(gate) and up
+        saved.per_token += 3 * mlp * i
+    _linear_input(saved, p, lora, "down_proj", "gated", i, mlp, grad_mlp)
+    return saved.per_token, per_square, grad_mlp
+
+
+def activation_terms(folder, run: dict, dtype: str, precision: str, rows: int, length: int) -> dict:
+    """Bytes the forward pass of one (rows x length) batch leaves saved for the backward, by part."""
+    a, p = _arch(folder), _precisions(run, dtype, precision)
+    lora = None
+    if run["method"] != "full":
+        targets = run["lora"]["target_modules"]
+        names = {lay["name"].rsplit(".", 1)[-1] for lay in estimate.targeted_layers(str(folder), targets)}
+        lora = {"modules": names, "dropout": run["lora"]["dropout"]}
+    tokens = rows * length
+    grad = p["trainable_base"]  # the embedding output needs a gradient only when the embedding trains
+    layers = 0.0
+    for _ in range(a["layers"]):
+        per_token, per_square, grad = _decoder_layer(a, p, lora, grad)
+        layers += per_token * tokens + per_square * rows * length**2
+    head = (4 + (4 if p["trainable_base"] else 0)) * a["hidden"]  # final RMSNorm
+    if p["trainable_base"]:  # the head's weight gradient needs its input
+        head += (p["autocast"] or p["base"]) * a["hidden"]
+    return {"layers": layers, "head": head * tokens, "loss": LOSS_VOCAB_TENSORS * 4 * a["vocab"] * tokens}
+
+
+def _trainable_tensors(folder, run: dict) -> list[int]:
+    """Element counts of the trainable tensors (tied weights once)."""
+    if run["method"] == "full":
+        return [t.numel() for t in estimate.meta_model(str(folder)).parameters()]
+    r = run["lora"]["r"]
+    return [n for lay in estimate.targeted_layers(str(folder), run["lora"]["target_modules"])
+            for n in (r * lay["in"], r * lay["out"])]
+
+
+def optimizer_state_bytes(numels: list[int], optimizer: str, param_bytes: int = 4) -> int:
+    """AdamW's two moments per trainable parameter, in the parameter's dtype (torch), or 8-bit blockwise
+    (bitsandbytes adamw_bnb_8bit / paged_adamw_8bit) for tensors of at least 4096 elements."""
+    if optimizer in ("adamw_bnb_8bit", "paged_adamw_8bit"):
+        return sum(2 * 4 * n if n < BNB_MIN_8BIT_SIZE else
+                   2 * (n + 4 * math.ceil(n / BNB_STATE_BLOCK) + 4 * BNB_QMAP) for n in numels)
+    return sum(2 * param_bytes * n for n in numels)
+
+
+def _autocast_weight_copies(folder, run: dict, p: dict) -> int:
+    """Under autocast every fp32 nn.Linear weight is cast to 16 bits for its matmul, and the copy stays saved
+    for the backward (the weight's own gradient or the input's). 4-bit layers dequantize transiently."""
+    c = p["autocast"]
+    if not c:
+        return 0
+    copies = 0
+    for lay in estimate.linear_layers(str(folder)):
+        kept = lay["head"] or not p["four_bit"]
+        if kept and p["base"] != c:
+            copies += c * lay["in"] * lay["out"]
+    if run["method"] != "full":
+        copies += c * sum(_trainable_tensors(folder, run))  # the fp32 adapters
+    return copies
+
+
+def training_peak(folder, run: dict, dtype: str, precision: str, lengths: list[int], device: str = "cpu") -> dict:
+    """Predicted peak of the memory a fine-tuning run adds over its start (see the module docstring).
+
+    `run` is a resolved finetune run (finetune_run), `dtype` the base model's dtype, `precision` the mixed
+    precision the run resolved ('bf16', 'fp16', 'no'), `lengths` the token count of every training row."""
+    a = _arch(folder)
+    if a["model_type"] not in DECODERS:
+        return {"total_mib": None, "unavailable": f"model type {a['model_type']!r} is not modelled "
+                f"(decoders modelled: {', '.join(DECODERS)})", "compares_to": TRAINING_COMPARES_TO}
+    p = _precisions(run, dtype, precision)
+    numels = _trainable_tensors(folder, run)
+    states = optimizer_state_bytes(numels, run["optimizer"])
+    gradients = 4 * sum(numels)  # trainable parameters are fp32 in every method efflab runs
+    copies = _autocast_weight_copies(folder, run, p)
+    # torch's AdamW on CPU runs per tensor (no foreach kernels): sqrt(v) and its bias correction are two
+    # temporaries of the largest tensor; on CUDA the foreach path builds sqrt(v) for all tensors at once
+    step_temporaries = 2 * 4 * max(numels) if device == "cpu" else 4 * sum(numels)
+    if run["optimizer"] != "adamw_torch":
+        step_temporaries = 0
+    steps = padded_batch_lengths(lengths, run["batch_size"], run["max_steps"], run["gradient_accumulation_steps"],
+                                 run["seed"])
+    best = {"total": 0.0}
+    for k, micro in enumerate(steps):
+        for m, (rows, length) in enumerate(micro):
+            act = activation_terms(folder, run, dtype, precision, rows, length)
+            terms = {"optimizer_states": states if k else 0, "gradients": gradients if m else 0,
+                     "autocast_weight_copies": copies, "activations": act["layers"] + act["head"],
+                     "loss_logits": act["loss"]}
+            total = sum(terms.values())
+            if total > best["total"]:
+                best = {"total": total, "terms": terms, "phase": f"backward start, step {k + 1}",
+                        "batch": {"rows": rows, "padded_length": length}}
+    step = {"optimizer_states": states, "gradients": gradients, "optimizer_step_temporaries": step_temporaries}
+    if sum(step.values()) > best["total"]:
+        best = {"total": sum(step.values()), "terms": step, "phase": "optimizer step", "batch": None}
+    longest = max(length for micro in steps for _, length in micro)
+    return {
+        "total_mib": best["total"] / MiB, "compares_to": TRAINING_COMPARES_TO, "phase": best["phase"],
+        "batch": best["batch"], "terms_mib": {k: v / MiB for k, v in best["terms"].items()},
+        "padded_lengths": {"longest": longest, "max_length_of_data": max(lengths)},
+        "optimizer_state_mib": states / MiB,
+    }
+
+
+def generation_peak(folder, dtype: str, quant: dict | None, batch: int, prompt_len: int, new_tokens: int,
+                    kv_cache: bool) -> dict:
+    """Predicted peak of what greedy generation adds over the loaded model: the KV cache at its final length
+    (plus the one layer's old K and V that DynamicCache's torch.cat copies while growing), the largest
+    transient of a forward pass (the gated MLP of the prefill: gate, SiLU(gate) and up), the last position's
+    fp32 logits, and for a 4-bit model its largest weight dequantized for a matmul. `weights_mib` is the
+    resident model, for reference: it is in the baseline, not in the compared delta."""
+    a = _arch(folder)
+    el = ELEMENT_BYTES[dtype]
+    final = prompt_len + new_tokens - 1  # the last generated token is never fed back
+    kv_width = 2 * a["kv_heads"] * a["head_dim"]
+    terms = {}
+    if kv_cache:
+        terms["kv_cache"] = a["layers"] * kv_width * final * batch * el
+        terms["kv_cache_growth_copy"] = kv_width * (final - 1) * batch * el
+        forward_tokens = batch * prompt_len
+    else:  # every step runs the whole sequence again
+        forward_tokens = batch * final
+    terms["forward_transients"] = 3 * a["intermediate"] * forward_tokens * el
+    terms["logits"] = 4 * a["vocab"] * batch
+    method = (quant or {}).get("method", "none")
+    if method in ("nf4", "fp4"):
+        terms["dequantized_weight"] = el * max(lay["in"] * lay["out"] for lay in estimate.linear_layers(str(folder))
+                                               if not lay["head"])
+    if method == "none":
+        weights = el * estimate.parameter_count(str(folder))
+    else:
+        weights = estimate.bnb_footprint(str(folder), method, bool(quant.get("double_quant")), dtype)["total"]
+    return {"total_mib": sum(terms.values()) / MiB, "compares_to": GENERATION_COMPARES_TO,
+            "terms_mib": {k: v / MiB for k, v in terms.items()}, "weights_mib": weights / MiB}
+
+
+def variant_quant(cfg: dict, variant: dict) -> dict | None:
+    """The bitsandbytes scheme an inference variant's weights are loaded with (None: full precision)."""
+    from .config import finetune_run
+
+    if variant["kind"] == "quantized":
+        return cfg["quantize"]["schemes"][variant["of"]]
+    if variant["kind"] == "adapter":
+        run = finetune_run(cfg, variant["of"])
+        return run["quant"] if run["method"] == "qlora" else None
+    return None
+
+
+def compared(prediction: dict, memory: dict) -> dict:
+    """The prediction with the measured delta and measured/predicted beside it."""
+    measured, predicted = memory.get("delta_mib"), prediction.get("total_mib")
+    ratio = measured / predicted if measured is not None and predicted else None
+    return prediction | {"measured_mib": measured, "measured_kind": memory.get("kind"), "ratio": ratio}
+
