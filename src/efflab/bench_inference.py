@@ -18,6 +18,7 @@ from . import cli
 from .config import finetune_run
 from .layout import Layout
 from .measure import environment, pick_device, run_cell, set_threads, summarize, track_memory
+from .memory_estimate import compared, generation_peak, variant_quant
 from .modeling import base_dtype, load_model, load_tokenizer
 
 log = logging.getLogger("efflab")
@@ -92,6 +93,8 @@ def inference_cell(cfg: dict, results: str, name: str, dtype: str, device: str, 
     for _ in range(b["warmup"]):
         for batch in batches:
             generate_timed(model, tokenizer, batch, n, kv_cache)
+    prediction = generation_peak(layout.base_model(), dtype, variant_quant(cfg, b["variants"][name]), batch_size,
+                                 max(x["input_ids"].shape[1] for x in batches), n, kv_cache)
     with track_memory(device) as mem:
         runs = [generate_timed(model, tokenizer, batch, n, kv_cache) for _ in range(b["repeats"]) for batch in batches]
     if any(r["new_tokens"] != n for r in runs):
@@ -105,6 +108,7 @@ def inference_cell(cfg: dict, results: str, name: str, dtype: str, device: str, 
     return {"ttft": ttft, "decode_tokens_per_s": decode_tps, "per_token_latency": per_token, "memory": mem,
             "generations": len(runs), "prompt_tokens": [r["prompt_tokens"] for r in runs[:len(batches)]],
             "memory_footprint_bytes": model.get_memory_footprint(),
+            "memory_prediction": compared(prediction, mem),
             "samples": [{"prompt": p, "answer": t} for p, t in zip(b["prompts"], runs[0]["texts"])]}
 
 

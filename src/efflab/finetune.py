@@ -24,6 +24,7 @@ from .config import UserError, finetune_run
 from .measure import (classify_failure, count_parameters, environment, log_file_path, matmul_ceiling, mfu,
                       pick_device, published_peak_tflops, set_threads, setup_child_logging, track_memory,
                       training_flops_per_token)
+from .memory_estimate import compared, training_peak
 from .modeling import base_dtype, eval_loss, load_model, load_tokenizer, read_split
 
 log = logging.getLogger("efflab")
@@ -313,6 +314,8 @@ def train(cfg: dict, paths: dict) -> dict:
     if resume:
         log.info("%s: resuming from %s (step %d)", name, resume, resumed["global_step"])
     processed = TokensProcessed(model)
+    prediction = training_peak(layout.base_model(), run_cfg, dtype, precision,  # from config and data only
+                               [len(r["input_ids"]) for r in train_rows], device.type)
     with track_memory(device) as train_mem:
         t0 = time.perf_counter()
         result = trainer.train(resume_from_checkpoint=resume)
@@ -365,6 +368,7 @@ def train(cfg: dict, paths: dict) -> dict:
         "steps": steps, "train_s": train_s, "step_s": train_s / steps,
         "tokens_seen": tokens, "tokens_per_s": tokens / train_s, "samples_per_s": samples / train_s,
         "throughput": throughput,
+        "memory_prediction": compared(prediction, train_mem),
         "train_memory": train_mem, "first_loss": curve[0]["loss"], "last_loss": curve[-1]["loss"],
         "validation_before": before, "validation_after": after,
         "validation_loss_drop": before["loss"] - after["loss"],
