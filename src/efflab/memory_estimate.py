@@ -165,12 +165,13 @@ def _trainable_tensors(folder, run: dict) -> list[int]:
 
 
 def optimizer_state_bytes(numels: list[int], optimizer: str, param_bytes: int = 4) -> int:
-    """AdamW's two moments per trainable parameter, in the parameter's dtype (torch), or 8-bit blockwise
-    (bitsandbytes adamw_bnb_8bit / paged_adamw_8bit) for tensors of at least 4096 elements."""
+    """AdamW's two moments per trainable parameter in the parameter's dtype and an fp32 step count per tensor
+    (torch), or 8-bit blockwise (bitsandbytes adamw_bnb_8bit / paged_adamw_8bit) for tensors of at least 4096
+    elements."""
     if optimizer in ("adamw_bnb_8bit", "paged_adamw_8bit"):
         return sum(2 * 4 * n if n < BNB_MIN_8BIT_SIZE else
                    2 * (n + 4 * math.ceil(n / BNB_STATE_BLOCK) + 4 * BNB_QMAP) for n in numels)
-    return sum(2 * param_bytes * n for n in numels)
+    return sum(2 * param_bytes * n + 4 for n in numels)
 
 
 def _autocast_weight_copies(folder, run: dict, p: dict) -> int:

@@ -1,0 +1,162 @@
+"""The peak-memory prediction: its terms against hand counts on a tiny config, the batch order against
+accelerate's sampler, its loss/activation term against a measured peak, and the stages recording it."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from efflab import memory_estimate as me
+from efflab.measure import MiB, track_memory
+from tests.conftest import TEST_PARAMS, run_stage
+
+# h=64, i=128, 4 heads x 16 (attention width 64), 2 KV heads, vocab 1000
+TINY = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "vocab_size": 1000, "tie_word_embeddings": True, "hidden_act": "silu", "max_position_embeddings": 512}
+H, I, HEADS, V = 64, 128, 4, 1000
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    return tmp_path
+
+
+def _run(method, dropout=0.05, targets=("q_proj", "k_proj", "v_proj", "o_proj"), optimizer="adamw_torch"):
+    return {"method": method, "batch_size": 2, "max_steps": 3, "gradient_accumulation_steps": 1, "seed": 0,
+            "optimizer": optimizer, "gradient_checkpointing": False,
+            "lora": {"r": 8, "dropout": dropout, "target_modules": list(targets)}}
+
+
+def test_full_fp32_saved_tensors_by_hand(tiny):
+    # Per layer, what autograd keeps (fp32, every weight trains, SDPA with a padding mask):
+    # two RMSNorms x (input, x/rms): 4 tensors of h; q/k/v's shared input y1 and gate/up's y2: 2 of h;
+    # SDPA: q, repeated k, repeated v, output: 4 of heads*head_dim = 4 of h; MLP gate, SiLU(gate), up and
+    # down's input: 4 of i; fp32 log-sum-exp per head; the mask as fp32, rows x length^2.
+    rows, length = 2, 10
+    tokens = rows * length
+    per_token = 4 * (4 * H + 2 * H + 4 * H + 4 * I) + 4 * HEADS
+    layer = per_token * tokens + 4 * rows * length**2
+    terms = me.activation_terms(tiny, _run("full"), "float32", "no", rows, length)
+    assert terms["layers"] == 2 * layer == 2 * (4624 * 20 + 800)
+    assert terms["head"] == 4 * (2 * H + H) * tokens  # final norm (input, x/rms) and the head's input
+    assert terms["loss"] == 3 * 4 * V * tokens  # log-softmax output, its gradient, the logits' gradient
+
+
+def test_lora_bf16_autocast_saved_tensors_by_hand(tiny):
+    # Frozen bf16 base under bf16 autocast, fp32 adapters with dropout on q, k, v, o. Per layer: the norms'
+    # fp32 upcast inputs (2 of h, 4 bytes); per adapter the fp32 dropout mask (4 bytes) and lora_A's bf16
+    # input (2 bytes): 4 adapters x 6h; SDPA's q, k, v, output in bf16: 8h; SiLU's gate, SiLU(gate) and up in
+    # bf16: 6i (down_proj is frozen and keeps nothing). Layer 0 reads the frozen embedding: no norm input
+    # and no dropout masks for q, k, v (nothing before them needs a gradient): 16h less.
+    rows, length = 2, 10
+    tokens = rows * length
+    layer1 = (8 * H + 24 * H + 8 * H + 6 * I + 4 * HEADS) * tokens + 2 * rows * length**2
+    layer0 = layer1 - 16 * H * tokens
+    terms = me.activation_terms(tiny, _run("lora"), "bfloat16", "bf16", rows, length)
+    assert terms["layers"] == layer0 + layer1
+    assert terms["head"] == 4 * H * tokens
+
+
+def test_qlora_mlp_stays_fp32_and_the_head_copy_is_kept(tiny):
+    # QLoRA upcasts the norms to fp32, so the 4-bit gate/up return fp32: the MLP keeps 3 x 4i instead of 3 x 2i
+    rows, length = 1, 8
+    lora = me.activation_terms(tiny, _run("lora"), "bfloat16", "bf16", rows, length)["layers"]
+    qlora = me.activation_terms(tiny, _run("qlora"), "bfloat16", "bf16", rows, length)["layers"]
+    assert qlora - lora == 2 * 3 * 2 * I * rows * length
+    p = me._precisions(_run("qlora"), "bfloat16", "bf16")
+    adapters = 2 * sum(me._trainable_tensors(tiny, _run("qlora")))
+    assert me._autocast_weight_copies(tiny, _run("qlora"), p) == 2 * V * H + adapters  # the fp32 head in bf16
+
+
+def test_optimizer_states_by_hand():
+    assert me.optimizer_state_bytes([1000, 10], "adamw_torch") == 8 * 1010 + 2 * 4  # + a step count per tensor
+    # bitsandbytes: 32-bit state under 4096 elements; else 1 byte per moment + fp32 absmax per 256 + 256-entry qmap
+    assert me.optimizer_state_bytes([100], "adamw_bnb_8bit") == 2 * 4 * 100
+    assert me.optimizer_state_bytes([4608], "paged_adamw_8bit") == 2 * (4608 + 4 * 18 + 4 * 256)
+
+
+def test_lora_trainable_tensors_and_step_phase(tiny):
+    # q: 64->64, k/v: 64->32, o: 64->64 per layer; A is r x in, B is out x r
+    per_layer = [8 * 64, 8 * 64] + [8 * 64, 8 * 32] * 2 + [8 * 64, 8 * 64]
+    assert sorted(me._trainable_tensors(tiny, _run("lora"))) == sorted(2 * per_layer)
+    full = me.training_peak(tiny, _run("full"), "float32", "no", [3, 4, 5, 6])
+    n = sum(me._trainable_tensors(tiny, _run("full")))
+    # tiny batches: the optimizer step (gradients + two moments + two temporaries of the embedding) is the peak
+    assert full["phase"] == "optimizer step"
+    tensors = len(me._trainable_tensors(tiny, _run("full")))
+    assert full["total_mib"] * MiB == 4 * n + 8 * n + 4 * tensors + 2 * 4 * V * H
+
+
+def test_batch_order_is_the_one_accelerate_draws():
+    from accelerate.data_loader import SeedableRandomSampler
+
+    lengths = [5, 9, 3, 7, 2, 8, 4]
+    sampler = SeedableRandomSampler(range(len(lengths)), data_seed=3)
+    order = list(sampler)
+    sampler.set_epoch(1)
+    order += list(sampler)
+    expected = [max(lengths[j] for j in order[i:i + 3]) for i in (0, 3, 6, 7, 10, 13)]
+    got = me.padded_batch_lengths(lengths, 3, 6, 1, 3)
+    assert [step[0][1] for step in got] == expected
+    assert [step[0][0] for step in got] == [3, 3, 1, 3, 3, 1]  # 7 rows in batches of 3: the third is short
+
+
+def test_predicted_loss_and_activations_match_a_measured_peak(tmp_path):
+    # Large vocabulary, short model: the three fp32 (tokens x vocab) loss tensors (~176 MiB) dominate and are
+    # mmap-sized, so resident memory follows them; the layers add ~4 MiB. Tolerance: 10%.
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = TINY | {"vocab_size": 15000}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), attn_implementation="sdpa").train()
+    rows, length = 4, 256
+    ids = torch.randint(0, 15000, (rows, length))
+    mask = torch.ones_like(ids)
+    mask[1:, -16:] = 0  # padded rows, as the collator makes them: SDPA gets a mask
+    terms = me.activation_terms(tmp_path, _run("full"), "float32", "no", rows, length)
+
+    def step():
+        model(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    step()  # first call: lazy initialisation out of the measurement
+    with track_memory(torch.device("cpu")) as mem:
+        step()
+    predicted = sum(terms.values()) / MiB  # at the backward's start: no gradient exists yet (set_to_none)
+    assert mem["delta_mib"] == pytest.approx(predicted, rel=0.10)
+
+
+def test_stages_record_the_prediction_next_to_the_measurement(results):
+    metrics = run_stage("finetune", TEST_PARAMS, results, "lora-r8")
+    p = metrics["memory_prediction"]
+    assert p["total_mib"] > 0 and p["compares_to"] == me.TRAINING_COMPARES_TO
+    assert p["measured_mib"] == metrics["train_memory"]["delta_mib"]
+    assert p["ratio"] == pytest.approx(p["measured_mib"] / p["total_mib"])
+    assert p["optimizer_state_mib"] * MiB == metrics["optimizer_state_bytes"]
+    cells = run_stage("bench_inference", TEST_PARAMS, results, "baseline")["cells"]
+    assert all(c["memory_prediction"]["terms_mib"]["kv_cache"] > 0 for c in cells if c["kv_cache"])
+
+
+def test_report_puts_the_prediction_beside_the_measurement():
+    from efflab import report
+
+    env = {"fingerprint": "e1"}
+    finetune = [{"run": "lora-r8", "environment": env, "memory_prediction": {
+        "total_mib": 100.0, "compares_to": me.TRAINING_COMPARES_TO, "batch": {"rows": 4, "padded_length": 151},
+        "terms_mib": {"activations": 60.0, "loss_logits": 40.0, "gradients": 0.0}, "measured_mib": 112.0,
+        "measured_kind": "cpu_peak_rss", "ratio": 1.12}}]
+    inference = [{"variant": "baseline", "environment": env, "cells": [
+        {"status": "ok", "kv_cache": True, "batch_size": 1, "memory_prediction": {
+            "total_mib": 2.5, "compares_to": me.GENERATION_COMPARES_TO, "terms_mib": {"kv_cache": 2.5},
+            "measured_mib": 5.0, "measured_kind": "cpu_peak_rss", "ratio": 2.0}},
+        {"status": "failed", "kv_cache": True, "batch_size": 3}]}]
+    df = report.memory_prediction_table(finetune, inference)
+    assert list(df["run / cell"]) == ["finetune lora-r8 (longest batch 4x151)", "inference baseline (KV on, batch 1)"]
+    assert list(df["main terms (MiB)"]) == ["activations 60, loss logits 40", "kv cache 2"]
+    assert list(df["within ±15%"]) == ["yes", "no"] and set(df["memory"]) == {"cpu_peak_rss delta"}
+    section = "\n".join(report.memory_prediction_section(finetune, inference, {"e1": env}, False))
+    assert "## Predicted vs measured memory" in section and " 1.12 " in section
