@@ -238,8 +238,9 @@ def generation_peak(folder, dtype: str, quant: dict | None, batch: int, prompt_l
                     kv_cache: bool) -> dict:
     """Predicted peak of what greedy generation adds over the loaded model: the KV cache at its final length
     (plus the one layer's old K and V that DynamicCache's torch.cat copies while growing), the largest
-    transient of a forward pass (the gated MLP of the prefill: gate, SiLU(gate) and up), the last position's
-    fp32 logits, and for a 4-bit model its largest weight dequantized for a matmul. `weights_mib` is the
+    transient of a forward pass (the gated MLP of the prefill: gate, SiLU(gate) and up) and the last position's
+    fp32 logits. Not counted: a 4-bit matmul's transient dequantized weight (at most one layer's; none on
+    bitsandbytes' AVX512-BF16 CPU path, which packs the weights once, in the warmup). `weights_mib` is the
     resident model, for reference: it is in the baseline, not in the compared delta."""
     a = _arch(folder)
     el = ELEMENT_BYTES[dtype]
@@ -255,9 +256,6 @@ def generation_peak(folder, dtype: str, quant: dict | None, batch: int, prompt_l
     terms["forward_transients"] = 3 * a["intermediate"] * forward_tokens * el
     terms["logits"] = 4 * a["vocab"] * batch
     method = (quant or {}).get("method", "none")
-    if method in ("nf4", "fp4"):
-        terms["dequantized_weight"] = el * max(lay["in"] * lay["out"] for lay in estimate.linear_layers(str(folder))
-                                               if not lay["head"])
     if method == "none":
         weights = el * estimate.parameter_count(str(folder))
     else:

@@ -292,8 +292,9 @@ def memory_prediction_section(finetune_rows: list[dict], inference_rows: list[di
         "pass of its longest batch (optimizer states + autocast weight copies + saved activations + three fp32 "
         "vocabulary-sized loss tensors) or at the optimizer step; generation adds the KV cache and transients "
         "to the loaded model. Measured is `cpu_peak_rss` delta (peak over the resident memory just before), "
-        "which also holds freed memory the allocator (glibc malloc) keeps: a ratio above 1 is that share, "
-        f"not a tensor the estimate misses. Target: within ±{100 * MEMORY_TARGET:.0f}%.", "",
+        "which also holds memory the allocator (glibc malloc) keeps after tensors are freed and grows over "
+        "steps of different lengths; a ratio above 1 can be that share rather than a tensor the estimate misses. "
+        f"Target: within ±{100 * MEMORY_TARGET:.0f}%.", "",
         comparison(memory_prediction_table(finetune_rows, inference_rows), environments, allow_mixed), ""]
 
 
