@@ -26,7 +26,8 @@ def tiny(tmp_path):
 
 def _run(method, dropout=0.05, targets=("q_proj", "k_proj", "v_proj", "o_proj"), optimizer="adamw_torch"):
     return {"method": method, "batch_size": 2, "max_steps": 3, "gradient_accumulation_steps": 1, "seed": 0,
-            "optimizer": optimizer, "gradient_checkpointing": False,
+            "optimizer": optimizer, "gradient_checkpointing": False, "num_processes": 1, "num_machines": 1,
+            "accelerate_config": None,
             "lora": {"r": 8, "dropout": dropout, "target_modules": list(targets)}}
 
 
@@ -88,6 +89,11 @@ def test_lora_trainable_tensors_and_step_phase(tiny):
     assert full["phase"] == "optimizer step"
     tensors = len(me._trainable_tensors(tiny, _run("full")))
     assert full["total_mib"] * MiB == 4 * n + 8 * n + 4 * tensors + 2 * 4 * V * H
+
+
+def test_what_is_not_modelled_says_so(tiny):
+    p = me.training_peak(tiny, _run("lora") | {"gradient_checkpointing": True}, "float32", "no", [3, 4])
+    assert p["total_mib"] is None and p["unavailable"] == "not modelled: gradient checkpointing"
 
 
 def test_batch_order_is_the_one_accelerate_draws():

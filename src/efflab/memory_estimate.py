@@ -3,8 +3,8 @@
 The prediction is of tensor bytes: what a run keeps alive on top of what is resident when its measurement
 starts (the loaded model, the process). That is what `measure.track_memory` reports as `delta_mib`, so
 prediction and measurement compare directly; on CPU the measurement is resident memory (RSS), which also
-holds what the allocator keeps after tensors are freed, so a measured/predicted ratio above 1 is the
-allocator's share, not a missing tensor.
+holds what the allocator keeps after tensors are freed, so a measured/predicted ratio above 1 can be the
+allocator's share rather than a missing tensor.
 
 Training: the peak is at the start of the backward pass of the longest padded batch, when every tensor the
 forward saved for the backward is alive together with the three vocabulary-sized fp32 tensors of the loss,
@@ -196,9 +196,13 @@ def training_peak(folder, run: dict, dtype: str, precision: str, lengths: list[i
     `run` is a resolved finetune run (finetune_run), `dtype` the base model's dtype, `precision` the mixed
     precision the run resolved ('bf16', 'fp16', 'no'), `lengths` the token count of every training row."""
     a = _arch(folder)
-    if a["model_type"] not in DECODERS:
-        return {"total_mib": None, "unavailable": f"model type {a['model_type']!r} is not modelled "
-                f"(decoders modelled: {', '.join(DECODERS)})", "compares_to": TRAINING_COMPARES_TO}
+    unmodelled = (f"model type {a['model_type']!r} (modelled: {', '.join(DECODERS)})"
+                  if a["model_type"] not in DECODERS else
+                  "gradient checkpointing" if run["gradient_checkpointing"] else
+                  "several processes (each rank draws its own shard of the batches)"
+                  if run["num_processes"] * run["num_machines"] > 1 or run["accelerate_config"] else None)
+    if unmodelled:
+        return {"total_mib": None, "unavailable": f"not modelled: {unmodelled}", "compares_to": TRAINING_COMPARES_TO}
     p = _precisions(run, dtype, precision)
     numels = _trainable_tensors(folder, run)
     states = optimizer_state_bytes(numels, run["optimizer"])
