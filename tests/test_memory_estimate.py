@@ -104,10 +104,13 @@ def test_batch_order_is_the_one_accelerate_draws():
     order = list(sampler)
     sampler.set_epoch(1)
     order += list(sampler)
-    expected = [max(lengths[j] for j in order[i:i + 3]) for i in (0, 3, 6, 7, 10, 13)]
+    slices = [order[i:j] for i, j in ((0, 3), (3, 6), (6, 7), (7, 10), (10, 13), (13, 14))]  # epochs end short
+    expected = [max(lengths[k] for k in batch) for batch in slices]
     got = me.padded_batch_lengths(lengths, 3, 6, 1, 3)
     assert [step[0][1] for step in got] == expected
     assert [step[0][0] for step in got] == [3, 3, 1, 3, 3, 1]  # 7 rows in batches of 3: the third is short
+    packed = me.padded_batch_lengths(lengths, 3, 6, 1, 3, packing=True)  # padding free: one row of all tokens
+    assert [step[0] for step in packed] == [(1, sum(lengths[k] for k in batch)) for batch in slices]
 
 
 def test_predicted_loss_and_activations_match_a_measured_peak(tmp_path):

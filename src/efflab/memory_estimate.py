@@ -33,11 +33,12 @@ TRAINING_COMPARES_TO = "cpu_peak_rss delta: peak over the resident memory just b
 GENERATION_COMPARES_TO = "cpu_peak_rss delta: peak over the resident memory of the loaded, warmed-up model"
 
 
-def padded_batch_lengths(lengths: list[int], batch_size: int, steps: int, accumulation: int,
-                         seed: int) -> list[list[tuple[int, int]]]:
+def padded_batch_lengths(lengths: list[int], batch_size: int, steps: int, accumulation: int, seed: int,
+                         packing: bool = False) -> list[list[tuple[int, int]]]:
     """(rows, padded length) of every micro-batch of every optimizer step, in the order the Trainer draws
     them: accelerate's SeedableRandomSampler is a torch.randperm seeded with data_seed + epoch, batches are
-    consecutive slices (the last one of an epoch short), each padded to its longest row."""
+    consecutive slices (the last one of an epoch short), each padded to its longest row; with packing (padding
+    free) one row of all the batch's tokens, whose block-diagonal mask is (tokens x tokens)."""
     import torch
 
     micro: list[tuple[int, int]] = []
@@ -46,8 +47,8 @@ def padded_batch_lengths(lengths: list[int], batch_size: int, steps: int, accumu
         generator = torch.Generator()
         generator.manual_seed(seed + epoch)
         order = torch.randperm(len(lengths), generator=generator).tolist()
-        micro += [(len(order[i:i + batch_size]), max(lengths[j] for j in order[i:i + batch_size]))
-                  for i in range(0, len(order), batch_size)]
+        batches = [[lengths[j] for j in order[i:i + batch_size]] for i in range(0, len(order), batch_size)]
+        micro += [(1, sum(b)) if packing else (len(b), max(b)) for b in batches]
         epoch += 1
     return [micro[k * accumulation:(k + 1) * accumulation] for k in range(steps)]
 
@@ -214,7 +215,7 @@ def training_peak(folder, run: dict, dtype: str, precision: str, lengths: list[i
     if run["optimizer"] != "adamw_torch":
         step_temporaries = 0
     steps = padded_batch_lengths(lengths, run["batch_size"], run["max_steps"], run["gradient_accumulation_steps"],
-                                 run["seed"])
+                                 run["seed"], run.get("packing", False))
     best = {"total": 0.0}
     for k, micro in enumerate(steps):
         for m, (rows, length) in enumerate(micro):
