@@ -79,7 +79,9 @@ def main() -> None:
     parser.add_argument("--run", default="lora-r8", help="the finetune run whose settings both sides use")
     parser.add_argument("--results", default="results")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--cells", default=",".join(CELLS))
+    parser.add_argument("--cells", default="baseline,efflab,efflab-padded",
+                        help=f"comma-separated, of {', '.join(CELLS)} (efflab-bf16 differs from efflab only where "
+                             "the base_model probe chose fp32)")
     parser.add_argument("--out", default="results/benchmarks/finetune_throughput")
     args = parser.parse_args()
     params, results = load(args.params), Path(args.results)
@@ -119,7 +121,7 @@ def main() -> None:
             "ratio_vs_baseline": median / base if base else None,
             "mfu": median * flops / (ceiling * 1e12) if flops and ceiling else None,
             "last_loss": [s["last_loss"] for s in runs], "pad_fraction": runs[0].get("pad_fraction"),
-            "mixed_precision": runs[0].get("mixed_precision", "no (the Trainer's default)"),
+            "mixed_precision": runs[0].get("mixed_precision") or f"no autocast, weights {runs[0]['dtype']}",
         }
     lines = [f"Fine-tuning throughput, run `{args.run}` ({settings['max_steps']} steps, batch {settings['batch_size']}), "
              f"{args.repeats} interleaved repeats; MFU over the measured {ceiling:.3f} TFLOP/s matmul ceiling" if ceiling

@@ -110,7 +110,7 @@ def knob_table(rows: list[dict]) -> pd.DataFrame:
         mem_a, mem_b = _mem(a["train_memory"]), _mem(b["train_memory"])
         delta_a, delta_b = a["train_memory"].get("delta_mib"), b["train_memory"].get("delta_mib")
         out.append({
-            "knob": knob, "from → to": f"{value_a} → {value_b}",
+            "knob": knob, "from → to": f"{value_a.strip(chr(34))} → {value_b.strip(chr(34))}",
             "runs": f"{a['run']} → {b['run']}",
             "peak memory (MiB)": f"{mem_a:.0f} → {mem_b:.0f}" if mem_a and mem_b else "-",
             "training memory over baseline (MiB)": f"{delta_a:.0f} → {delta_b:.0f}" if delta_a and delta_b else "-",
@@ -273,7 +273,7 @@ def memory_prediction_table(finetune_rows: list[dict], inference_rows: list[dict
                 "env": env}
 
     out = [row(f"finetune {r['run']}" + (f" (longest batch {p['batch']['rows']}x{p['batch']['padded_length']})"
-                                         if p.get("batch") else f" ({p.get('phase')})"), p, _fp(r))
+                                         if p.get("batch") else f" ({p['phase']})" if p.get("phase") else ""), p, _fp(r))
            for r in finetune_rows if (p := r.get("memory_prediction"))]
     out += [row(f"inference {r['variant']} (KV {'on' if c['kv_cache'] else 'off'}, batch {c['batch_size']})",
                 c["memory_prediction"], _fp(r))
