@@ -2,7 +2,9 @@
 (benchmarks/trainer_baseline.py), same model, data, steps and hyperparameters, in one run on one machine.
 
 Cells (each a fresh process, interleaved over the repeats so drift hits every cell alike):
-  baseline       benchmarks/trainer_baseline.py: dynamic padding, the Trainer's defaults
+  baseline       benchmarks/trainer_baseline.py: dynamic padding, the Trainer's defaults, the model in the
+                 dtype transformers 5 loads by default (the saved one: what efflab's base_model chose)
+  baseline-fp32  the same script loading the model in float32 (transformers 4's default)
   efflab         `python -m efflab.finetune` with the run's settings as shipped (padding-free packing,
                  the precision the base_model probe found fastest here, step checkpoints on)
   efflab-padded  the same with packing off: what packing alone buys, and efflab's overhead otherwise
@@ -32,7 +34,7 @@ import yaml
 from efflab.config import finetune_run, load
 
 REPO = Path(__file__).resolve().parents[1]
-CELLS = ("baseline", "efflab", "efflab-padded", "efflab-bf16")
+CELLS = ("baseline", "baseline-fp32", "efflab", "efflab-padded", "efflab-bf16")
 
 
 def efflab_cell(params: dict, run: str, overrides: dict, results: Path, work: Path) -> dict:
@@ -59,7 +61,7 @@ def efflab_cell(params: dict, run: str, overrides: dict, results: Path, work: Pa
             "pad_fraction": m["pad_fraction"]}
 
 
-def baseline_cell(settings: dict, results: Path, work: Path) -> dict:
+def baseline_cell(settings: dict, results: Path, work: Path, dtype: str = "auto") -> dict:
     lora = settings["lora"]
     out = work / "baseline.json"
     subprocess.run([sys.executable, str(REPO / "benchmarks" / "trainer_baseline.py"),
@@ -69,7 +71,7 @@ def baseline_cell(settings: dict, results: Path, work: Path) -> dict:
                     "--learning-rate", str(settings["learning_rate"]), "--warmup-steps", str(settings["warmup_steps"]),
                     "--r", str(lora["r"]), "--alpha", str(lora["alpha"]), "--dropout", str(lora["dropout"]),
                     "--targets", ",".join(lora["target_modules"]), "--seed", str(settings["seed"]),
-                    "--json", str(out)], check=True, capture_output=True)
+                    "--dtype", dtype, "--json", str(out)], check=True, capture_output=True)
     return json.loads(out.read_text())
 
 
@@ -79,7 +81,7 @@ def main() -> None:
     parser.add_argument("--run", default="lora-r8", help="the finetune run whose settings both sides use")
     parser.add_argument("--results", default="results")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--cells", default="baseline,efflab,efflab-padded",
+    parser.add_argument("--cells", default="baseline,baseline-fp32,efflab,efflab-padded",
                         help=f"comma-separated, of {', '.join(CELLS)} (efflab-bf16 differs from efflab only where "
                              "the base_model probe chose fp32)")
     parser.add_argument("--out", default="results/benchmarks/finetune_throughput")
@@ -101,17 +103,21 @@ def main() -> None:
         for repeat in range(args.repeats):
             for cell in cells:
                 t0 = time.perf_counter()
-                result = baseline_cell(settings, results, work) if cell == "baseline" else \
-                    efflab_cell(params, args.run, overrides[cell], results, work)
+                if cell.startswith("baseline"):
+                    result = baseline_cell(settings, results, work, "float32" if cell == "baseline-fp32" else "auto")
+                else:
+                    result = efflab_cell(params, args.run, overrides[cell], results, work)
                 samples[cell].append(result)
                 print(f"[{repeat + 1}/{args.repeats}] {cell}: {result['tokens_per_s']:.1f} tokens/s "
                       f"({result['tokens_seen']} tokens in {result['train_s']:.1f} s; cell {time.perf_counter() - t0:.0f} s)",
                       flush=True)
 
-    efflab = next((s for c, s in samples.items() if c != "baseline" and s), [])
+    efflab = next((s for c, s in samples.items() if not c.startswith("baseline") and s), [])
     flops = statistics.median(s["flops_per_token"] for s in efflab) if efflab else None
     ceiling = statistics.median(s["ceiling_tflops"] for s in efflab) if efflab else None
     base = statistics.median(s["tokens_per_s"] for s in samples["baseline"]) if samples.get("baseline") else None
+    base32 = statistics.median(s["tokens_per_s"] for s in samples["baseline-fp32"]) \
+        if samples.get("baseline-fp32") else None
     summary = {}
     for cell, runs in samples.items():
         tps = [s["tokens_per_s"] for s in runs]
@@ -119,6 +125,7 @@ def main() -> None:
         summary[cell] = {
             "n": len(tps), "tokens_per_s_median": median, "tokens_per_s_min": min(tps), "tokens_per_s_max": max(tps),
             "ratio_vs_baseline": median / base if base else None,
+            "ratio_vs_baseline_fp32": median / base32 if base32 else None,
             "mfu": median * flops / (ceiling * 1e12) if flops and ceiling else None,
             "last_loss": [s["last_loss"] for s in runs], "pad_fraction": runs[0].get("pad_fraction"),
             "mixed_precision": runs[0].get("mixed_precision") or f"no autocast, weights {runs[0]['dtype']}",
@@ -126,13 +133,14 @@ def main() -> None:
     lines = [f"Fine-tuning throughput, run `{args.run}` ({settings['max_steps']} steps, batch {settings['batch_size']}), "
              f"{args.repeats} interleaved repeats; MFU over the measured {ceiling:.3f} TFLOP/s matmul ceiling" if ceiling
              else "", "",
-             "| cell | n | tokens/s median | min–max | × baseline | MFU (%) | precision |",
-             "|---|---|---|---|---|---|---|"]
+             "| cell | n | tokens/s median | min–max | × baseline | × baseline-fp32 | MFU (%) | precision |",
+             "|---|---|---|---|---|---|---|---|"]
     for cell, s in summary.items():
         ratio = f"{s['ratio_vs_baseline']:.2f}" if s["ratio_vs_baseline"] else "-"
+        ratio32 = f"{s['ratio_vs_baseline_fp32']:.2f}" if s["ratio_vs_baseline_fp32"] else "-"
         mfu = f"{100 * s['mfu']:.1f}" if s["mfu"] else "-"
         lines.append(f"| {cell} | {s['n']} | {s['tokens_per_s_median']:.1f} | {s['tokens_per_s_min']:.1f}–"
-                     f"{s['tokens_per_s_max']:.1f} | {ratio} | {mfu} | {s['mixed_precision']} |")
+                     f"{s['tokens_per_s_max']:.1f} | {ratio} | {ratio32} | {mfu} | {s['mixed_precision']} |")
     table = "\n".join(lines)
     print(table)
     out = Path(args.out)

@@ -35,13 +35,16 @@ def main() -> None:
     parser.add_argument("--dropout", type=float, default=0.05)
     parser.add_argument("--targets", default="q_proj,k_proj,v_proj,o_proj")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                        help="from_pretrained's dtype (default auto, transformers 5's default: the saved dtype; "
+                             "float32 is what transformers 4 loaded and many tutorials still ask for)")
     parser.add_argument("--json", help="also write the result here")
     args = parser.parse_args()
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(args.model)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=args.dtype)
     model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", r=args.r, lora_alpha=args.alpha,
                                              lora_dropout=args.dropout, target_modules=args.targets.split(",")))
     frame = pd.read_parquet(args.train)
