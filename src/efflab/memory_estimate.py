@@ -136,24 +136,34 @@ def _decoder_layer(a: dict, p: dict, lora: dict | None, grad_in: bool) -> tuple[
     return saved.per_token, per_square, grad_mlp
 
 
-def activation_terms(folder, run: dict, dtype: str, precision: str, rows: int, length: int) -> dict:
-    """Bytes the forward pass of one (rows x length) batch leaves saved for the backward, by part."""
+def activation_rates(folder, run: dict, dtype: str, precision: str) -> dict:
+    """Bytes the forward pass leaves saved for the backward, per token and per (row x length^2), by part:
+    a batch's shape only scales them (see `activation_terms`)."""
     a, p = _arch(folder), _precisions(run, dtype, precision)
     lora = None
     if run["method"] != "full":
         targets = run["lora"]["target_modules"]
         names = {lay["name"].rsplit(".", 1)[-1] for lay in estimate.targeted_layers(str(folder), targets)}
         lora = {"modules": names, "dropout": run["lora"]["dropout"]}
-    tokens = rows * length
     grad = p["trainable_base"]  # the embedding output needs a gradient only when the embedding trains
-    layers = 0.0
+    per_token = per_square = 0.0
     for _ in range(a["layers"]):
-        per_token, per_square, grad = _decoder_layer(a, p, lora, grad)
-        layers += per_token * tokens + per_square * rows * length**2
+        layer_token, layer_square, grad = _decoder_layer(a, p, lora, grad)
+        per_token, per_square = per_token + layer_token, per_square + layer_square
     head = (4 + (4 if p["trainable_base"] else 0)) * a["hidden"]  # final RMSNorm
     if p["trainable_base"]:  # the head's weight gradient needs its input
         head += (p["autocast"] or p["base"]) * a["hidden"]
-    return {"layers": layers, "head": head * tokens, "loss": LOSS_VOCAB_TENSORS * 4 * a["vocab"] * tokens}
+    return {"layers_per_token": per_token, "layers_per_square": per_square, "head_per_token": head,
+            "loss_per_token": LOSS_VOCAB_TENSORS * 4 * a["vocab"]}
+
+
+def activation_terms(folder, run: dict, dtype: str, precision: str, rows: int, length: int,
+                     rates: dict | None = None) -> dict:
+    """Bytes the forward pass of one (rows x length) batch leaves saved for the backward, by part."""
+    r = rates or activation_rates(folder, run, dtype, precision)
+    tokens = rows * length
+    return {"layers": r["layers_per_token"] * tokens + r["layers_per_square"] * rows * length**2,
+            "head": r["head_per_token"] * tokens, "loss": r["loss_per_token"] * tokens}
 
 
 def _trainable_tensors(folder, run: dict) -> list[int]:
@@ -216,10 +226,11 @@ def training_peak(folder, run: dict, dtype: str, precision: str, lengths: list[i
         step_temporaries = 0
     steps = padded_batch_lengths(lengths, run["batch_size"], run["max_steps"], run["gradient_accumulation_steps"],
                                  run["seed"], run.get("packing", False))
+    rates = activation_rates(folder, run, dtype, precision)
     best = {"total": 0.0}
     for k, micro in enumerate(steps):
         for m, (rows, length) in enumerate(micro):
-            act = activation_terms(folder, run, dtype, precision, rows, length)
+            act = activation_terms(folder, run, dtype, precision, rows, length, rates)
             terms = {"optimizer_states": states if k else 0, "gradients": gradients if m else 0,
                      "autocast_weight_copies": copies, "activations": act["layers"] + act["head"],
                      "loss_logits": act["loss"]}
