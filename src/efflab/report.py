@@ -80,8 +80,13 @@ def _flat_settings(settings: dict, prefix: str = "") -> dict:
         if isinstance(value, dict):
             out |= _flat_settings(value, f"{prefix}{key}.")
         elif key not in NOT_KNOBS:
-            out[prefix + key] = json.dumps(value)
+            out[prefix + key] = value
     return out
+
+
+def _show(value) -> str:
+    """A setting as params.yaml spells it: false, 1e-05, [q_proj, v_proj], lora."""
+    return value if isinstance(value, str) else json.dumps(value)
 
 
 def knob_pairs(rows: list[dict]) -> list[tuple[str, str, str, dict, dict]]:
@@ -96,7 +101,7 @@ def knob_pairs(rows: list[dict]) -> list[tuple[str, str, str, dict, dict]]:
             if len(differ) == 1 and same not in seen:  # runs with equal knobs (e.g. other eval_rows) pair once
                 seen.add(same)
                 knob = differ[0]
-                pairs.append((knob, fa.get(knob, "-"), fb.get(knob, "-"), a, b))
+                pairs.append((knob, _show(fa.get(knob, "-")), _show(fb.get(knob, "-")), a, b))
     return pairs
 
 
@@ -109,12 +114,13 @@ def knob_table(rows: list[dict]) -> pd.DataFrame:
     for knob, value_a, value_b, a, b in knob_pairs(rows):
         mem_a, mem_b = _mem(a["train_memory"]), _mem(b["train_memory"])
         delta_a, delta_b = a["train_memory"].get("delta_mib"), b["train_memory"].get("delta_mib")
+        memory_ratio = _ratio(delta_a, delta_b)
         out.append({
-            "knob": knob, "from → to": f"{value_a.strip(chr(34))} → {value_b.strip(chr(34))}",
+            "knob": knob, "from → to": f"{value_a} → {value_b}",
             "runs": f"{a['run']} → {b['run']}",
             "peak memory (MiB)": f"{mem_a:.0f} → {mem_b:.0f}" if mem_a and mem_b else "-",
             "training memory over baseline (MiB)": f"{delta_a:.0f} → {delta_b:.0f}" if delta_a and delta_b else "-",
-            "memory change (%)": _pct(_ratio(delta_a, delta_b) - 1) if _ratio(delta_a, delta_b) else None,
+            "memory change (%)": _pct(memory_ratio - 1) if memory_ratio else None,
             "memory kind": a["train_memory"]["kind"],
             "step time change (%)": _pct(_ratio(a["step_s"], b["step_s"]) - 1),
             "tokens/s ratio": _ratio(a["tokens_per_s"], b["tokens_per_s"]),
