@@ -79,6 +79,25 @@ def test_a_known_allocation_is_seen_by_the_memory_tracker():
         del block
     assert mem["kind"] == "cpu_peak_rss"
     assert mem["delta_mib"] == pytest.approx(256, rel=0.05)
+    assert mem["tensors"]["kind"] == "cpu_tensor_peak"
+    assert mem["tensors"]["delta_mib"] == pytest.approx(256, abs=0.01)  # allocator events: exact bytes
+    assert mem["tensors"]["end_delta_mib"] == pytest.approx(0, abs=0.01)
+
+
+def test_the_tensor_peak_counts_live_bytes_not_what_malloc_keeps():
+    before = torch.ones(32 * MiB // 4)  # allocated before: the allocator does not report its free
+    tensors = measure.CpuTensorPeak()
+    with measure.track_memory(CPU, tensors) as mem:
+        a = torch.zeros(16 * MiB // 4)
+        tensors.flush()  # folding the events so far keeps the running count
+        b = torch.zeros(8 * MiB // 4)  # live together with a: the peak, 24 MiB
+        del a, b
+        c = torch.zeros(12 * MiB // 4)  # reuses what malloc kept: no new RSS, but 12 MiB of live tensors
+        del before
+    assert mem["tensors"]["delta_mib"] == pytest.approx(24, abs=0.01)
+    assert mem["tensors"]["end_delta_mib"] == pytest.approx(12, abs=0.01)
+    assert mem["tensors"]["flush_s"] > 0 and c.numel()
+    assert not torch.autograd._profiler_enabled(), "the profiler is stopped at the end of the block"
 
 
 def test_auto_dtype_is_chosen_by_measurement_on_cpu():

@@ -21,7 +21,7 @@ from transformers import TrainerCallback
 
 from . import cli
 from .config import UserError, finetune_run
-from .measure import (classify_failure, count_parameters, environment, log_file_path, matmul_ceiling, mfu,
+from .measure import (CpuTensorPeak, classify_failure, count_parameters, environment, log_file_path, matmul_ceiling, mfu,
                       pick_device, published_peak_tflops, set_threads, setup_child_logging, track_memory,
                       training_flops_per_token)
 from .memory_estimate import compared, training_peak
@@ -221,6 +221,18 @@ def _checkpoint_state(checkpoint: str | None) -> dict:
     return {"global_step": state["global_step"], "num_input_tokens_seen": state.get("num_input_tokens_seen", 0)}
 
 
+class FlushTensorCount(TrainerCallback):
+    """Folds the CPU allocator events recorded so far into the running cpu_tensor_peak every `every` steps,
+    so a long CPU run does not hold millions of events (measure.CpuTensorPeak)."""
+
+    def __init__(self, tensors: CpuTensorPeak, every: int = 25):
+        self.tensors, self.every = tensors, every
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step % self.every == 0:
+            self.tensors.flush()
+
+
 class TokensProcessed:
     """Counts the token positions the model computes in training, pad tokens included (the input embedding
     sees every one), so the report can say how much of the compute went to padding."""
@@ -307,19 +319,20 @@ def train(cfg: dict, paths: dict) -> dict:
         include_num_input_tokens_seen="non_padding", remove_unused_columns=False,
         ddp_find_unused_parameters=False, disable_tqdm=rank != 0,
     )
+    tensors = CpuTensorPeak()
+    callbacks = [FlushTensorCount(tensors)] + ([KillAfterCheckpoint()] if os.environ.get(KILL_ENV) else [])
     trainer = Trainer(model=model, args=args, train_dataset=Dataset.from_list(train_rows),
-                      data_collator=collator(run_cfg, tokenizer),
-                      callbacks=[KillAfterCheckpoint()] if os.environ.get(KILL_ENV) else None)
+                      data_collator=collator(run_cfg, tokenizer), callbacks=callbacks)
     resumed = _checkpoint_state(resume)
     if resume:
         log.info("%s: resuming from %s (step %d)", name, resume, resumed["global_step"])
     processed = TokensProcessed(model)
     prediction = training_peak(layout.base_model(), run_cfg, dtype, precision,  # from config and data only
                                [len(r["input_ids"]) for r in train_rows], device.type)
-    with track_memory(device) as train_mem:
+    with track_memory(device, tensors) as train_mem:
         t0 = time.perf_counter()
         result = trainer.train(resume_from_checkpoint=resume)
-        train_s = time.perf_counter() - t0
+        train_s = time.perf_counter() - t0 - tensors.overhead_s  # the tensor count's flushes are not training
     processed.remove()
     optimizer_state_bytes = sum(t.numel() * t.element_size() for state in trainer.optimizer.state.values()
                                 for t in state.values() if torch.is_tensor(t))

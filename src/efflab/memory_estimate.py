@@ -1,10 +1,11 @@
 """Peak memory of this pipeline's own fine-tuning and generation runs, predicted before they start.
 
-The prediction is of tensor bytes: what a run keeps alive on top of what is resident when its measurement
-starts (the loaded model, the process). That is what `measure.track_memory` reports as `delta_mib`, so
-prediction and measurement compare directly; on CPU the measurement is resident memory (RSS), which also
-holds what the allocator keeps after tensors are freed, so a measured/predicted ratio above 1 can be the
-allocator's share rather than a missing tensor.
+The prediction is of tensor bytes: what a run keeps alive on top of what is live when its measurement
+starts (the loaded model). It is compared with the measurement of the same kind of memory: the peak of live
+tensor bytes over those at the start, `cpu_tensor_peak` on CPU (from the CPU allocator's events) and
+`cuda_max_allocated` on GPU. Resident memory (RSS) is compared too, as a second ratio: it also holds what
+the allocator (glibc malloc) keeps after tensors are freed, so its ratio above 1 is the allocator's share,
+not a tensor the estimate misses.
 
 Training: the peak is at the start of the backward pass of the longest padded batch, when every tensor the
 forward saved for the backward is alive together with the three vocabulary-sized fp32 tensors of the loss,
@@ -29,8 +30,8 @@ LOSS_VOCAB_TENSORS = 3
 # bitsandbytes 8-bit optimizers keep 32-bit state for tensors under 4096 elements (min_8bit_size) and
 # otherwise one byte per moment, one fp32 absmax per 256-element block per moment and a 256-entry fp32 qmap
 BNB_MIN_8BIT_SIZE, BNB_STATE_BLOCK, BNB_QMAP = 4096, 256, 256
-TRAINING_COMPARES_TO = "cpu_peak_rss delta: peak over the resident memory just before trainer.train()"
-GENERATION_COMPARES_TO = "cpu_peak_rss delta: peak over the resident memory of the loaded, warmed-up model"
+TRAINING_COMPARES_TO = "peak of live tensor bytes over those just before trainer.train()"
+GENERATION_COMPARES_TO = "peak of live tensor bytes over those of the loaded, warmed-up model"
 
 
 def padded_batch_lengths(lengths: list[int], batch_size: int, steps: int, accumulation: int, seed: int,
@@ -292,9 +293,23 @@ def variant_quant(cfg: dict, variant: dict) -> dict | None:
     return None
 
 
+def _ratio(measured, predicted):
+    return measured / predicted if measured is not None and predicted else None
+
+
 def compared(prediction: dict, memory: dict) -> dict:
-    """The prediction with the measured delta and measured/predicted beside it."""
-    measured, predicted = memory.get("delta_mib"), prediction.get("total_mib")
-    ratio = measured / predicted if measured is not None and predicted else None
-    return prediction | {"measured_mib": measured, "measured_kind": memory.get("kind"), "ratio": ratio}
+    """The prediction with the measured peak of the same kind (live tensor bytes: `cpu_tensor_peak` on CPU,
+    `cuda_max_allocated` on GPU) and measured/predicted beside it, and the resident-memory (RSS) delta and
+    its ratio on CPU."""
+    predicted = prediction.get("total_mib")
+    if memory.get("kind") == "cpu_peak_rss":
+        tensors = memory.get("tensors") or {}
+        rss = memory.get("delta_mib")
+        return prediction | {"measured_mib": tensors.get("delta_mib"), "measured_kind": tensors.get("kind"),
+                             "ratio": _ratio(tensors.get("delta_mib"), predicted),
+                             **({"measured_unavailable": tensors["unavailable"]} if "unavailable" in tensors else {}),
+                             "rss_delta_mib": rss, "rss_ratio": _ratio(rss, predicted)}
+    measured = memory.get("delta_mib")
+    return prediction | {"measured_mib": measured, "measured_kind": memory.get("kind"),
+                         "ratio": _ratio(measured, predicted)}
 

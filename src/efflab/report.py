@@ -276,7 +276,7 @@ def memory_prediction_table(finetune_rows: list[dict], inference_rows: list[dict
                 "main terms (MiB)": _main_terms(p["terms_mib"]) if predicted else p.get("unavailable"),
                 "measured (MiB)": p.get("measured_mib"), "measured / predicted": ratio,
                 "within ±15%": None if ratio is None else ("yes" if abs(ratio - 1) <= MEMORY_TARGET else "no"),
-                "env": env}
+                "RSS delta (MiB)": p.get("rss_delta_mib"), "RSS / predicted": p.get("rss_ratio"), "env": env}
 
     out = [row(f"finetune {r['run']}" + (f" (longest batch {p['batch']['rows']}x{p['batch']['padded_length']})"
                                          if p.get("batch") else f" ({p['phase']})" if p.get("phase") else ""), p, _fp(r))
@@ -297,10 +297,13 @@ def memory_prediction_section(finetune_rows: list[dict], inference_rows: list[di
         "rank and targets, optimizer). It predicts tensor bytes: fine-tuning peaks at the start of the backward "
         "pass of its longest batch (optimizer states + autocast weight copies + saved activations + three fp32 "
         "vocabulary-sized loss tensors) or at the optimizer step; generation adds the KV cache and transients "
-        "to the loaded model. Measured is `cpu_peak_rss` delta (peak over the resident memory just before), "
-        "which also holds memory the allocator (glibc malloc) keeps after tensors are freed and grows over "
-        "steps of different lengths; a ratio above 1 can be that share rather than a tensor the estimate misses. "
-        f"Target: within ±{100 * MEMORY_TARGET:.0f}%.", "",
+        "to the loaded model. It is compared with the measured peak of the same kind: live tensor bytes over "
+        "those at the start (`cpu_tensor_peak` on CPU, counted from the CPU allocator's events through "
+        "torch.profiler: the counterpart of `cuda_max_allocated`, which is what it is compared with on GPU). "
+        f"Target: within ±{100 * MEMORY_TARGET:.0f}%. On CPU the resident-memory delta (`cpu_peak_rss`) is shown "
+        "too: it is what the OS charges, and it also holds what glibc malloc keeps after tensors are freed, which "
+        "grows each time a batch is longer than any before it, so its ratio is above the tensor ratio by the "
+        "allocator's share, not by a tensor the estimate misses.", "",
         comparison(memory_prediction_table(finetune_rows, inference_rows), environments, allow_mixed), ""]
 
 
