@@ -40,6 +40,39 @@ def test_qlora_trains_on_a_4bit_base_and_full_trains_everything(results, test_cf
     assert (Layout(results).model("finetune", "full") / "model.safetensors").is_file()
 
 
+def test_qlora_gradients_do_not_depend_on_an_earlier_validation_pass(results, test_cfg):
+    """bitsandbytes repacks 4-bit weights for its AVX512-BF16 CPU inference kernel on the first eval-mode,
+    no-grad forward and then uses that kernel, which has no backward, in training too: the gradient through
+    the frozen base layers was silently dropped after the validation pass that precedes training. With
+    the layers kept on the differentiable path, a QLoRA gradient is the same with or without that pass."""
+    import warnings
+
+    from efflab.finetune import build_model
+
+    run = finetune_run(test_cfg, "qlora-r8")
+    run["lora"] = run["lora"] | {"dropout": 0.0}
+    ids = torch.tensor([[1, 5, 9, 200, 31, 7, 64, 2] * 4])
+
+    def gradients(validate_first: bool) -> dict:
+        torch.manual_seed(0)
+        model = build_model(run, Layout(results), "float32", torch.device("cpu"))
+        if validate_first:
+            model.eval()
+            with torch.no_grad():
+                model(input_ids=ids)
+        model.train()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # "an autograd kernel was not registered" would fail here
+            model(input_ids=ids, labels=ids).loss.backward()
+        return {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+    fresh, validated = gradients(False), gradients(True)
+    first = next(n for n in fresh if "layers.0." in n and "lora_B" in n)  # reached only through later layers
+    assert fresh[first].abs().max() > 0
+    for name in fresh:
+        assert torch.allclose(fresh[name], validated[name], rtol=1e-4, atol=1e-7), name
+
+
 def test_training_flops_follow_palm_and_mfu_is_a_fraction_of_the_measured_ceiling(results, test_cfg):
     full = run_stage("finetune", TEST_PARAMS, results, "full")
     c = test_cfg["base_model"]["config_overrides"]

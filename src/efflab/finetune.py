@@ -81,6 +81,7 @@ def build_model(run: dict, layout, dtype: str, device: torch.device):
     quant = run["quant"] if run["method"] == "qlora" else None
     model = load_model(layout.base_model(), dtype, device, quant=quant)
     if quant:
+        keep_4bit_layers_differentiable(model)
         model = prepare_model_for_kbit_training(
             model, use_gradient_checkpointing=run["gradient_checkpointing"],
             gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -95,6 +96,22 @@ def build_model(run: dict, layout, dtype: str, device: torch.device):
         return get_peft_model(model, peft_config)
     except ValueError as err:
         raise UserError(f"finetune.lora.target_modules: {str(err).splitlines()[0]}") from None
+
+
+def keep_4bit_layers_differentiable(model) -> int:
+    """Keep every bitsandbytes 4-bit layer of a model that will train on its differentiable path.
+
+    bitsandbytes (0.50) repacks a Linear4bit weight for its AVX512-BF16 CPU inference kernel the first time
+    the layer runs in eval mode without gradients (here: the validation loss before training) and from then
+    on calls that kernel in training too. The kernel has no backward, so the gradient through every frozen
+    4-bit layer would be silently dropped (torch only warns: "an autograd kernel was not registered") and
+    QLoRA's adapters would train on wrong gradients. Returns the number of layers kept."""
+    import bitsandbytes as bnb
+
+    layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    for layer in layers:
+        layer.support_avx512bf16_for_cpu = False
+    return len(layers)
 
 
 def write_loss_curve(history: list[dict], path) -> list[dict]:
