@@ -146,7 +146,10 @@ def activation_rates(folder, run: dict, dtype: str, precision: str) -> dict:
         targets = run["lora"]["target_modules"]
         names = {lay["name"].rsplit(".", 1)[-1] for lay in estimate.targeted_layers(str(folder), targets)}
         lora = {"modules": names, "dropout": run["lora"]["dropout"]}
-    grad = p["trainable_base"]  # the embedding output needs a gradient only when the embedding trains
+    checkpointing = run["gradient_checkpointing"]
+    # the embedding output needs a gradient when the embedding trains, or when checkpointing (efflab then makes
+    # the inputs require grad, as peft's prepare_model_for_kbit_training does, so the recomputed layers have one)
+    grad = p["trainable_base"] or checkpointing
     per_token = per_square = 0.0
     for _ in range(a["layers"]):
         layer_token, layer_square, grad = _decoder_layer(a, p, lora, grad)
@@ -154,17 +157,30 @@ def activation_rates(folder, run: dict, dtype: str, precision: str) -> dict:
     head = (4 + (4 if p["trainable_base"] else 0)) * a["hidden"]  # final RMSNorm
     if p["trainable_base"]:  # the head's weight gradient needs its input
         head += (p["autocast"] or p["base"]) * a["hidden"]
-    return {"layers_per_token": per_token, "layers_per_square": per_square, "head_per_token": head,
-            "loss_per_token": LOSS_VOCAB_TENSORS * 4 * a["vocab"]}
+    rates = {"layers_per_token": per_token, "layers_per_square": per_square, "head_per_token": head,
+             "loss_per_token": LOSS_VOCAB_TENSORS * 4 * a["vocab"]}
+    if checkpointing:
+        # Non-reentrant checkpointing of each decoder layer keeps only the layer's input (the residual stream,
+        # in the dtype of the embeddings: fp32 for full and QLoRA, the base dtype for LoRA); the backward
+        # recomputes one layer at a time, whose saved tensors then live beside the residual stream's gradient
+        # (incoming, and the one being built) once the head and loss tensors are freed.
+        rates |= {"layers_per_token": a["layers"] * a["hidden"] * p["base"], "layers_per_square": 0.0,
+                  "recompute_per_token": layer_token + 2 * a["hidden"] * p["base"],
+                  "recompute_per_square": layer_square}
+    return rates
 
 
 def activation_terms(folder, run: dict, dtype: str, precision: str, rows: int, length: int,
                      rates: dict | None = None) -> dict:
-    """Bytes the forward pass of one (rows x length) batch leaves saved for the backward, by part."""
+    """Bytes the forward pass of one (rows x length) batch leaves saved for the backward, by part; with
+    gradient checkpointing also `recompute`: what recomputing one layer in the backward adds."""
     r = rates or activation_rates(folder, run, dtype, precision)
     tokens = rows * length
-    return {"layers": r["layers_per_token"] * tokens + r["layers_per_square"] * rows * length**2,
-            "head": r["head_per_token"] * tokens, "loss": r["loss_per_token"] * tokens}
+    terms = {"layers": r["layers_per_token"] * tokens + r["layers_per_square"] * rows * length**2,
+             "head": r["head_per_token"] * tokens, "loss": r["loss_per_token"] * tokens}
+    if "recompute_per_token" in r:
+        terms["recompute"] = r["recompute_per_token"] * tokens + r["recompute_per_square"] * rows * length**2
+    return terms
 
 
 def _trainable_tensors(folder, run: dict) -> list[int]:
@@ -174,6 +190,18 @@ def _trainable_tensors(folder, run: dict) -> list[int]:
     r = run["lora"]["r"]
     return [n for lay in estimate.targeted_layers(str(folder), run["lora"]["target_modules"])
             for n in (r * lay["in"], r * lay["out"])]
+
+
+def _gradients_before_the_last_layer(folder, run: dict) -> int:
+    """fp32 gradient bytes that exist when the backward reaches the last decoder layer's recompute: those of
+    the parameters outside the decoder layers (head, tied embedding, final norm) and of the last layer; with
+    LoRA, the last layer's adapters'."""
+    numels = {n: p.numel() for n, p in estimate.meta_model(str(folder)).named_parameters()}
+    layers = _arch(folder)["layers"]
+    last = f".layers.{layers - 1}."
+    if run["method"] == "full":
+        return 4 * sum(n for name, n in numels.items() if ".layers." not in name or last in name)
+    return 4 * sum(_trainable_tensors(folder, run)) // layers
 
 
 def optimizer_state_bytes(numels: list[int], optimizer: str, param_bytes: int = 4) -> int:
@@ -210,7 +238,6 @@ def training_peak(folder, run: dict, dtype: str, precision: str, lengths: list[i
     a = _arch(folder)
     unmodelled = (f"model type {a['model_type']!r} (modelled: {', '.join(DECODERS)})"
                   if a["model_type"] not in DECODERS else
-                  "gradient checkpointing" if run["gradient_checkpointing"] else
                   "several processes (each rank draws its own shard of the batches)"
                   if run["num_processes"] * run["num_machines"] > 1 or run["accelerate_config"] else None)
     if unmodelled:
@@ -228,17 +255,24 @@ def training_peak(folder, run: dict, dtype: str, precision: str, lengths: list[i
     steps = padded_batch_lengths(lengths, run["batch_size"], run["max_steps"], run["gradient_accumulation_steps"],
                                  run["seed"], run.get("packing", False))
     rates = activation_rates(folder, run, dtype, precision)
+    last_gradients = _gradients_before_the_last_layer(folder, run) if run["gradient_checkpointing"] else 0
     best = {"total": 0.0}
     for k, micro in enumerate(steps):
         for m, (rows, length) in enumerate(micro):
             act = activation_terms(folder, run, dtype, precision, rows, length, rates)
-            terms = {"optimizer_states": states if k else 0, "gradients": gradients if m else 0,
-                     "autocast_weight_copies": copies, "activations": act["layers"] + act["head"],
-                     "loss_logits": act["loss"]}
-            total = sum(terms.values())
-            if total > best["total"]:
-                best = {"total": total, "terms": terms, "phase": f"backward start, step {k + 1}",
-                        "batch": {"rows": rows, "padded_length": length}}
+            held = {"optimizer_states": states if k else 0, "gradients": gradients if m else 0,
+                    "autocast_weight_copies": copies}
+            phases = [("backward start", held | {"activations": act["layers"] + act["head"],
+                                                 "loss_logits": act["loss"]})]
+            if "recompute" in act:  # checkpointing: the last layer recomputed, head and loss tensors freed
+                phases.append(("recompute of the last layer", held | {
+                    "activations": act["layers"], "recomputed_layer": act["recompute"],
+                    "gradients": gradients if m else last_gradients}))
+            for phase, terms in phases:
+                total = sum(terms.values())
+                if total > best["total"]:
+                    best = {"total": total, "terms": terms, "phase": f"{phase}, step {k + 1}",
+                            "batch": {"rows": rows, "padded_length": length}}
     step = {"optimizer_states": states, "gradients": gradients, "optimizer_step_temporaries": step_temporaries}
     if sum(step.values()) > best["total"]:
         best = {"total": sum(step.values()), "terms": step, "phase": "optimizer step", "batch": None}
@@ -255,8 +289,8 @@ def generation_peak(folder, dtype: str, quant: dict | None, batch: int, prompt_l
                     kv_cache: bool) -> dict:
     """Predicted peak of what greedy generation adds over the loaded model: the KV cache at its final length
     (plus the one layer's old K and V that DynamicCache's torch.cat copies while growing), the largest
-    transient of a forward pass (the gated MLP of the prefill: gate, SiLU(gate) and up) and the last position's
-    fp32 logits. Not counted: a 4-bit matmul's transient dequantized weight (at most one layer's; none on
+    transient of a forward pass (the gated MLP of the prefill: gate, SiLU(gate) and up), the last position's
+    logits and the vocabulary-sized temporaries of the logits processors that hold the length fixed. Not counted: a 4-bit matmul's transient dequantized weight (at most one layer's; none on
     bitsandbytes' AVX512-BF16 CPU path, which packs the weights once, in the warmup). `weights_mib` is the
     resident model, for reference: it is in the baseline, not in the compared delta."""
     a = _arch(folder)
@@ -271,7 +305,12 @@ def generation_peak(folder, dtype: str, quant: dict | None, batch: int, prompt_l
     else:  # every step runs the whole sequence again
         forward_tokens = batch * final
     terms["forward_transients"] = 3 * a["intermediate"] * forward_tokens * el
-    terms["logits"] = 4 * a["vocab"] * batch
+    # the last position's logits in the model dtype and generate()'s fp32 copy of them
+    terms["logits"] = (el + 4) * a["vocab"] * batch
+    # efflab forces every generation to max_new_tokens with min_new_tokens, from which generate() also sets
+    # min_length: two EOS-suppressing logits processors, each building an int64 arange over the vocabulary, a
+    # boolean EOS mask and an fp32 copy of the scores; at the second one's peak the first one's copy is alive
+    terms["logits_processors"] = (8 + 1 + 2 * 4 * batch) * a["vocab"]
     method = (quant or {}).get("method", "none")
     if method == "none":
         weights = el * estimate.parameter_count(str(folder))
