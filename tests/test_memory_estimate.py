@@ -232,3 +232,20 @@ def test_report_puts_the_prediction_beside_the_measurement():
     assert list(df["RSS / predicted"])[0] == 1.5
     section = "\n".join(report.memory_prediction_section(finetune, inference, {"e1": env}, False))
     assert "## Predicted vs measured memory" in section and " 1.12 " in section
+
+
+def test_a_frozen_bf16_head_on_a_strided_last_position_copies_its_weight():
+    """Pins the torch behaviour `generation_peak(frozen=True)` models: on CPU in bf16, F.linear of the
+    prefill's last position (a strided slice) with a weight that does not require grad runs as a batched
+    matmul over a contiguous copy of the transposed weight; with a weight that requires grad it does not.
+    If a torch upgrade changes this, this test says so and the term goes."""
+    vocab, hidden = 8192, 256
+    last = torch.randn(1, 40, hidden, dtype=torch.bfloat16)[:, -1:, :]
+    seen = {}
+    for frozen in (False, True):
+        weight = torch.randn(vocab, hidden, dtype=torch.bfloat16).requires_grad_(not frozen)
+        with torch.no_grad(), track_memory(torch.device("cpu")) as mem:
+            torch.nn.functional.linear(last, weight)
+        seen[frozen] = mem["tensors"]["delta_mib"] * MiB
+    assert seen[False] < vocab * hidden * 2 / 8  # the output and small workspaces, no weight copy
+    assert seen[True] >= vocab * hidden * 2

@@ -94,7 +94,9 @@ def inference_cell(cfg: dict, results: str, name: str, dtype: str, device: str, 
         for batch in batches:
             generate_timed(model, tokenizer, batch, n, kv_cache)
     prediction = generation_peak(layout.base_model(), dtype, variant_quant(cfg, b["variants"][name]), batch_size,
-                                 max(x["input_ids"].shape[1] for x in batches), n, kv_cache)
+                                 max(x["input_ids"].shape[1] for x in batches), n, kv_cache,
+                                 frozen=not any(p.requires_grad for p in model.get_output_embeddings().parameters()),
+                                 device=device.type)
     with track_memory(device) as mem:
         runs = [generate_timed(model, tokenizer, batch, n, kv_cache) for _ in range(b["repeats"]) for batch in batches]
     if any(r["new_tokens"] != n for r in runs):

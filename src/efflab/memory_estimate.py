@@ -286,11 +286,15 @@ def training_peak(folder, run: dict, dtype: str, precision: str, lengths: list[i
 
 
 def generation_peak(folder, dtype: str, quant: dict | None, batch: int, prompt_len: int, new_tokens: int,
-                    kv_cache: bool) -> dict:
+                    kv_cache: bool, frozen: bool = False, device: str = "cpu") -> dict:
     """Predicted peak of what greedy generation adds over the loaded model: the KV cache at its final length
     (plus the one layer's old K and V that DynamicCache's torch.cat copies while growing), the largest
     transient of a forward pass (the gated MLP of the prefill: gate, SiLU(gate) and up), the last position's
-    logits and the vocabulary-sized temporaries of the logits processors that hold the length fixed. Not counted: a 4-bit matmul's transient dequantized weight (at most one layer's; none on
+    logits and the vocabulary-sized temporaries of the logits processors that hold the length fixed.
+    `frozen`: the weights do not require grad (a peft adapter on its base). On CPU in bf16, torch (2.13) then
+    computes the LM head of the prefill's last position (a strided slice of the prompt's hidden states) as a
+    batched matmul over a contiguous copy of the transposed head weight: vocabulary x hidden x 2 bytes,
+    once per generation (tests/test_memory_estimate.py pins this behaviour). Not counted: a 4-bit matmul's transient dequantized weight (at most one layer's; none on
     bitsandbytes' AVX512-BF16 CPU path, which packs the weights once, in the warmup). `weights_mib` is the
     resident model, for reference: it is in the baseline, not in the compared delta."""
     a = _arch(folder)
@@ -311,6 +315,8 @@ def generation_peak(folder, dtype: str, quant: dict | None, batch: int, prompt_l
     # min_length: two EOS-suppressing logits processors, each building an int64 arange over the vocabulary, a
     # boolean EOS mask and an fp32 copy of the scores; at the second one's peak the first one's copy is alive
     terms["logits_processors"] = (8 + 1 + 2 * 4 * batch) * a["vocab"]
+    if frozen and device == "cpu" and dtype == "bfloat16" and prompt_len > 1:
+        terms["frozen_head_weight_copy"] = a["vocab"] * a["hidden"] * el
     method = (quant or {}).get("method", "none")
     if method == "none":
         weights = el * estimate.parameter_count(str(folder))
