@@ -192,16 +192,15 @@ def _trainable_tensors(folder, run: dict) -> list[int]:
             for n in (r * lay["in"], r * lay["out"])]
 
 
-def _gradients_before_the_last_layer(folder, run: dict) -> int:
+def _gradients_before_the_last_layer(folder, run: dict, layers: int, gradients: int) -> int:
     """fp32 gradient bytes that exist when the backward reaches the last decoder layer's recompute: those of
     the parameters outside the decoder layers (head, tied embedding, final norm) and of the last layer; with
-    LoRA, the last layer's adapters'."""
-    numels = {n: p.numel() for n, p in estimate.meta_model(str(folder)).named_parameters()}
-    layers = _arch(folder)["layers"]
+    LoRA, the last layer's adapters' (one layer's share of all the trainable `gradients`)."""
+    if run["method"] != "full":
+        return gradients // layers
     last = f".layers.{layers - 1}."
-    if run["method"] == "full":
-        return 4 * sum(n for name, n in numels.items() if ".layers." not in name or last in name)
-    return 4 * sum(_trainable_tensors(folder, run)) // layers
+    return 4 * sum(p.numel() for name, p in estimate.meta_model(str(folder)).named_parameters()
+                   if ".layers." not in name or last in name)
 
 
 def optimizer_state_bytes(numels: list[int], optimizer: str, param_bytes: int = 4) -> int:
@@ -255,7 +254,8 @@ def training_peak(folder, run: dict, dtype: str, precision: str, lengths: list[i
     steps = padded_batch_lengths(lengths, run["batch_size"], run["max_steps"], run["gradient_accumulation_steps"],
                                  run["seed"], run.get("packing", False))
     rates = activation_rates(folder, run, dtype, precision)
-    last_gradients = _gradients_before_the_last_layer(folder, run) if run["gradient_checkpointing"] else 0
+    last_gradients = (_gradients_before_the_last_layer(folder, run, a["layers"], gradients)
+                      if run["gradient_checkpointing"] else 0)
     best = {"total": 0.0}
     for k, micro in enumerate(steps):
         for m, (rows, length) in enumerate(micro):
@@ -294,8 +294,9 @@ def generation_peak(folder, dtype: str, quant: dict | None, batch: int, prompt_l
     `frozen`: the weights do not require grad (a peft adapter on its base). On CPU in bf16, torch (2.13) then
     computes the LM head of the prefill's last position (a strided slice of the prompt's hidden states) as a
     batched matmul over a contiguous copy of the transposed head weight: vocabulary x hidden x 2 bytes,
-    once per generation (tests/test_memory_estimate.py pins this behaviour). Not counted: a 4-bit matmul's transient dequantized weight (at most one layer's; none on
-    bitsandbytes' AVX512-BF16 CPU path, which packs the weights once, in the warmup). `weights_mib` is the
+    once per generation (tests/test_memory_estimate.py pins this behaviour). Not counted: a 4-bit matmul's
+    transient dequantized weight (at most one layer's; none on bitsandbytes' AVX512-BF16 CPU path, which
+    packs the weights once, in the warmup). `weights_mib` is the
     resident model, for reference: it is in the baseline, not in the compared delta."""
     a = _arch(folder)
     el = ELEMENT_BYTES[dtype]
