@@ -17,6 +17,7 @@ llama, mistral, qwen2. Sizes are bytes; results are MiB.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 from . import estimate
@@ -291,10 +292,11 @@ def generation_peak(folder, dtype: str, quant: dict | None, batch: int, prompt_l
     (plus the one layer's old K and V that DynamicCache's torch.cat copies while growing), the largest
     transient of a forward pass (the gated MLP of the prefill: gate, SiLU(gate) and up), the last position's
     logits and the vocabulary-sized temporaries of the logits processors that hold the length fixed.
-    `frozen`: the weights do not require grad (a peft adapter on its base). On CPU in bf16, torch (2.13) then
-    computes the LM head of the prefill's last position (a strided slice of the prompt's hidden states) as a
-    batched matmul over a contiguous copy of the transposed head weight: vocabulary x hidden x 2 bytes,
-    once per generation (tests/test_memory_estimate.py pins this behaviour). Not counted: a 4-bit matmul's
+    `frozen`: the weights do not require grad (a peft adapter on its base). Where `frozen_head_copies_weight`
+    measures it on this CPU (torch 2.13 in bf16 on AVX512-BF16 CPUs; not on AVX2-only ones), the LM head of
+    the prefill's last position (a strided slice of the prompt's hidden states) runs as a batched matmul over a
+    contiguous copy of the transposed head weight: vocabulary x hidden x element bytes, once per generation.
+    Not counted: a 4-bit matmul's
     transient dequantized weight (at most one layer's; none on bitsandbytes' AVX512-BF16 CPU path, which
     packs the weights once, in the warmup). `weights_mib` is the
     resident model, for reference: it is in the baseline, not in the compared delta."""
@@ -316,7 +318,7 @@ def generation_peak(folder, dtype: str, quant: dict | None, batch: int, prompt_l
     # min_length: two EOS-suppressing logits processors, each building an int64 arange over the vocabulary, a
     # boolean EOS mask and an fp32 copy of the scores; at the second one's peak the first one's copy is alive
     terms["logits_processors"] = (8 + 1 + 2 * 4 * batch) * a["vocab"]
-    if frozen and device == "cpu" and dtype == "bfloat16" and prompt_len > 1:
+    if frozen and device == "cpu" and prompt_len > 1 and frozen_head_copies_weight(a["vocab"], a["hidden"], dtype):
         terms["frozen_head_weight_copy"] = a["vocab"] * a["hidden"] * el
     method = (quant or {}).get("method", "none")
     if method == "none":
@@ -325,6 +327,27 @@ def generation_peak(folder, dtype: str, quant: dict | None, batch: int, prompt_l
         weights = estimate.bnb_footprint(str(folder), method, bool(quant.get("double_quant")), dtype)["total"]
     return {"total_mib": sum(terms.values()) / MiB, "compares_to": GENERATION_COMPARES_TO,
             "terms_mib": {k: v / MiB for k, v in terms.items()}, "weights_mib": weights / MiB}
+
+
+@functools.lru_cache(maxsize=None)
+def frozen_head_copies_weight(vocab: int, hidden: int, dtype: str) -> bool:
+    """Whether this CPU and torch copy a frozen (requires_grad False) `vocab x hidden` weight when F.linear
+    reads one strided position, as generation's prefill does for the LM head: measured once per process with
+    the live-tensor counter, not assumed from the CPU's name. torch 2.13 copies the transposed bf16 weight
+    for a batched matmul on CPUs with native bf16 (AVX512-BF16/AMX); AVX2-only CPUs and fp32 do not copy.
+    Unmeasurable (a profiler already running): False, so the term is left out rather than guessed."""
+    import torch
+
+    from .measure import CpuTensorPeak
+    from .modeling import DTYPES
+
+    last = torch.zeros(1, 2, hidden, dtype=DTYPES[dtype])[:, -1:, :]
+    weight = torch.zeros(vocab, hidden, dtype=DTYPES[dtype])
+    counter = CpuTensorPeak().start()
+    with torch.no_grad():
+        torch.nn.functional.linear(last, weight)
+    seen = counter.stop()["delta_mib"]
+    return seen is not None and seen * MiB >= weight.numel() * weight.element_size()
 
 
 def variant_quant(cfg: dict, variant: dict) -> dict | None:
