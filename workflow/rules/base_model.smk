@@ -14,5 +14,7 @@ rule base_model:
     resources:
         mem_mb=mem_mb("base_model"),
         runtime=runtime("base_model"),
+    conda:
+        "../envs/efflab.yaml"
     shell:
         "python -m efflab.base_model --params {params.file:q} --log {log:q}"

@@ -14,5 +14,7 @@ rule bench_attention:
         mem_mb=mem_mb("bench_attention"),
         runtime=runtime("bench_attention"),
         **gpu_resources("bench_attention"),
+    conda:
+        "../envs/efflab.yaml"
     shell:
         "python -m efflab.bench_attention --params {params.file:q} --name {wildcards.name:q} --log {log:q}"

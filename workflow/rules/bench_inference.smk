@@ -15,5 +15,7 @@ rule bench_inference:
         mem_mb=mem_mb("bench_inference"),
         runtime=runtime("bench_inference"),
         **gpu_resources("bench_inference"),
+    conda:
+        "../envs/efflab.yaml"
     shell:
         "python -m efflab.bench_inference --params {params.file:q} --name {wildcards.name:q} --log {log:q}"

@@ -22,5 +22,7 @@ rule claims:
     resources:
         mem_mb=mem_mb("claims"),
         runtime=runtime("claims"),
+    conda:
+        "../envs/efflab.yaml"
     shell:
         "python -m efflab.claims --params {params.file:q} --log {log:q}"

@@ -19,6 +19,14 @@ except efflab_config.UserError as err:
     sys.exit(f"efflab: error: {err}")
 
 SRC = Path(workflow.basedir) / "src" / "efflab"
+# Where workflow/envs/efflab.yaml installs efflab from under --sdm conda (Snakemake builds the environment
+# from a copy of that file, so it cannot find the project by a relative path); declared, so that
+# Snakemake passes it on to remote jobs, which may build the environment themselves.
+os.environ["EFFLAB_REPO"] = workflow.basedir
+
+
+envvars:
+    "EFFLAB_REPO",
 
 
 wildcard_constraints:

@@ -18,5 +18,7 @@ rule finetune:
         mem_mb=mem_mb("finetune"),
         runtime=runtime("finetune"),
         **gpu_resources("finetune"),
+    conda:
+        "../envs/efflab.yaml"
     shell:
         "python -m efflab.finetune --params {params.file:q} --name {wildcards.name:q} --log {log:q}"

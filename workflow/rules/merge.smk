@@ -17,5 +17,7 @@ rule merge:
         mem_mb=mem_mb("merge"),
         runtime=runtime("merge"),
         **gpu_resources("merge"),
+    conda:
+        "../envs/efflab.yaml"
     shell:
         "python -m efflab.merge --params {params.file:q} --name {wildcards.name:q} --log {log:q}"

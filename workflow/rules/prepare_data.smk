@@ -16,5 +16,7 @@ rule prepare_data:
     resources:
         mem_mb=mem_mb("prepare_data"),
         runtime=runtime("prepare_data"),
+    conda:
+        "../envs/efflab.yaml"
     shell:
         "python -m efflab.prepare_data --params {params.file:q} --log {log:q}"

@@ -17,5 +17,7 @@ rule quantize:
         mem_mb=mem_mb("quantize"),
         runtime=runtime("quantize"),
         **gpu_resources("quantize"),
+    conda:
+        "../envs/efflab.yaml"
     shell:
         "python -m efflab.quantize --params {params.file:q} --name {wildcards.name:q} --log {log:q}"

@@ -24,5 +24,7 @@ rule report:
     resources:
         mem_mb=mem_mb("report"),
         runtime=runtime("report"),
+    conda:
+        "../envs/efflab.yaml"
     shell:
         "python -m efflab.report --params {params.file:q} --log {log:q}"
