@@ -1,3 +1,9 @@
+import json
+import os
+import re
+import subprocess
+import sys
+
 import yaml
 
 from conftest import TEST_PARAMS, run_stage
@@ -68,3 +74,26 @@ def test_flex_attention_runs_forward_and_says_why_not_backward_on_cpu(results, w
     assert rows["forward"]["status"] == "ok" and rows["forward"]["max_abs_diff_vs_eager"] < 1e-4
     assert rows["forward_backward"]["status"] == "unavailable"
     assert "backward on CPU" in rows["forward_backward"]["reason"]
+
+
+def test_int8_cells_show_each_warning_at_most_once_and_no_profiler_lines(results, write_params, capfd):
+    """bitsandbytes logs 'MatMul8bitLt: inputs will be cast ...' on every INT8 matmul and Kineto a 'USDT: ...
+    profiler_start/stop' line at every start and stop of the memory profiler: neither may flood the console, in
+    the stage's own process (quantize) nor in a cell forked from the forkserver (bench_inference, subprocess
+    isolation: the stage's logging and warnings setup does not reach it), which the stage's CLI shows here."""
+    params = write_params(lambda cfg: cfg["runtime"].update(isolation="subprocess"))
+    run_stage("quantize", params, results, "baseline")
+    run_stage("quantize", params, results, "int8")
+    in_stage = capfd.readouterr().err
+    env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}  # efflab's default, not the caller's
+    proc = subprocess.run([sys.executable, "-m", "efflab.bench_inference", "--params", str(params), "--results",
+                           str(results), "--name", "int8"], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (cell,) = json.loads((results / "bench_inference" / "int8" / "metrics.json").read_text())["cells"]
+    assert cell["status"] == "ok" and cell["isolation"] == "subprocess" and cell["memory"]["tensors"]["delta_mib"] > 0
+    for err in (in_stage, proc.stderr):
+        assert "USDT" not in err and "profiler_start" not in err
+        assert err.count("MatMul8bitLt") <= 1
+        warned = [re.sub(r"^[\d-]+ [\d:,]+ ", "", line) for line in err.splitlines()
+                  if re.search(r"\bWARNING\b|\w+Warning: ", line)]  # logged, and Python's warnings
+        assert len(warned) == len(set(warned)), f"a warning shown more than once:\n{err[-3000:]}"

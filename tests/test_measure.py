@@ -45,6 +45,29 @@ def cell_allocates(mib):
     return {"memory": mem}
 
 
+def cell_warns_repeatedly(stderr_path):
+    """Repeats a Python warning (from two places), a logged warning, a bitsandbytes MatMul8bitLt warning and an
+    error, and starts and stops the memory profiler; its stderr goes to `stderr_path` (a forkserver child's
+    stderr is the forkserver's, which a test cannot capture)."""
+    import logging
+    import warnings
+
+    os.dup2(os.open(stderr_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
+    os.environ.pop("KINETO_LOG_LEVEL", None)  # efflab's default, not the caller's
+    for _ in range(3):
+        warnings.warn("a user-facing warning", FutureWarning)
+    warnings.warn("a user-facing warning", FutureWarning)  # another line: the 'default' action shows it again
+    for _ in range(3):
+        logging.getLogger("efflab").warning("a logged warning")
+        logging.getLogger("bitsandbytes.autograd._functions").warning(
+            "MatMul8bitLt: inputs will be cast from %s to float16 during quantization", torch.float32)
+    for _ in range(2):
+        logging.getLogger("efflab").error("an error")
+    with measure.track_memory(CPU):
+        torch.ones(1024).sum()
+    return {"kineto_log_level_after": os.environ.get("KINETO_LOG_LEVEL")}
+
+
 def test_percentiles_on_a_known_list():
     stats = measure.summarize([float(x) for x in range(1, 11)])
     assert stats["n"] == 10
@@ -167,3 +190,15 @@ def test_fingerprint_ignores_commit_and_params_but_not_the_stack():
     assert measure.fingerprint(env) == measure.fingerprint(other) == env["fingerprint"]
     changed = env | {"packages": env["packages"] | {"torch": "0.0.1"}}
     assert measure.fingerprint(changed) != env["fingerprint"]
+
+
+def test_a_cell_shows_each_warning_once_every_error_and_no_profiler_lines(tmp_path):
+    stderr = tmp_path / "cell.err"
+    result = measure.run_cell(cell_warns_repeatedly, {"stderr_path": str(stderr)}, timeout_s=120)
+    assert result["status"] == "ok"
+    text = stderr.read_text()
+    assert text.count("FutureWarning: a user-facing warning") == 1 and text.count("a logged warning") == 1
+    assert text.count("an error") == 2, "errors are never folded"
+    assert "MatMul8bitLt" not in text, "bitsandbytes logs errors only, as in the stage's own process"
+    assert "USDT" not in text and "profiler_st" not in text, "Kineto's start/stop lines are off"
+    assert result["kineto_log_level_after"] is None, "set only while efflab's profiler initialises Kineto"

@@ -144,6 +144,27 @@ def _reset_cpu_peak() -> bool:
         return False
 
 
+# Kineto's log severities: VERBOSE 0, INFO 1, WARNING 2, STAGE 3, ERROR 4, USDT 5. Every profiler start and stop
+# logs "USDT:<time> <pid>:<tid> SyncActivityProfilerHandler.cpp:52] profiler_start" (and profiler_stop) at USDT,
+# above the ERROR threshold torch sets, so only a threshold above USDT silences them (Kineto's errors with them).
+KINETO_QUIET_LEVEL = "6"
+
+
+@contextmanager
+def _kineto_quiet():
+    """KINETO_LOG_LEVEL set while the first torch.profiler start in a process initialises Kineto, which reads
+    it then, once, and never again; unset afterwards, so it reaches only efflab's own profiler. A
+    KINETO_LOG_LEVEL the user has set is theirs (e.g. 0 to see every Kineto message)."""
+    if "KINETO_LOG_LEVEL" in os.environ:
+        yield
+        return
+    os.environ["KINETO_LOG_LEVEL"] = KINETO_QUIET_LEVEL
+    try:
+        yield
+    finally:
+        os.environ.pop("KINETO_LOG_LEVEL", None)
+
+
 class CpuTensorPeak:
     """The most bytes that live CPU tensors held at once while it ran, above those live at its start: the
     CPU counterpart of torch.cuda.max_memory_allocated, which resident memory is not (RSS also holds what
@@ -160,6 +181,7 @@ class CpuTensorPeak:
 
     KIND = "cpu_tensor_peak"
     _warm = False
+    _kineto_initialised = False  # per process: a forkserver child inherits the forkserver's False
 
     @classmethod
     def warm_up(cls) -> None:
@@ -182,7 +204,12 @@ class CpuTensorPeak:
             self.unavailable = "torch.profiler is already running in this process"
             return self
         self._profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-        self._profiler.start()
+        if CpuTensorPeak._kineto_initialised:
+            self._profiler.start()
+        else:
+            with _kineto_quiet():
+                self._profiler.start()
+            CpuTensorPeak._kineto_initialised = True
         torch.autograd._enable_record_function(False)
         return self
 
@@ -292,15 +319,18 @@ def classify_failure(err: BaseException) -> dict:
 
 
 def setup_child_logging(log_file: str | None, tag: str) -> None:
-    """Log a child process (a benchmark cell, a DDP rank) to stderr and append to its stage's log file."""
+    """Log a child process (a benchmark cell, a DDP rank) to stderr and append to its stage's log file, with
+    the stage's console policy (cli.configure_logging): a cell forked from the forkserver inherits the
+    forkserver's logging and warnings state, not the stage's."""
     import logging
     import sys
+
+    from .cli import configure_logging
 
     handlers: list = [logging.StreamHandler(sys.stderr)]
     if log_file:
         handlers.append(logging.FileHandler(log_file, mode="a"))
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s [{tag}] %(message)s",
-                        handlers=handlers, force=True)
+    configure_logging(handlers, f"%(asctime)s %(levelname)s [{tag}] %(message)s")
 
 
 def _cell_child(fn, kwargs: dict, conn, log_file: str | None, threads: int) -> None:
