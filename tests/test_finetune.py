@@ -27,6 +27,9 @@ def test_lora_trains_only_the_adapter_and_loss_goes_down(results, test_cfg):
     assert (Layout(results).model("finetune", "lora-r8") / "adapter_config.json").is_file()
     assert 0 < m["tokens_seen"] <= m["steps"] * 4 * test_cfg["prepare_data"]["max_length"]
     assert m["train_memory"]["kind"] == "cpu_peak_rss" and m["train_memory"]["peak_mib"] > 0
+    steps = m["step_time"]
+    assert steps["n"] == m["steps"] - 1 and steps["first_step_s"] > 0, "every step timed, the first apart"
+    assert steps["min"] <= steps["median"] <= steps["max"] and sum(steps["samples"]) < m["train_s"]
 
 
 def test_qlora_trains_on_a_4bit_base_and_full_trains_everything(results, test_cfg):

@@ -51,3 +51,19 @@ def test_runs_that_differ_in_one_knob_become_a_knob_row():
     assert gc["from → to"] == "false → true" and gc["runs"] == "lora → lora-gc"
     assert gc["memory change (%)"] == pytest.approx(-37.5) and gc["step time change (%)"] == pytest.approx(30)
     assert gc["tokens/s ratio"] == pytest.approx(1 / 1.3)
+    assert gc["step time verdict"] == "-", "no per-step times recorded: no verdict"
+
+
+def test_a_step_time_verdict_needs_the_intervals_apart():
+    from efflab.measure import summarize
+
+    steady = summarize([1.00, 1.02, 0.99, 1.01, 1.00, 0.98, 1.03])
+    slower = summarize([1.30, 1.32, 1.29, 1.31, 1.33, 1.28, 1.30])
+    noisy = summarize([0.80, 1.40, 1.00, 1.20, 0.90, 1.10, 1.05])
+    assert report.step_time_verdict(steady, slower) == "slower"
+    assert report.step_time_verdict(slower, steady) == "faster"
+    assert report.step_time_verdict(steady, noisy) == "no significant difference"
+    rows = [_run("lora", 400, 1.0) | {"step_time": steady},
+            _run("lora-gc", 250, 1.3, gradient_checkpointing=True) | {"step_time": slower}]
+    row = report.knob_table(rows).iloc[0]
+    assert row["step time verdict"] == "slower" and row["median step (s) [95% CI]"].startswith("1.00 [")

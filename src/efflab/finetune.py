@@ -22,8 +22,8 @@ from transformers import TrainerCallback
 from . import cli
 from .config import UserError, finetune_run
 from .measure import (CpuTensorPeak, classify_failure, count_parameters, environment, log_file_path, matmul_ceiling, mfu,
-                      pick_device, published_peak_tflops, set_threads, setup_child_logging, track_memory,
-                      training_flops_per_token)
+                      pick_device, published_peak_tflops, set_threads, setup_child_logging, summarize,
+                      synchronize, track_memory, training_flops_per_token)
 from .memory_estimate import compared, training_peak
 from .modeling import base_dtype, eval_loss, load_model, load_tokenizer, read_split
 
@@ -250,6 +250,31 @@ class FlushTensorCount(TrainerCallback):
             self.tensors.flush()
 
 
+class StepTimes(TrainerCallback):
+    """Wall time of every optimizer step (forward, backward, optimizer; on GPU up to a synchronize), so that a
+    run's step time has a spread and two runs' step times can be told apart from noise. First in the callback
+    list, so the tensor count's flush and checkpoint saving (after on_step_end) stay outside the interval."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.durations, self._t0 = device, [], None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        synchronize(self.device)
+        self._t0 = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        synchronize(self.device)
+        self.durations.append(time.perf_counter() - self._t0)
+
+
+def step_time_summary(durations: list[float]) -> dict:
+    """Median and spread of the steady steps: the first step (lazy initialisation, allocator warm-up) is left
+    out when there are others."""
+    steady = durations[1:] if len(durations) > 1 else durations
+    return summarize(steady) | {"first_step_s": durations[0] if durations else None,
+                                "excluded": "the first step (warm-up)" if len(durations) > 1 else None}
+
+
 class TokensProcessed:
     """Counts the token positions the model computes in training, pad tokens included (the input embedding
     sees every one), so the report can say how much of the compute went to padding."""
@@ -337,7 +362,8 @@ def train(cfg: dict, paths: dict) -> dict:
         ddp_find_unused_parameters=False, disable_tqdm=rank != 0,
     )
     tensors = CpuTensorPeak()
-    callbacks = [FlushTensorCount(tensors)] + ([KillAfterCheckpoint()] if os.environ.get(KILL_ENV) else [])
+    step_times = StepTimes(device)
+    callbacks = [step_times, FlushTensorCount(tensors)] + ([KillAfterCheckpoint()] if os.environ.get(KILL_ENV) else [])
     trainer = Trainer(model=model, args=args, train_dataset=Dataset.from_list(train_rows),
                       data_collator=collator(run_cfg, tokenizer), callbacks=callbacks)
     resumed = _checkpoint_state(resume)
@@ -396,6 +422,7 @@ def train(cfg: dict, paths: dict) -> dict:
         "resumed_from": resumed["global_step"] or None, "optimizer": run_cfg["optimizer"],
         "optimizer_state_bytes": optimizer_state_bytes, "lora_scaling": _lora_scaling(model),
         "steps": steps, "train_s": train_s, "step_s": train_s / steps,
+        "step_time": step_time_summary(step_times.durations),
         "tokens_seen": tokens, "tokens_per_s": tokens / train_s, "samples_per_s": samples / train_s,
         "throughput": throughput,
         "memory_prediction": compared(prediction, train_mem),

@@ -109,6 +109,27 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None or not a else b / a
 
 
+def step_time_verdict(a: dict | None, b: dict | None) -> str:
+    """Whether run b's optimizer steps are slower or faster than run a's beyond the noise of either: the two
+    bootstrap 95% intervals of the median step time do not overlap (a conservative test); else no significant
+    difference. Runs recorded before step times were kept have no verdict."""
+    if not a or not b or a.get("n", 0) < 2 or b.get("n", 0) < 2:
+        return "-"
+    (lo_a, hi_a), (lo_b, hi_b) = a["ci95_median"], b["ci95_median"]
+    if lo_b > hi_a:
+        return "slower"
+    if hi_b < lo_a:
+        return "faster"
+    return "no significant difference"
+
+
+def _median_ci(stats: dict | None) -> str:
+    if not stats:
+        return "-"
+    lo, hi = stats["ci95_median"]
+    return f"{stats['median']:.2f} [{lo:.2f}, {hi:.2f}]"
+
+
 def knob_table(rows: list[dict]) -> pd.DataFrame:
     out = []
     for knob, value_a, value_b, a, b in knob_pairs(rows):
@@ -123,6 +144,8 @@ def knob_table(rows: list[dict]) -> pd.DataFrame:
             "memory change (%)": _pct(memory_ratio - 1) if memory_ratio else None,
             "memory kind": a["train_memory"]["kind"],
             "step time change (%)": _pct(_ratio(a["step_s"], b["step_s"]) - 1),
+            "median step (s) [95% CI]": f"{_median_ci(a.get('step_time'))} → {_median_ci(b.get('step_time'))}",
+            "step time verdict": step_time_verdict(a.get("step_time"), b.get("step_time")),
             "tokens/s ratio": _ratio(a["tokens_per_s"], b["tokens_per_s"]),
             "val loss after": f"{a['validation_after']['loss']:.4f} → {b['validation_after']['loss']:.4f}",
             "env": _fp(a) if _fp(a) == _fp(b) else f"{_fp(a)} / {_fp(b)}",
@@ -514,7 +537,9 @@ def run(cfg: dict, paths: dict) -> dict:
         "", "### What each knob costs and buys", "",
         "Every pair of trained runs whose settings differ in exactly one knob, everything else equal (add runs "
         "to `finetune.runs` to sweep a knob). Memory change is of the training memory over the process's "
-        "resident memory before training; step time is the mean wall time per optimizer step.", "",
+        "resident memory before training; step time change is of the mean wall time per optimizer step; the median "
+        "step and its bootstrap 95% interval leave out the first (warm-up) step, and the verdict says slower or "
+        "faster only when the two intervals do not overlap.", "",
         table("finetune_knobs"), "",
         "### Determinism", "",
         "On CPU the same params give a bitwise-identical loss curve and adapter weights on a rerun (tested). "
