@@ -55,7 +55,7 @@ dry-run: install
 	snakemake --dry-run --cores $(CORES)
 
 test: install
-	$(PY) -m pytest -v --durations=15
+	$(PY) -m pytest -v -n auto --dist loadfile --durations=15
 
 lint: install
 	snakemake --lint

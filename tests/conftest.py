@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -11,9 +12,18 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from efflab import cli
+
+# pytest-xdist runs tests in parallel worker processes. Their torch threads together must not outnumber the
+# cores: OpenMP threads spin while they wait for each other, and oversubscribed they made some ops ten times
+# slower on a 2-core machine. Subprocesses (stage commands, benchmark cells) inherit OMP_NUM_THREADS.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    _threads = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    os.environ["OMP_NUM_THREADS"] = str(_threads)
+    torch.set_num_threads(_threads)
 
 REPO = Path(__file__).resolve().parents[1]
 TEST_PARAMS = REPO / "tests" / "config" / "params.test.yaml"
@@ -64,14 +74,35 @@ def write_params(tmp_path, test_cfg):
     return write
 
 
+class BackgroundPipeline:
+    """The CI pipeline run by `snakemake --cores 2` in a temporary folder, started in the background so that a
+    test can do its own work (the SLURM run) meanwhile; `wait()` gives its folder and wall time."""
+
+    def __init__(self, work: Path):
+        shutil.copy(TEST_PARAMS, work / "params.yaml")
+        self.work, self.t0, self.result = work, time.perf_counter(), None
+        self.log = open(work / "snakemake.log", "w+")
+        # two jobs at a time: the tiny model's jobs are bound by start-up, not by compute
+        self.proc = subprocess.Popen([str(BIN / "snakemake"), "-s", str(REPO / "Snakefile"), "--directory",
+                                      str(work), "--cores", "2", "--max-threads", "1"], cwd=work,
+                                     stdout=self.log, stderr=subprocess.STDOUT, text=True)
+
+    def wait(self) -> dict:
+        if self.result is None:
+            code = self.proc.wait(timeout=1200)
+            self.log.seek(0)
+            output = self.log.read()
+            assert code == 0, f"local snakemake failed:\n{output[-6000:]}"
+            self.result = {"dir": self.work, "wall_s": time.perf_counter() - self.t0, "log": output}
+        return self.result
+
+
 @pytest.fixture(scope="session")
-def local_pipeline(tmp_path_factory) -> dict:
-    """The whole CI pipeline run once by `snakemake --cores 2` in a temporary folder: its folder and
-    wall time. Shared by the end-to-end test and the SLURM test, which compares its results with it."""
-    work = tmp_path_factory.mktemp("local_pipeline")
-    shutil.copy(TEST_PARAMS, work / "params.yaml")
-    t0 = time.perf_counter()
-    proc = subprocess.run([str(BIN / "snakemake"), "-s", str(REPO / "Snakefile"), "--directory", str(work),
-                           "--cores", "2"], cwd=work, capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, f"local snakemake failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    return {"dir": work, "wall_s": time.perf_counter() - t0, "log": proc.stderr}
+def local_pipeline(tmp_path_factory):
+    """The whole CI pipeline, run once per test session (in the background until a test waits for it); shared
+    by the end-to-end tests of tests/test_workflow.py, the SLURM one among them."""
+    pipeline = BackgroundPipeline(tmp_path_factory.mktemp("local_pipeline"))
+    yield pipeline
+    if pipeline.proc.poll() is None:
+        pipeline.proc.kill()
+    pipeline.log.close()

@@ -54,16 +54,24 @@ def test_runs_that_differ_in_one_knob_become_a_knob_row():
     assert gc["step time verdict"] == "-", "no per-step times recorded: no verdict"
 
 
-def test_a_step_time_verdict_needs_the_intervals_apart():
+def test_a_step_time_verdict_pairs_the_same_batches_and_needs_the_interval_off_one():
     from efflab.measure import summarize
 
-    steady = summarize([1.00, 1.02, 0.99, 1.01, 1.00, 0.98, 1.03])
-    slower = summarize([1.30, 1.32, 1.29, 1.31, 1.33, 1.28, 1.30])
-    noisy = summarize([0.80, 1.40, 1.00, 1.20, 0.90, 1.10, 1.05])
-    assert report.step_time_verdict(steady, slower) == "slower"
-    assert report.step_time_verdict(slower, steady) == "faster"
-    assert report.step_time_verdict(steady, noisy) == "no significant difference"
-    rows = [_run("lora", 400, 1.0) | {"step_time": steady},
-            _run("lora-gc", 250, 1.3, gradient_checkpointing=True) | {"step_time": slower}]
-    row = report.knob_table(rows).iloc[0]
-    assert row["step time verdict"] == "slower" and row["median step (s) [95% CI]"].startswith("1.00 [")
+    lengths = [1.0, 1.6, 0.7, 1.3, 0.9, 1.1, 1.4]  # batches of different lengths: a wide spread per run
+    plain = _run("lora", 400, 1.0) | {"step_time": summarize(lengths), "tokens_seen": 1000}
+    recomputed = _run("lora-gc", 250, 1.3, gradient_checkpointing=True) | {
+        "step_time": summarize([1.3 * t for t in lengths]), "tokens_seen": 1000}
+    noisy = _run("lora-noisy", 400, 1.0, lora={"r": 16}) | {
+        "step_time": summarize([t * f for t, f in zip(lengths, (0.8, 1.3, 1.0, 1.2, 0.9, 1.1, 0.95))]),
+        "tokens_seen": 1000}
+    # each run's own interval overlaps the other's, but every same-batch step is 1.3x: slower
+    assert plain["step_time"]["ci95_median"][1] > recomputed["step_time"]["ci95_median"][0]
+    ratio = report.step_time_ratio(plain, recomputed)
+    assert ratio["paired"] and ratio["median"] == pytest.approx(1.3) and ratio["verdict"] == "slower"
+    assert report.step_time_ratio(recomputed, plain)["verdict"] == "faster"
+    assert report.step_time_ratio(plain, noisy)["verdict"] == "no significant difference"
+    other_batches = recomputed | {"tokens_seen": 2000}  # not the same batches: the runs' intervals decide
+    unpaired = report.step_time_ratio(plain, other_batches)
+    assert not unpaired["paired"] and unpaired["verdict"] == "no significant difference"
+    row = report.knob_table([plain, recomputed]).iloc[0]
+    assert row["step time verdict"] == "slower" and row["step time ratio [95% CI]"].endswith("(paired steps)")

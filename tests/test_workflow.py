@@ -1,18 +1,33 @@
-"""End to end: the real snakemake and dvc CLIs on the CI params in temporary folders."""
+"""End to end: the real snakemake and dvc CLIs on the CI params in temporary folders, and the same pipeline
+through a real SLURM cluster. These tests share one local run of the CI pipeline (conftest.local_pipeline), so
+they live in one module, which pytest-xdist (--dist loadfile) gives to one worker.
+
+SLURM for real: the CI pipeline through `snakemake --executor slurm` on a one-node cluster that
+tests/slurm/cluster.sh starts on this machine (Debian's slurm-wlm, munge, slurmdbd for sacct).
+
+Every cluster call runs under a hard timeout (`timeout -s KILL` around snakemake, whose status polls
+could otherwise wait forever), so a hung cluster fails the test instead of stalling CI. To keep CI
+short, SLURM runs one job of every stage but the report (7 jobs), and its results are compared with
+the session's local run of the same pipeline.
+"""
 from __future__ import annotations
 
-import copy
 import json
+import math
+import os
+import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pandas as pd
 import pytest
 
 from efflab import dvcgen
-from efflab.cli import STAGES
+from efflab.cli import STAGES, stage_names
+from efflab.config import adapter_runs
 
 from conftest import BIN, REPO, TEST_PARAMS
 
@@ -43,7 +58,7 @@ def check_results(work: Path, cfg: dict) -> None:
     report = (work / "results/report/report.md").read_text()
     for section in ("## Quantization", "## Fine-tuning", "## Merging adapters", "## Attention implementations",
                     "### What each knob costs and buys", "### Determinism", "## Cells that did not run",
-                    "### Memory vs sequence length", "## Inference variants", "## Reported vs reproduced",
+                    "### Memory vs sequence length", "## Inference variants", "## Run size", "## Reported vs reproduced",
                     "## Environments"):
         assert section in report
     assert "Not compared in one table" not in report, "one machine, one stack: one table per stage"
@@ -66,6 +81,138 @@ def copy_project(work: Path) -> None:
     shutil.copy(TEST_PARAMS, work / "params.yaml")
 
 
+# SLURM: first in the module, so its cluster runs while the local pipeline runs in the background -----------
+
+CLUSTER = REPO / "tests" / "slurm" / "cluster.sh"
+STATE = Path(os.environ.get("EFFLAB_SLURM_DIR", "/tmp/efflab-slurm"))
+PIPELINE_TIMEOUT = 480
+# Fields that legitimately differ between two runs of the same job: where and how fast it ran.
+VOLATILE = re.compile(r"environment|(^|_)(s|ms|wall|time|seconds|latency|ttft|tokens_per_s|per_s|throughput|gflops|"
+                      r"rss|peak|memory|allocated|reserved|bytes_per_s)($|_)|dtype_choice")
+
+
+def run_timed(cmd: list, timeout: float, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=timeout, **kwargs)
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    """A running cluster for the session; stopped at the end if this session started it."""
+    if os.geteuid() != 0:
+        pytest.skip("the SLURM test needs root (it installs slurm-wlm and starts munged and the SLURM daemons)")
+    if not shutil.which("slurmctld") and not shutil.which("apt-get"):
+        pytest.skip("the SLURM test needs Debian's slurm-wlm installed, or apt-get to install it")
+    env = dict(os.environ, EFFLAB_SLURM_DIR=str(STATE))
+    was_up = run_timed([CLUSTER, "status"], 30, env=env).returncode == 0
+    t0 = time.perf_counter()
+    start = run_timed(["timeout", "-s", "KILL", 900, CLUSTER, "start"], 930, env=env)
+    if start.returncode != 0:
+        run_timed(["timeout", "-s", "KILL", 120, CLUSTER, "stop"], 150, env=env)  # whatever did start
+        pytest.skip(f"the local SLURM cluster could not start (rc {start.returncode}): "
+                    f"{start.stderr.strip().splitlines()[-1:] or start.stdout[-300:]}")
+    bring_up_s = time.perf_counter() - t0
+    try:
+        yield {"env": dict(env, SLURM_CONF=str(STATE / "slurm.conf")), "bring_up_s": bring_up_s}
+    finally:
+        if not was_up:
+            run_timed(["timeout", "-s", "KILL", 120, CLUSTER, "stop"], 150, env=env)
+
+
+def comparable(metrics):
+    """The metrics without timings, memory peaks and the environment block."""
+    if isinstance(metrics, dict):
+        return {k: comparable(v) for k, v in metrics.items() if not VOLATILE.search(k)}
+    if isinstance(metrics, list):
+        return [comparable(v) for v in metrics]
+    return metrics
+
+
+def assert_same(a, b, where=""):
+    if isinstance(a, float) and isinstance(b, float):
+        assert math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-9) or (math.isnan(a) and math.isnan(b)), f"{where}: {a} != {b}"
+    elif isinstance(a, dict) and isinstance(b, dict):
+        assert a.keys() == b.keys(), f"{where}: keys differ: {a.keys() ^ b.keys()}"
+        for k in a:
+            assert_same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, list) and isinstance(b, list):
+        assert len(a) == len(b), f"{where}: lengths differ"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def one_job_per_stage(cfg: dict) -> dict:
+    """The jobs SLURM runs: one of every stage but the report, chosen to keep the DAG shallow (each
+    level costs the executor's submit and status-poll round trip): quantize's baseline scheme, the
+    first adapter run fine-tuned and merged, the first attention implementation, the base model's
+    inference variant."""
+    run = adapter_runs(cfg)[0]
+    variant = next(n for n, v in cfg["bench_inference"]["variants"].items() if v["kind"] == "base")
+    return {"base_model": [None], "prepare_data": [None], "quantize": [cfg["report"]["baseline_scheme"]],
+            "finetune": [run], "merge": [run], "bench_attention": stage_names(cfg, "bench_attention")[:1],
+            "bench_inference": [variant]}
+
+
+def job_files(stage, name):
+    folder = f"results/{stage}/{name}" if name else f"results/{stage}"
+    return f"{folder}/metrics.json", f"results/logs/{stage}/{name or stage}.log"
+
+
+@pytest.mark.slurm
+def test_pipeline_through_slurm_equals_a_local_run(local_pipeline, slurm_cluster, test_cfg, tmp_path):
+    jobs = one_job_per_stage(test_cfg)
+    targets = [job_files(stage, name)[0] for stage, names in jobs.items() for name in names]
+    work = tmp_path / "repo"
+    work.mkdir()
+    for item in ("Snakefile", "workflow", "src"):
+        (shutil.copytree if (REPO / item).is_dir() else shutil.copy)(REPO / item, work / item)
+    shutil.copy(TEST_PARAMS, work / "params.yaml")
+    env = dict(slurm_cluster["env"], PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}")
+
+    t0 = time.perf_counter()
+    proc = run_timed(["timeout", "-s", "KILL", PIPELINE_TIMEOUT, BIN / "snakemake", "--executor", "slurm",
+                "--profile", "workflow/profiles/slurm", "--cores", "2", "--jobs", "4", "--retries", "0",
+                "--slurm-init-seconds-before-status-checks", "1", "--seconds-between-status-checks", "1",
+                "--latency-wait", "5", "--slurm-keep-successful-logs", *targets],
+               PIPELINE_TIMEOUT + 30, cwd=work, env=env)
+    slurm_wall_s = time.perf_counter() - t0
+    assert proc.returncode == 0, f"snakemake --executor slurm failed (rc {proc.returncode}, -9 = hung and " \
+                                 f"killed after {PIPELINE_TIMEOUT} s):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+
+    job_ids = {}
+    for stage, names in jobs.items():
+        for name in names:
+            metrics, log = job_files(stage, name)
+            found = re.findall(r": start in SLURM job (\d+)", (work / log).read_text())
+            assert len(found) == 1, f"{log} does not name the SLURM job it ran in"
+            job_ids[f"{stage}/{name or ''}"] = found[0]
+            local = json.loads((local_pipeline.wait()["dir"] / metrics).read_text())
+            assert_same(comparable(json.loads((work / metrics).read_text())), comparable(local), metrics)
+    assert len(set(job_ids.values())) == len(job_ids), f"jobs shared a SLURM job: {job_ids}"
+
+    sacct_cmd = ["timeout", "-s", "KILL", 10, "sacct", "-X", "-n", "-P", "-o", "JobID,State,ExitCode,Comment",
+                 "-j", ",".join(job_ids.values())]
+    deadline = time.monotonic() + 30  # slurmdbd records a finished job within a second or two
+    while True:
+        sacct = run_timed(sacct_cmd, 20, env=env)
+        rows = {row.split("|")[0]: row.split("|")[1:] for row in sacct.stdout.splitlines() if row}
+        if set(rows) >= set(job_ids.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    for job, jid in job_ids.items():
+        assert jid in rows, f"sacct does not list SLURM job {jid} ({job}):\n{sacct.stdout}{sacct.stderr}"
+        state, exit_code, comment = rows[jid]
+        assert (state, exit_code) == ("COMPLETED", "0:0"), f"{job}: SLURM job {jid} {state} {exit_code}"
+        assert comment.startswith(f"rule_{job.split('/')[0]}"), f"{job}: SLURM job {jid} comment {comment!r}"
+
+    evidence = {"bring_up_s": round(slurm_cluster["bring_up_s"], 1), "slurm_wall_s": round(slurm_wall_s, 1),
+                "local_pipeline_wall_s": round(local_pipeline.wait()["wall_s"], 1), "jobs": job_ids,
+                "sacct": sacct.stdout.splitlines()}
+    (STATE / "last_test_evidence.json").write_text(json.dumps(evidence, indent=2) + "\n")
+    print(json.dumps(evidence, indent=2))
+
+
 @pytest.fixture(scope="module")
 def test_cfg_module():
     import yaml
@@ -74,7 +221,7 @@ def test_cfg_module():
 
 
 def test_snakemake_runs_every_stage(local_pipeline, test_cfg_module):
-    work = local_pipeline["dir"]
+    work = local_pipeline.wait()["dir"]
     check_results(work, test_cfg_module)
     for stage in STAGES:
         assert list((work / "results/logs" / stage).glob("*.log")), f"no log for {stage}"
@@ -98,39 +245,29 @@ def test_committed_dvc_yaml_is_in_step_with_snakemake():
     assert _dvc_view(REPO) == _snakemake_view("params.yaml", REPO)
 
 
-def smaller_grid(cfg: dict) -> dict:
-    """The CI experiment with one job per grid where one will do: the DVC test checks DVC's wiring, the
-    Snakemake test already ran every job of the full CI grid."""
-    cfg = copy.deepcopy(cfg)
-    cfg["quantize"]["schemes"] = {k: cfg["quantize"]["schemes"][k] for k in ("baseline", "nf4")}
-    cfg["finetune"]["runs"] = {"lora-r8": cfg["finetune"]["runs"]["lora-r8"]}
-    cfg["bench_attention"]["implementations"] = ["eager", "flash_attention_2"]
-    cfg["bench_inference"]["variants"] = {"baseline": {"kind": "base"},
-                                          "merged-lora-r8": cfg["bench_inference"]["variants"]["merged-lora-r8"]}
-    return cfg
-
-
-def test_dvc_repro_runs_the_same_jobs_as_snakemake(tmp_path, test_cfg_module):
-    import yaml
-
+def test_dvc_tracks_the_snakemake_run_and_reruns_what_a_param_change_touches(local_pipeline, tmp_path,
+                                                                             test_cfg_module):
+    """DVC's stages are Snakemake's jobs (same commands, same outputs), so DVC can take over the outputs of the
+    Snakemake run as they are, and `dvc exp run -S` then reruns the job the changed param reaches, and what
+    depends on it, with the real stage command: nothing else."""
     copy_project(tmp_path)
-    cfg = smaller_grid(test_cfg_module)
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    shutil.copytree(local_pipeline.wait()["dir"] / "results", tmp_path / "results")
     sh(["git", "init", "-q"], tmp_path)
     sh([BIN / "dvc", "init", "-q"], tmp_path)
     sh([sys.executable, "-m", "efflab.dvcgen"], tmp_path)
     assert _dvc_view(tmp_path) == _snakemake_view("params.yaml", tmp_path)
 
-    sh([BIN / "dvc", "repro"], tmp_path)
-    check_results(tmp_path, cfg)
+    sh([BIN / "dvc", "commit", "-f", "-q"], tmp_path)  # adopt what Snakemake produced
+    assert json.loads(sh([BIN / "dvc", "status", "--json"], tmp_path).stdout) == {}
     metrics = json.loads(sh([BIN / "dvc", "metrics", "show", "--json"], tmp_path).stdout)
     assert metrics, "dvc metrics show lists the stages' metrics"
-    status = sh([BIN / "dvc", "status", "--json"], tmp_path)
-    assert json.loads(status.stdout) == {}, "everything is up to date after repro"
 
     sh(["git", "add", "-A"], tmp_path)
-    sh(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "repro"], tmp_path)
-    exp = sh([BIN / "dvc", "exp", "run", "-S", "bench_inference.max_new_tokens=3"], tmp_path)
-    assert "bench_inference-baseline" in exp.stdout + exp.stderr
-    ran = json.loads((tmp_path / "results/bench_inference/baseline/metrics.json").read_text())
-    assert ran["new_tokens"] == 3
+    sh(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "snakemake run"], tmp_path)
+    finetuned = (tmp_path / "results/finetune/lora-r8/metrics.json").read_text()
+    exp = sh([BIN / "dvc", "exp", "run", "-S", "bench_inference.variants.baseline.kv_cache=[true]"], tmp_path)
+    ran = set(re.findall(r"Running stage '([^']+)'", exp.stdout + exp.stderr))
+    assert ran == {"bench_inference-baseline", "report"}, ran
+    cells = json.loads((tmp_path / "results/bench_inference/baseline/metrics.json").read_text())["cells"]
+    assert cells and all(c["kv_cache"] for c in cells), "the rerun used the changed param"
+    assert (tmp_path / "results/finetune/lora-r8/metrics.json").read_text() == finetuned, "finetune did not rerun"

@@ -44,7 +44,7 @@ def unavailable_reason(impl: str, device: torch.device) -> str | None:
         if device.type != "cuda":
             return "flash_attention_2 needs a CUDA GPU (flash-attn has no CPU kernels)"
         if not is_flash_attn_2_available():
-            return "the flash-attn package is not installed (pip install 'efflab[gpu]')"
+            return "the flash-attn package is not installed (README, Install: FlashAttention-2)"
     if impl == "flex_attention" and importlib.util.find_spec("torch.nn.attention.flex_attention") is None:
         return f"torch {torch.__version__} has no torch.nn.attention.flex_attention"
     return None

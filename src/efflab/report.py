@@ -13,7 +13,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from . import cli  # noqa: E402
-from .measure import FINGERPRINT_KEYS, fingerprint  # noqa: E402
+from .measure import FINGERPRINT_KEYS, bootstrap_median_ci, fingerprint, percentile  # noqa: E402
 
 log = logging.getLogger("efflab")
 MiB = 2**20
@@ -109,18 +109,26 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None or not a else b / a
 
 
-def step_time_verdict(a: dict | None, b: dict | None) -> str:
-    """Whether run b's optimizer steps are slower or faster than run a's beyond the noise of either: the two
-    bootstrap 95% intervals of the median step time do not overlap (a conservative test); else no significant
-    difference. Runs recorded before step times were kept have no verdict."""
-    if not a or not b or a.get("n", 0) < 2 or b.get("n", 0) < 2:
-        return "-"
-    (lo_a, hi_a), (lo_b, hi_b) = a["ci95_median"], b["ci95_median"]
-    if lo_b > hi_a:
-        return "slower"
-    if hi_b < lo_a:
-        return "faster"
-    return "no significant difference"
+def step_time_ratio(a: dict, b: dict) -> dict | None:
+    """Run b's step time over run a's, with a bootstrap 95% interval of the median and a verdict at that level:
+    `slower` / `faster` only when the interval lies above / below 1, else `no significant difference`.
+
+    Runs that drew the same batches in the same order (same seed and rows, so the same real tokens) are
+    compared step by step: the ratio of each step to the same step of the other run, which takes the batches'
+    different lengths out of the spread. Otherwise the two runs' median steps and their intervals are compared,
+    and the verdict needs the intervals apart. Runs recorded without per-step times have none."""
+    sa, sb = a.get("step_time"), b.get("step_time")
+    if not sa or not sb or sa.get("n", 0) < 2 or sb.get("n", 0) < 2:
+        return None
+    if "samples" in sa and "samples" in sb and len(sa["samples"]) == len(sb["samples"]) \
+            and a.get("tokens_seen") is not None and a.get("tokens_seen") == b.get("tokens_seen"):
+        ratios = sorted(y / x for x, y in zip(sa["samples"], sb["samples"]))
+        lo, hi = bootstrap_median_ci(ratios)
+        verdict = "slower" if lo > 1 else "faster" if hi < 1 else "no significant difference"
+        return {"median": percentile(ratios, 0.5), "ci95": [lo, hi], "paired": True, "verdict": verdict}
+    (lo_a, hi_a), (lo_b, hi_b) = sa["ci95_median"], sb["ci95_median"]
+    verdict = "slower" if lo_b > hi_a else "faster" if hi_b < lo_a else "no significant difference"
+    return {"median": sb["median"] / sa["median"], "ci95": None, "paired": False, "verdict": verdict}
 
 
 def _median_ci(stats: dict | None) -> str:
@@ -130,12 +138,29 @@ def _median_ci(stats: dict | None) -> str:
     return f"{stats['median']:.2f} [{lo:.2f}, {hi:.2f}]"
 
 
+def _tensor_peaks(a: dict, b: dict) -> str:
+    """The CPU live-tensor peaks of two runs (cpu_tensor_peak: counted from the allocator's events, the same
+    for the same params on a rerun, so any difference is the knob's)."""
+    peaks = [(r["train_memory"].get("tensors") or {}).get("delta_mib") for r in (a, b)]
+    return "-" if None in peaks else f"{peaks[0]:.0f} → {peaks[1]:.0f}"
+
+
+def _ratio_ci(ratio: dict | None) -> str:
+    if not ratio:
+        return "-"
+    if not ratio["paired"]:
+        return f"{ratio['median']:.2f} (runs' intervals)"
+    lo, hi = ratio["ci95"]
+    return f"{ratio['median']:.2f} [{lo:.2f}, {hi:.2f}] (paired steps)"
+
+
 def knob_table(rows: list[dict]) -> pd.DataFrame:
     out = []
     for knob, value_a, value_b, a, b in knob_pairs(rows):
         mem_a, mem_b = _mem(a["train_memory"]), _mem(b["train_memory"])
         delta_a, delta_b = a["train_memory"].get("delta_mib"), b["train_memory"].get("delta_mib")
         memory_ratio = _ratio(delta_a, delta_b)
+        ratio = step_time_ratio(a, b)
         out.append({
             "knob": knob, "from → to": f"{value_a} → {value_b}",
             "runs": f"{a['run']} → {b['run']}",
@@ -143,9 +168,11 @@ def knob_table(rows: list[dict]) -> pd.DataFrame:
             "training memory over baseline (MiB)": f"{delta_a:.0f} → {delta_b:.0f}" if delta_a and delta_b else "-",
             "memory change (%)": _pct(memory_ratio - 1) if memory_ratio else None,
             "memory kind": a["train_memory"]["kind"],
+            "live tensor peak (MiB)": _tensor_peaks(a, b),
             "step time change (%)": _pct(_ratio(a["step_s"], b["step_s"]) - 1),
             "median step (s) [95% CI]": f"{_median_ci(a.get('step_time'))} → {_median_ci(b.get('step_time'))}",
-            "step time verdict": step_time_verdict(a.get("step_time"), b.get("step_time")),
+            "step time ratio [95% CI]": _ratio_ci(ratio),
+            "step time verdict": ratio["verdict"] if ratio else "-",
             "tokens/s ratio": _ratio(a["tokens_per_s"], b["tokens_per_s"]),
             "val loss after": f"{a['validation_after']['loss']:.4f} → {b['validation_after']['loss']:.4f}",
             "env": _fp(a) if _fp(a) == _fp(b) else f"{_fp(a)} / {_fp(b)}",
@@ -424,6 +451,30 @@ def plot_inference(df: pd.DataFrame, path: Path) -> None:
     plt.close(fig)
 
 
+def run_size_lines(cfg: dict, metrics: dict[str, list[dict]]) -> list[str]:
+    """What this run measured over, and why that size: the numbers of a short run say less than a long one's,
+    and the reader should see the size next to them, not only in params.yaml."""
+    ft, q, a, i = cfg["finetune"]["defaults"], cfg["quantize"], cfg["bench_attention"], cfg["bench_inference"]
+    stage_s = sum(m.get("wall_s") or 0 for ms in metrics.values() for m in ms)
+    return [
+        "## Run size", "",
+        f"This run's sizes (params.yaml): fine-tuning {ft['max_steps']} optimizer steps of {ft['batch_size']}"
+        f"×{ft['gradient_accumulation_steps']} rows per run (runs may override), validation loss on "
+        f"{ft['eval_rows']} rows before and after; quantization perplexity on {q['eval_rows']} rows; attention "
+        f"{a['warmup']} warm-up + {a['repeats']} timed calls per cell at {', '.join(map(str, a['seq_lens']))} "
+        f"tokens; inference {len(i['prompts'])} prompts × {i['repeats']} repeats of exactly {i['max_new_tokens']} "
+        f"new tokens per cell after {i['warmup']} warm-up generation(s). The stages took {stage_s / 60:.1f} "
+        "minutes in all (their own wall times, process start-up not included).",
+        "",
+        "The shipped defaults are sized so that `make run` stays within 15 minutes on a 2-core CPU without "
+        "native bf16 (fp32 only, where every step costs about three times what it costs with AVX512-BF16): few "
+        "steps, few rows, few repeats. What such a run shows holds for what it measured — memory, the cost of a "
+        "step, the direction of the loss — and its confidence intervals say how far; a long fine-tune's final "
+        "quality does not follow from it. On a GPU, or for tighter intervals, raise `finetune.defaults.max_steps`, "
+        "the `eval_rows` and the `repeats`.", "",
+    ]
+
+
 def _md(df: pd.DataFrame) -> str:
     """A markdown table; cells with no value (a failed or unavailable row) print as '-', not 'nan'."""
     clean = df.astype(object).where(df.notna(), None)
@@ -538,8 +589,11 @@ def run(cfg: dict, paths: dict) -> dict:
         "Every pair of trained runs whose settings differ in exactly one knob, everything else equal (add runs "
         "to `finetune.runs` to sweep a knob). Memory change is of the training memory over the process's "
         "resident memory before training; step time change is of the mean wall time per optimizer step; the median "
-        "step and its bootstrap 95% interval leave out the first (warm-up) step, and the verdict says slower or "
-        "faster only when the two intervals do not overlap.", "",
+        "step and its bootstrap 95% interval leave out the first (warm-up) step. Runs that drew the same batches "
+        "are compared step by step (the ratio of each step to the same step of the other run, with a bootstrap "
+        "95% interval of its median); the verdict says slower or faster only when that interval excludes 1 "
+        "(for runs with other batches: when the runs' own intervals do not overlap), else no significant "
+        "difference.", "",
         table("finetune_knobs"), "",
         "### Determinism", "",
         "On CPU the same params give a bitwise-identical loss curve and adapter weights on a rerun (tested). "
@@ -574,7 +628,8 @@ def run(cfg: dict, paths: dict) -> dict:
         "Grid cells that failed, ran out of memory, were unavailable on this device or were skipped because "
         "what they build on did not run; the rest of the grid ran.", "",
         _md(not_run) if not not_run.empty else "_none: every cell ran_",
-        "", *memory_prediction_section(metrics["finetune"], metrics["bench_inference"], environments, allow_mixed),
+        "", *run_size_lines(cfg, metrics),
+        *memory_prediction_section(metrics["finetune"], metrics["bench_inference"], environments, allow_mixed),
         (layout.out("claims") / "claims.md").read_text().strip(),
         "", "## Environments", "",
         "Results are compared in one table only when their fingerprints (machine and library versions) agree.",
