@@ -259,3 +259,24 @@ def test_the_frozen_head_copy_is_predicted_exactly_where_this_cpu_makes_it(tmp_p
     trainable = me.generation_peak(tmp_path, dtype, None, 1, 12, 4, True, frozen=False)["terms_mib"]
     assert "frozen_head_weight_copy" not in trainable
     assert frozen.get("frozen_head_weight_copy", 0) * MiB == (weight_bytes if copies else 0)
+
+
+def test_a_quantized_layers_transient_is_probed_on_the_model_and_predicted(results, tmp_path):
+    """What one matmul of a bitsandbytes layer allocates beyond its output (a dequantized weight on some CPUs,
+    little on others) is measured on the loaded model, and the prediction adds exactly that; a model without
+    bitsandbytes layers has none."""
+    from efflab.layout import Layout
+    from efflab.modeling import load_model
+
+    folder = Layout(results).base_model()
+    plain = load_model(folder, "float32", torch.device("cpu"))
+    assert me.quantized_layer_transient(plain, "float32") == 0
+    int8 = load_model(folder, "float32", torch.device("cpu"), quant={"method": "int8"})
+    transient = me.quantized_layer_transient(int8, "float32")
+    biggest = max((m for m in int8.modules() if hasattr(m, "in_features") and m is not int8.lm_head),
+                  key=lambda m: m.in_features * m.out_features)
+    assert 0 <= transient <= 4 * biggest.in_features * biggest.out_features + 2**16, "at most a fp32 weight copy"
+    args = (folder, "float32", {"method": "int8"}, 1, 12, 4, True)
+    with_it = me.generation_peak(*args, quantized_transient_bytes=transient)
+    without = me.generation_peak(*args)
+    assert (with_it["total_mib"] - without["total_mib"]) * MiB == pytest.approx(transient)

@@ -18,7 +18,7 @@ from . import cli
 from .config import finetune_run
 from .layout import Layout
 from .measure import environment, pick_device, run_cell, set_threads, summarize, track_memory
-from .memory_estimate import compared, generation_peak, variant_quant
+from .memory_estimate import compared, generation_peak, quantized_layer_transient, variant_quant
 from .modeling import base_dtype, load_model, load_tokenizer
 
 log = logging.getLogger("efflab")
@@ -95,7 +95,8 @@ def inference_cell(cfg: dict, results: str, name: str, dtype: str, device: str, 
     prediction = generation_peak(layout.base_model(), dtype, variant_quant(cfg, b["variants"][name]), batch_size,
                                  max(x["input_ids"].shape[1] for x in batches), n, kv_cache,
                                  frozen=not any(p.requires_grad for p in model.get_output_embeddings().parameters()),
-                                 device=device.type)
+                                 device=device.type,
+                                 quantized_transient_bytes=quantized_layer_transient(model, dtype) if device.type == "cpu" else 0)
     with track_memory(device) as mem:
         runs = [generate_timed(model, tokenizer, batch, n, kv_cache) for _ in range(b["repeats"]) for batch in batches]
     if any(r["new_tokens"] != n for r in runs):

@@ -287,7 +287,8 @@ def training_peak(folder, run: dict, dtype: str, precision: str, lengths: list[i
 
 
 def generation_peak(folder, dtype: str, quant: dict | None, batch: int, prompt_len: int, new_tokens: int,
-                    kv_cache: bool, frozen: bool = False, device: str = "cpu") -> dict:
+                    kv_cache: bool, frozen: bool = False, device: str = "cpu",
+                    quantized_transient_bytes: int = 0) -> dict:
     """Predicted peak of what greedy generation adds over the loaded model: the KV cache at its final length
     (plus the one layer's old K and V that DynamicCache's torch.cat copies while growing), the largest
     transient of a forward pass (the gated MLP of the prefill: gate, SiLU(gate) and up), the last position's
@@ -296,9 +297,10 @@ def generation_peak(folder, dtype: str, quant: dict | None, batch: int, prompt_l
     measures it on this CPU (torch 2.13 in bf16 on AVX512-BF16 CPUs; not on AVX2-only ones), the LM head of
     the prefill's last position (a strided slice of the prompt's hidden states) runs as a batched matmul over a
     contiguous copy of the transposed head weight: vocabulary x hidden x element bytes, once per generation.
-    Not counted: a 4-bit matmul's
-    transient dequantized weight (at most one layer's; none on bitsandbytes' AVX512-BF16 CPU path, which
-    packs the weights once, in the warmup). `weights_mib` is the
+    `quantized_transient_bytes`: what one
+    forward of the largest bitsandbytes layer allocates beyond its output on this machine, measured by
+    `quantized_layer_transient` (a dequantized weight on AVX2 CPUs: ~3.4 MiB for SmolLM2's MLP in INT8; little
+    on the AVX512-BF16 path, which packs 4-bit weights once). `weights_mib` is the
     resident model, for reference: it is in the baseline, not in the compared delta."""
     a = _arch(folder)
     el = ELEMENT_BYTES[dtype]
@@ -320,6 +322,8 @@ def generation_peak(folder, dtype: str, quant: dict | None, batch: int, prompt_l
     terms["logits_processors"] = (8 + 1 + 2 * 4 * batch) * a["vocab"]
     if frozen and device == "cpu" and prompt_len > 1 and frozen_head_copies_weight(a["vocab"], a["hidden"], dtype):
         terms["frozen_head_weight_copy"] = a["vocab"] * a["hidden"] * el
+    if quantized_transient_bytes:
+        terms["quantized_layer_transient"] = quantized_transient_bytes
     method = (quant or {}).get("method", "none")
     if method == "none":
         weights = el * estimate.parameter_count(str(folder))
@@ -348,6 +352,31 @@ def frozen_head_copies_weight(vocab: int, hidden: int, dtype: str) -> bool:
         torch.nn.functional.linear(last, weight)
     seen = counter.stop()["delta_mib"]
     return seen is not None and seen * MiB >= weight.numel() * weight.element_size()
+
+
+def quantized_layer_transient(model, dtype: str) -> int:
+    """Bytes one forward of one token through the model's largest bitsandbytes layer allocates beyond its output,
+    measured now with the live-tensor counter (CPU): the dequantized or cast weight that some CPU kernels
+    build for each matmul and free after it. 0 for a model without bitsandbytes layers, or when unmeasurable."""
+    import torch
+
+    from .measure import CpuTensorPeak
+    from .modeling import DTYPES
+
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        return 0
+    layers = [m for m in model.modules() if isinstance(m, (bnb.nn.Linear8bitLt, bnb.nn.Linear4bit))]
+    if not layers:
+        return 0
+    layer = max(layers, key=lambda m: m.in_features * m.out_features)
+    x = torch.zeros(1, 1, layer.in_features, dtype=DTYPES[dtype])
+    counter = CpuTensorPeak().start()
+    with torch.no_grad():
+        out = layer(x)
+    seen = counter.stop()["delta_mib"]
+    return 0 if seen is None else max(0, round(seen * MiB) - out.numel() * out.element_size())
 
 
 def variant_quant(cfg: dict, variant: dict) -> dict | None:
