@@ -92,11 +92,11 @@ def inference_cell(cfg: dict, results: str, name: str, dtype: str, device: str, 
     n = b["max_new_tokens"]
     for _ in range(b["warmup"]):  # one-time work (lazy init, first allocations) is paid by any batch
         generate_timed(model, tokenizer, batches[0], n, kv_cache)
+    transient = quantized_layer_transient(model, dtype) if device.type == "cpu" else 0
     prediction = generation_peak(layout.base_model(), dtype, variant_quant(cfg, b["variants"][name]), batch_size,
                                  max(x["input_ids"].shape[1] for x in batches), n, kv_cache,
                                  frozen=not any(p.requires_grad for p in model.get_output_embeddings().parameters()),
-                                 device=device.type,
-                                 quantized_transient_bytes=quantized_layer_transient(model, dtype) if device.type == "cpu" else 0)
+                                 device=device.type, quantized_transient_bytes=transient)
     with track_memory(device) as mem:
         runs = [generate_timed(model, tokenizer, batch, n, kv_cache) for _ in range(b["repeats"]) for batch in batches]
     if any(r["new_tokens"] != n for r in runs):

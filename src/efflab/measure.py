@@ -241,6 +241,15 @@ class CpuTensorPeak:
                 "allocator_events": self.events, "flush_s": self.overhead_s}
 
 
+def live_tensor_bytes(fn) -> float | None:
+    """The peak bytes of CPU tensors that `fn()` allocates and holds at once (CpuTensorPeak around one call):
+    for probing what an op allocates on this machine. None when it cannot be measured (a profiler running)."""
+    counter = CpuTensorPeak().start()
+    fn()
+    seen = counter.stop()["delta_mib"]
+    return None if seen is None else seen * MiB
+
+
 @contextmanager
 def track_memory(device: torch.device, tensors: CpuTensorPeak | None = None):
     """Peak memory of the work inside the block, with the kind of memory named.

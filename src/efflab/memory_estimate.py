@@ -297,10 +297,9 @@ def generation_peak(folder, dtype: str, quant: dict | None, batch: int, prompt_l
     measures it on this CPU (torch 2.13 in bf16 on AVX512-BF16 CPUs; not on AVX2-only ones), the LM head of
     the prefill's last position (a strided slice of the prompt's hidden states) runs as a batched matmul over a
     contiguous copy of the transposed head weight: vocabulary x hidden x element bytes, once per generation.
-    `quantized_transient_bytes`: what one
-    forward of the largest bitsandbytes layer allocates beyond its output on this machine, measured by
-    `quantized_layer_transient` (a dequantized weight on AVX2 CPUs: ~3.4 MiB for SmolLM2's MLP in INT8; little
-    on the AVX512-BF16 path, which packs 4-bit weights once). `weights_mib` is the
+    `quantized_transient_bytes`: what one forward of the largest bitsandbytes layer allocates beyond its output
+    on this machine, measured by `quantized_layer_transient` (a dequantized weight on AVX2 CPUs: ~3.4 MiB for
+    SmolLM2's MLP in INT8; little on the AVX512-BF16 path, which packs 4-bit weights once). `weights_mib` is the
     resident model, for reference: it is in the baseline, not in the compared delta."""
     a = _arch(folder)
     el = ELEMENT_BYTES[dtype]
@@ -342,16 +341,14 @@ def frozen_head_copies_weight(vocab: int, hidden: int, dtype: str) -> bool:
     Unmeasurable (a profiler already running): False, so the term is left out rather than guessed."""
     import torch
 
-    from .measure import CpuTensorPeak
+    from .measure import live_tensor_bytes
     from .modeling import DTYPES
 
     last = torch.zeros(1, 2, hidden, dtype=DTYPES[dtype])[:, -1:, :]
     weight = torch.zeros(vocab, hidden, dtype=DTYPES[dtype])
-    counter = CpuTensorPeak().start()
     with torch.no_grad():
-        torch.nn.functional.linear(last, weight)
-    seen = counter.stop()["delta_mib"]
-    return seen is not None and seen * MiB >= weight.numel() * weight.element_size()
+        seen = live_tensor_bytes(lambda: torch.nn.functional.linear(last, weight))
+    return seen is not None and seen >= weight.numel() * weight.element_size()
 
 
 def quantized_layer_transient(model, dtype: str) -> int:
@@ -360,7 +357,7 @@ def quantized_layer_transient(model, dtype: str) -> int:
     build for each matmul and free after it. 0 for a model without bitsandbytes layers, or when unmeasurable."""
     import torch
 
-    from .measure import CpuTensorPeak
+    from .measure import live_tensor_bytes
     from .modeling import DTYPES
 
     try:
@@ -372,11 +369,10 @@ def quantized_layer_transient(model, dtype: str) -> int:
         return 0
     layer = max(layers, key=lambda m: m.in_features * m.out_features)
     x = torch.zeros(1, 1, layer.in_features, dtype=DTYPES[dtype])
-    counter = CpuTensorPeak().start()
+    outputs = []
     with torch.no_grad():
-        out = layer(x)
-    seen = counter.stop()["delta_mib"]
-    return 0 if seen is None else max(0, round(seen * MiB) - out.numel() * out.element_size())
+        seen = live_tensor_bytes(lambda: outputs.append(layer(x)))
+    return 0 if seen is None else max(0, round(seen) - outputs[0].numel() * outputs[0].element_size())
 
 
 def variant_quant(cfg: dict, variant: dict) -> dict | None:
