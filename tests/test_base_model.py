@@ -59,3 +59,28 @@ def test_sources_are_classified_without_touching_the_network(tmp_path):
         classify_source("./nope", "k")
     with pytest.raises(UserError, match="neither an existing path nor a hub id"):
         classify_source("not a model", "k")
+
+
+def test_the_embedded_gguf_metadata_is_converted_once_then_read_from_the_cache(prepared, tmp_path, monkeypatch):
+    """The GGUF tokenizer and config are parsed on the first run (about 12 s of a CPU core) and reloaded from
+    the cache afterwards: the same tokenizer, the same config, the same files in the base model folder."""
+    from efflab.modeling import EMBEDDED_MODELS, gguf_tokenizer_and_config, package_folder
+
+    monkeypatch.setenv("EFFLAB_CACHE_DIR", str(tmp_path / "cache"))
+    package, gguf_file, pip_name = EMBEDDED_MODELS["embedded:smollm2-135m-instruct"]
+    folder = package_folder(package, pip_name)
+    tok1, cfg1, from1 = gguf_tokenizer_and_config(folder, gguf_file)
+    tok2, cfg2, from2 = gguf_tokenizer_and_config(folder, gguf_file)
+    assert (from1, from2) == ("gguf", "cache")
+    assert [p.name for p in (tmp_path / "cache" / "gguf-metadata").iterdir()] != []
+    text = "Vad kostar ett bygglov? Étagère, 42 m² — ok."
+    assert tok1(text)["input_ids"] == tok2(text)["input_ids"]
+    chat = [{"role": "user", "content": "Hej"}]
+    assert tok1.apply_chat_template(chat, tokenize=False) == tok2.apply_chat_template(chat, tokenize=False)
+    assert cfg1.to_dict() == cfg2.to_dict()
+    for i, tok in enumerate((tok1, tok2)):
+        tok.save_pretrained(tmp_path / f"saved{i}")
+    saved = Layout(prepared).base_model()
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        assert (tmp_path / "saved0" / name).read_bytes() == (tmp_path / "saved1" / name).read_bytes() \
+            == (saved / name).read_bytes(), name

@@ -74,6 +74,7 @@ def test_malformed_params_name_the_key(write_params, edit, expected):
     (_set(["base_model", "config_overrides"], {"num_hidden_layerz": 2}), "'num_hidden_layerz' is not a field",
      "base_model", None),
     (None, "--name: 'nf5' is not one of the quantize jobs", "quantize", "nf5"),
+    (None, "base_model/model does not exist: expected the output of an earlier stage", "prepare_data", None),
 ])
 def test_cli_user_errors_are_one_line_exit_2_and_leave_no_outputs(write_params, tmp_path, edit, expected, stage,
                                                                   name):

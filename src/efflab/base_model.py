@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 
 import torch
 
 from . import cli
 from .measure import count_parameters, environment, pick_device, resolve_dtype, set_threads
-from .modeling import DTYPES, EMBEDDED_MODELS, folder_bytes, load_model, package_folder
+from .modeling import DTYPES, EMBEDDED_MODELS, folder_bytes, gguf_tokenizer_and_config, load_model, package_folder
 from .config import UserError, classify_source, local_source_files
 
 log = logging.getLogger("efflab")
@@ -45,9 +46,13 @@ def run(cfg: dict, paths: dict) -> dict:
     dtype_name, dtype_choice = resolve_dtype(bm["dtype"], device)
     log.info("compute dtype: %s (%s)", dtype_name, dtype_choice.get("reason", "as configured"))
     dtype = DTYPES[dtype_name]
+    metadata_from = "gguf" if kind == "embedded" else kind
     try:
-        tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
-        model_config = AutoConfig.from_pretrained(where, **kwargs)
+        if kind == "embedded":
+            tokenizer, model_config, metadata_from = gguf_tokenizer_and_config(Path(where), kwargs["gguf_file"])
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
+            model_config = AutoConfig.from_pretrained(where, **kwargs)
     except (OSError, ValueError) as err:
         raise UserError(f"base_model.source: cannot load {bm['source']!r}: {str(err).splitlines()[0]}") from None
     bad = sorted(set(bm["config_overrides"]) - set(model_config.to_dict()))
@@ -87,7 +92,8 @@ def run(cfg: dict, paths: dict) -> dict:
     log.info("base model: %s parameters, %.1f MiB on disk, reload %.2f s", f"{params['total']:,}",
              folder_bytes(folder) / 2**20, load_s)
     return {
-        "source": bm["source"], "source_kind": kind, "random_init": bm["random_init"],
+        "source": bm["source"], "source_kind": kind, "tokenizer_config_from": metadata_from,
+        "random_init": bm["random_init"],
         "model_type": model_config.model_type, "dtype": dtype_name, "dtype_choice": dtype_choice,
         "parameters": params["total"], "bytes_on_disk": folder_bytes(folder),
         "memory_footprint_bytes": reloaded.get_memory_footprint(),

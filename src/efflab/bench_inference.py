@@ -19,7 +19,7 @@ from .config import finetune_run
 from .layout import Layout
 from .measure import environment, pick_device, run_cell, set_threads, summarize, track_memory
 from .memory_estimate import compared, generation_peak, quantized_layer_transient, variant_quant
-from .modeling import base_dtype, load_model, load_tokenizer
+from .modeling import base_dtype, load_model, load_tokenizer, require_input
 
 log = logging.getLogger("efflab")
 
@@ -37,20 +37,24 @@ class TokenClock:
         pass
 
 
+def variant_folders(variant: dict, layout) -> list:
+    """The earlier stages' folders a variant loads."""
+    kind, of = variant["kind"], variant.get("of")
+    return {"base": [layout.base_model()], "quantized": [layout.model("quantize", of)],
+            "merged": [layout.model("merge", of)],
+            "adapter": [layout.base_model(), layout.model("finetune", of)]}[kind]
+
+
 def load_variant(cfg: dict, variant: dict, layout, dtype: str, device: torch.device):
     from peft import PeftModel
 
     kind, of = variant["kind"], variant.get("of")
-    if kind == "base":
-        return load_model(layout.base_model(), dtype, device)
-    if kind == "quantized":
-        return load_model(layout.model("quantize", of), dtype, device)
-    if kind == "merged":
-        return load_model(layout.model("merge", of), dtype, device)
+    if kind != "adapter":
+        return load_model(variant_folders(variant, layout)[0], dtype, device)
     run_cfg = finetune_run(cfg, of)
     quant = run_cfg["quant"] if run_cfg["method"] == "qlora" else None
     base = load_model(layout.base_model(), dtype, device, quant=quant)
-    return PeftModel.from_pretrained(base, layout.model("finetune", of)).eval()
+    return PeftModel.from_pretrained(base, require_input(layout.model("finetune", of))).eval()
 
 
 def prompt_batches(tokenizer, prompts: list[str], batch_size: int, device: torch.device) -> list[dict]:
@@ -130,6 +134,8 @@ def run(cfg: dict, paths: dict) -> dict:
     if skipped:
         return {**skipped, "variant": name, "kind": variant["kind"], "of": variant.get("of"), "cells": [],
                 "environment": environment(device, b)}
+    for folder in variant_folders(variant, layout):  # a missing input is the user's error, not a failed cell
+        require_input(folder)
     cells = []
     for kv_cache in variant.get("kv_cache", b["kv_cache"]):
         for batch_size in variant.get("batch_sizes", b["batch_sizes"]):

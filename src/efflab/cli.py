@@ -131,6 +131,15 @@ def main(stage: str, run, argv: list[str] | None = None) -> None:
             shutil.rmtree(staging, ignore_errors=True)
         print(f"efflab {stage}: error: {err}", file=sys.stderr)
         sys.exit(2)
+    except FileNotFoundError as err:  # an upstream result read directly (metrics.json of another job)
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+        results = Path(args.results).resolve()
+        if err.filename and Path(err.filename).resolve().is_relative_to(results):
+            print(f"efflab {stage}: error: {err.filename} does not exist: expected the output of an earlier stage "
+                  f"(run the pipeline up to this job, e.g. `snakemake --cores all`)", file=sys.stderr)
+            sys.exit(2)
+        raise
     except BaseException:
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
