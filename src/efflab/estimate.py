@@ -75,9 +75,12 @@ def _meta_model(name: str, overrides_json: str):
     import transformers
     from accelerate import init_empty_weights
 
+    from transformers.initialization import no_init_weights
+
     config = hf_config(name, **json.loads(overrides_json))
     auto = getattr(transformers, load_config(name)["_efflab"]["auto_class"])
-    with init_empty_weights():
+    # Meta tensors hold no values: running the initializers on them only costs time (half a second a model).
+    with init_empty_weights(), no_init_weights():
         model = auto.from_config(config)
     model.tie_weights()  # from_config on meta leaves tied embeddings as separate tensors
     return model

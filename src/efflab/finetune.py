@@ -340,7 +340,7 @@ def train(cfg: dict, paths: dict) -> dict:
     if rank == 0:  # only rank 0 reports: the other ranks need neither the start loss nor the ceiling
         before = eval_loss(model, val_rows, run_cfg["batch_size"], tokenizer)
         ceiling = matmul_ceiling(matmul_dtype, device)
-        log.info("%s: matmul ceiling %.3f TFLOP/s (%s, measured now)", name, ceiling["tflops"], matmul_dtype)
+        log.info("%s: matmul ceiling %.3f TFLOP/s (%s, measured in this process)", name, ceiling["tflops"], matmul_dtype)
 
     scratch, resume = checkpoints(layout, name, run_cfg, rank)
     every = run_cfg["checkpoint_every"]

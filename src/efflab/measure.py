@@ -8,6 +8,7 @@ taken is None with a reason, never 0.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -517,10 +518,18 @@ def published_peak_tflops(device: torch.device, dtype: str) -> dict:
 
 
 def matmul_ceiling(dtype: str, device: torch.device, size: int | None = None) -> dict:
-    """The best matmul throughput this machine reaches in `dtype`, measured now (the MFU denominator)."""
+    """The best matmul throughput this machine reaches in `dtype` (the MFU denominator), measured once per
+    process, dtype, device and thread count: a stage runs one job per process, and a test or notebook that
+    runs several in one process need not pay 1-2 s of matmuls for each."""
+    size = size or (8192 if device.type == "cuda" else 2048)
+    return dict(_matmul_ceiling(dtype, str(device), size, torch.get_num_threads()))
+
+
+@functools.lru_cache(maxsize=None)
+def _matmul_ceiling(dtype: str, device: str, size: int, threads: int) -> dict:
     from .modeling import DTYPES
 
-    size = size or (8192 if device.type == "cuda" else 2048)
+    device = torch.device(device)
     a = torch.randn(size, size, device=device).to(DTYPES[dtype])
     b = torch.randn(size, size, device=device).to(DTYPES[dtype])
     stats = time_fn(lambda: torch.mm(a, b), device, warmup=2, repeats=5)
