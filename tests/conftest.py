@@ -39,6 +39,18 @@ def run_stage(stage: str, params: Path, results: Path, name: str | None = None) 
     return json.loads((folder / "metrics.json").read_text())
 
 
+# `make test` runs pytest-xdist with --dist loadfile --no-loadscope-reorder: whole files go to the workers in
+# collection order, and this order puts the longest first. test_workflow.py starts the background CI pipeline
+# and the SLURM run, which then overlap with the unit tests on the other worker instead of running alone at the
+# end (xdist's default order, by number of tests, left them last: 100 s of a 2-core machine half idle).
+LONGEST_FIRST = ("test_workflow.py", "test_finetune.py", "test_inputs.py", "test_merge.py", "test_bench.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the other files keep their order
+
+
 @pytest.fixture(scope="session")
 def test_cfg() -> dict:
     return yaml.safe_load(TEST_PARAMS.read_text())
