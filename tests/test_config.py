@@ -66,7 +66,9 @@ def test_malformed_params_name_the_key(write_params, edit, expected):
     assert "\n" not in message
 
 
-@pytest.mark.parametrize("edit,expected,stage,name", [
+# Each case runs the stage's real CLI, efflab.cli.main, in this process; the first also as `python -m efflab.<stage>`,
+# the command the Snakemake rules run (a subprocess pays 4-10 s of imports, the rest need not).
+CLI_ERRORS = [
     (MALFORMED[0][0], MALFORMED[0][1], "quantize", "int8"),
     (MALFORMED[3][0], MALFORMED[3][1], "finetune", "lora-r8"),
     (_set(["prepare_data", "source"], "missing/rows.jsonl"), "prepare_data.source: 'missing/rows.jsonl' does not exist",
@@ -75,18 +77,32 @@ def test_malformed_params_name_the_key(write_params, edit, expected):
      "base_model", None),
     (None, "--name: 'nf5' is not one of the quantize jobs", "quantize", "nf5"),
     (None, "base_model/model does not exist: expected the output of an earlier stage", "prepare_data", None),
-])
-def test_cli_user_errors_are_one_line_exit_2_and_leave_no_outputs(write_params, tmp_path, edit, expected, stage,
-                                                                  name):
+]
+
+
+@pytest.mark.parametrize("edit,expected,stage,name", CLI_ERRORS + [(*CLI_ERRORS[0][:3], "subprocess")],
+                         ids=[f"{c[2]}-{c[1][:40]}" for c in CLI_ERRORS] + ["python -m"])
+def test_cli_user_errors_are_one_line_exit_2_and_leave_no_outputs(write_params, tmp_path, capsys, edit, expected,
+                                                                  stage, name):
+    from efflab import cli
+
     params = write_params(edit)
     results = tmp_path / "out"
-    cmd = [sys.executable, "-m", f"efflab.{stage}", "--params", str(params), "--results", str(results)]
-    proc = subprocess.run(cmd + (["--name", name] if name else []), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2, proc.stderr
-    errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
+    args = ["--params", str(params), "--results", str(results)]
+    if name == "subprocess":
+        proc = subprocess.run([sys.executable, "-m", f"efflab.{stage}", *args, "--name", CLI_ERRORS[0][3]],
+                              capture_output=True, text=True, timeout=300)
+        code, stderr = proc.returncode, proc.stderr
+    else:
+        module = __import__(f"efflab.{stage}", fromlist=["run"])
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(stage, module.run, args + (["--name", name] if name else []))
+        code, stderr = exit_.value.code, capsys.readouterr().err
+    assert code == 2, stderr
+    errors = [line for line in stderr.splitlines() if "error" in line.lower()]
     assert errors == [f"efflab {stage}: error: " + errors[0].split(": error: ", 1)[1]]
     assert expected in errors[0]
-    assert "Traceback" not in proc.stderr
+    assert "Traceback" not in stderr
     leftovers = [p for p in results.rglob("*") if p.is_file()] if results.exists() else []
     assert leftovers == []
 
