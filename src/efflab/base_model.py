@@ -46,7 +46,7 @@ def run(cfg: dict, paths: dict) -> dict:
     dtype_name, dtype_choice = resolve_dtype(bm["dtype"], device)
     log.info("compute dtype: %s (%s)", dtype_name, dtype_choice.get("reason", "as configured"))
     dtype = DTYPES[dtype_name]
-    metadata_from = "gguf" if kind == "embedded" else kind
+    metadata_from = kind  # embedded: "gguf" or "cache", from the loader
     try:
         if kind == "embedded":
             tokenizer, model_config, metadata_from = gguf_tokenizer_and_config(Path(where), kwargs["gguf_file"])

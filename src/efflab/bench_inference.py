@@ -54,7 +54,7 @@ def load_variant(cfg: dict, variant: dict, layout, dtype: str, device: torch.dev
     run_cfg = finetune_run(cfg, of)
     quant = run_cfg["quant"] if run_cfg["method"] == "qlora" else None
     base = load_model(layout.base_model(), dtype, device, quant=quant)
-    return PeftModel.from_pretrained(base, require_input(layout.model("finetune", of))).eval()
+    return PeftModel.from_pretrained(base, layout.model("finetune", of)).eval()
 
 
 def prompt_batches(tokenizer, prompts: list[str], batch_size: int, device: torch.device) -> list[dict]:

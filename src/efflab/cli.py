@@ -136,8 +136,7 @@ def main(stage: str, run, argv: list[str] | None = None) -> None:
             shutil.rmtree(staging, ignore_errors=True)
         results = Path(args.results).resolve()
         if err.filename and Path(err.filename).resolve().is_relative_to(results):
-            print(f"efflab {stage}: error: {err.filename} does not exist: expected the output of an earlier stage "
-                  f"(run the pipeline up to this job, e.g. `snakemake --cores all`)", file=sys.stderr)
+            print(f"efflab {stage}: error: {config.missing_input(err.filename)}", file=sys.stderr)
             sys.exit(2)
         raise
     except BaseException:

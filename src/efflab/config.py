@@ -46,6 +46,12 @@ class UserError(Exception):
     """Bad input from the user: reported as one line, never as a traceback."""
 
 
+def missing_input(path) -> UserError:
+    """The error for an earlier stage's output that a job needs and does not find (a stage run on its own)."""
+    return UserError(f"{path} does not exist: expected the output of an earlier stage "
+                     f"(run the pipeline up to this job, e.g. `snakemake --cores all`)")
+
+
 def _key(path) -> str:
     return ".".join(str(p) for p in path) or "<top level>"
 

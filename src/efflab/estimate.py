@@ -74,7 +74,6 @@ def meta_model(name: str, **overrides):
 def _meta_model(name: str, overrides_json: str):
     import transformers
     from accelerate import init_empty_weights
-
     from transformers.initialization import no_init_weights
 
     config = hf_config(name, **json.loads(overrides_json))

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from .config import UserError, classify_source  # noqa: F401 (re-exported)
+from .config import UserError, classify_source, missing_input  # noqa: F401 (re-exported)
 
 log = logging.getLogger("efflab")
 
@@ -98,8 +98,7 @@ def require_input(path: str | Path) -> Path:
     a stage would otherwise fail deep inside transformers or pandas)."""
     path = Path(path)
     if not path.exists():
-        raise UserError(f"{path} does not exist: expected the output of an earlier stage "
-                        f"(run the pipeline up to this job, e.g. `snakemake --cores all`)")
+        raise missing_input(path)
     return path
 
 
