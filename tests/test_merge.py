@@ -1,3 +1,6 @@
+import shutil
+
+import pytest
 import torch
 from peft import PeftModel
 
@@ -27,17 +30,24 @@ def test_merged_logits_equal_adapter_logits(results):
         assert not torch.allclose(a, base, atol=1e-4), "the adapter changed the model"
 
 
-def test_qlora_merge_into_the_dequantized_base_keeps_the_fine_tune(results):
+@pytest.fixture(scope="module")
+def qlora_merge(prepared, tmp_path_factory) -> dict:
+    """The merge stage's metrics for the CI params' QLoRA run, fine-tuned and merged once for this module."""
+    results = tmp_path_factory.mktemp("qlora") / "results"
+    shutil.copytree(prepared, results)
     run_stage("finetune", TEST_PARAMS, results, "qlora-r8")
-    m = run_stage("merge", TEST_PARAMS, results, "qlora-r8")
+    return run_stage("merge", TEST_PARAMS, results, "qlora-r8")
+
+
+def test_qlora_merge_into_the_dequantized_base_keeps_the_fine_tune(qlora_merge):
+    m = qlora_merge
     assert m["merge_target"] == "dequantized nf4 base"
     assert m["merged"]["max_abs_logit_diff"] < 1e-3
     assert abs(m["merged"]["validation"]["loss"] - m["adapter_validation"]["loss"]) < 1e-3
 
 
-def test_only_the_round_trip_merge_keeps_what_the_qlora_adapter_learned(results):
-    run_stage("finetune", TEST_PARAMS, results, "qlora-r8")
-    m = run_stage("merge", TEST_PARAMS, results, "qlora-r8")
+def test_only_the_round_trip_merge_keeps_what_the_qlora_adapter_learned(qlora_merge):
+    m = qlora_merge
     t = m["targets"]
     original, roundtrip = t["original base"], t["nf4 round-trip base"]
     requantized = t["round-trip merge re-quantized to nf4"]

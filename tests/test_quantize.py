@@ -8,7 +8,8 @@ from conftest import TEST_PARAMS, run_stage
 
 def test_int8_and_4bit_are_bnb_layers_and_shrink_the_footprint(results, write_params):
     # fp4 is not in the CI pipeline's grid (one 4-bit scheme there is enough): it runs here, in-process.
-    params = write_params(lambda cfg: cfg["quantize"]["schemes"].update(fp4={"method": "fp4", "double_quant": True}))
+    params = write_params(lambda cfg: cfg["quantize"]["schemes"].update(nf4={"method": "nf4", "double_quant": True},
+                                                                       fp4={"method": "fp4", "double_quant": True}))
     baseline = run_stage("quantize", params, results, "baseline")
     int8 = run_stage("quantize", params, results, "int8")
     nf4 = run_stage("quantize", params, results, "nf4")
