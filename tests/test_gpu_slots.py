@@ -1,6 +1,7 @@
 """GPU slots on a workstation, with fake GPU counts: parallel GPU jobs each get their own device."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -91,3 +92,56 @@ def test_gpu_count_falls_back_to_nvidia_smi(tmp_path, monkeypatch):
     monkeypatch.setattr(gpu_slots, "NVIDIA_PROC", tmp_path / "no-driver")
     monkeypatch.setenv("PATH", str(tmp_path), prepend=":")
     assert gpu_slots.driver_gpu_count() == 2
+
+
+
+PROBE = textwrap.dedent("""
+    import json, runpy, sys, traceback
+    import torch
+    from efflab import gpu_slots
+
+    calls = []
+
+    def recorded(name, fn):
+        def wrapper(*args, **kwargs):
+            calls.append(name + " from " + traceback.format_stack(limit=2)[0].strip().splitlines()[0])
+            return fn(*args, **kwargs)
+        return wrapper
+
+    for name in ("is_available", "device_count", "init", "_lazy_init", "current_device", "get_device_capability",
+                 "get_device_properties", "get_device_name", "is_bf16_supported", "mem_get_info"):
+        setattr(torch.cuda, name, recorded(name, getattr(torch.cuda, name)))
+
+    class Assigned(Exception):
+        pass
+
+    def assign(stage, runtime, *args, **kwargs):
+        raise Assigned()
+
+    gpu_slots.assign = assign
+    params, results, jobs = sys.argv[1], sys.argv[2], sys.argv[3:]
+    before = {}
+    for job in jobs:
+        stage, name = job.split("/")
+        sys.argv = ["efflab." + stage, "--params", params, "--name", name, "--results", results]
+        try:
+            runpy.run_module("efflab." + stage, run_name="__main__", alter_sys=True)
+        except Assigned:
+            before[job] = list(calls)
+    print(json.dumps(before))
+""")
+GPU_JOBS = ("finetune/lora-r8", "quantize/baseline", "merge/lora-r8", "bench_attention/eager", "bench_inference/baseline")
+
+
+def test_a_gpu_stage_asks_cuda_nothing_before_its_gpu_slot_is_assigned(tmp_path):
+    """CUDA reads CUDA_VISIBLE_DEVICES once, when it starts, and any query starts it (bitsandbytes asks for the
+    device capability when it is imported): a stage's imports and its CLI up to gpu_slots.assign must not
+    ask. One process runs every GPU stage's entry point, finetune's (the heaviest imports) first."""
+    from conftest import TEST_PARAMS
+
+    proc = subprocess.run([sys.executable, "-c", PROBE, str(TEST_PARAMS), str(tmp_path), *GPU_JOBS],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    before = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(before) == set(GPU_JOBS), "every stage reached gpu_slots.assign"
+    assert before == {job: [] for job in GPU_JOBS}, "CUDA was asked before the GPU slot was assigned"

@@ -17,13 +17,12 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import TrainerCallback
 
 from . import cli
 from .config import UserError, finetune_run
-from .measure import (CpuTensorPeak, classify_failure, count_parameters, environment, log_file_path, matmul_ceiling, mfu,
+from .measure import (CpuTensorPeak, count_parameters, environment, log_file_path, matmul_ceiling, mfu,
                       pick_device, published_peak_tflops, set_threads, setup_child_logging, summarize,
-                      synchronize, track_memory, training_flops_per_token)
+                      track_memory, training_flops_per_token)
 from .memory_estimate import compared, training_peak
 from .modeling import base_dtype, eval_loss, load_model, load_tokenizer, read_split
 
@@ -126,39 +125,21 @@ def write_loss_curve(history: list[dict], path) -> list[dict]:
 
 def run(cfg: dict, paths: dict) -> dict:
     """Fine-tune one named run and measure what it cost and bought (DDP when num_processes > 1).
-    A run the device cannot do, or that fails or runs out of memory, is recorded with its status and
-    reason (the grid goes on); bad params still stop with an error."""
+    A run the device cannot do is recorded as unavailable with the reason; one that fails or runs out of
+    memory is recorded by cli.main (the grid goes on); bad params still stop with an error."""
     run_cfg = finetune_run(cfg, paths["name"])
     device = pick_device(cfg["runtime"])
     missing = unavailable_knobs(run_cfg, device)
     if missing:
-        return not_trained(paths, run_cfg, device, {"status": "unavailable", "reason": "; ".join(missing)})
-    distributed = run_cfg["num_processes"] * run_cfg["num_machines"] > 1 or run_cfg["accelerate_config"]
-    try:
-        if distributed and "LOCAL_RANK" not in os.environ:
+        reason = "; ".join(missing)
+        paths["layout"].write_not_run("finetune", paths["out"], "unavailable", reason)
+        log.warning("%s: unavailable: %s", paths["name"], reason)
+        return {"status": "unavailable", "reason": reason, "run": paths["name"], "method": run_cfg["method"],
+                "settings": run_cfg, "environment": environment(device, run_cfg)}
+    if run_cfg["num_processes"] * run_cfg["num_machines"] > 1 or run_cfg["accelerate_config"]:
+        if "LOCAL_RANK" not in os.environ:
             return launch_distributed(run_cfg, paths)
-        return train(cfg, paths)
-    except UserError:
-        raise
-    except Exception as err:  # a grid cell that failed is a result, not the end of the grid
-        log.exception("%s: training failed", paths["name"])
-        return not_trained(paths, run_cfg, device, classify_failure(err))
-
-
-NOT_TRAINED = "NOT_TRAINED.txt"
-
-
-def not_trained(paths: dict, run_cfg: dict, device: torch.device, failure: dict) -> dict:
-    """The outputs of a run that did not train: its status and reason, an empty loss curve and a model folder
-    holding only a note, so that the rules downstream run and record it as skipped."""
-    for leftover in paths["out"].iterdir():
-        shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
-    log.warning("%s: %s: %s", paths["name"], failure["status"], failure["reason"])
-    write_loss_curve([], paths["out"] / "loss.csv")
-    (paths["out"] / "model").mkdir()
-    (paths["out"] / "model" / NOT_TRAINED).write_text(f"{failure['status']}: {failure['reason']}\n")
-    return {**failure, "run": paths["name"], "method": run_cfg["method"], "settings": run_cfg,
-            "environment": environment(device, run_cfg)}
+    return train(cfg, paths)
 
 
 def _free_port() -> int:
@@ -193,20 +174,6 @@ def launch_distributed(run_cfg: dict, paths: dict) -> dict:
     return metrics
 
 
-KILL_ENV = "EFFLAB_KILL_AFTER_CHECKPOINT"
-
-
-class KillAfterCheckpoint(TrainerCallback):
-    """Fault injection for the resume tests: SIGKILL this process right after the checkpoint of the step
-    named in $EFFLAB_KILL_AFTER_CHECKPOINT is on disk (what a pre-empted cluster job looks like)."""
-
-    def on_save(self, args, state, control, **kwargs):
-        if state.global_step == int(os.environ[KILL_ENV]):
-            import signal
-
-            os.kill(os.getpid(), signal.SIGKILL)
-
-
 def checkpoints(layout, name: str, run_cfg: dict, rank: int) -> tuple[Path, str | None]:
     """The run's step-checkpoint folder (a hidden sibling of its outputs, which Snakemake does not own and
     so does not delete when a killed job's outputs are cleaned up) and the checkpoint to resume from.
@@ -238,56 +205,18 @@ def _checkpoint_state(checkpoint: str | None) -> dict:
     return {"global_step": state["global_step"], "num_input_tokens_seen": state.get("num_input_tokens_seen", 0)}
 
 
-class FlushTensorCount(TrainerCallback):
-    """Folds the CPU allocator events recorded so far into the running cpu_tensor_peak every `every` steps,
-    so a long CPU run does not hold millions of events (measure.CpuTensorPeak)."""
-
-    def __init__(self, tensors: CpuTensorPeak, every: int = 25):
-        self.tensors, self.every = tensors, every
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step % self.every == 0:
-            self.tensors.flush()
-
-
-class StepTimes(TrainerCallback):
-    """Wall time of every optimizer step (forward, backward, optimizer; on GPU up to a synchronize), so that a
-    run's step time has a spread and two runs' step times can be told apart from noise. First in the callback
-    list, so the tensor count's flush and checkpoint saving (after on_step_end) stay outside the interval."""
-
-    def __init__(self, device: torch.device):
-        self.device, self.durations, self._t0 = device, [], None
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        synchronize(self.device)
-        self._t0 = time.perf_counter()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        synchronize(self.device)
-        self.durations.append(time.perf_counter() - self._t0)
-
-
-def step_time_summary(durations: list[float]) -> dict:
-    """Median and spread of the steady steps: the first step (lazy initialisation, allocator warm-up) is left
-    out when there are others."""
-    steady = durations[1:] if len(durations) > 1 else durations
-    return summarize(steady) | {"first_step_s": durations[0] if durations else None,
-                                "excluded": "the first step (warm-up)" if len(durations) > 1 else None}
-
-
-class TokensProcessed:
-    """Counts the token positions the model computes in training, pad tokens included (the input embedding
-    sees every one), so the report can say how much of the compute went to padding."""
-
-    def __init__(self, model):
-        self.count = 0
-        self._hook = model.get_input_embeddings().register_forward_pre_hook(self._seen)
-
-    def _seen(self, module, inputs):
-        self.count += inputs[0].numel()
-
-    def remove(self) -> None:
-        self._hook.remove()
+def steady_steps(step_times, warmup: int) -> dict:
+    """Step time (median and spread) and throughput of the steady steps: the first `warmup` steps (lazy
+    initialisation, allocator warm-up, kernel autotuning) are left out while later steps remain."""
+    durations, tokens = step_times.durations, step_times.tokens
+    skip = warmup if len(durations) > warmup else 0
+    steady_s, steady_tokens = durations[skip:], tokens[skip:]
+    return {"step_time": summarize(steady_s) | {
+                "first_step_s": durations[0] if durations else None,
+                "excluded": f"the first {skip} step(s) (timing_warmup_steps)" if skip else None},
+            "steps": len(steady_s), "excluded_steps": skip, "tokens": sum(steady_tokens),
+            "seconds": sum(steady_s),
+            "tokens_per_s": sum(steady_tokens) / sum(steady_s) if sum(steady_s) > 0 else None}
 
 
 def _lora_scaling(model) -> float | None:
@@ -312,6 +241,8 @@ def train(cfg: dict, paths: dict) -> dict:
     """The training itself, in this process (one DDP rank when launched by accelerate)."""
     from datasets import Dataset
     from transformers import Trainer, TrainingArguments, set_seed
+
+    from .callbacks import KILL_ENV, FlushTensorCount, KillAfterCheckpoint, SequenceLengths, StepTimes
 
     name, layout = paths["name"], paths["layout"]
     run_cfg = finetune_run(cfg, name)
@@ -369,7 +300,7 @@ def train(cfg: dict, paths: dict) -> dict:
     resumed = _checkpoint_state(resume)
     if resume:
         log.info("%s: resuming from %s (step %d)", name, resume, resumed["global_step"])
-    processed = TokensProcessed(model)
+    processed = SequenceLengths(model)
     prediction = training_peak(layout.base_model(), run_cfg, dtype, precision,  # from config and data only
                                [len(r["input_ids"]) for r in train_rows], device.type)
     with track_memory(device, tensors) as train_mem:
@@ -400,29 +331,34 @@ def train(cfg: dict, paths: dict) -> dict:
     steps = result.global_step - resumed["global_step"]  # what this process trained (and timed)
     tokens = trainer.state.num_input_tokens_seen - resumed["num_input_tokens_seen"]
     samples = steps * run_cfg["batch_size"] * run_cfg["gradient_accumulation_steps"] * world
-    flops = training_flops_per_token(model, tokens / samples, run_cfg["gradient_checkpointing"])
+    # Attention FLOPs per token over each sequence's own length (token-weighted), as the model computed them.
+    attention_len = processed.attention_length() or tokens / samples
+    flops = training_flops_per_token(model, attention_len, run_cfg["gradient_checkpointing"])
     published = published_peak_tflops(device, matmul_dtype)
+    steady = steady_steps(step_times, run_cfg["timing_warmup_steps"])
+    rate = steady["tokens_per_s"] or tokens / train_s
     throughput = {
-        "tokens_per_s": tokens / train_s, "samples_per_s": samples / train_s,
+        "tokens_per_s": rate, "samples_per_s": samples / train_s, "whole_run_tokens_per_s": tokens / train_s,
+        "measured_over": f"{steady['steps']} steady steps ({steady['excluded_steps']} warm-up step(s) left out)",
         "tokens": "real (non-padding) input tokens", "flops": flops, "matmul_ceiling": ceiling,
-        "mfu_vs_measured_ceiling": mfu(tokens / train_s, flops["model_flops_per_token"], ceiling["tflops"]),
+        "mfu_vs_measured_ceiling": mfu(rate, flops["model_flops_per_token"], ceiling["tflops"]),
         "published_peak": published,
-        "mfu_vs_published_peak": mfu(tokens / train_s, flops["model_flops_per_token"], published["tflops"]),
+        "mfu_vs_published_peak": mfu(rate, flops["model_flops_per_token"], published["tflops"]),
     }
-    log.info("%s: validation loss %.3f -> %.3f in %d steps, %.0f tokens/s, MFU %.1f%% of the measured ceiling, "
-             "peak %s MiB (%s)", name, before["loss"], after["loss"], steps, tokens / train_s,
+    log.info("%s: validation loss %.3f -> %.3f in %d steps, %.0f tokens/s (steady), MFU %.1f%% of the measured "
+             "ceiling, peak %s MiB (%s)", name, before["loss"], after["loss"], steps, rate,
              100 * throughput["mfu_vs_measured_ceiling"], _fmt(train_mem["peak_mib"]), train_mem["kind"])
     return {
         "run": name, "method": run_cfg["method"], "settings": run_cfg, "compute_dtype": dtype,
         "mixed_precision": precision, "threads": threads, "parameters": params,
         "processes": world, "ranks": ranks, "total_steps": result.global_step,
         "effective_batch": run_cfg["batch_size"] * run_cfg["gradient_accumulation_steps"] * world,
-        "padding_free": run_cfg["packing"], "tokens_processed": processed.count,
-        "pad_fraction": 1 - tokens / processed.count if processed.count else None,
+        "padding_free": run_cfg["packing"], "tokens_processed": processed.positions,
+        "pad_fraction": 1 - tokens / processed.positions if processed.positions else None,
         "resumed_from": resumed["global_step"] or None, "optimizer": run_cfg["optimizer"],
         "optimizer_state_bytes": optimizer_state_bytes, "lora_scaling": _lora_scaling(model),
         "steps": steps, "train_s": train_s, "step_s": train_s / steps,
-        "step_time": step_time_summary(step_times.durations),
+        "step_time": steady["step_time"], "steady": {k: v for k, v in steady.items() if k != "step_time"},
         "tokens_seen": tokens, "tokens_per_s": tokens / train_s, "samples_per_s": samples / train_s,
         "throughput": throughput,
         "memory_prediction": compared(prediction, train_mem),

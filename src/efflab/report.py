@@ -71,7 +71,7 @@ def finetune_table(rows: list[dict]) -> pd.DataFrame:
 
 # Settings that change what a run costs or buys; the others (eval_rows, checkpoint_every, ...) do not make two
 # runs a knob comparison.
-NOT_KNOBS = {"eval_rows", "checkpoint_every", "num_machines", "accelerate_config"}
+NOT_KNOBS = {"eval_rows", "checkpoint_every", "timing_warmup_steps", "num_machines", "accelerate_config"}
 
 
 def _flat_settings(settings: dict, prefix: str = "") -> dict:

@@ -1,0 +1,99 @@
+"""The finetune stage's Trainer callbacks and training-step instruments.
+
+A module of its own because importing transformers' trainer pulls in accelerate, peft and bitsandbytes,
+and bitsandbytes asks CUDA for the device capability at import: that initialises CUDA. The finetune stage
+imports this module inside train(), after cli.main has given the process its GPU (gpu_slots.assign), never
+at module top.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+from transformers import TrainerCallback
+
+from .measure import CpuTensorPeak, synchronize
+
+KILL_ENV = "EFFLAB_KILL_AFTER_CHECKPOINT"
+
+
+class KillAfterCheckpoint(TrainerCallback):
+    """Fault injection for the resume tests: SIGKILL this process right after the checkpoint of the step
+    named in $EFFLAB_KILL_AFTER_CHECKPOINT is on disk (what a pre-empted cluster job looks like)."""
+
+    def on_save(self, args, state, control, **kwargs):
+        if state.global_step == int(os.environ[KILL_ENV]):
+            import signal
+
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class FlushTensorCount(TrainerCallback):
+    """Folds the CPU allocator events recorded so far into the running cpu_tensor_peak every `every` steps,
+    so a long CPU run does not hold millions of events (measure.CpuTensorPeak)."""
+
+    def __init__(self, tensors: CpuTensorPeak, every: int = 25):
+        self.tensors, self.every = tensors, every
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step % self.every == 0:
+            self.tensors.flush()
+
+
+class StepTimes(TrainerCallback):
+    """Wall time and real (non-padding) input tokens of every optimizer step (forward, backward, optimizer;
+    on GPU up to a synchronize), so that a run's step time has a spread, two runs' step times can be told
+    apart from noise, and throughput can be taken over the steady steps alone. First in the callback list,
+    so the tensor count's flush and checkpoint saving (after on_step_end) stay outside the interval."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.durations, self.tokens = device, [], []
+        self._t0, self._seen = None, 0
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        synchronize(self.device)
+        self._seen = state.num_input_tokens_seen
+        self._t0 = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        synchronize(self.device)
+        self.durations.append(time.perf_counter() - self._t0)
+        self.tokens.append(state.num_input_tokens_seen - self._seen)
+
+
+class SequenceLengths:
+    """What the model computes in training, seen at its forward: every token position (pad tokens included,
+    so the report can say how much of the compute went to padding) and each sequence's real length, from
+    the position ids of a packed row (a new sequence starts at position 0) or the attention mask of a padded
+    batch. Attention FLOPs grow with each sequence's own length, so they are counted per token over
+    sum(len^2) / sum(len), the token-weighted mean length, not over the mean length."""
+
+    def __init__(self, model):
+        self.positions, self.tokens, self.squares = 0, 0, 0
+        self._hook = model.register_forward_pre_hook(self._seen, with_kwargs=True)
+
+    def _seen(self, module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is None:
+            return
+        self.positions += ids.numel()
+        lengths = self.lengths(ids, kwargs.get("attention_mask"), kwargs.get("position_ids"))
+        self.tokens += int(lengths.sum())
+        self.squares += int((lengths * lengths).sum())
+
+    @staticmethod
+    def lengths(ids: torch.Tensor, attention_mask, position_ids) -> torch.Tensor:
+        if position_ids is not None and attention_mask is None:
+            flat = position_ids.reshape(-1).cpu()
+            starts = torch.nonzero(flat == 0).flatten().tolist() + [flat.numel()]
+            return torch.tensor([b - a for a, b in zip(starts, starts[1:]) if b > a], dtype=torch.long)
+        if attention_mask is not None:
+            return attention_mask.sum(dim=1).cpu().long()
+        return torch.full((ids.shape[0],), ids.shape[1], dtype=torch.long)
+
+    def attention_length(self) -> float | None:
+        return self.squares / self.tokens if self.tokens else None
+
+    def remove(self) -> None:
+        self._hook.remove()
