@@ -76,15 +76,25 @@ def test_qlora_gradients_do_not_depend_on_an_earlier_validation_pass(results, te
         assert torch.allclose(fresh[name], validated[name], rtol=1e-4, atol=1e-7), name
 
 
-def test_training_flops_follow_palm_and_mfu_is_a_fraction_of_the_measured_ceiling(results, test_cfg):
-    full = run_stage("finetune", TEST_PARAMS, results, "full")
+def test_training_flops_follow_palm_and_mfu_is_a_fraction_of_the_measured_ceiling(results, write_params, test_cfg):
+    """One epoch, so every training row is seen once: attention FLOPs per token then follow each row's own
+    length, sum(len^2) / sum(len), not the mean length."""
+    from efflab.modeling import read_split
+
+    lengths = [len(r["input_ids"]) for r in read_split(Layout(results).split("train"))]
+    epoch = len(lengths) // test_cfg["finetune"]["defaults"]["batch_size"]
+    full = run_stage("finetune", write_params(lambda cfg: cfg["finetune"]["runs"]["full"].update(max_steps=epoch)),
+                     results, "full")
     c = test_cfg["base_model"]["config_overrides"]
     h, hd, layers, vocab = c["hidden_size"], c["head_dim"], c["num_hidden_layers"], 49152
     heads, kv, inter = c["num_attention_heads"], c["num_key_value_heads"], c["intermediate_size"]
     per_layer = h * heads * hd + 2 * h * kv * hd + heads * hd * h + 3 * h * inter
     n = layers * per_layer + vocab * h  # every matmul weight, the (tied) LM head included
     t = full["throughput"]
-    seq = full["tokens_seen"] / (full["steps"] * test_cfg["finetune"]["defaults"]["batch_size"])
+    assert full["tokens_seen"] == sum(lengths) and len(lengths) % epoch == 0
+    seq = sum(x * x for x in lengths) / sum(lengths)
+    assert seq > sum(lengths) / len(lengths), "rows of different lengths: above the mean length"
+    assert t["flops"]["seq_len"] == pytest.approx(seq)
     assert t["flops"]["matmul_params"] == n
     assert t["flops"]["model_flops_per_token"] == pytest.approx(6 * n + 12 * layers * heads * hd * seq)
     assert 0 < t["mfu_vs_measured_ceiling"] < 1
@@ -292,3 +302,32 @@ def test_a_run_that_fails_is_recorded_with_its_reason(results, monkeypatch, erro
     assert m["status"] == status and error in m["reason"]
     out = Layout(results).out("finetune", "lora-r8")
     assert sorted(p.name for p in out.iterdir()) == ["loss.csv", "metrics.json", "model"], "no partial outputs"
+
+
+def test_the_validation_loss_avoids_kernels_that_have_no_deterministic_cuda_version():
+    """`deterministic: true` (torch.use_deterministic_algorithms) raises on CUDA in any op without a
+    deterministic kernel. cross_entropy over (batch, classes, positions) dispatches to nll_loss2d, whose CUDA
+    sum has none; one row per position (classes last) dispatches to nll_loss, which has. The CPU cannot raise,
+    so the test reads which aten ops the loss dispatches to, and checks the sum against cross_entropy."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from efflab.modeling import summed_nll
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.add(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 7, 11, generator=gen)
+    labels = torch.randint(0, 11, (3, 7), generator=gen)
+    labels[0, :4] = -100
+    with Ops() as ops:
+        total, count = summed_nll(logits, labels)
+    assert "nll_loss_forward" in ops.names and not any(n.startswith("nll_loss2d") for n in ops.names), ops.names
+    expected = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), labels[:, 1:], reduction="sum")
+    assert count == int((labels[:, 1:] != -100).sum()) and abs(total - expected.item()) < 1e-4
