@@ -12,7 +12,8 @@ from conftest import TEST_PARAMS, run_stage
 def test_attention_cells_run_isolated_agree_with_eager_and_flash_is_unavailable_on_cpu(results, write_params):
     def edit(cfg):
         cfg["runtime"]["isolation"] = "subprocess"
-        cfg["bench_attention"] |= {"seq_lens": [32, 128], "batch_sizes": [1]}
+        cfg["bench_attention"] |= {"implementations": ["sdpa", "flash_attention_2"], "seq_lens": [32, 128],
+                                   "batch_sizes": [1]}
     params = write_params(edit)
     cfg = yaml.safe_load(params.read_text())
     sdpa = run_stage("bench_attention", params, results, "sdpa")
@@ -97,3 +98,63 @@ def test_int8_cells_show_each_warning_at_most_once_and_no_profiler_lines(results
         warned = [re.sub(r"^[\d-]+ [\d:,]+ ", "", line) for line in err.splitlines()
                   if re.search(r"\bWARNING\b|\w+Warning: ", line)]  # logged, and Python's warnings
         assert len(warned) == len(set(warned)), f"a warning shown more than once:\n{err[-3000:]}"
+
+
+def test_a_stage_killed_mid_grid_keeps_its_finished_cells_and_its_rerun_measures_only_the_rest(
+        results, monkeypatch):
+    """Each cell's result is journalled as it ends: a job killed in its third cell (a cluster's time limit)
+    leaves no outputs but two journalled cells, and its rerun measures the other cells only."""
+    import pytest
+
+    from efflab import bench_attention
+
+    measured = []
+    real_cell = bench_attention.attention_cell
+
+    def cell(**kwargs):
+        measured.append((kwargs["mode"], kwargs["seq_len"]))
+        if kill_at and len(measured) == kill_at:
+            raise KeyboardInterrupt("killed")
+        return real_cell(**kwargs)
+    monkeypatch.setattr(bench_attention, "attention_cell", cell)
+    kill_at = 3
+    with pytest.raises(KeyboardInterrupt):
+        run_stage("bench_attention", TEST_PARAMS, results, "eager")
+    assert not (results / "bench_attention" / "eager").exists(), "no partial outputs"
+    journal = results / "bench_attention" / ".eager.cells.jsonl"
+    assert len(journal.read_text().splitlines()) == 1 + 2, "the settings line and the two finished cells"
+    first = measured[:2]
+    measured.clear()
+    kill_at = None
+    m = run_stage("bench_attention", TEST_PARAMS, results, "eager")
+    grid = [(r["mode"], r["seq_len"]) for r in m["rows"]]
+    assert measured == [g for g in grid if g not in first] and len(grid) == 4
+    assert all(r["status"] == "ok" for r in m["rows"]) and not journal.exists()
+
+
+def test_a_per_token_tail_above_one_and_a_half_medians_is_named():
+    from efflab.bench_inference import explain_tail
+
+    steady = [{"token_gaps_s": [0.010, 0.011, 0.010, 0.010]} for _ in range(5)]
+    assert explain_tail(steady, kv_cache=True) is None
+    first_slow = [{"token_gaps_s": [0.040, 0.010, 0.011, 0.010]} for _ in range(5)]
+    assert explain_tail(first_slow, kv_cache=True).startswith("the first decode step")
+    growing = [{"token_gaps_s": [0.010, 0.015, 0.020, 0.030]} for _ in range(5)]
+    assert explain_tail(growing, kv_cache=False).startswith("no KV cache")
+    stray = [{"token_gaps_s": [0.010, 0.010, 0.050 if i == 2 else 0.010, 0.010]} for i in range(5)]
+    assert explain_tail(stray, kv_cache=True).startswith("isolated slow tokens (1 of 20")
+
+
+def test_a_forced_sdpa_backend_is_measured_beside_the_others_or_says_torch_has_no_kernel(results, write_params):
+    """sdpa_<backend> forces one PyTorch SDPA kernel (its FlashAttention-2 where the flash-attn package
+    cannot be installed). Which kernels exist depends on the device and the torch build: a missing one is
+    `unavailable` with torch's reason, never a failure."""
+    def edit(cfg):
+        cfg["bench_attention"] |= {"implementations": ["sdpa_math", "sdpa_efficient"], "modes": ["forward"],
+                                   "seq_lens": [32]}
+    params = write_params(edit)
+    math_ = run_stage("bench_attention", params, results, "sdpa_math")
+    assert math_["status"] == "ok" and math_["rows"][0]["max_abs_diff_vs_eager"] < 1e-5
+    efficient = run_stage("bench_attention", params, results, "sdpa_efficient")
+    for row in efficient["rows"]:
+        assert row["status"] == "ok" or (row["status"] == "unavailable" and "EFFICIENT_ATTENTION" in row["reason"])

@@ -29,7 +29,7 @@ from efflab import dvcgen
 from efflab.cli import STAGES, stage_names
 from efflab.config import adapter_runs
 
-from conftest import BIN, REPO, TEST_PARAMS
+from conftest import BIN, REPO, TEST_PARAMS, run_stage
 
 pytestmark = pytest.mark.slow
 TIMEOUT = 1200
@@ -265,3 +265,42 @@ def test_dvc_tracks_the_snakemake_run_and_reruns_what_a_param_change_touches(loc
     cells = json.loads((tmp_path / "results/bench_inference/baseline/metrics.json").read_text())["cells"]
     assert cells and all(c["kv_cache"] for c in cells), "the rerun used the changed param"
     assert (tmp_path / "results/finetune/lora-r8/metrics.json").read_text() == finetuned, "finetune did not rerun"
+
+
+def test_failed_jobs_are_results_the_jobs_after_them_skip_and_the_report_still_renders(
+        local_pipeline, tmp_path, monkeypatch, test_cfg_module):
+    """A job that fails or runs out of memory outside any cell (quantize loading its scheme, a fine-tuning
+    run, an attention implementation) is a result with its reason, written like any other; the jobs that
+    build on it record "skipped: <upstream> <status>", and the report renders them all in its table of
+    jobs that did not run."""
+    import torch
+
+    from efflab import bench_attention, finetune, quantize
+
+    results = tmp_path / "results"
+    shutil.copytree(local_pipeline.wait()["dir"] / "results", results)
+
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("an unexpected failure")
+    monkeypatch.setattr(quantize, "load_model", oom)
+    monkeypatch.setattr(finetune, "train", broken)
+    monkeypatch.setattr(bench_attention, "unavailable_reason", broken)
+    failed = {("quantize", "int8"): "oom", ("finetune", "qlora-r8"): "failed", ("bench_attention", "eager"): "failed"}
+    for (stage, name), status in failed.items():
+        m = run_stage(stage, TEST_PARAMS, results, name)
+        assert m["status"] == status and m["reason"] and m["traceback"], (stage, m)
+    assert sorted(p.name for p in (results / "quantize/int8").iterdir()) == ["metrics.json", "model"]
+    assert (results / "quantize/int8/model/NOT_RUN.txt").read_text().startswith("oom: OutOfMemoryError")
+    skipped = {("merge", "qlora-r8"): "finetune qlora-r8 is failed", ("bench_inference", "int8"): "quantize int8 is oom"}
+    for (stage, name), reason in skipped.items():
+        m = run_stage(stage, TEST_PARAMS, results, name)
+        assert m["status"] == "skipped" and m["reason"].startswith(reason), (stage, m)
+    run_stage("claims", TEST_PARAMS, results)
+    run_stage("report", TEST_PARAMS, results)
+    report = (results / "report/report.md").read_text()
+    section = report[report.index("## Cells that did not run"):]
+    for stage, name in [*failed, *skipped]:
+        assert re.search(rf"\| *{stage} *\| *{name} *\|", section), f"{stage} {name} is not in the report's table"

@@ -6,7 +6,8 @@ weights and a gradient into the input embeddings (the activation memory that tra
 records latency (warmup + repeats: median, p90, p99, bootstrap CI), peak memory with its kind, and the
 max |difference| of the output (forward) or of the input gradient (forward_backward) vs eager on the same
 inputs. Every cell can run in its own process (runtime.isolation), so an OOM, crash or timeout becomes a
-row with its status and the grid goes on. Per (mode, batch) the exponent of memory vs sequence length is
+row with its status and the grid goes on; each cell's result is journalled as it ends (measure.CellJournal),
+so a stage killed mid-grid resumes where it stopped. Per (mode, batch) the exponent of memory vs sequence length is
 fitted: ≈2 means quadratic, ≈1 linear. An implementation that cannot run here is `unavailable` with the
 reason, never a crash.
 """
@@ -15,11 +16,12 @@ from __future__ import annotations
 import importlib.util
 import logging
 import math
+from contextlib import contextmanager
 
 import torch
 
 from . import cli
-from .measure import environment, pick_device, run_cell, set_threads, time_fn, track_memory
+from .measure import CellJournal, environment, pick_device, run_cell, set_threads, time_fn, track_memory
 from .modeling import base_dtype, load_model
 
 log = logging.getLogger("efflab")
@@ -47,7 +49,37 @@ def unavailable_reason(impl: str, device: torch.device) -> str | None:
             return "the flash-attn package is not installed (README, Install: FlashAttention-2)"
     if impl == "flex_attention" and importlib.util.find_spec("torch.nn.attention.flex_attention") is None:
         return f"torch {torch.__version__} has no torch.nn.attention.flex_attention"
+    if impl in SDPA_BACKENDS:
+        from torch.nn.attention import SDPBackend
+
+        if not hasattr(SDPBackend, SDPA_BACKENDS[impl]):
+            return f"torch {torch.__version__} has no SDPA backend {SDPA_BACKENDS[impl]}"
     return None
+
+
+# PyTorch SDPA with one backend forced (torch.nn.attention.sdpa_kernel): its FlashAttention-2 kernel where
+# the flash-attn package cannot be installed, beside the memory-efficient, cuDNN and math ones. `sdpa` alone
+# lets PyTorch choose.
+SDPA_BACKENDS = {"sdpa_flash": "FLASH_ATTENTION", "sdpa_efficient": "EFFICIENT_ATTENTION",
+                 "sdpa_cudnn": "CUDNN_ATTENTION", "sdpa_math": "MATH"}
+
+
+@contextmanager
+def attention_backend(impl: str):
+    """Force the SDPA backend an sdpa_<backend> implementation names; torch says which kernels it lacks."""
+    if impl not in SDPA_BACKENDS:
+        yield
+        return
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(getattr(SDPBackend, SDPA_BACKENDS[impl])):
+        try:
+            yield
+        except RuntimeError as err:
+            if not any(text in str(err) for text in ("No available kernel", "No viable backend")):  # CUDA, CPU
+                raise
+            raise NotImplementedError(f"{impl}: torch {torch.__version__} has no {SDPA_BACKENDS[impl]} SDPA "
+                                      "kernel for these inputs on this device (its warnings above say why)") from err
 
 
 def _inputs(model, seq_len: int, batch_size: int, device: torch.device) -> torch.Tensor:
@@ -70,15 +102,16 @@ def attention_cell(folder: str, dtype: str, device: str, impl: str, seq_len: int
                    warmup: int, repeats: int) -> dict:
     """Measure one (implementation, sequence length, batch size, mode) cell."""
     device = torch.device(device)
-    model = load_model(folder, dtype, device, attn_implementation=impl)
+    model = load_model(folder, dtype, device, attn_implementation="sdpa" if impl in SDPA_BACKENDS else impl)
     for p in model.parameters():
         p.requires_grad_(False)
     decoder = model.get_decoder()
     ids = _inputs(model, seq_len, batch_size, device)
-    # Timing first: its warmup absorbs one-time allocations the memory peak should not count.
-    latency = time_fn(lambda: _step(decoder, ids, mode), device, warmup, repeats)
-    with track_memory(device) as mem:
-        out, grad = _step(decoder, ids, mode)
+    with attention_backend(impl):
+        # Timing first: its warmup absorbs one-time allocations the memory peak should not count.
+        latency = time_fn(lambda: _step(decoder, ids, mode), device, warmup, repeats)
+        with track_memory(device) as mem:
+            out, grad = _step(decoder, ids, mode)
     if impl == "eager":
         diff = 0.0
     else:
@@ -118,6 +151,11 @@ def run(cfg: dict, paths: dict) -> dict:
     device = pick_device(rt)
     dtype = base_dtype(layout)
     reason = unavailable_reason(impl, device)
+    journal = CellJournal(layout.out("bench_attention") / f".{impl}.cells.jsonl",
+                          {"bench_attention": b, "runtime": rt, "base": layout.metrics("base_model").read_text()})
+    if journal.resumed:
+        log.info("%s: %d cells measured before this run was stopped are taken from %s", impl, journal.resumed,
+                 journal.path)
     rows, fits = [], []
     for mode in b["modes"]:
         mode_reason = reason or (flex_backward_reason(device) if impl == "flex_attention"
@@ -129,11 +167,15 @@ def run(cfg: dict, paths: dict) -> dict:
                 if mode_reason:
                     group.append(cell | {"status": "unavailable", "reason": mode_reason})
                     continue
-                result = run_cell(attention_cell, dict(
-                    folder=str(layout.base_model()), dtype=dtype, device=str(device), impl=impl, seq_len=seq_len,
-                    batch_size=batch_size, mode=mode, warmup=b["warmup"], repeats=b["repeats"]),
-                    isolation=rt["isolation"], timeout_s=rt["cell_timeout_s"],
-                    memory_cap_mib=rt["cell_memory_cap_mib"])
+                result = journal.get(cell)
+                if result is None:
+                    result = run_cell(attention_cell, dict(
+                        folder=str(layout.base_model()), dtype=dtype, device=str(device), impl=impl,
+                        seq_len=seq_len, batch_size=batch_size, mode=mode, warmup=b["warmup"],
+                        repeats=b["repeats"]),
+                        isolation=rt["isolation"], timeout_s=rt["cell_timeout_s"],
+                        memory_cap_mib=rt["cell_memory_cap_mib"])
+                    journal.record(cell, result)
                 if result["status"] != "ok":
                     log.warning("%s %s seq %d batch %d: %s: %s", impl, mode, seq_len, batch_size,
                                 result["status"], result.get("reason"))
@@ -143,6 +185,7 @@ def run(cfg: dict, paths: dict) -> dict:
                 fits.append({"implementation": impl, "mode": mode, "batch_size": batch_size,
                              "memory_kind": next((r["memory"]["kind"] for r in group if r["status"] == "ok"), None),
                              **fit_exponent(group)})
+    journal.remove()
     statuses = {r["status"] for r in rows}
     status = "unavailable" if statuses == {"unavailable"} else "ok"
     return {"status": status, "implementation": impl, "reason": reason, "dtype": dtype,

@@ -17,7 +17,8 @@ import torch
 from . import cli
 from .config import finetune_run
 from .layout import Layout
-from .measure import environment, pick_device, run_cell, set_threads, summarize, track_memory
+from .measure import (CellJournal, environment, percentile, pick_device, run_cell, set_threads, summarize,
+                      track_memory)
 from .memory_estimate import compared, generation_peak, quantized_layer_transient, variant_quant
 from .modeling import base_dtype, load_model, load_tokenizer, require_input
 
@@ -25,16 +26,58 @@ log = logging.getLogger("efflab")
 
 
 class TokenClock:
-    """A generate() streamer that records when each put() arrives: first the prompt, then each token."""
+    """A generate() streamer that stamps each put(): first the prompt, then each new token. On a GPU the
+    stamps are CUDA events recorded in the stream, read after the generation, so they time the kernels
+    rather than their asynchronous launch and add no synchronisation to the loop; on a CPU, perf_counter."""
 
-    def __init__(self):
-        self.times: list[float] = []
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self._stamps: list = []
+        self.start()
+
+    def _stamp(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def start(self):
+        self._origin = self._stamp()
 
     def put(self, value):
-        self.times.append(time.perf_counter())
+        self._stamps.append(self._stamp())
 
     def end(self):
         pass
+
+    def seconds(self) -> list[float]:
+        """Each put()'s time since start(), in seconds."""
+        if self.cuda:
+            torch.cuda.synchronize()
+            return [self._origin.elapsed_time(e) / 1000 for e in self._stamps]
+        return [t - self._origin for t in self._stamps]
+
+
+TAIL_RATIO = 1.5
+
+
+def explain_tail(runs: list[dict], kv_cache: bool) -> str | None:
+    """Why the per-token latency's p99 is more than TAIL_RATIO x its median, from the gaps themselves."""
+    gaps = [g for r in runs for g in r["token_gaps_s"]]
+    if len(gaps) < 2:
+        return None
+    p50, p99 = percentile(sorted(gaps), 0.5), percentile(sorted(gaps), 0.99)
+    if p99 <= TAIL_RATIO * p50:
+        return None
+    if not kv_cache and all(r["token_gaps_s"][-1] > r["token_gaps_s"][0] for r in runs if len(r["token_gaps_s"]) > 1):
+        return "no KV cache: every token recomputes the whole prefix, so later tokens take longer"
+    later = sorted(g for r in runs for g in r["token_gaps_s"][1:])
+    if later and percentile(later, 0.99) <= TAIL_RATIO * percentile(later, 0.5):
+        return "the first decode step of each generation (the KV cache's first growth, first-call kernels)"
+    slow = sum(g > TAIL_RATIO * p50 for g in gaps)
+    return (f"isolated slow tokens ({slow} of {len(gaps)} above {TAIL_RATIO}x the median) spread over the "
+            "generations: interference (other processes, clock changes) or the garbage collector")
 
 
 def variant_folders(variant: dict, layout) -> list:
@@ -71,16 +114,13 @@ def prompt_batches(tokenizer, prompts: list[str], batch_size: int, device: torch
 
 def generate_timed(model, tokenizer, batch: dict, new_tokens: int, kv_cache: bool = True) -> dict:
     """One greedy generation of exactly `new_tokens` tokens per sequence, timestamped per token."""
-    clock = TokenClock()
     prompt_len = batch["input_ids"].shape[1]
-    start = time.perf_counter()
+    clock = TokenClock(batch["input_ids"].device)
     with torch.no_grad():
         out = model.generate(**batch, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                              num_beams=1, use_cache=kv_cache, streamer=clock, pad_token_id=tokenizer.pad_token_id)
-    if batch["input_ids"].device.type == "cuda":
-        torch.cuda.synchronize()
-    token_times = clock.times[1:]  # the first put() is the prompt itself
-    return {"ttft_s": token_times[0] - start, "token_gaps_s": [b - a for a, b in zip(token_times, token_times[1:])],
+    token_times = clock.seconds()[1:]  # the first put() is the prompt itself
+    return {"ttft_s": token_times[0], "token_gaps_s": [b - a for a, b in zip(token_times, token_times[1:])],
             "decode_s": token_times[-1] - token_times[0], "new_tokens": out.shape[1] - prompt_len,
             "batch_size": int(out.shape[0]), "prompt_tokens": int(batch["attention_mask"].sum()),
             "texts": tokenizer.batch_decode(out[:, prompt_len:], skip_special_tokens=True)}
@@ -108,6 +148,8 @@ def inference_cell(cfg: dict, results: str, name: str, dtype: str, device: str, 
     ttft = summarize([r["ttft_s"] for r in runs])
     decode_tps = summarize([r["batch_size"] * (n - 1) / r["decode_s"] for r in runs], unit="tokens/s")
     per_token = summarize([g for r in runs for g in r["token_gaps_s"]], keep_samples=False)
+    per_token |= {"p99_over_p50": per_token["p99"] / per_token["p50"] if per_token["p50"] else None,
+                  "tail_cause": explain_tail(runs, kv_cache)}
     log.info("%s kv_cache=%s batch %d: TTFT median %.3f s, decode %.1f tokens/s (per token p50 %.1f / p99 %.1f ms), "
              "peak delta %s MiB (%s)", name, kv_cache, batch_size, ttft["median"], decode_tps["median"],
              1000 * per_token["median"], 1000 * per_token["p99"], _fmt(mem.get("delta_mib")), mem["kind"])
@@ -129,24 +171,32 @@ def run(cfg: dict, paths: dict) -> dict:
     set_threads(rt)
     device = pick_device(rt)
     dtype = base_dtype(layout)
-    upstream = {"merged": "merge", "adapter": "finetune"}.get(variant["kind"])
+    upstream = {"quantized": "quantize", "merged": "merge", "adapter": "finetune"}.get(variant["kind"])
     skipped = upstream and layout.skipped_because(upstream, variant["of"])
     if skipped:
         return {**skipped, "variant": name, "kind": variant["kind"], "of": variant.get("of"), "cells": [],
                 "environment": environment(device, b)}
     for folder in variant_folders(variant, layout):  # a missing input is the user's error, not a failed cell
         require_input(folder)
+    built_on = layout.metrics(upstream, variant["of"]) if upstream else layout.metrics("base_model")
+    journal = CellJournal(layout.out("bench_inference") / f".{name}.cells.jsonl",
+                          {"bench_inference": b, "runtime": rt, "built_on": built_on.read_text()})
     cells = []
     for kv_cache in variant.get("kv_cache", b["kv_cache"]):
         for batch_size in variant.get("batch_sizes", b["batch_sizes"]):
-            result = run_cell(inference_cell, dict(cfg=cfg, results=str(layout.root), name=name, dtype=dtype,
-                                                   device=str(device), kv_cache=kv_cache, batch_size=batch_size),
-                              isolation=rt["isolation"], timeout_s=rt["cell_timeout_s"],
-                              memory_cap_mib=rt["cell_memory_cap_mib"])
+            cell = {"kv_cache": kv_cache, "batch_size": batch_size}
+            result = journal.get(cell)
+            if result is None:
+                result = run_cell(inference_cell, dict(cfg=cfg, results=str(layout.root), name=name, dtype=dtype,
+                                                       device=str(device), kv_cache=kv_cache, batch_size=batch_size),
+                                  isolation=rt["isolation"], timeout_s=rt["cell_timeout_s"],
+                                  memory_cap_mib=rt["cell_memory_cap_mib"])
+                journal.record(cell, result)
             if result["status"] != "ok":
                 log.warning("%s kv_cache=%s batch %d: %s: %s", name, kv_cache, batch_size, result["status"],
                             result.get("reason"))
-            cells.append({"kv_cache": kv_cache, "batch_size": batch_size} | result)
+            cells.append(cell | result)
+    journal.remove()
     return {
         "status": "ok" if any(c["status"] == "ok" for c in cells) else "failed",
         "variant": name, "kind": variant["kind"], "of": variant.get("of"), "dtype": dtype,

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from . import config, gpu_slots
 from .config import UserError
-from .layout import METRICS, Layout
+from .layout import METRICS, STAGE_OUTPUTS, Layout
 
 log = logging.getLogger("efflab")
 
@@ -90,6 +90,27 @@ def write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
 
 
+def _missing_result(err: Exception, results: str) -> bool:
+    """A file of an earlier stage's results is missing: the user's error (run that stage first)."""
+    return isinstance(err, FileNotFoundError) and bool(err.filename) and \
+        Path(err.filename).resolve().is_relative_to(Path(results).resolve())
+
+
+def not_run(stage: str, name: str, cfg: dict, layout: Layout, out: Path, err: Exception) -> dict:
+    """The result of a grid job that failed or ran out of memory: its status, the reason and the traceback's
+    last lines, with the stage's outputs written empty, so that the grid goes on and the jobs that build on
+    this one record themselves as skipped. `snakemake --forcerun <rule>` (or deleting the folder) retries it."""
+    from .measure import classify_failure, environment, pick_device
+
+    failure = classify_failure(err)
+    log.exception("%s[%s]: %s: %s", stage, name, failure["status"], failure["reason"])
+    layout.write_not_run(stage, out, failure["status"], failure["reason"])
+    try:
+        return {**failure, "environment": environment(pick_device(cfg["runtime"]), cfg[stage])}
+    except Exception:  # the device itself may be what failed: the result goes without its environment
+        return failure
+
+
 def main(stage: str, run, argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog=f"python -m efflab.{stage}", description=run.__doc__)
     parser.add_argument("--params", default="params.yaml", help="the experiment file (default: params.yaml)")
@@ -117,8 +138,13 @@ def main(stage: str, run, argv: list[str] | None = None) -> None:
         slurm_job = os.environ.get("SLURM_JOB_ID")  # proof, in the job log, of where the job ran
         log.info("%s%s: start%s", stage, f"[{args.name}]" if args.name else "",
                  f" in SLURM job {slurm_job}" if slurm_job else "")
-        metrics = run(cfg, {"layout": layout, "name": args.name, "out": staging, "final": final,
-                            "params": args.params})
+        try:
+            metrics = run(cfg, {"layout": layout, "name": args.name, "out": staging, "final": final,
+                                "params": args.params})
+        except Exception as err:
+            if stage not in STAGE_OUTPUTS or isinstance(err, UserError) or _missing_result(err, args.results):
+                raise
+            metrics = not_run(stage, args.name, cfg, layout, staging, err)
         metrics = {"stage": stage, "name": args.name, "status": metrics.pop("status", "ok"),
                    "wall_s": time.perf_counter() - t0, **metrics}
         write_json(staging / METRICS, metrics)
@@ -134,8 +160,7 @@ def main(stage: str, run, argv: list[str] | None = None) -> None:
     except FileNotFoundError as err:  # an upstream result read directly (metrics.json of another job)
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
-        results = Path(args.results).resolve()
-        if err.filename and Path(err.filename).resolve().is_relative_to(results):
+        if _missing_result(err, args.results):
             print(f"efflab {stage}: error: {config.missing_input(err.filename)}", file=sys.stderr)
             sys.exit(2)
         raise

@@ -11,6 +11,11 @@ from pathlib import Path
 
 METRICS = "metrics.json"
 MODEL = "model"
+# What a job of each grid stage writes besides metrics.json: a job that did not run writes them too (a model
+# folder holding only NOT_RUN.txt, an empty loss curve), so that the jobs after it run and record "skipped".
+STAGE_OUTPUTS = {"quantize": (MODEL,), "finetune": (MODEL, "loss.csv"), "merge": (MODEL,),
+                 "bench_attention": (), "bench_inference": ()}
+NOT_RUN = "NOT_RUN.txt"
 
 
 @dataclass(frozen=True)
@@ -34,6 +39,20 @@ class Layout:
 
     def metrics(self, stage: str, name: str | None = None) -> Path:
         return self.out(stage, name) / METRICS
+
+    @staticmethod
+    def write_not_run(stage: str, out: Path, status: str, reason: str) -> None:
+        """Replace whatever a job that did not run left in its folder `out` with its stage's outputs, empty."""
+        import shutil
+
+        for leftover in out.iterdir():
+            shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
+        for output in STAGE_OUTPUTS.get(stage, ()):
+            if output == MODEL:
+                (out / MODEL).mkdir()
+                (out / MODEL / NOT_RUN).write_text(f"{status}: {reason}\n")
+            else:
+                (out / output).write_text("step,loss,learning_rate,grad_norm\n")
 
     def skipped_because(self, stage: str, name: str) -> dict | None:
         """A 'skipped' result naming why, when the job `stage/name` this one builds on did not succeed

@@ -379,6 +379,48 @@ def _cell_context():
     return ctx
 
 
+class CellJournal:
+    """Each benchmark cell's result, appended to a journal file as the cell ends, so that a stage killed
+    mid-grid (a cluster's time limit, an OOM kill of the whole job) loses only the cell it was in: its
+    rerun takes the journalled cells as they are and measures the rest. The journal is a hidden sibling
+    of the job's folder (which the stage writes only at its end, and Snakemake deletes when a job fails);
+    one written with other settings is discarded, and the stage deletes it once its metrics are in place."""
+
+    def __init__(self, path: Path, settings: dict):
+        self.path = Path(path)
+        self.stamp = json.dumps({"settings": settings}, sort_keys=True, default=str)
+        self.cells: dict[str, dict] = {}
+        lines = self.path.read_text().splitlines() if self.path.is_file() else []
+        if lines and lines[0] == self.stamp:
+            for line in lines[1:]:
+                try:
+                    entry = json.loads(line)
+                except json.JSONDecodeError:  # the line being written when the process was killed
+                    break
+                self.cells[entry["key"]] = entry["result"]
+        else:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text(self.stamp + "\n")
+        self.resumed = len(self.cells)
+
+    @staticmethod
+    def key(cell: dict) -> str:
+        return json.dumps(cell, sort_keys=True)
+
+    def get(self, cell: dict) -> dict | None:
+        return self.cells.get(self.key(cell))
+
+    def record(self, cell: dict, result: dict) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"key": self.key(cell), "result": result}, default=str) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        self.cells[self.key(cell)] = result
+
+    def remove(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
 def run_cell(fn, kwargs: dict, isolation: str = "subprocess", timeout_s: float | None = None,
              memory_cap_mib: float | None = None) -> dict:
     """Run one benchmark cell `fn(**kwargs) -> dict` and return its result with a `status`.
@@ -529,14 +571,39 @@ def matmul_ceiling(dtype: str, device: torch.device, size: int | None = None) ->
 
 @functools.lru_cache(maxsize=None)
 def _matmul_ceiling(dtype: str, device: str, size: int, threads: int) -> dict:
+    """`dtype` float32 is IEEE fp32 (TF32 off), `tf32` fp32 tensors on TF32 tensor cores (CUDA only)."""
     from .modeling import DTYPES
 
     device = torch.device(device)
-    a = torch.randn(size, size, device=device).to(DTYPES[dtype])
-    b = torch.randn(size, size, device=device).to(DTYPES[dtype])
-    stats = time_fn(lambda: torch.mm(a, b), device, warmup=2, repeats=5)
+    a = torch.randn(size, size, device=device).to(DTYPES.get(dtype, torch.float32))
+    b = torch.randn(size, size, device=device).to(DTYPES.get(dtype, torch.float32))
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = dtype == "tf32"
+    try:
+        stats = time_fn(lambda: torch.mm(a, b), device, warmup=2, repeats=5)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
     return {"tflops": 2 * size**3 / stats["median"] / 1e12, "dtype": dtype, "size": size,
             "median_s": stats["median"], "threads": torch.get_num_threads()}
+
+
+GPU_MATMUL_DTYPES = ("float32", "tf32", "bfloat16", "float16")
+
+
+def gpu_matmul_rates(device: torch.device) -> dict:
+    """The matmul ceiling of each tensor-core precision against IEEE fp32, on a CUDA GPU: what the seeds'
+    "tensor cores give 2-4x" and "fp16 is 2x TF32" claims are about."""
+    return {dtype: matmul_ceiling(dtype, device) for dtype in GPU_MATMUL_DTYPES}
+
+
+def cuda_context_mib(device: torch.device) -> dict:
+    """GPU memory this process holds outside PyTorch's caching allocator: the CUDA context, kernel images and
+    library workspaces (NVML's figure for the process minus torch.cuda.memory_reserved)."""
+    process, reason = nvml_process_mib(device)
+    if process is None:
+        return {"mib": None, "unavailable": reason}
+    reserved = torch.cuda.memory_reserved(device) / MiB
+    return {"mib": process - reserved, "nvml_process_mib": process, "torch_reserved_mib": reserved}
 
 
 def mfu(tokens_per_s: float, flops_per_token: float, ceiling_tflops: float | None) -> float | None:

@@ -72,8 +72,7 @@ def run(cfg: dict, paths: dict) -> dict:
     device = pick_device(cfg["runtime"])
     skipped = layout.skipped_because("finetune", name)
     if skipped:
-        (paths["out"] / "model").mkdir()
-        (paths["out"] / "model" / "NOT_MERGED.txt").write_text(skipped["reason"] + "\n")
+        layout.write_not_run("merge", paths["out"], skipped["status"], skipped["reason"])
         return {**skipped, "run": name, "method": run_cfg["method"], "environment": environment(device, m)}
     dtype = base_dtype(layout)
     tokenizer = load_tokenizer(layout.base_model())

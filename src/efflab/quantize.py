@@ -29,6 +29,10 @@ def run(cfg: dict, paths: dict) -> dict:
     rows = read_split(layout.split("validation"), q["eval_rows"])
 
     baseline = cfg["report"]["baseline_scheme"]
+    skipped = paths["name"] != baseline and layout.skipped_because("quantize", baseline)
+    if skipped:  # no reference to measure the change against
+        layout.write_not_run("quantize", paths["out"], skipped["status"], skipped["reason"])
+        return {**skipped, "scheme": paths["name"], "method": scheme["method"], "environment": environment(device, q)}
     reference = None if paths["name"] == baseline else json.loads(layout.metrics("quantize", baseline).read_text())
 
     with track_memory(device) as load_mem:
