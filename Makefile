@@ -13,7 +13,7 @@ EXTRAS ?= dev
 CORES ?= all
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: install run test dry-run lint clean-results FORCE
+.PHONY: install run gpu test dry-run lint clean-results FORCE
 .DEFAULT_GOAL := run
 
 define INSTALL_MK
@@ -54,6 +54,12 @@ install: $(VENV)/.installed
 
 run: install
 	snakemake --cores $(CORES)
+
+# The GPU lane from start to finish on one 80 GB GPU (README, "On a GPU"): the GPU profile's experiment, then
+# its numbers (no weights) kept under results/reference/<gpu name>/ to compare with and to commit.
+gpu: install
+	snakemake --profile workflow/profiles/gpu
+	$(PY) -m efflab.reference
 
 dry-run: install
 	snakemake --dry-run --cores $(CORES)

@@ -127,6 +127,35 @@ def test_measured_claims_read_this_pipelines_results(tmp_path):
     assert claims.evaluate(registry["flash-attention-2-4x"], layout)["verdict"].startswith("needs GPU: ")
 
 
+def test_hardware_claims_are_evaluated_on_results_from_a_gpu(tmp_path):
+    """GPU results (the base_model metrics of a CUDA run: its matmul rates and CUDA context, and attention
+    cells measured on CUDA) turn "needs GPU" into verdicts; the same claims on CPU results stay "needs GPU"."""
+    layout = Layout(tmp_path / "results")
+    env = {"device": "cuda", "gpu": "NVIDIA H100 80GB HBM3"}
+    rates = {"float32": 51.0, "tf32": 378.0, "bfloat16": 728.0, "float16": 745.0}
+    _write(layout.metrics("base_model"), {
+        "environment": env, "gpu_matmul_tflops": {d: {"tflops": t, "size": 8192} for d, t in rates.items()},
+        "cuda_context": {"mib": 520.0, "nvml_process_mib": 1544.0, "torch_reserved_mib": 1024.0}})
+    row = lambda seq, s: {"seq_len": seq, "status": "ok", "latency": {"median": s}}  # noqa: E731
+    _write(layout.metrics("bench_attention", "eager"), {"status": "ok", "environment": env,
+                                                        "rows": [row(1024, 0.030), row(8192, 0.90)]})
+    _write(layout.metrics("bench_attention", "flash_attention_2"), {"status": "unavailable", "reason": "no flash-attn",
+                                                                    "environment": env, "rows": []})
+    _write(layout.metrics("bench_attention", "sdpa_flash"), {"status": "ok", "environment": env,
+                                                             "rows": [row(1024, 0.010), row(8192, 0.30)]})
+    registry = {c["id"]: c for c in claims.load_registry()}
+    verdicts = {i: claims.evaluate(registry[i], layout) for i in
+                ("tensor-core-2-4x", "fp16-speedup-2-3x", "fp16-2x-tf32", "cuda-kernels-1gb", "flash-attention-2-4x")}
+    assert not any(v["verdict"].startswith("needs GPU") for v in verdicts.values()), verdicts
+    flash = verdicts["flash-attention-2-4x"]
+    assert flash["verdict"] == "reproduced" and flash["reproduced"] == "3 x" and "sdpa_flash" in flash["reason"]
+    assert verdicts["tensor-core-2-4x"]["verdict"] == "differs"  # 728 / 51 = 14.3x, outside 2-4x
+    assert verdicts["fp16-2x-tf32"]["reproduced"] == "1.971 x"  # 745 / 378
+    assert verdicts["cuda-kernels-1gb"]["verdict"] == "reproduced"  # 520 MiB = 0.545 GB, at most 1 GB
+    _write(layout.metrics("base_model"), {"environment": {"device": "cpu"}})
+    assert claims.evaluate(registry["tensor-core-2-4x"], layout)["verdict"].startswith("needs GPU")
+
+
 def test_stage_runs_through_its_cli(tmp_path):
     results = tmp_path / "results"
     metrics = run_stage("claims", TEST_PARAMS, results)

@@ -1,3 +1,5 @@
+import json
+
 import pytest
 import pandas as pd
 import torch
@@ -75,3 +77,25 @@ def test_a_step_time_verdict_pairs_the_same_batches_and_needs_the_interval_off_o
     assert not unpaired["paired"] and unpaired["verdict"] == "no significant difference"
     row = report.knob_table([plain, recomputed]).iloc[0]
     assert row["step time verdict"] == "slower" and row["step time ratio [95% CI]"].endswith("(paired steps)")
+
+
+def test_reference_results_keep_the_numbers_and_no_weights_under_the_device_name(tmp_path):
+    from efflab.reference import copy_reference, main
+
+    results = tmp_path / "results"
+    files = {"base_model/metrics.json": json.dumps({"environment": {"gpu": "NVIDIA H100 80GB HBM3", "cpu": "x"}}),
+             "base_model/model/model.safetensors": "weights", "finetune/lora-r8/metrics.json": "{}",
+             "finetune/lora-r8/loss.csv": "step,loss\n", "finetune/lora-r8/model/adapter_model.safetensors": "w",
+             "report/report.md": "# r", "report/summary.csv": "a\n", "report/finetune.png": "png",
+             "claims/claims.csv": "id\n", "logs/finetune/lora-r8.log": "log"}
+    for name, text in files.items():
+        (results / name).parent.mkdir(parents=True, exist_ok=True)
+        (results / name).write_text(text)
+    target = copy_reference(results, results / "reference")
+    assert target == results / "reference" / "nvidia-h100-80gb-hbm3"
+    kept = sorted(str(p.relative_to(target)) for p in target.rglob("*") if p.is_file())
+    assert kept == sorted(n for n in files if "/model/" not in n and not n.startswith("logs/"))
+    assert copy_reference(results, results / "reference") == target, "a second copy replaces the first"
+    with pytest.raises(SystemExit) as exit_:
+        main(["--results", str(tmp_path / "nowhere")])
+    assert exit_.value.code == 2

@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 
 from . import cli
-from .measure import count_parameters, environment, pick_device, resolve_dtype, set_threads
+from .measure import (count_parameters, cuda_context_mib, environment, gpu_matmul_rates, pick_device, resolve_dtype,
+                      set_threads)
 from .modeling import DTYPES, EMBEDDED_MODELS, folder_bytes, gguf_tokenizer_and_config, load_model, package_folder
 from .config import UserError, classify_source, local_source_files
 
@@ -91,7 +92,10 @@ def run(cfg: dict, paths: dict) -> dict:
     load_s = time.perf_counter() - t0
     log.info("base model: %s parameters, %.1f MiB on disk, reload %.2f s", f"{params['total']:,}",
              folder_bytes(folder) / 2**20, load_s)
+    gpu = {"gpu_matmul_tflops": gpu_matmul_rates(device), "cuda_context": cuda_context_mib(device)} \
+        if device.type == "cuda" else {}
     return {
+        **gpu,
         "source": bm["source"], "source_kind": kind, "tokenizer_config_from": metadata_from,
         "random_init": bm["random_init"],
         "model_type": model_config.model_type, "dtype": dtype_name, "dtype_choice": dtype_choice,

@@ -354,19 +354,57 @@ def _finetune_pair(layout, metric: dict) -> tuple[float, str]:
 
 
 def _attention_speedup(layout, metric: dict) -> tuple[float, str]:
-    impl = _read(layout.metrics("bench_attention", metric["impl"]))
+    """The baseline's median latency over the first implementation of `impl` (one name or a list, in order of
+    preference) that ran on a CUDA GPU, at the longest sequence both measured."""
+    reasons = []
+    for name in [metric["impl"]] if isinstance(metric["impl"], str) else metric["impl"]:
+        path = layout.metrics("bench_attention", name)
+        impl = json.loads(path.read_text()) if path.is_file() else {"reason": f"no {path}"}
+        if impl.get("status") == "ok" and impl.get("environment", {}).get("device") == "cuda":
+            break
+        reasons.append(f"{name} did not run here: {impl.get('reason') or 'not on a CUDA GPU'}")
+    else:
+        raise NotHere("; ".join(reasons))
     base = _read(layout.metrics("bench_attention", metric["baseline"]))
-    if impl.get("status") != "ok" or impl.get("environment", {}).get("device") != "cuda":
-        raise NotHere(f"{metric['impl']} did not run here: {impl.get('reason') or 'not on a CUDA GPU'}")
     ok = lambda m: {r["seq_len"]: r for r in m["rows"] if r["status"] == "ok"}  # noqa: E731
     a, b = ok(impl), ok(base)
+    if not set(a) & set(b):
+        raise NotHere(f"{name} and {metric['baseline']} have no sequence length measured by both")
     s = max(set(a) & set(b))
     return (b[s]["latency"]["median"] / a[s]["latency"]["median"],
-            f"median forward at seq {s}: {metric['baseline']} / {metric['impl']}")
+            f"median latency at seq {s}: {metric['baseline']} / {name}")
+
+
+def _gpu_base_model(layout) -> dict:
+    base = _read(layout.metrics("base_model"))
+    if base.get("environment", {}).get("device") != "cuda":
+        raise NotHere("the results are from a CPU run (base_model measures the GPU's matmul rates and CUDA "
+                      "context on CUDA runs)")
+    return base
+
+
+def _matmul_ratio(layout, metric: dict) -> tuple[float, str]:
+    base = _gpu_base_model(layout)
+    rates = base["gpu_matmul_tflops"]
+    fast, slow = rates[metric["fast"]], rates[metric["slow"]]
+    return (fast["tflops"] / slow["tflops"],
+            f"{base['environment'].get('gpu')}: {fast['size']}^3 matmul {metric['fast']} {fast['tflops']:.1f} vs "
+            f"{metric['slow']} {slow['tflops']:.1f} TFLOP/s (measured by base_model; a matmul, not a training step)")
+
+
+def _cuda_context(layout, metric: dict) -> tuple[float, str]:
+    base = _gpu_base_model(layout)
+    context = base["cuda_context"]
+    if context.get("mib") is None:
+        raise NotHere(f"NVML could not say: {context.get('unavailable')}")
+    return (context["mib"] * UNIT_SCALE["MiB"],
+            f"{base['environment'].get('gpu')}: NVML process {context['nvml_process_mib']:.0f} MiB - torch reserved "
+            f"{context['torch_reserved_mib']:.0f} MiB = {context['mib']:.0f} MiB")
 
 
 METRICS = {"quantize_ratio": _quantize_ratio, "finetune_trainable": _finetune_trainable,
-           "finetune_pair": _finetune_pair, "attention_speedup": _attention_speedup}
+           "finetune_pair": _finetune_pair, "attention_speedup": _attention_speedup,
+           "matmul_ratio": _matmul_ratio, "cuda_context": _cuda_context}
 
 
 # ---------------------------------------------------------------- verdicts
