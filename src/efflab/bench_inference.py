@@ -141,8 +141,12 @@ def inference_cell(cfg: dict, results: str, name: str, dtype: str, device: str, 
                                  max(x["input_ids"].shape[1] for x in batches), n, kv_cache,
                                  frozen=not any(p.requires_grad for p in model.get_output_embeddings().parameters()),
                                  device=device.type, quantized_transient_bytes=transient)
+    # Time and memory in separate passes: on a CPU the memory tracker records every allocation through
+    # torch.profiler (tens of thousands of events per generation), which would slow the timed decode.
+    runs = [generate_timed(model, tokenizer, batch, n, kv_cache) for _ in range(b["repeats"]) for batch in batches]
     with track_memory(device) as mem:
-        runs = [generate_timed(model, tokenizer, batch, n, kv_cache) for _ in range(b["repeats"]) for batch in batches]
+        for batch in batches:
+            generate_timed(model, tokenizer, batch, n, kv_cache)
     if any(r["new_tokens"] != n for r in runs):
         raise RuntimeError(f"generation length differs from max_new_tokens={n}")
     ttft = summarize([r["ttft_s"] for r in runs])

@@ -292,7 +292,10 @@ class NotHere(Exception):
 def _read(path: Path) -> dict:
     if not path.is_file():
         raise NotHere(f"no {path} (run the stage that writes it)")
-    return json.loads(path.read_text())
+    metrics = json.loads(path.read_text())
+    if metrics.get("status", "ok") != "ok":  # a job that failed or was skipped measured nothing
+        raise NotHere(f"{path.parent.name} is {metrics['status']}: {metrics.get('reason', 'no reason given')}")
+    return metrics
 
 
 def _scale_note(layout) -> str:
