@@ -45,7 +45,9 @@ def quantize_table(rows: list[dict]) -> pd.DataFrame:
         "on disk (MiB)": r["bytes_on_disk"] / MiB, "load (s)": r["load_s"],
         "val perplexity": r["validation"]["perplexity"], "perplexity change (%)": r["perplexity_change_pct"],
         "env": _fp(r),
-    } for r in rows])
+    } for r in _ok(rows)], columns=["scheme", "method", "double quant", "bnb layers", "footprint (MiB)",
+                                    "x smaller than baseline", "on disk (MiB)", "load (s)", "val perplexity",
+                                    "perplexity change (%)", "env"])
 
 
 def _ok(rows: list[dict]) -> list[dict]:
@@ -256,9 +258,9 @@ def merge_targets_table(rows: list[dict]) -> pd.DataFrame:
 def attention_table(rows: list[dict]) -> pd.DataFrame:
     out = []
     for r in rows:
-        if r["status"] == "unavailable":  # the whole implementation: one row, not one per cell
-            out.append({"implementation": r["implementation"], "status": f"unavailable: {r['reason']}",
-                        "env": _fp(r)})
+        if r["status"] != "ok":  # the whole implementation did not run: one row, not one per cell
+            out.append({"implementation": r.get("implementation") or r.get("name"), "status": _status(r),
+                        "env": _fp(r) if "environment" in r else None})
             continue
         for row in r["rows"]:
             ok = row["status"] == "ok"
@@ -276,7 +278,11 @@ def attention_table(rows: list[dict]) -> pd.DataFrame:
                 "max |diff| vs eager": row["max_abs_diff_vs_eager"] if ok else None,
                 "env": _fp(r),
             })
-    return pd.DataFrame(out)
+    return pd.DataFrame(out, columns=ATTENTION_COLUMNS)
+
+
+ATTENTION_COLUMNS = ["implementation", "mode", "seq len", "batch", "status", "median (ms)", "95% CI of median (ms)",
+                     "p90 (ms)", "p99 (ms)", "tokens/s", "peak delta (MiB)", "memory kind", "max |diff| vs eager", "env"]
 
 
 def exponent_table(rows: list[dict]) -> pd.DataFrame:
@@ -290,7 +296,7 @@ def exponent_table(rows: list[dict]) -> pd.DataFrame:
 def inference_table(rows: list[dict]) -> pd.DataFrame:
     out = []
     for r in rows:
-        for c in r["cells"]:
+        for c in r.get("cells", []):  # a job that failed outside its cells has none (table of jobs not run)
             ok = c["status"] == "ok"
             out.append({
                 "variant": r["variant"], "kind": r["kind"], "of": r["of"] or "-",
@@ -302,12 +308,20 @@ def inference_table(rows: list[dict]) -> pd.DataFrame:
                 "per-token p50 (ms)": 1000 * c["per_token_latency"]["median"] if ok else None,
                 "per-token p90 (ms)": 1000 * c["per_token_latency"]["p90"] if ok else None,
                 "per-token p99 (ms)": 1000 * c["per_token_latency"]["p99"] if ok else None,
+                "per-token p99/p50": c["per_token_latency"].get("p99_over_p50") if ok else None,
+                "tail cause (p99/p50 > 1.5)": (c["per_token_latency"].get("tail_cause") or "") if ok else "",
                 "peak delta (MiB)": c["memory"].get("delta_mib") if ok else None,
                 "memory kind": c["memory"]["kind"] if ok else None,
                 "footprint (MiB)": c["memory_footprint_bytes"] / MiB if ok else None,
                 "env": _fp(r),
             })
-    return pd.DataFrame(out)
+    return pd.DataFrame(out, columns=INFERENCE_COLUMNS)
+
+
+INFERENCE_COLUMNS = ["variant", "kind", "of", "KV cache", "batch", "status", "TTFT median (ms)", "TTFT p90 (ms)",
+                     "decode tokens/s median", "decode tokens/s 95% CI", "per-token p50 (ms)", "per-token p90 (ms)",
+                     "per-token p99 (ms)", "per-token p99/p50", "tail cause (p99/p50 > 1.5)", "peak delta (MiB)",
+                     "memory kind", "footprint (MiB)", "env"]
 
 
 MEMORY_TARGET = 0.15  # issue 5: the estimator within ±15% of the measurement on the embedded default
@@ -333,7 +347,7 @@ def memory_prediction_table(finetune_rows: list[dict], inference_rows: list[dict
            for r in finetune_rows if (p := r.get("memory_prediction"))]
     out += [row(f"inference {r['variant']} (KV {'on' if c['kv_cache'] else 'off'}, batch {c['batch_size']})",
                 c["memory_prediction"], _fp(r))
-            for r in inference_rows for c in r["cells"] if c["status"] == "ok" and "memory_prediction" in c]
+            for r in inference_rows for c in r.get("cells", []) if c["status"] == "ok" and "memory_prediction" in c]
     return pd.DataFrame(out)
 
 
@@ -553,7 +567,7 @@ def run(cfg: dict, paths: dict) -> dict:
         return comparison(tables[key], environments, allow_mixed)
 
     env = base["environment"]
-    inf = next((m for m in metrics["bench_inference"] if m["status"] == "ok"), metrics["bench_inference"][0])
+    inf = cfg["bench_inference"]
     not_run = not_run_table(metrics)
     dtype_note = base.get("dtype_choice", {}).get("reason", f"{base['dtype']} as configured")
     lines = [
@@ -616,14 +630,14 @@ def run(cfg: dict, paths: dict) -> dict:
         "Least-squares exponent k of peak memory delta ∝ seq_len^k (k ≈ 2: quadratic, k ≈ 1: linear).", "",
         table("attention_memory_exponent"), "", "![attention memory](bench_attention_memory.png)", "",
         "## Inference variants (greedy, fixed length)", "",
-        f"Exactly {inf['new_tokens']} new tokens per sequence, {inf['prompts']} prompts × {inf['repeats']} repeats "
+        f"Exactly {inf['max_new_tokens']} new tokens per sequence, {len(inf['prompts'])} prompts × {inf['repeats']} repeats "
         "after warmup, per cell (KV cache on/off × batch size). TTFT = prefill; decode tokens/s counts every "
         "sequence of the batch and excludes the first token; per-token latencies are the gaps between "
         "consecutive tokens.", "",
         table("bench_inference"), "", "![inference](bench_inference.png)", "",
         "### Sample answers (first prompt, first cell)", "",
         *[f"- **{m['variant']}**: {m['cells'][0]['samples'][0]['answer'].strip()[:200]!r}"
-          for m in metrics["bench_inference"] if m["cells"] and m["cells"][0]["status"] == "ok"],
+          for m in metrics["bench_inference"] if m.get("cells") and m["cells"][0]["status"] == "ok"],
         "", "## Cells that did not run", "",
         "Grid cells that failed, ran out of memory, were unavailable on this device or were skipped because "
         "what they build on did not run; the rest of the grid ran.", "",
