@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import config, gpu_slots
+from . import config, gpu_slots, provenance
 from .config import UserError
 from .layout import METRICS, STAGE_OUTPUTS, Layout
 
@@ -146,7 +146,8 @@ def main(stage: str, run, argv: list[str] | None = None) -> None:
                 raise
             metrics = not_run(stage, args.name, cfg, layout, staging, err)
         metrics = {"stage": stage, "name": args.name, "status": metrics.pop("status", "ok"),
-                   "wall_s": time.perf_counter() - t0, **metrics}
+                   "wall_s": time.perf_counter() - t0, **metrics,
+                   "provenance": provenance.record(stage, args.name, cfg, layout, staging)}
         write_json(staging / METRICS, metrics)
         shutil.rmtree(final, ignore_errors=True)
         staging.rename(final)

@@ -326,6 +326,7 @@ def train(cfg: dict, paths: dict) -> dict:
         model.to(getattr(torch, dtype)).save_pretrained(folder, safe_serialization=True)
     else:
         model.save_pretrained(folder, safe_serialization=True)
+        _sort_target_modules(folder / "adapter_config.json")
     tokenizer.save_pretrained(folder)
     shutil.rmtree(scratch, ignore_errors=True)  # the run is complete: its step checkpoints are not needed
     steps = result.global_step - resumed["global_step"]  # what this process trained (and timed)
@@ -367,6 +368,17 @@ def train(cfg: dict, paths: dict) -> dict:
         "validation_loss_drop": before["loss"] - after["loss"],
         "environment": environment(device, run_cfg),
     }
+
+
+def _sort_target_modules(path: Path) -> None:
+    """peft keeps target_modules as a set and writes it in the set's order, which changes with Python's hash
+    seed: sorted, two identical runs write identical adapter folders (and their provenance hashes agree)."""
+    import json
+
+    config = json.loads(path.read_text())
+    if isinstance(config.get("target_modules"), list):
+        config["target_modules"] = sorted(config["target_modules"])
+        path.write_text(json.dumps(config, indent=2, sort_keys=True))
 
 
 def _fmt(value) -> str:

@@ -1,0 +1,97 @@
+"""Provenance: every job's metrics carry the content hash of what it wrote and of what it read, along the chain
+dataset -> quantized model -> adapter -> merged model -> benchmark.
+
+A job that writes an artifact (a model folder, the tokenized splits) records its SHA-256 over the files' names and
+bytes (`outputs_sha256`). A job that reads earlier jobs' artifacts records, for each, the hash that job recorded
+and that job's own inputs, so each metrics file holds the whole chain that produced its numbers. `check` compares
+every recorded input hash with what the upstream job's metrics say now: a mismatch means the numbers were
+measured on an artifact that has since been replaced, and the report refuses to put them beside the others.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+# What each stage writes that later jobs read (relative to its job folder).
+ARTIFACTS = {"base_model": ("model",), "prepare_data": ("train.parquet", "validation.parquet"),
+             "quantize": ("model",), "finetune": ("model",), "merge": ("model",)}
+
+
+def content_sha256(paths: list[Path]) -> str:
+    """SHA-256 over every file under `paths`, in sorted order, each as its name relative to its root and its
+    bytes: two folders with the same files hash the same wherever they are."""
+    digest = hashlib.sha256()
+    for root in paths:
+        # Hidden files are bookkeeping, not content (Snakemake stamps directory outputs with .snakemake_timestamp).
+        files = sorted(p for p in root.rglob("*") if p.is_file() and not any(
+            part.startswith(".") for part in p.relative_to(root).parts)) if root.is_dir() else [root]
+        for file in files:
+            digest.update(f"{root.name}/{file.relative_to(root) if root.is_dir() else ''}\0".encode())
+            with open(file, "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    digest.update(block)
+    return digest.hexdigest()
+
+
+def upstream_jobs(stage: str, name: str | None, cfg: dict) -> list[str]:
+    """The earlier jobs (`stage` or `stage/name`) whose artifacts this job reads."""
+    base = ["base_model", "prepare_data"]
+    if stage == "prepare_data":
+        return ["base_model"]  # its tokenizer
+    if stage == "quantize":
+        baseline = cfg["report"]["baseline_scheme"]
+        return base + ([f"quantize/{baseline}"] if name != baseline else [])
+    if stage == "finetune":
+        return base
+    if stage == "merge":
+        return base + [f"finetune/{name}"]
+    if stage == "bench_attention":
+        return ["base_model"]
+    if stage == "bench_inference":
+        variant = cfg["bench_inference"]["variants"][name]
+        of = {"quantized": "quantize", "merged": "merge", "adapter": "finetune"}.get(variant["kind"])
+        return ["base_model"] + ([f"{of}/{variant['of']}"] if of else [])
+    return []  # claims and report read every job's metrics, each of which carries its own chain
+
+
+def _metrics(layout, job: str) -> dict:
+    stage, _, name = job.partition("/")
+    path = layout.metrics(stage, name or None)
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def record(stage: str, name: str | None, cfg: dict, layout, out: Path) -> dict:
+    """The provenance block of a job that has just written `out`: its artifacts' hash and its inputs' chain."""
+    inputs = {}
+    for job in upstream_jobs(stage, name, cfg):
+        upstream = _metrics(layout, job).get("provenance", {})
+        inputs[job] = {"sha256": upstream.get("outputs_sha256"), "inputs": upstream.get("inputs", {})}
+    artifacts = [out / a for a in ARTIFACTS.get(stage, ()) if (out / a).exists()]
+    return {"outputs_sha256": content_sha256(artifacts) if artifacts else None, "inputs": inputs}
+
+
+def chain(provenance: dict) -> list[str]:
+    """The chain as lines `job sha256[:12]`, nearest input first, each job once."""
+    lines, seen = [], set()
+
+    def walk(inputs: dict):
+        for job, entry in inputs.items():
+            if job not in seen:
+                seen.add(job)
+                lines.append(f"{job} {(entry.get('sha256') or 'no artifact')[:12]}")
+                walk(entry.get("inputs", {}))
+    walk(provenance.get("inputs", {}))
+    return lines
+
+
+def check(layout, jobs: dict[str, dict]) -> list[str]:
+    """Every recorded input hash that is not the hash its upstream job records now (`jobs`: job -> metrics)."""
+    stale = []
+    for job, metrics in jobs.items():
+        for upstream, entry in metrics.get("provenance", {}).get("inputs", {}).items():
+            now = jobs.get(upstream, _metrics(layout, upstream)).get("provenance", {}).get("outputs_sha256")
+            if entry.get("sha256") != now:
+                stale.append(f"{job} was measured on {upstream} {str(entry.get('sha256'))[:12]}, "
+                             f"which is now {str(now)[:12]}")
+    return stale
