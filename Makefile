@@ -13,7 +13,7 @@ EXTRAS ?= dev
 CORES ?= all
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: install run gpu test dry-run lint clean-results FORCE
+.PHONY: install run gpu report-html test dry-run lint clean-results FORCE
 .DEFAULT_GOAL := run
 
 define INSTALL_MK
@@ -60,6 +60,10 @@ run: install
 gpu: install
 	snakemake --profile workflow/profiles/gpu
 	$(PY) -m efflab.reference
+
+# Snakemake's self-contained HTML report of the last run (plots and tables by category, with captions).
+report-html: install
+	snakemake --cores $(CORES) --report results/report/report.html
 
 dry-run: install
 	snakemake --dry-run --cores $(CORES)

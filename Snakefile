@@ -1,12 +1,16 @@
 # efflab: the experiment DAG. Wiring only; every stage's work is `python -m efflab.<stage>`.
 # Run: snakemake --cores all            (params.yaml)
 #      snakemake --cores 2 --configfile tests/config/params.test.yaml
+#      snakemake --cores 1 --report results/report/report.html   (after a run: plots and tables by stage)
 from snakemake.utils import min_version
 
 min_version("9.0")
 
 
 configfile: "params.yaml"
+
+
+report: "workflow/report/workflow.rst"
 
 
 include: "workflow/rules/common.smk"

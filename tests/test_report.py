@@ -99,3 +99,27 @@ def test_reference_results_keep_the_numbers_and_no_weights_under_the_device_name
     with pytest.raises(SystemExit) as exit_:
         main(["--results", str(tmp_path / "nowhere")])
     assert exit_.value.code == 2
+
+
+def test_a_config_another_beats_on_every_axis_is_dominated_and_greyed():
+    points = [{"m": 1, "t": 10}, {"m": 2, "t": 5}, {"m": 2, "t": 20}, {"m": 3, "t": 20}, {"m": 1, "t": 10}]
+    assert report.dominated(points, {"m": "min", "t": "max"}) == [False, True, False, True, False], \
+        "ties dominate nobody; worse memory at the same speed is dominated"
+    with_ppl = [{"m": 1, "t": 10, "p": 5.0}, {"m": 2, "t": 12, "p": 0.0}, {"m": 2, "t": 11, "p": None}]
+    assert report.dominated(with_ppl, {"m": "min", "t": "max", "p": "min"}) == [False, False, True], \
+        "a missing perplexity is left out of that comparison only"
+
+
+def test_an_artifact_hash_depends_on_its_files_not_on_where_they_are(tmp_path):
+    from efflab.provenance import content_sha256
+
+    for where in ("a", "b"):
+        (tmp_path / where / "model").mkdir(parents=True)
+        (tmp_path / where / "model" / "config.json").write_text("{}")
+        (tmp_path / where / "model" / "weights.bin").write_bytes(b"\x00\x01")
+    same = [content_sha256([tmp_path / w / "model"]) for w in ("a", "b")]
+    assert same[0] == same[1]
+    (tmp_path / "b" / "model" / ".snakemake_timestamp").write_text("")
+    assert content_sha256([tmp_path / "b" / "model"]) == same[0], "hidden bookkeeping files are not content"
+    (tmp_path / "b" / "model" / "weights.bin").write_bytes(b"\x00\x02")
+    assert content_sha256([tmp_path / "b" / "model"]) != same[0]

@@ -223,6 +223,17 @@ def test_snakemake_runs_every_stage(local_pipeline, test_cfg_module):
     assert "Nothing to be done" in again.stdout + again.stderr
 
 
+def test_snakemake_writes_its_html_report_with_the_plots_by_category(local_pipeline, tmp_path):
+    work = local_pipeline.wait()["dir"]
+    html = tmp_path / "report.html"
+    sh([BIN / "snakemake", "-s", REPO / "Snakefile", "--directory", work, "--cores", "2", "--report", html], work)
+    text = html.read_text()
+    assert text.lstrip().lower().startswith("<!doctype html")
+    for needle in ("Fine-tuning", "Inference", "Attention", "Quantization", "finetune_pareto.png",
+                   "the Pareto frontier"):
+        assert needle in text, f"{needle!r} is not in the HTML report"
+
+
 def _dvc_view(repo: Path) -> set:
     from dvc.repo import Repo
 
@@ -255,6 +266,10 @@ def test_dvc_tracks_the_snakemake_run_and_reruns_what_a_param_change_touches(loc
     assert json.loads(sh([BIN / "dvc", "status", "--json"], tmp_path).stdout) == {}
     metrics = json.loads(sh([BIN / "dvc", "metrics", "show", "--json"], tmp_path).stdout)
     assert metrics, "dvc metrics show lists the stages' metrics"
+    plots = sh([BIN / "dvc", "plots", "show", "--json"], tmp_path).stdout
+    for data in ("results/report/finetune_pareto.csv", "results/report/inference_pareto.csv",
+                 "results/finetune/lora-r8/loss.csv"):
+        assert data in plots, f"dvc plots show does not draw {data}"
 
     sh(["git", "add", "-A"], tmp_path)
     sh(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "snakemake run"], tmp_path)
@@ -304,3 +319,33 @@ def test_failed_jobs_are_results_the_jobs_after_them_skip_and_the_report_still_r
     section = report[report.index("## Cells that did not run"):]
     for stage, name in [*failed, *skipped]:
         assert re.search(rf"\| *{stage} *\| *{name} *\|", section), f"{stage} {name} is not in the report's table"
+
+
+def test_every_number_carries_the_hashes_of_the_artifacts_it_was_measured_on(local_pipeline, tmp_path, capsys):
+    """Provenance: the chain dataset -> adapter -> merged model -> benchmark is in the benchmark's metrics,
+    each hash recomputes from the artifact on disk, and a report over results that mix chains (a merged model
+    replaced after it was benchmarked) is refused in one line."""
+    from efflab.provenance import chain, content_sha256
+
+    results = tmp_path / "results"
+    shutil.copytree(local_pipeline.wait()["dir"] / "results", results)
+    read = lambda job: json.loads((results / job / "metrics.json").read_text())  # noqa: E731
+    bench = read("bench_inference/merged-lora-r8")["provenance"]
+    links = [line.split()[0] for line in chain(bench)]
+    assert links == ["base_model", "merge/lora-r8", "prepare_data", "finetune/lora-r8"], links
+    merge, finetune = read("merge/lora-r8")["provenance"], read("finetune/lora-r8")["provenance"]
+    assert bench["inputs"]["merge/lora-r8"]["sha256"] == merge["outputs_sha256"] == \
+        content_sha256([results / "merge/lora-r8/model"])
+    assert merge["inputs"]["finetune/lora-r8"]["sha256"] == finetune["outputs_sha256"] == \
+        content_sha256([results / "finetune/lora-r8/model"])
+    assert read("prepare_data")["provenance"]["outputs_sha256"] == content_sha256(
+        [results / "prepare_data/train.parquet", results / "prepare_data/validation.parquet"])
+
+    m = read("merge/lora-r8")
+    m["provenance"]["outputs_sha256"] = "0" * 64  # the merged model was rebuilt after the benchmark ran
+    (results / "merge/lora-r8/metrics.json").write_text(json.dumps(m))
+    with pytest.raises(SystemExit) as exit_:
+        run_stage("report", TEST_PARAMS, results)
+    assert exit_.value.code == 2
+    assert re.search(r"error: results mix artifacts: bench_inference/merged-lora-r8 was measured on merge/lora-r8 "
+                     r"[0-9a-f]{12}, which is now 000000000000", capsys.readouterr().err)

@@ -47,6 +47,12 @@ def _relative(path: str) -> str:
     return str(p.relative_to(REPO_ROOT)) if p.is_absolute() and p.is_relative_to(REPO_ROOT) else path
 
 
+# Outputs that are plot data for `dvc plots show`, with their axes.
+PLOTS = {"loss.csv": {"x": "step", "y": "loss"},
+         "finetune_pareto.csv": {"x": "peak_memory_mib", "y": "tokens_per_s", "template": "scatter"},
+         "inference_pareto.csv": {"x": "footprint_mib", "y": "decode_tokens_per_s", "template": "scatter"}}
+
+
 def dvc_stages(jobs: list[dict]) -> dict:
     stages = {}
     for job in jobs:
@@ -56,8 +62,9 @@ def dvc_stages(jobs: list[dict]) -> dict:
         for out in job["output"]:
             if out.endswith("metrics.json"):
                 stage.setdefault("metrics", []).append({out: {"cache": False}})
-            elif out.endswith("loss.csv"):
-                stage.setdefault("plots", []).append({out: {"cache": False, "x": "step", "y": "loss"}})
+            elif out.endswith(tuple(PLOTS)):
+                stage.setdefault("plots", []).append({out: {"cache": False, **next(
+                    axes for suffix, axes in PLOTS.items() if out.endswith(suffix))}})
             else:
                 stage.setdefault("outs", []).append(out)
         stages[f"{job['rule']}-{name}" if name else job["rule"]] = stage

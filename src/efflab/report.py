@@ -12,7 +12,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from . import cli  # noqa: E402
+from . import cli, provenance  # noqa: E402
+from .config import UserError  # noqa: E402
 from .measure import FINGERPRINT_KEYS, bootstrap_median_ci, fingerprint, percentile  # noqa: E402
 
 log = logging.getLogger("efflab")
@@ -222,6 +223,90 @@ def plot_finetune(rows: list[dict], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def dominated(points: list[dict], better: dict[str, str]) -> list[bool]:
+    """For each point, whether another is at least as good on every criterion and better on one. `better` maps
+    a key to "min" or "max"; a criterion a point lacks (None) is left out of the comparisons it is in."""
+    def as_good(a: dict, b: dict, key: str) -> bool:
+        return a[key] <= b[key] if better[key] == "min" else a[key] >= b[key]
+
+    out = []
+    for p in points:
+        beaten = False
+        for q in points:
+            keys = [k for k in better if p.get(k) is not None and q.get(k) is not None]
+            if q is p or not keys:
+                continue
+            if all(as_good(q, p, k) for k in keys) and any(q[k] != p[k] for k in keys):
+                beaten = True
+                break
+        out.append(beaten)
+    return out
+
+
+def _plot_pareto(points: list[dict], x: str, y: str, xlabel: str, ylabel: str, title: str, path: Path,
+                 note=lambda p: "") -> None:
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    front = sorted((p for p in points if not p["dominated"]), key=lambda p: p[x])
+    ax.plot([p[x] for p in front], [p[y] for p in front], "-", color="tab:green", alpha=0.5, zorder=1)
+    for p in points:
+        colour = "lightgrey" if p["dominated"] else "tab:green"
+        ax.scatter(p[x], p[y], color=colour, edgecolor="black" if not p["dominated"] else "grey", zorder=2)
+        ax.annotate(p["name"] + note(p), (p[x], p[y]), textcoords="offset points", xytext=(5, 4), fontsize=8,
+                    color="grey" if p["dominated"] else "black")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title + "\n(green: the Pareto frontier; grey: dominated, another config is better on every axis)",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def finetune_pareto(rows: list[dict]) -> list[dict]:
+    points = [{"name": r["run"], "memory": _mem(r["train_memory"]), "tokens_per_s": r["tokens_per_s"],
+               "kind": r["train_memory"]["kind"]} for r in _ok(rows) if _mem(r["train_memory"]) is not None]
+    for p, beaten in zip(points, dominated(points, {"memory": "min", "tokens_per_s": "max"})):
+        p["dominated"] = beaten
+    return points
+
+
+def plot_finetune_pareto(rows: list[dict], path: Path) -> None:
+    points = finetune_pareto(rows)
+    kind = points[0]["kind"] if points else ""
+    _plot_pareto(points, "memory", "tokens_per_s", f"peak training memory (MiB, {kind})",
+                 "training tokens/s (real tokens, steady steps)", "Fine-tuning: memory vs throughput", path)
+
+
+def inference_pareto(inference_rows: list[dict], quantize_rows: list[dict]) -> list[dict]:
+    """One point per inference variant (its KV-cache, batch-1 cell): footprint, decode tokens/s and the
+    perplexity change its quantization costs (quantized variants; 0 for the base model; fine-tuned variants
+    have no comparable figure)."""
+    ppl = {r["scheme"]: r["perplexity_change_pct"] for r in _ok(quantize_rows)}
+    points = []
+    for r in _ok(inference_rows):
+        cell = next((c for c in r.get("cells", []) if c["status"] == "ok" and c["kv_cache"] and c["batch_size"] == 1),
+                    None)
+        if cell is None:
+            continue
+        delta = 0.0 if r["kind"] == "base" else ppl.get(r["of"]) if r["kind"] == "quantized" else None
+        points.append({"name": r["variant"], "footprint": cell["memory_footprint_bytes"] / MiB,
+                       "decode": cell["decode_tokens_per_s"]["median"], "perplexity_change_pct": delta})
+    for p, beaten in zip(points, dominated(points, {"footprint": "min", "decode": "max",
+                                                   "perplexity_change_pct": "min"})):
+        p["dominated"] = beaten
+    return points
+
+
+def plot_inference_pareto(inference_rows: list[dict], quantize_rows: list[dict], path: Path) -> None:
+    points = inference_pareto(inference_rows, quantize_rows)
+
+    def note(p):
+        d = p["perplexity_change_pct"]
+        return "" if d is None else f" ({d:+.1f}% ppl)"
+    _plot_pareto(points, "footprint", "decode", "model footprint (MiB)", "decode tokens/s (median, KV cache, batch 1)",
+                 "Inference: memory vs speed vs perplexity change", path, note)
 
 
 def merge_table(rows: list[dict]) -> pd.DataFrame:
@@ -532,6 +617,13 @@ def environment_table(environments: dict[str, dict]) -> pd.DataFrame:
     return pd.DataFrame([{"env": fp, **_flat(env)} for fp, env in environments.items()]).dropna(axis=1, how="all")
 
 
+def provenance_table(jobs: dict[str, dict]) -> pd.DataFrame:
+    return pd.DataFrame([{
+        "job": job, "wrote (sha256)": (m.get("provenance", {}).get("outputs_sha256") or "-")[:12],
+        "measured on": "; ".join(provenance.chain(m.get("provenance", {}))) or "-",
+    } for job, m in jobs.items()], columns=["job", "wrote (sha256)", "measured on"])
+
+
 def run(cfg: dict, paths: dict) -> dict:
     """Write summary.csv, report.md and the plots from every stage's metrics."""
     layout, out = paths["layout"], paths["out"]
@@ -539,6 +631,11 @@ def run(cfg: dict, paths: dict) -> dict:
     names = {s: cli.stage_names(cfg, s) for s in cli.STAGES}
     metrics = {s: load_metrics(layout, s, names[s]) for s in cli.STAGES if s != "report"}
     base, data = metrics["base_model"][0], metrics["prepare_data"][0]
+    jobs = {f"{s}/{m['name']}" if m.get("name") else s: m for s, ms in metrics.items() for m in ms}
+    stale = provenance.check(layout, jobs)
+    if stale:
+        raise UserError(f"results mix artifacts: {stale[0]}" + (f" (and {len(stale) - 1} more)" if len(stale) > 1
+                                                              else "") + "; rerun it (snakemake reruns what changed)")
     tables = {
         "quantize": quantize_table(metrics["quantize"]),
         "finetune": finetune_table(metrics["finetune"]),
@@ -555,9 +652,21 @@ def run(cfg: dict, paths: dict) -> dict:
              "bench_attention.png": lambda p: plot_attention(tables["bench_attention"], p),
              "bench_attention_memory.png": lambda p: plot_attention_memory(
                  tables["bench_attention"], tables["attention_memory_exponent"], p),
-             "bench_inference.png": lambda p: plot_inference(tables["bench_inference"], p)}
+             "bench_inference.png": lambda p: plot_inference(tables["bench_inference"], p),
+             "finetune_pareto.png": lambda p: plot_finetune_pareto(metrics["finetune"], p),
+             "inference_pareto.png": lambda p: plot_inference_pareto(metrics["bench_inference"], metrics["quantize"], p)}
     for file, draw in plots.items():
         draw(out / file)
+    # The frontiers' points as data too: `dvc plots show` draws them from these (dvc.yaml, scatter template).
+    pd.DataFrame([{"config": p["name"], "peak_memory_mib": p["memory"], "tokens_per_s": p["tokens_per_s"],
+                   "memory_kind": p["kind"], "dominated": p["dominated"]} for p in finetune_pareto(metrics["finetune"])],
+                 columns=["config", "peak_memory_mib", "tokens_per_s", "memory_kind", "dominated"]
+                 ).to_csv(out / "finetune_pareto.csv", index=False)
+    pd.DataFrame([{"config": p["name"], "footprint_mib": p["footprint"], "decode_tokens_per_s": p["decode"],
+                   "perplexity_change_pct": p["perplexity_change_pct"], "dominated": p["dominated"]}
+                  for p in inference_pareto(metrics["bench_inference"], metrics["quantize"])],
+                 columns=["config", "footprint_mib", "decode_tokens_per_s", "perplexity_change_pct", "dominated"]
+                 ).to_csv(out / "inference_pareto.csv", index=False)
 
     frames = [df.assign(stage=stage) for stage, df in tables.items()]
     pd.concat(frames, ignore_index=True).to_csv(out / "summary.csv", index=False)
@@ -598,7 +707,8 @@ def run(cfg: dict, paths: dict) -> dict:
         "fine-tuning; 4N + 2·N_trainable + 12·L·d·T with frozen weights) × tokens/s, over the matmul throughput "
         "measured on this machine in the training dtype at the start of the run (and over the published peak "
         "on known GPUs). Peak memory is of the training loop, kind named in the column.",
-        "", table("finetune"), "", "![memory and throughput](finetune.png)", "", "![loss curves](finetune_loss.png)",
+        "", table("finetune"), "", "![memory and throughput](finetune.png)", "",
+        "![memory vs throughput: Pareto frontier](finetune_pareto.png)", "", "![loss curves](finetune_loss.png)",
         "", "### What each knob costs and buys", "",
         "Every pair of trained runs whose settings differ in exactly one knob, everything else equal (add runs "
         "to `finetune.runs` to sweep a knob). Memory change is of the training memory over the process's "
@@ -635,6 +745,7 @@ def run(cfg: dict, paths: dict) -> dict:
         "sequence of the batch and excludes the first token; per-token latencies are the gaps between "
         "consecutive tokens.", "",
         table("bench_inference"), "", "![inference](bench_inference.png)", "",
+        "![memory vs decode speed vs perplexity: Pareto frontier](inference_pareto.png)", "",
         "### Sample answers (first prompt, first cell)", "",
         *[f"- **{m['variant']}**: {m['cells'][0]['samples'][0]['answer'].strip()[:200]!r}"
           for m in metrics["bench_inference"] if m.get("cells") and m["cells"][0]["status"] == "ok"],
@@ -645,6 +756,10 @@ def run(cfg: dict, paths: dict) -> dict:
         "", *run_size_lines(cfg, metrics),
         *memory_prediction_section(metrics["finetune"], metrics["bench_inference"], environments, allow_mixed),
         (layout.out("claims") / "claims.md").read_text().strip(),
+        "", "## Provenance", "",
+        "What each job wrote (SHA-256 of its model folder or splits) and the chain of artifacts its numbers were "
+        "measured on, nearest first; every link was checked against what the upstream job records now.", "",
+        _md(provenance_table(jobs)), "",
         "", "## Environments", "",
         "Results are compared in one table only when their fingerprints (machine and library versions) agree.",
         "", _md(environment_table(environments)), "",

@@ -1,3 +1,10 @@
+# The report's plots and their category in `snakemake --report` (captions: workflow/report/<plot>.rst).
+REPORT_PLOTS = {"quantize": "Quantization", "finetune": "Fine-tuning", "finetune_pareto": "Fine-tuning",
+                "finetune_loss": "Fine-tuning", "bench_attention": "Attention",
+                "bench_attention_memory": "Attention", "bench_inference": "Inference",
+                "inference_pareto": "Inference"}
+
+
 rule report:
     input:
         module("report"),
@@ -10,10 +17,10 @@ rule report:
         claims="results/claims/claims.md",
     output:
         report="results/report/report.md",
-        summary="results/report/summary.csv",
-        plots=expand("results/report/{plot}.png",
-                     plot=["quantize", "finetune_loss", "bench_attention", "bench_attention_memory",
-                           "bench_inference"]),
+        summary=report("results/report/summary.csv", caption="../report/summary.rst", category="Tables"),
+        plots=[report(f"results/report/{plot}.png", caption=f"../report/{plot}.rst", category=category)
+               for plot, category in REPORT_PLOTS.items()],
+        pareto=expand("results/report/{kind}_pareto.csv", kind=["finetune", "inference"]),
         metrics="results/report/metrics.json",
     params:
         file=PARAMS,
