@@ -19,7 +19,7 @@ import jsonschema
 import pandas as pd
 import yaml
 
-from . import cli, estimate
+from . import cli, estimate, records
 from .config import REPO_ROOT, UserError, _schema_message
 
 log = logging.getLogger("efflab")
@@ -293,7 +293,7 @@ def _read(path: Path) -> dict:
     if not path.is_file():
         raise NotHere(f"no {path} (run the stage that writes it)")
     metrics = json.loads(path.read_text())
-    if metrics.get("status", "ok") != "ok":  # a job that failed or was skipped measured nothing
+    if not records.is_ok(metrics):  # a job that failed or was skipped measured nothing
         raise NotHere(f"{path.parent.name} is {metrics['status']}: {metrics.get('reason', 'no reason given')}")
     return metrics
 
@@ -329,7 +329,7 @@ def _quantize_ratio(layout, metric: dict) -> tuple[float, str]:
 def _finetune_runs(layout) -> list[dict]:
     folder = layout.out("finetune")
     runs = [json.loads(p.read_text()) for p in sorted(folder.glob("*/metrics.json"))] if folder.is_dir() else []
-    return [r for r in runs if r.get("status", "ok") == "ok"]  # runs that did not train measured nothing
+    return records.ok(runs)  # runs that did not train measured nothing
 
 
 def _finetune_trainable(layout, metric: dict) -> tuple[float, str]:
@@ -343,15 +343,15 @@ def _finetune_trainable(layout, metric: dict) -> tuple[float, str]:
 
 def _finetune_pair(layout, metric: dict) -> tuple[float, str]:
     key, differ = metric["key"], metric["differ"]
-    runs = _finetune_runs(layout)
-    rest = lambda r: {k: v for k, v in r["settings"].items() if k != differ}  # noqa: E731
-    for a in runs:
-        for b in runs:
-            if (a["settings"].get(differ) == metric["a"] and b["settings"].get(differ) == metric["b"]
-                    and rest(a) == rest(b)):
-                ratio = a[key] / b[key]
-                value = 100 * (1 - ratio) if metric["stat"] == "drop_pct" else 100 * (ratio - 1)
-                return value, f"{key}: run {a['run']} {a[key]:.4g} vs run {b['run']} {b[key]:.4g}"
+    for knob, value_a, value_b, a, b in records.knob_pairs(_finetune_runs(layout)):
+        if knob != differ:
+            continue
+        if (value_a, value_b) == (metric["b"], metric["a"]):  # the pair in the claim's order
+            value_a, value_b, a, b = value_b, value_a, b, a
+        if (value_a, value_b) == (metric["a"], metric["b"]):
+            ratio = a[key] / b[key]
+            value = 100 * (1 - ratio) if metric["stat"] == "drop_pct" else 100 * (ratio - 1)
+            return value, f"{key}: run {a['run']} {a[key]:.4g} vs run {b['run']} {b[key]:.4g}"
     raise NotHere(f"no pair of finetune runs that differ only in {differ} ({metric['a']} vs {metric['b']}) in "
                   f"{layout.out('finetune')}; add one to finetune.runs")
 
@@ -369,7 +369,7 @@ def _attention_speedup(layout, metric: dict) -> tuple[float, str]:
     else:
         raise NotHere("; ".join(reasons))
     base = _read(layout.metrics("bench_attention", metric["baseline"]))
-    ok = lambda m: {r["seq_len"]: r for r in m["rows"] if r["status"] == "ok"}  # noqa: E731
+    ok = lambda m: {r["seq_len"]: r for r in m["rows"] if records.is_ok(r)}  # noqa: E731
     a, b = ok(impl), ok(base)
     if not set(a) & set(b):
         raise NotHere(f"{name} and {metric['baseline']} have no sequence length measured by both")

@@ -5,7 +5,6 @@ holding metrics.json and, where the stage makes one, model/.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,8 +56,10 @@ class Layout:
     def skipped_because(self, stage: str, name: str) -> dict | None:
         """A 'skipped' result naming why, when the job `stage/name` this one builds on did not succeed
         (a fine-tuning run that failed or was unavailable on this device): the grid goes on without it."""
-        upstream = json.loads(self.metrics(stage, name).read_text())
-        if upstream.get("status", "ok") == "ok":
+        from .records import is_ok, read
+
+        upstream = read(self, stage, name)
+        if is_ok(upstream):
             return None
         return {"status": "skipped",
                 "reason": f"{stage} {name} is {upstream['status']}: {upstream.get('reason', 'no reason given')}"}

@@ -12,16 +12,12 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from . import cli, provenance  # noqa: E402
+from . import cli, provenance, records  # noqa: E402
 from .config import UserError  # noqa: E402
 from .measure import FINGERPRINT_KEYS, bootstrap_median_ci, fingerprint, percentile  # noqa: E402
 
 log = logging.getLogger("efflab")
 MiB = 2**20
-
-
-def load_metrics(layout, stage: str, names: list[str] | None) -> list[dict]:
-    return [json.loads(layout.metrics(stage, n).read_text()) for n in (names or [None])]
 
 
 def _fp(metrics: dict) -> str:
@@ -46,13 +42,9 @@ def quantize_table(rows: list[dict]) -> pd.DataFrame:
         "on disk (MiB)": r["bytes_on_disk"] / MiB, "load (s)": r["load_s"],
         "val perplexity": r["validation"]["perplexity"], "perplexity change (%)": r["perplexity_change_pct"],
         "env": _fp(r),
-    } for r in _ok(rows)], columns=["scheme", "method", "double quant", "bnb layers", "footprint (MiB)",
-                                    "x smaller than baseline", "on disk (MiB)", "load (s)", "val perplexity",
-                                    "perplexity change (%)", "env"])
-
-
-def _ok(rows: list[dict]) -> list[dict]:
-    return [r for r in rows if r.get("status", "ok") == "ok"]
+    } for r in records.ok(rows)], columns=["scheme", "method", "double quant", "bnb layers", "footprint (MiB)",
+                                           "x smaller than baseline", "on disk (MiB)", "load (s)", "val perplexity",
+                                           "perplexity change (%)", "env"])
 
 
 def finetune_table(rows: list[dict]) -> pd.DataFrame:
@@ -69,43 +61,12 @@ def finetune_table(rows: list[dict]) -> pd.DataFrame:
         f"peak memory (MiB, {r['train_memory']['kind']})": _mem(r["train_memory"]),
         "val loss before": r["validation_before"]["loss"], "val loss after": r["validation_after"]["loss"],
         "val perplexity after": r["validation_after"]["perplexity"], "env": _fp(r),
-    } for r in _ok(rows)])
-
-
-# Settings that change what a run costs or buys; the others (eval_rows, checkpoint_every, ...) do not make two
-# runs a knob comparison.
-NOT_KNOBS = {"eval_rows", "checkpoint_every", "timing_warmup_steps", "num_machines", "accelerate_config"}
-
-
-def _flat_settings(settings: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in settings.items():
-        if isinstance(value, dict):
-            out |= _flat_settings(value, f"{prefix}{key}.")
-        elif key not in NOT_KNOBS:
-            out[prefix + key] = value
-    return out
+    } for r in records.ok(rows)])
 
 
 def _show(value) -> str:
     """A setting as params.yaml spells it: false, 1e-05, [q_proj, v_proj], lora."""
     return value if isinstance(value, str) else json.dumps(value)
-
-
-def knob_pairs(rows: list[dict]) -> list[tuple[str, str, str, dict, dict]]:
-    """Pairs of trained runs whose settings differ in exactly one knob (the earlier run in params.yaml order
-    first): what that knob alone cost and bought, everything else equal."""
-    runs = [(r, _flat_settings(r["settings"])) for r in _ok(rows)]
-    pairs, seen = [], set()
-    for i, (a, fa) in enumerate(runs):
-        for b, fb in runs[i + 1:]:
-            differ = [k for k in fa.keys() | fb.keys() if fa.get(k) != fb.get(k)]
-            same = frozenset({json.dumps(fa, sort_keys=True), json.dumps(fb, sort_keys=True)})
-            if len(differ) == 1 and same not in seen:  # runs with equal knobs (e.g. other eval_rows) pair once
-                seen.add(same)
-                knob = differ[0]
-                pairs.append((knob, _show(fa.get(knob, "-")), _show(fb.get(knob, "-")), a, b))
-    return pairs
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -159,7 +120,8 @@ def _ratio_ci(ratio: dict | None) -> str:
 
 def knob_table(rows: list[dict]) -> pd.DataFrame:
     out = []
-    for knob, value_a, value_b, a, b in knob_pairs(rows):
+    for knob, value_a, value_b, a, b in records.knob_pairs(rows):
+        value_a, value_b = _show(value_a), _show(value_b)
         mem_a, mem_b = _mem(a["train_memory"]), _mem(b["train_memory"])
         delta_a, delta_b = a["train_memory"].get("delta_mib"), b["train_memory"].get("delta_mib")
         memory_ratio = _ratio(delta_a, delta_b)
@@ -185,10 +147,7 @@ def knob_table(rows: list[dict]) -> pd.DataFrame:
 
 def not_run_table(metrics: dict[str, list[dict]]) -> pd.DataFrame:
     """Every job of the grid that did not produce numbers, and why: nothing disappears silently."""
-    return pd.DataFrame([{
-        "stage": stage, "name": m.get("name"), "status": m["status"], "reason": m.get("reason", ""),
-    } for stage, ms in metrics.items() for m in ms if m.get("status", "ok") != "ok"],
-        columns=["stage", "name", "status", "reason"])
+    return pd.DataFrame(records.not_run(metrics), columns=["stage", "name", "status", "reason"])
 
 
 # Why a GPU rerun is not bitwise identical by default, and what finetune.deterministic does about it.
@@ -210,7 +169,7 @@ GPU_DETERMINISM = [
 
 def plot_finetune(rows: list[dict], path: Path) -> None:
     """Peak memory and throughput per run, side by side: what each method and knob costs and buys."""
-    ok = _ok(rows)
+    ok = records.ok(rows)
     fig, (mem_ax, tps_ax) = plt.subplots(1, 2, figsize=(10, 0.5 * len(ok) + 1.8), sharey=True)
     names = [r["run"] for r in ok]
     kind = ok[0]["train_memory"]["kind"] if ok else ""
@@ -266,7 +225,7 @@ def _plot_pareto(points: list[dict], x: str, y: str, xlabel: str, ylabel: str, t
 
 def finetune_pareto(rows: list[dict]) -> list[dict]:
     points = [{"name": r["run"], "memory": _mem(r["train_memory"]), "tokens_per_s": r["tokens_per_s"],
-               "kind": r["train_memory"]["kind"]} for r in _ok(rows) if _mem(r["train_memory"]) is not None]
+               "kind": r["train_memory"]["kind"]} for r in records.ok(rows) if _mem(r["train_memory"]) is not None]
     for p, beaten in zip(points, dominated(points, {"memory": "min", "tokens_per_s": "max"})):
         p["dominated"] = beaten
     return points
@@ -283,10 +242,10 @@ def inference_pareto(inference_rows: list[dict], quantize_rows: list[dict]) -> l
     """One point per inference variant (its KV-cache, batch-1 cell): footprint, decode tokens/s and the
     perplexity change its quantization costs (quantized variants; 0 for the base model; fine-tuned variants
     have no comparable figure)."""
-    ppl = {r["scheme"]: r["perplexity_change_pct"] for r in _ok(quantize_rows)}
+    ppl = {r["scheme"]: r["perplexity_change_pct"] for r in records.ok(quantize_rows)}
     points = []
-    for r in _ok(inference_rows):
-        cell = next((c for c in r.get("cells", []) if c["status"] == "ok" and c["kv_cache"] and c["batch_size"] == 1),
+    for r in records.ok(inference_rows):
+        cell = next((c for c in r.get("cells", []) if records.is_ok(c) and c["kv_cache"] and c["batch_size"] == 1),
                     None)
         if cell is None:
             continue
@@ -310,7 +269,7 @@ def plot_inference_pareto(inference_rows: list[dict], quantize_rows: list[dict],
 
 
 def merge_table(rows: list[dict]) -> pd.DataFrame:
-    rows = _ok(rows)
+    rows = records.ok(rows)
     return pd.DataFrame([{
         "run": r["run"], "reference": r["reference"], "merged into": r["merge_target"],
         f"max |logit diff| (merge dtype)": r["merged"]["max_abs_logit_diff"],
@@ -322,7 +281,7 @@ def merge_table(rows: list[dict]) -> pd.DataFrame:
 
 
 def _status(row: dict) -> str:
-    return "ok" if row["status"] == "ok" else f"{row['status']}: {row.get('reason', '')}"
+    return "ok" if records.is_ok(row) else f"{row['status']}: {row.get('reason', '')}"
 
 
 def _ci(stats: dict, scale: float = 1.0) -> str:
@@ -331,7 +290,7 @@ def _ci(stats: dict, scale: float = 1.0) -> str:
 
 
 def merge_targets_table(rows: list[dict]) -> pd.DataFrame:
-    rows = _ok(rows)
+    rows = records.ok(rows)
     return pd.DataFrame([{
         "run": r["run"], "merged into": target, "max |logit diff| vs adapter on 4-bit base": t["max_abs_logit_diff"],
         "mean KL vs adapter": t["kl_mean"], "perplexity": t["validation"]["perplexity"],
@@ -348,7 +307,7 @@ def attention_table(rows: list[dict]) -> pd.DataFrame:
                         "env": _fp(r) if "environment" in r else None})
             continue
         for row in r["rows"]:
-            ok = row["status"] == "ok"
+            ok = records.is_ok(row)
             lat = row.get("latency", {})
             out.append({
                 "implementation": row["implementation"], "mode": row.get("mode", "forward"),
@@ -382,7 +341,7 @@ def inference_table(rows: list[dict]) -> pd.DataFrame:
     out = []
     for r in rows:
         for c in r.get("cells", []):  # a job that failed outside its cells has none (table of jobs not run)
-            ok = c["status"] == "ok"
+            ok = records.is_ok(c)
             out.append({
                 "variant": r["variant"], "kind": r["kind"], "of": r["of"] or "-",
                 "KV cache": "on" if c["kv_cache"] else "off", "batch": c["batch_size"], "status": _status(c),
@@ -432,7 +391,7 @@ def memory_prediction_table(finetune_rows: list[dict], inference_rows: list[dict
            for r in finetune_rows if (p := r.get("memory_prediction"))]
     out += [row(f"inference {r['variant']} (KV {'on' if c['kv_cache'] else 'off'}, batch {c['batch_size']})",
                 c["memory_prediction"], _fp(r))
-            for r in inference_rows for c in r.get("cells", []) if c["status"] == "ok" and "memory_prediction" in c]
+            for r in inference_rows for c in r.get("cells", []) if records.is_ok(c) and "memory_prediction" in c]
     return pd.DataFrame(out)
 
 
@@ -629,7 +588,7 @@ def run(cfg: dict, paths: dict) -> dict:
     layout, out = paths["layout"], paths["out"]
     allow_mixed = cfg["report"]["allow_mixed_environments"]
     names = {s: cli.stage_names(cfg, s) for s in cli.STAGES}
-    metrics = {s: load_metrics(layout, s, names[s]) for s in cli.STAGES if s != "report"}
+    metrics = {s: records.read_stage(layout, s, names[s]) for s in cli.STAGES if s != "report"}
     base, data = metrics["base_model"][0], metrics["prepare_data"][0]
     jobs = {f"{s}/{m['name']}" if m.get("name") else s: m for s, ms in metrics.items() for m in ms}
     stale = provenance.check(layout, jobs)
@@ -748,7 +707,7 @@ def run(cfg: dict, paths: dict) -> dict:
         "![memory vs decode speed vs perplexity: Pareto frontier](inference_pareto.png)", "",
         "### Sample answers (first prompt, first cell)", "",
         *[f"- **{m['variant']}**: {m['cells'][0]['samples'][0]['answer'].strip()[:200]!r}"
-          for m in metrics["bench_inference"] if m.get("cells") and m["cells"][0]["status"] == "ok"],
+          for m in metrics["bench_inference"] if m.get("cells") and records.is_ok(m["cells"][0])],
         "", "## Cells that did not run", "",
         "Grid cells that failed, ran out of memory, were unavailable on this device or were skipped because "
         "what they build on did not run; the rest of the grid ran.", "",

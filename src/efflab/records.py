@@ -1,0 +1,62 @@
+"""Result records: what a job's metrics.json holds, read, filtered and paired in one place.
+
+Every job writes one record (cli.main): `stage`, `name`, `status` (ok, or failed / oom / timeout /
+unavailable / skipped with a `reason`), its figures, `environment` and `provenance`. Benchmark records hold
+cells (rows) with a status of their own. The report and the claims read records through these functions only.
+"""
+from __future__ import annotations
+
+import json
+
+# Settings that change what a run costs or buys; the others do not make two runs a knob comparison.
+NOT_KNOBS = {"eval_rows", "checkpoint_every", "timing_warmup_steps", "num_machines", "accelerate_config"}
+
+
+def is_ok(record: dict) -> bool:
+    """Whether a job (or a cell) measured something: a record written before statuses existed counts as ok."""
+    return record.get("status", "ok") == "ok"
+
+
+def ok(records: list[dict]) -> list[dict]:
+    return [r for r in records if is_ok(r)]
+
+
+def read(layout, stage: str, name: str | None = None) -> dict:
+    return json.loads(layout.metrics(stage, name).read_text())
+
+
+def read_stage(layout, stage: str, names: list[str] | None) -> list[dict]:
+    """The records of a stage's jobs, in the grid's order (one record for a single-job stage)."""
+    return [read(layout, stage, n) for n in (names or [None])]
+
+
+def not_run(by_stage: dict[str, list[dict]]) -> list[dict]:
+    """Every job that did not produce numbers, and why."""
+    return [{"stage": stage, "name": r.get("name"), "status": r["status"], "reason": r.get("reason", "")}
+            for stage, records in by_stage.items() for r in records if not is_ok(r)]
+
+
+def flat_settings(settings: dict, prefix: str = "") -> dict:
+    """A run's settings as `lora.r: 8` pairs, without the ones that are not knobs."""
+    out = {}
+    for key, value in settings.items():
+        if isinstance(value, dict):
+            out |= flat_settings(value, f"{prefix}{key}.")
+        elif key not in NOT_KNOBS:
+            out[prefix + key] = value
+    return out
+
+
+def knob_pairs(runs: list[dict]) -> list[tuple[str, object, object, dict, dict]]:
+    """Pairs of trained runs whose settings differ in exactly one knob (the earlier run in params.yaml order
+    first): (knob, its value in a, in b ("-" where a run lacks it), a, b). Runs with equal knobs (e.g. other eval_rows) pair once."""
+    flat = [(r, flat_settings(r["settings"])) for r in ok(runs)]
+    pairs, seen = [], set()
+    for i, (a, fa) in enumerate(flat):
+        for b, fb in flat[i + 1:]:
+            differ = [k for k in fa.keys() | fb.keys() if fa.get(k) != fb.get(k)]
+            same = frozenset({json.dumps(fa, sort_keys=True), json.dumps(fb, sort_keys=True)})
+            if len(differ) == 1 and same not in seen:
+                seen.add(same)
+                pairs.append((differ[0], fa.get(differ[0], "-"), fb.get(differ[0], "-"), a, b))
+    return pairs
