@@ -167,15 +167,11 @@ def run(cfg: dict, paths: dict) -> dict:
                 if mode_reason:
                     group.append(cell | {"status": "unavailable", "reason": mode_reason})
                     continue
-                result = journal.get(cell)
-                if result is None:
-                    result = run_cell(attention_cell, dict(
-                        folder=str(layout.base_model()), dtype=dtype, device=str(device), impl=impl,
-                        seq_len=seq_len, batch_size=batch_size, mode=mode, warmup=b["warmup"],
-                        repeats=b["repeats"]),
-                        isolation=rt["isolation"], timeout_s=rt["cell_timeout_s"],
-                        memory_cap_mib=rt["cell_memory_cap_mib"])
-                    journal.record(cell, result)
+                result = journal.result(cell, lambda: run_cell(attention_cell, dict(
+                    folder=str(layout.base_model()), dtype=dtype, device=str(device), impl=impl, seq_len=seq_len,
+                    batch_size=batch_size, mode=mode, warmup=b["warmup"], repeats=b["repeats"]),
+                    isolation=rt["isolation"], timeout_s=rt["cell_timeout_s"],
+                    memory_cap_mib=rt["cell_memory_cap_mib"]))
                 if result["status"] != "ok":
                     log.warning("%s %s seq %d batch %d: %s: %s", impl, mode, seq_len, batch_size,
                                 result["status"], result.get("reason"))

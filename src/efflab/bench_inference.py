@@ -67,7 +67,8 @@ def explain_tail(runs: list[dict], kv_cache: bool) -> str | None:
     gaps = [g for r in runs for g in r["token_gaps_s"]]
     if len(gaps) < 2:
         return None
-    p50, p99 = percentile(sorted(gaps), 0.5), percentile(sorted(gaps), 0.99)
+    ordered = sorted(gaps)
+    p50, p99 = percentile(ordered, 0.5), percentile(ordered, 0.99)
     if p99 <= TAIL_RATIO * p50:
         return None
     if not kv_cache and all(r["token_gaps_s"][-1] > r["token_gaps_s"][0] for r in runs if len(r["token_gaps_s"]) > 1):
@@ -189,13 +190,10 @@ def run(cfg: dict, paths: dict) -> dict:
     for kv_cache in variant.get("kv_cache", b["kv_cache"]):
         for batch_size in variant.get("batch_sizes", b["batch_sizes"]):
             cell = {"kv_cache": kv_cache, "batch_size": batch_size}
-            result = journal.get(cell)
-            if result is None:
-                result = run_cell(inference_cell, dict(cfg=cfg, results=str(layout.root), name=name, dtype=dtype,
-                                                       device=str(device), kv_cache=kv_cache, batch_size=batch_size),
-                                  isolation=rt["isolation"], timeout_s=rt["cell_timeout_s"],
-                                  memory_cap_mib=rt["cell_memory_cap_mib"])
-                journal.record(cell, result)
+            result = journal.result(cell, lambda: run_cell(
+                inference_cell, dict(cfg=cfg, results=str(layout.root), name=name, dtype=dtype, device=str(device),
+                                     kv_cache=kv_cache, batch_size=batch_size),
+                isolation=rt["isolation"], timeout_s=rt["cell_timeout_s"], memory_cap_mib=rt["cell_memory_cap_mib"]))
             if result["status"] != "ok":
                 log.warning("%s kv_cache=%s batch %d: %s: %s", name, kv_cache, batch_size, result["status"],
                             result.get("reason"))

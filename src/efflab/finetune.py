@@ -20,6 +20,7 @@ import torch
 
 from . import cli
 from .config import UserError, finetune_run
+from .layout import LOSS_COLUMNS, LOSS_CSV
 from .measure import (CpuTensorPeak, count_parameters, environment, log_file_path, matmul_ceiling, mfu,
                       pick_device, published_peak_tflops, set_threads, setup_child_logging, summarize,
                       track_memory, training_flops_per_token)
@@ -117,7 +118,7 @@ def write_loss_curve(history: list[dict], path) -> list[dict]:
     rows = [{"step": h["step"], "loss": h["loss"], "learning_rate": h.get("learning_rate"),
              "grad_norm": h.get("grad_norm")} for h in history if "loss" in h]
     with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=["step", "loss", "learning_rate", "grad_norm"])
+        writer = csv.DictWriter(f, fieldnames=LOSS_COLUMNS)
         writer.writeheader()
         writer.writerows(rows)
     return rows
@@ -319,7 +320,7 @@ def train(cfg: dict, paths: dict) -> dict:
         ranks = gathered
         if rank != 0:  # only rank 0 writes outputs and metrics
             return {}
-    curve = write_loss_curve(trainer.state.log_history, paths["out"] / "loss.csv")
+    curve = write_loss_curve(trainer.state.log_history, paths["out"] / LOSS_CSV)
 
     folder = paths["out"] / "model"
     if run_cfg["method"] == "full":

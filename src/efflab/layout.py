@@ -10,9 +10,10 @@ from pathlib import Path
 
 METRICS = "metrics.json"
 MODEL = "model"
+LOSS_CSV, LOSS_COLUMNS = "loss.csv", ("step", "loss", "learning_rate", "grad_norm")  # finetune's loss curve
 # What a job of each grid stage writes besides metrics.json: a job that did not run writes them too (a model
 # folder holding only NOT_RUN.txt, an empty loss curve), so that the jobs after it run and record "skipped".
-STAGE_OUTPUTS = {"quantize": (MODEL,), "finetune": (MODEL, "loss.csv"), "merge": (MODEL,),
+STAGE_OUTPUTS = {"quantize": (MODEL,), "finetune": (MODEL, LOSS_CSV), "merge": (MODEL,),
                  "bench_attention": (), "bench_inference": ()}
 NOT_RUN = "NOT_RUN.txt"
 
@@ -51,7 +52,7 @@ class Layout:
                 (out / MODEL).mkdir()
                 (out / MODEL / NOT_RUN).write_text(f"{status}: {reason}\n")
             else:
-                (out / output).write_text("step,loss,learning_rate,grad_norm\n")
+                (out / output).write_text(",".join(LOSS_COLUMNS) + "\n")
 
     def skipped_because(self, stage: str, name: str) -> dict | None:
         """A 'skipped' result naming why, when the job `stage/name` this one builds on did not succeed

@@ -407,15 +407,17 @@ class CellJournal:
     def key(cell: dict) -> str:
         return json.dumps(cell, sort_keys=True)
 
-    def get(self, cell: dict) -> dict | None:
-        return self.cells.get(self.key(cell))
-
-    def record(self, cell: dict, result: dict) -> None:
-        with open(self.path, "a") as f:
-            f.write(json.dumps({"key": self.key(cell), "result": result}, default=str) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        self.cells[self.key(cell)] = result
+    def result(self, cell: dict, measure) -> dict:
+        """The cell's journalled result, or `measure()`'s, journalled before it is returned."""
+        key = self.key(cell)
+        if key not in self.cells:
+            result = measure()
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"key": key, "result": result}, default=str) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            self.cells[key] = result
+        return self.cells[key]
 
     def remove(self) -> None:
         self.path.unlink(missing_ok=True)

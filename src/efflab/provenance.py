@@ -90,7 +90,8 @@ def check(layout, jobs: dict[str, dict]) -> list[str]:
     stale = []
     for job, metrics in jobs.items():
         for upstream, entry in metrics.get("provenance", {}).get("inputs", {}).items():
-            now = jobs.get(upstream, _metrics(layout, upstream)).get("provenance", {}).get("outputs_sha256")
+            source = jobs[upstream] if upstream in jobs else _metrics(layout, upstream)  # read only if not given
+            now = source.get("provenance", {}).get("outputs_sha256")
             if entry.get("sha256") != now:
                 stale.append(f"{job} was measured on {upstream} {str(entry.get('sha256'))[:12]}, "
                              f"which is now {str(now)[:12]}")

@@ -231,8 +231,7 @@ def finetune_pareto(rows: list[dict]) -> list[dict]:
     return points
 
 
-def plot_finetune_pareto(rows: list[dict], path: Path) -> None:
-    points = finetune_pareto(rows)
+def plot_finetune_pareto(points: list[dict], path: Path) -> None:
     kind = points[0]["kind"] if points else ""
     _plot_pareto(points, "memory", "tokens_per_s", f"peak training memory (MiB, {kind})",
                  "training tokens/s (real tokens, steady steps)", "Fine-tuning: memory vs throughput", path)
@@ -258,9 +257,7 @@ def inference_pareto(inference_rows: list[dict], quantize_rows: list[dict]) -> l
     return points
 
 
-def plot_inference_pareto(inference_rows: list[dict], quantize_rows: list[dict], path: Path) -> None:
-    points = inference_pareto(inference_rows, quantize_rows)
-
+def plot_inference_pareto(points: list[dict], path: Path) -> None:
     def note(p):
         d = p["perplexity_change_pct"]
         return "" if d is None else f" ({d:+.1f}% ppl)"
@@ -302,7 +299,7 @@ def merge_targets_table(rows: list[dict]) -> pd.DataFrame:
 def attention_table(rows: list[dict]) -> pd.DataFrame:
     out = []
     for r in rows:
-        if r["status"] != "ok":  # the whole implementation did not run: one row, not one per cell
+        if not records.is_ok(r):  # the whole implementation did not run: one row, not one per cell
             out.append({"implementation": r.get("implementation") or r.get("name"), "status": _status(r),
                         "env": _fp(r) if "environment" in r else None})
             continue
@@ -605,6 +602,8 @@ def run(cfg: dict, paths: dict) -> dict:
         "attention_memory_exponent": exponent_table(metrics["bench_attention"]),
         "bench_inference": inference_table(metrics["bench_inference"]),
     }
+    fronts = {"finetune": finetune_pareto(metrics["finetune"]),
+              "inference": inference_pareto(metrics["bench_inference"], metrics["quantize"])}
     plots = {"quantize.png": lambda p: plot_quantize(tables["quantize"], p),
              "finetune_loss.png": lambda p: plot_loss(layout, names["finetune"], p),
              "finetune.png": lambda p: plot_finetune(metrics["finetune"], p),
@@ -612,18 +611,18 @@ def run(cfg: dict, paths: dict) -> dict:
              "bench_attention_memory.png": lambda p: plot_attention_memory(
                  tables["bench_attention"], tables["attention_memory_exponent"], p),
              "bench_inference.png": lambda p: plot_inference(tables["bench_inference"], p),
-             "finetune_pareto.png": lambda p: plot_finetune_pareto(metrics["finetune"], p),
-             "inference_pareto.png": lambda p: plot_inference_pareto(metrics["bench_inference"], metrics["quantize"], p)}
+             "finetune_pareto.png": lambda p: plot_finetune_pareto(fronts["finetune"], p),
+             "inference_pareto.png": lambda p: plot_inference_pareto(fronts["inference"], p)}
     for file, draw in plots.items():
         draw(out / file)
     # The frontiers' points as data too: `dvc plots show` draws them from these (dvc.yaml, scatter template).
     pd.DataFrame([{"config": p["name"], "peak_memory_mib": p["memory"], "tokens_per_s": p["tokens_per_s"],
-                   "memory_kind": p["kind"], "dominated": p["dominated"]} for p in finetune_pareto(metrics["finetune"])],
+                   "memory_kind": p["kind"], "dominated": p["dominated"]} for p in fronts["finetune"]],
                  columns=["config", "peak_memory_mib", "tokens_per_s", "memory_kind", "dominated"]
                  ).to_csv(out / "finetune_pareto.csv", index=False)
     pd.DataFrame([{"config": p["name"], "footprint_mib": p["footprint"], "decode_tokens_per_s": p["decode"],
                    "perplexity_change_pct": p["perplexity_change_pct"], "dominated": p["dominated"]}
-                  for p in inference_pareto(metrics["bench_inference"], metrics["quantize"])],
+                  for p in fronts["inference"]],
                  columns=["config", "footprint_mib", "decode_tokens_per_s", "perplexity_change_pct", "dominated"]
                  ).to_csv(out / "inference_pareto.csv", index=False)
 
