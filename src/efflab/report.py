@@ -47,6 +47,12 @@ def quantize_table(rows: list[dict]) -> pd.DataFrame:
                                            "perplexity change (%)", "env"])
 
 
+def _tokens_per_s(run: dict) -> float:
+    """A run's real-token throughput over its steady steps, the rate its MFU is computed from (the whole run's,
+    first steps included, for runs recorded before throughput was measured steady)."""
+    return run.get("throughput", {}).get("tokens_per_s", run["tokens_per_s"])
+
+
 def finetune_table(rows: list[dict]) -> pd.DataFrame:
     return pd.DataFrame([{
         "run": r["run"], "method": r["method"], "precision": r["mixed_precision"],
@@ -54,7 +60,7 @@ def finetune_table(rows: list[dict]) -> pd.DataFrame:
         "pad tokens computed (%)": _pct(r.get("pad_fraction")),
         "trainable params": r["parameters"]["trainable"], "trainable (%)": r["parameters"]["trainable_pct"],
         "total params": r["parameters"]["total"], "steps": r["steps"], "step (s)": r["step_s"],
-        "tokens/s": r["tokens_per_s"], "samples/s": r["samples_per_s"],
+        "tokens/s": _tokens_per_s(r), "samples/s": r["samples_per_s"],
         "MFU (% of measured matmul)": _pct(r.get("throughput", {}).get("mfu_vs_measured_ceiling")),
         "matmul ceiling (TFLOP/s)": r.get("throughput", {}).get("matmul_ceiling", {}).get("tflops"),
         "MFU (% of published peak)": _pct(r.get("throughput", {}).get("mfu_vs_published_peak")),
@@ -175,7 +181,7 @@ def plot_finetune(rows: list[dict], path: Path) -> None:
     kind = ok[0]["train_memory"]["kind"] if ok else ""
     mem_ax.barh(names, [_mem(r["train_memory"]) or 0 for r in ok], color="tab:blue")
     mem_ax.set_xlabel(f"peak memory (MiB, {kind})")
-    tps_ax.barh(names, [r["tokens_per_s"] for r in ok], color="tab:green")
+    tps_ax.barh(names, [_tokens_per_s(r) for r in ok], color="tab:green")
     tps_ax.set_xlabel("training tokens/s (real tokens)")
     mem_ax.invert_yaxis()
     fig.suptitle("Fine-tuning runs: memory and throughput")
@@ -224,7 +230,7 @@ def _plot_pareto(points: list[dict], x: str, y: str, xlabel: str, ylabel: str, t
 
 
 def finetune_pareto(rows: list[dict]) -> list[dict]:
-    points = [{"name": r["run"], "memory": _mem(r["train_memory"]), "tokens_per_s": r["tokens_per_s"],
+    points = [{"name": r["run"], "memory": _mem(r["train_memory"]), "tokens_per_s": _tokens_per_s(r),
                "kind": r["train_memory"]["kind"]} for r in records.ok(rows) if _mem(r["train_memory"]) is not None]
     for p, beaten in zip(points, dominated(points, {"memory": "min", "tokens_per_s": "max"})):
         p["dominated"] = beaten
