@@ -262,7 +262,11 @@ def test_gradient_checkpointing_lowers_the_training_memory(results, write_params
     # Kept activations of 8 layers x the step's tokens: checkpointing keeps only each layer's input.
     tokens = kept["tokens_processed"] / kept["steps"]
     per_layer_mib = tokens * deep["intermediate_size"] * 4 * 3 / 2**20  # at least the MLP's three fp32 tensors
-    saved = kept["train_memory"]["delta_mib"] - recomputed["train_memory"]["delta_mib"]
+    # The live-tensor peak (the allocator's own count, the same on every rerun), not the RSS peak: glibc's
+    # arenas keep and return freed pages at their own pace, and the RSS difference ranged 27-170 MiB
+    # over four runs against 178 MiB of tensors every time.
+    tensors = [r["train_memory"]["tensors"]["delta_mib"] for r in (kept, recomputed)]
+    saved = tensors[0] - tensors[1]
     assert saved > deep["num_hidden_layers"] * per_layer_mib, f"checkpointing saved only {saved:.0f} MiB"
     assert abs(kept["last_loss"] - recomputed["last_loss"]) < 1e-4, "recomputation does not change the maths"
 

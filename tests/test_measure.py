@@ -202,3 +202,71 @@ def test_a_cell_shows_each_warning_once_every_error_and_no_profiler_lines(tmp_pa
     assert "MatMul8bitLt" not in text, "bitsandbytes logs errors only, as in the stage's own process"
     assert "USDT" not in text and "profiler_st" not in text, "Kineto's start/stop lines are off"
     assert result["kineto_log_level_after"] is None, "set only while efflab's profiler initialises Kineto"
+
+
+def _sleeper(seconds_per_round):
+    return lambda r: time.sleep(seconds_per_round(r))
+
+
+def test_interleaved_rounds_alternate_the_order_and_find_a_known_slowdown(monkeypatch):
+    monkeypatch.setattr(measure, "speed_probe", lambda device: 100.0)
+    timed = measure.interleave({"a": _sleeper(lambda r: 0.004), "b": _sleeper(lambda r: 0.008)}, 4, CPU, warmup=1)
+    assert [r["order"] for r in timed["rounds"]] == [["a", "b"], ["b", "a"]] * 2
+    assert timed["stable_rounds"] == 4 and timed["set_aside"] == 0 and "unstable" not in timed
+    ratio = measure.paired_ratio(timed, "a", "b")
+    assert ratio["median"] == pytest.approx(2, rel=0.25) and ratio["verdict"] == "slower" and ratio["ci95"][0] > 1
+    assert measure.paired_ratio(timed, "b", "a")["verdict"] == "faster"
+
+
+def test_a_drift_that_hits_both_variants_alike_cancels_in_the_paired_ratio(monkeypatch):
+    """The machine gets slower every round (a neighbour job ramping up): A A B B would read B as slower; the
+    interleaved per-round ratio sees two identical variants."""
+    monkeypatch.setattr(measure, "speed_probe", lambda device: 100.0)
+    drift = lambda r: 0.003 * (1 + 0.5 * r)  # noqa: E731
+    timed = measure.interleave({"a": _sleeper(drift), "b": _sleeper(drift)}, 5, CPU, warmup=0)
+    ratio = measure.paired_ratio(timed, "a", "b")
+    assert ratio["median"] == pytest.approx(1, abs=0.1) and ratio["verdict"] == "no significant difference"
+
+
+def test_rounds_where_the_machine_slowed_are_set_aside_and_measured_again(monkeypatch):
+    probes = iter([100, 101, 50, 99, 100, 102, 100, 100])  # round k sees probes k and k+1
+    monkeypatch.setattr(measure, "speed_probe", lambda device: next(probes))
+    timed = measure.interleave({"a": _sleeper(lambda r: 0.001), "b": _sleeper(lambda r: 0.001)}, 3, CPU, warmup=0)
+    assert [r["stable"] for r in timed["rounds"]] == [True, False, False, True, True]
+    assert timed["stable_rounds"] == 3 and timed["set_aside"] == 2 and "unstable" not in timed
+    assert timed["variants"]["a"]["n"] == 3, "set-aside rounds are not in the figures"
+
+
+def test_a_machine_that_never_settles_gives_no_verdict(monkeypatch):
+    probes = iter([100, 50] * 20)
+    monkeypatch.setattr(measure, "speed_probe", lambda device: next(probes))
+    timed = measure.interleave({"a": _sleeper(lambda r: 0.001), "b": _sleeper(lambda r: 0.002)}, 3, CPU, warmup=0)
+    assert len(timed["rounds"]) == 6 and "machine's speed changed" in timed["unstable"]
+    assert timed["variants"]["a"]["n"] == 6, "an unstable comparison's figures are of every round, flagged"
+    assert measure.paired_ratio(timed, "a", "b")["verdict"].startswith("not a verdict: the machine's speed changed")
+
+
+def test_the_speed_probe_sees_a_busy_core():
+    """A second thread hammering the same single core halves the probe's rate, or near enough to flag it."""
+    import threading
+
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    quiet = max(measure.speed_probe(CPU) for _ in range(3))
+    stop = threading.Event()
+
+    def hog():
+        x = torch.randn(512, 512)
+        while not stop.is_set():
+            torch.mm(x, x)
+    threads = [threading.Thread(target=hog) for _ in range(os.cpu_count() or 1)]
+    for t in threads:
+        t.start()
+    try:
+        busy = min(measure.speed_probe(CPU) for _ in range(3))
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+        torch.set_num_threads(threads_before)
+    assert busy < quiet * (1 - measure.SENTINEL_TOLERANCE)

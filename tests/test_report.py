@@ -123,3 +123,23 @@ def test_an_artifact_hash_depends_on_its_files_not_on_where_they_are(tmp_path):
     assert content_sha256([tmp_path / "b" / "model"]) == same[0], "hidden bookkeeping files are not content"
     (tmp_path / "b" / "model" / "weights.bin").write_bytes(b"\x00\x02")
     assert content_sha256([tmp_path / "b" / "model"]) != same[0]
+
+
+def test_a_knob_verdict_comes_from_the_interleaved_pair_and_never_from_runs_at_different_speeds():
+    from efflab.measure import summarize
+
+    lengths = [1.0, 1.6, 0.7, 1.3, 0.9, 1.1, 1.4]
+    ceiling = lambda tflops: {"throughput": {"matmul_ceiling": {"tflops": tflops}}}  # noqa: E731
+    plain = _run("lora", 400, 1.0) | {"step_time": summarize(lengths), "tokens_seen": 1000} | ceiling(0.070)
+    # checkpointing read 2x faster: its run had the machine to itself, the plain run shared it (half speed)
+    gc = _run("lora-gc", 250, 0.5, gradient_checkpointing=True) | {
+        "step_time": summarize([0.5 * t for t in lengths]), "tokens_seen": 1000} | ceiling(0.140)
+    row = report.knob_table([plain, gc]).iloc[0]
+    assert row["step time verdict"].startswith("not a verdict: the machine's speed changed between the runs")
+    interleaved = {"status": "ok", "pairs": [{
+        "status": "ok", "knob": "gradient_checkpointing", "a": "lora", "b": "lora-gc",
+        "step_time_ratio": {"median": 1.31, "ci95": [1.22, 1.40], "rounds": 6, "verdict": "slower"},
+        "runs": {"lora": {"tokens_per_s": 200.0}, "lora-gc": {"tokens_per_s": 150.0}}}]}
+    row = report.knob_table([plain, gc], [interleaved]).iloc[0]
+    assert row["step time verdict"] == "slower" and row["tokens/s ratio"] == pytest.approx(0.75)
+    assert row["step time ratio [95% CI]"] == "1.31 [1.22, 1.40] (interleaved, 6 rounds)"

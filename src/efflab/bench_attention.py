@@ -21,7 +21,8 @@ from contextlib import contextmanager
 import torch
 
 from . import cli
-from .measure import CellJournal, environment, pick_device, run_cell, set_threads, time_fn, track_memory
+from .measure import (SENTINEL_TOLERANCE, CellJournal, environment, interleave, paired_ratio, pick_device, run_cell,
+                      set_threads, synchronize, time_fn, track_memory)
 from .modeling import base_dtype, load_model
 
 log = logging.getLogger("efflab")
@@ -98,35 +99,60 @@ def _step(decoder, ids: torch.Tensor, mode: str):
     return out.detach(), embeds.grad
 
 
-def attention_cell(folder: str, dtype: str, device: str, impl: str, seq_len: int, batch_size: int, mode: str,
-                   warmup: int, repeats: int) -> dict:
-    """Measure one (implementation, sequence length, batch size, mode) cell."""
-    device = torch.device(device)
+def _frozen_decoder(folder: str, dtype: str, device: torch.device, impl: str):
     model = load_model(folder, dtype, device, attn_implementation="sdpa" if impl in SDPA_BACKENDS else impl)
     for p in model.parameters():
         p.requires_grad_(False)
-    decoder = model.get_decoder()
-    ids = _inputs(model, seq_len, batch_size, device)
+    return model.get_decoder()
+
+
+def attention_cell(folder: str, dtype: str, device: str, impl: str, seq_len: int, batch_size: int, mode: str,
+                   warmup: int, repeats: int, sentinel_tolerance: float = SENTINEL_TOLERANCE) -> dict:
+    """Measure one (implementation, sequence length, batch size, mode) cell: memory, then the difference from
+    eager and the latency interleaved with eager's on the same inputs (so the speedup has an interval and
+    drift cancels). Where eager itself cannot run (out of memory at long lengths), the implementation is
+    timed alone and the comparison says why it is missing."""
+    device = torch.device(device)
+    decoder = _frozen_decoder(folder, dtype, device, impl)
+    ids = _inputs(decoder, seq_len, batch_size, device)
+    mine = lambda r=None: _step(decoder, ids, mode)  # noqa: E731
+    compared = "last hidden state" if mode == "forward" else "gradient of the input embeddings"
     with attention_backend(impl):
-        # Timing first: its warmup absorbs one-time allocations the memory peak should not count.
-        latency = time_fn(lambda: _step(decoder, ids, mode), device, warmup, repeats)
+        for _ in range(max(warmup, 1)):  # one-time allocations and kernel choices stay out of the memory peak
+            mine()
+        synchronize(device)
         with track_memory(device) as mem:
-            out, grad = _step(decoder, ids, mode)
-    if impl == "eager":
-        diff = 0.0
-    else:
-        eager = load_model(folder, dtype, device, attn_implementation="eager")
-        for p in eager.parameters():
-            p.requires_grad_(False)
-        ref_out, ref_grad = _step(eager.get_decoder(), ids, mode)
-        mine, ref = (out, ref_out) if mode == "forward" else (grad, ref_grad)
-        diff = (mine.float() - ref.float()).abs().max().item()
+            out, grad = mine()
+        eager, diff, vs_eager = None, 0.0, None
+        if impl != "eager":
+            try:
+                eager_decoder = _frozen_decoder(folder, dtype, device, "eager")
+                ref_out, ref_grad = _step(eager_decoder, ids, mode)
+                eager = lambda r=None: _step(eager_decoder, ids, mode)  # noqa: E731
+                diff = ((out, ref_out) if mode == "forward" else (grad, ref_grad))
+                diff = (diff[0].float() - diff[1].float()).abs().max().item()
+            except torch.OutOfMemoryError as err:
+                diff, vs_eager = None, {"unavailable": f"eager ran out of memory here: {str(err).splitlines()[0]}"}
+        del out, grad
+        if eager:
+            timed = interleave({impl: mine, "eager": eager}, repeats, device, warmup=warmup,
+                               tolerance=sentinel_tolerance)
+            latency = timed["variants"][impl] | ({"unstable": timed["unstable"]} if "unstable" in timed else {})
+            # eager's time over this implementation's: the speedup; its verdict is said of this implementation
+            speedup = paired_ratio(timed, impl, "eager")
+            speedup["verdict"] = {"slower": "faster", "faster": "slower"}.get(speedup["verdict"], speedup["verdict"])
+            vs_eager = {"speedup": speedup, "eager_latency": timed["variants"]["eager"],
+                        **{k: timed[k] for k in ("stable_rounds", "set_aside", "probe", "sentinel_s")}}
+            latency |= {"warmup": warmup, "clock": timed["clock"], "interleaved_with": "eager"}
+        else:
+            latency = time_fn(mine, device, 0, repeats) | {"warmup": warmup}
     tokens = batch_size * seq_len
-    log.info("%s %s seq %d batch %d: median %.4f s (p90 %.4f), peak delta %s MiB, |diff| %.2e", impl, mode,
-             seq_len, batch_size, latency["median"], latency["p90"], mem.get("delta_mib"), diff)
+    speedup = (vs_eager or {}).get("speedup", {}).get("median")
+    log.info("%s %s seq %d batch %d: median %.4f s (p90 %.4f), peak delta %s MiB, |diff| %s%s", impl, mode,
+             seq_len, batch_size, latency["median"], latency["p90"], mem.get("delta_mib"),
+             "n/a" if diff is None else f"{diff:.2e}", f", {speedup:.2f}x eager" if speedup else "")
     return {"latency": latency, "memory": mem, "tokens_per_s": tokens / latency["median"],
-            "max_abs_diff_vs_eager": diff,
-            "compared": "last hidden state" if mode == "forward" else "gradient of the input embeddings"}
+            "max_abs_diff_vs_eager": diff, "compared": compared, "vs_eager": vs_eager}
 
 
 def fit_exponent(rows: list[dict]) -> dict:

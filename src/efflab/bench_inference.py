@@ -17,8 +17,8 @@ import torch
 from . import cli
 from .config import finetune_run
 from .layout import Layout
-from .measure import (CellJournal, environment, percentile, pick_device, run_cell, set_threads, summarize,
-                      track_memory)
+from .measure import (SENTINEL_TOLERANCE, CellJournal, environment, interleave, paired_ratio, percentile,
+                      pick_device, run_cell, set_threads, summarize, track_memory)
 from .memory_estimate import compared, generation_peak, quantized_layer_transient, variant_quant
 from .modeling import base_dtype, load_model, load_tokenizer, require_input
 
@@ -144,10 +144,34 @@ def inference_cell(cfg: dict, results: str, name: str, dtype: str, device: str, 
                                  device=device.type, quantized_transient_bytes=transient)
     # Time and memory in separate passes: on a CPU the memory tracker records every allocation through
     # torch.profiler (tens of thousands of events per generation), which would slow the timed decode.
-    runs = [generate_timed(model, tokenizer, batch, n, kv_cache) for _ in range(b["repeats"]) for batch in batches]
     with track_memory(device) as mem:
         for batch in batches:
             generate_timed(model, tokenizer, batch, n, kv_cache)
+    by_round, vs_base = {}, None
+
+    def mine(round_):
+        by_round[round_] = [generate_timed(model, tokenizer, batch, n, kv_cache) for batch in batches]
+    if b["variants"][name]["kind"] == "base":
+        for r in range(b["repeats"]):
+            mine(r)
+        runs = [g for r in range(b["repeats"]) for g in by_round[r]]
+    else:
+        # The base model on the same prompts, interleaved round by round: the variant's speed against the
+        # base's with an interval, free of the machine's drift between jobs.
+        base = load_model(layout.base_model(), dtype, device)
+        timed = interleave({name: mine, "base": lambda r: [generate_timed(base, tokenizer, x, n, kv_cache)
+                                                            for x in batches]},
+                           b["repeats"], device, warmup=b["warmup"], tolerance=SENTINEL_TOLERANCE)
+        kept = [b["warmup"] + i for i, r in enumerate(timed["rounds"]) if r["stable"] or "unstable" in timed]
+        runs = [g for r in kept for g in by_round[r]]  # the rounds the figures are of (warmup rounds are not)
+        ratio = paired_ratio(timed, name, "base")
+        ratio["verdict"] = {"slower": "faster", "faster": "slower"}.get(ratio["verdict"], ratio["verdict"])
+        vs_base = {"generation_speedup": ratio, "measured": "whole generations of every prompt batch per round; "
+                   "speedup = the base model's time over this variant's; the verdict is said of this variant",
+                   "base_generation_s": timed["variants"]["base"],
+                   **{k: timed[k] for k in ("stable_rounds", "set_aside", "probe", "sentinel_s")}}
+        if "unstable" in timed:
+            vs_base["unstable"] = timed["unstable"]
     if any(r["new_tokens"] != n for r in runs):
         raise RuntimeError(f"generation length differs from max_new_tokens={n}")
     ttft = summarize([r["ttft_s"] for r in runs])
@@ -161,7 +185,7 @@ def inference_cell(cfg: dict, results: str, name: str, dtype: str, device: str, 
     return {"ttft": ttft, "decode_tokens_per_s": decode_tps, "per_token_latency": per_token, "memory": mem,
             "generations": len(runs), "prompt_tokens": [r["prompt_tokens"] for r in runs[:len(batches)]],
             "memory_footprint_bytes": model.get_memory_footprint(),
-            "memory_prediction": compared(prediction, mem),
+            "memory_prediction": compared(prediction, mem), "vs_base": vs_base,
             "samples": [{"prompt": p, "answer": t} for p, t in zip(b["prompts"], runs[0]["texts"])]}
 
 

@@ -71,8 +71,8 @@ def _setup_logging(log_file: str | None) -> None:
     configure_logging(handlers, "%(asctime)s %(levelname)s %(message)s")
 
 
-STAGES = ("base_model", "prepare_data", "quantize", "finetune", "merge", "bench_attention", "bench_inference",
-          "claims", "report")
+STAGES = ("base_model", "prepare_data", "quantize", "finetune", "merge", "bench_finetune", "bench_attention",
+          "bench_inference", "claims", "report")
 
 
 def stage_names(cfg: dict, stage: str) -> list[str] | None:

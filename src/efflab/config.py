@@ -32,6 +32,7 @@ STAGE_PARAMS = {
                  "report.baseline_scheme"],
     "finetune": ["runtime", "finetune.defaults", "finetune.runs.{name}"],
     "merge": ["runtime", "merge", "finetune.defaults", "finetune.runs.{name}"],
+    "bench_finetune": ["runtime", "bench_finetune", "finetune.defaults", "finetune.runs"],
     "bench_attention": ["runtime", "bench_attention.seq_lens", "bench_attention.batch_sizes",
                         "bench_attention.modes", "bench_attention.warmup", "bench_attention.repeats"],
     "bench_inference": ["runtime", "bench_inference.max_new_tokens", "bench_inference.warmup",

@@ -112,6 +112,94 @@ def time_fn(fn, device: torch.device, warmup: int, repeats: int) -> dict:
     return summarize(samples) | {"warmup": warmup, "clock": "cuda_events" if device.type == "cuda" else "perf_counter"}
 
 
+# --- interleaved comparisons with a speed sentinel -------------------------------------------------
+
+# How far a speed probe may stray from the median probe before its round is set aside. Probes on a quiet
+# shared 2-core VM spread about ±15%; a core taken by another process halves them.
+SENTINEL_TOLERANCE = 0.25
+
+
+def speed_probe(device: torch.device) -> float:
+    """The machine's speed right now: the best of three short fixed fp32 matmuls, in GFLOP/s (about 30 ms on
+    two CPU cores). Another process taking a core, a clock change or thermal throttling shows as a drop.
+    Sized so that on a quiet 2-core machine 30 probes in a row stay within ±10% of their median (384 or
+    512 were too short for that: 72-153 GFLOP/s around 125)."""
+    size = 4096 if device.type == "cuda" else 768
+    a = torch.randn(size, size, device=device)
+    best = min(time_fn(lambda: torch.mm(a, a), device, warmup=1, repeats=3)["samples"])
+    return 2 * size**3 / best / 1e9
+
+
+def interleave(variants: dict, rounds: int, device: torch.device, warmup: int = 1,
+               tolerance: float = SENTINEL_TOLERANCE, extra_rounds: int | None = None) -> dict:
+    """Time each variant's `fn(round)` once per round, the variants interleaved (A B, then B A, ...) so that a
+    drift of the machine's speed hits every variant alike, with a speed probe before and after each round.
+
+    A round whose probes fall outside ±tolerance of the median probe is set aside, and another round is run
+    in its place (at most `extra_rounds` more, default `rounds`); if fewer than `rounds` stable rounds are
+    left, the result is `unstable`, with the probes that say so, and must not be read as a verdict (its
+    figures are then of every round). The probes run outside the timed calls; `sentinel_s` is what they
+    cost. Returns the per-round record and, per variant, the summary of its stable rounds."""
+    names = list(variants)
+    for r in range(warmup):
+        for name in names:
+            variants[name](r)
+    synchronize(device)
+    extra = rounds if extra_rounds is None else extra_rounds
+    log, sentinel_s, probe_before = [], 0.0, None
+    while True:
+        t0 = time.perf_counter()
+        probe_before = probe_before or speed_probe(device)
+        order = names if len(log) % 2 == 0 else names[::-1]
+        times = {}
+        sentinel_s += time.perf_counter() - t0
+        for name in order:
+            times[name] = time_fn(lambda: variants[name](warmup + len(log)), device, 0, 1)["samples"][0]
+        t0 = time.perf_counter()
+        probe_after = speed_probe(device)
+        sentinel_s += time.perf_counter() - t0
+        log.append({"order": order, "seconds": times, "probe_gflops": [probe_before, probe_after]})
+        probe_before = probe_after  # the probe after one round is the probe before the next
+        stable = _mark_stable(log, tolerance)
+        if stable >= rounds or len(log) >= rounds + extra:
+            break
+    kept = [r for r in log if r["stable"]]
+    figures = kept if len(kept) >= rounds else log  # unstable: every round, flagged as such
+    probes = [p for r in log for p in r["probe_gflops"]]
+    out = {"rounds": log, "stable_rounds": len(kept), "set_aside": len(log) - len(kept), "warmup_rounds": warmup,
+           "probe": summarize(probes, unit="GFLOP/s", keep_samples=False) | {"tolerance": tolerance},
+           "sentinel_s": sentinel_s, "clock": "cuda_events" if device.type == "cuda" else "perf_counter",
+           "variants": {n: summarize([r["seconds"][n] for r in figures]) for n in names}}
+    if len(kept) < rounds:
+        out["unstable"] = (f"the machine's speed changed: {len(log) - len(kept)} of {len(log)} rounds had a speed "
+                           f"probe outside ±{tolerance:.0%} of the median {out['probe']['median']:.1f} GFLOP/s "
+                           f"(range {out['probe']['min']:.1f}–{out['probe']['max']:.1f})")
+    return out
+
+
+def _mark_stable(log: list[dict], tolerance: float) -> int:
+    median = statistics.median(p for r in log for p in r["probe_gflops"])
+    for r in log:
+        r["stable"] = all(abs(p / median - 1) <= tolerance for p in r["probe_gflops"])
+    return sum(r["stable"] for r in log)
+
+
+def paired_ratio(result: dict, a: str, b: str, level: float = 0.95) -> dict:
+    """b's time over a's from an interleave() result: the ratio within each stable round (so drift between
+    rounds cancels), its median and bootstrap confidence interval, and a verdict at that level: `slower` /
+    `faster` only when the interval lies above / below 1, else `no significant difference`. An unstable
+    comparison gets no verdict."""
+    kept = [r for r in result["rounds"] if r["stable"]]
+    if "unstable" in result or len(kept) < 2:
+        why = result.get("unstable") or f"only {len(kept)} stable round(s)"
+        return {"median": None, "ci95": None, "rounds": len(kept), "verdict": f"not a verdict: {why}"}
+    ratios = sorted(r["seconds"][b] / r["seconds"][a] for r in kept)
+    lo, hi = bootstrap_median_ci(ratios, level)
+    verdict = "slower" if lo > 1 else "faster" if hi < 1 else "no significant difference"
+    return {"median": percentile(ratios, 0.5), "ci95": [lo, hi], "level": level, "rounds": len(kept),
+            "verdict": verdict}
+
+
 def _proc_status_kib(field: str, pid: int | str = "self") -> int | None:
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():

@@ -36,6 +36,12 @@ def not_run(by_stage: dict[str, list[dict]]) -> list[dict]:
             for stage, records in by_stage.items() for r in records if not is_ok(r)]
 
 
+def interleaved_pair(bench_finetune: list[dict], a: str, b: str) -> dict | None:
+    """bench_finetune's measured pair of runs a and b (paired as knob_pairs pairs them: a first), or None."""
+    return next((pair for job in ok(bench_finetune) for pair in ok(job.get("pairs", []))
+                 if (pair["a"], pair["b"]) == (a, b)), None)
+
+
 def flat_settings(settings: dict, prefix: str = "") -> dict:
     """A run's settings as `lora.r: 8` pairs, without the ones that are not knobs."""
     out = {}

@@ -14,7 +14,7 @@ import pandas as pd  # noqa: E402
 
 from . import cli, provenance, records  # noqa: E402
 from .config import UserError  # noqa: E402
-from .measure import FINGERPRINT_KEYS, bootstrap_median_ci, fingerprint, percentile  # noqa: E402
+from .measure import SENTINEL_TOLERANCE, FINGERPRINT_KEYS, bootstrap_median_ci, fingerprint, percentile  # noqa: E402
 
 log = logging.getLogger("efflab")
 MiB = 2**20
@@ -116,22 +116,49 @@ def _tensor_peaks(a: dict, b: dict) -> str:
 
 
 def _ratio_ci(ratio: dict | None) -> str:
-    if not ratio:
+    if not ratio or ratio.get("median") is None:
         return "-"
+    if ratio.get("interleaved"):
+        lo, hi = ratio["ci95"]
+        return f"{ratio['median']:.2f} [{lo:.2f}, {hi:.2f}] (interleaved, {ratio['rounds']} rounds)"
     if not ratio["paired"]:
         return f"{ratio['median']:.2f} (runs' intervals)"
     lo, hi = ratio["ci95"]
     return f"{ratio['median']:.2f} [{lo:.2f}, {hi:.2f}] (paired steps)"
 
 
-def knob_table(rows: list[dict]) -> pd.DataFrame:
+def speed_changed(a: dict, b: dict, tolerance: float = SENTINEL_TOLERANCE) -> str | None:
+    """Why two runs' own step times cannot be compared, when the matmul ceilings their processes measured
+    differ by more than `tolerance`: the machine ran at another speed for one of them."""
+    ca, cb = (r.get("throughput", {}).get("matmul_ceiling", {}).get("tflops") for r in (a, b))
+    if ca and cb and abs(cb / ca - 1) > tolerance:
+        return (f"not a verdict: the machine's speed changed between the runs (matmul ceiling {1000 * ca:.0f} vs "
+                f"{1000 * cb:.0f} GFLOP/s)")
+    return None
+
+
+def knob_timing(a: dict, b: dict, bench_finetune: list[dict]) -> tuple[dict | None, float | None]:
+    """A knob pair's step-time ratio and tokens/s ratio: from bench_finetune's interleaved steps where it
+    measured the pair, else from the two runs' own steps, unless the machine's speed changed between them."""
+    pair = records.interleaved_pair(bench_finetune, a["run"], b["run"])
+    if pair:
+        rates = [pair["runs"][r]["tokens_per_s"] for r in (a["run"], b["run"])]
+        return pair["step_time_ratio"] | {"interleaved": True}, _ratio(*rates)
+    ratio = step_time_ratio(a, b)
+    changed = speed_changed(a, b)
+    if ratio and changed:
+        ratio = ratio | {"verdict": changed}
+    return ratio, _ratio(a["tokens_per_s"], b["tokens_per_s"])
+
+
+def knob_table(rows: list[dict], bench_finetune: list[dict] = ()) -> pd.DataFrame:
     out = []
     for knob, value_a, value_b, a, b in records.knob_pairs(rows):
         value_a, value_b = _show(value_a), _show(value_b)
         mem_a, mem_b = _mem(a["train_memory"]), _mem(b["train_memory"])
         delta_a, delta_b = a["train_memory"].get("delta_mib"), b["train_memory"].get("delta_mib")
         memory_ratio = _ratio(delta_a, delta_b)
-        ratio = step_time_ratio(a, b)
+        ratio, tokens_ratio = knob_timing(a, b, bench_finetune)
         out.append({
             "knob": knob, "from → to": f"{value_a} → {value_b}",
             "runs": f"{a['run']} → {b['run']}",
@@ -144,7 +171,7 @@ def knob_table(rows: list[dict]) -> pd.DataFrame:
             "median step (s) [95% CI]": f"{_median_ci(a.get('step_time'))} → {_median_ci(b.get('step_time'))}",
             "step time ratio [95% CI]": _ratio_ci(ratio),
             "step time verdict": ratio["verdict"] if ratio else "-",
-            "tokens/s ratio": _ratio(a["tokens_per_s"], b["tokens_per_s"]),
+            "tokens/s ratio": tokens_ratio,
             "val loss after": f"{a['validation_after']['loss']:.4f} → {b['validation_after']['loss']:.4f}",
             "env": _fp(a) if _fp(a) == _fp(b) else f"{_fp(a)} / {_fp(b)}",
         })
@@ -323,13 +350,28 @@ def attention_table(rows: list[dict]) -> pd.DataFrame:
                 "peak delta (MiB)": row["memory"].get("delta_mib") if ok else None,
                 "memory kind": row["memory"]["kind"] if ok else None,
                 "max |diff| vs eager": row["max_abs_diff_vs_eager"] if ok else None,
+                "speedup vs eager [95% CI]": _speedup(row.get("vs_eager"), "speedup") if ok else "-",
+                "verdict vs eager": _speedup_verdict(row.get("vs_eager"), "speedup") if ok else "-",
                 "env": _fp(r),
             })
     return pd.DataFrame(out, columns=ATTENTION_COLUMNS)
 
 
 ATTENTION_COLUMNS = ["implementation", "mode", "seq len", "batch", "status", "median (ms)", "95% CI of median (ms)",
-                     "p90 (ms)", "p99 (ms)", "tokens/s", "peak delta (MiB)", "memory kind", "max |diff| vs eager", "env"]
+                     "p90 (ms)", "p99 (ms)", "tokens/s", "peak delta (MiB)", "memory kind", "max |diff| vs eager",
+                     "speedup vs eager [95% CI]", "verdict vs eager", "env"]
+
+
+def _speedup(pair: dict | None, key: str) -> str:
+    """An interleaved comparison's speedup with its interval: '1.31 [1.22, 1.40]'."""
+    ratio = (pair or {}).get(key) or {}
+    if ratio.get("median") is None:
+        return (pair or {}).get("unavailable", "-")
+    return f"{ratio['median']:.2f} [{ratio['ci95'][0]:.2f}, {ratio['ci95'][1]:.2f}]"
+
+
+def _speedup_verdict(pair: dict | None, key: str) -> str:
+    return ((pair or {}).get(key) or {}).get("verdict", "-")
 
 
 def exponent_table(rows: list[dict]) -> pd.DataFrame:
@@ -360,6 +402,8 @@ def inference_table(rows: list[dict]) -> pd.DataFrame:
                 "peak delta (MiB)": c["memory"].get("delta_mib") if ok else None,
                 "memory kind": c["memory"]["kind"] if ok else None,
                 "footprint (MiB)": c["memory_footprint_bytes"] / MiB if ok else None,
+                "speedup vs base [95% CI]": _speedup(c.get("vs_base"), "generation_speedup") if ok else "-",
+                "verdict vs base": _speedup_verdict(c.get("vs_base"), "generation_speedup") if ok else "-",
                 "env": _fp(r),
             })
     return pd.DataFrame(out, columns=INFERENCE_COLUMNS)
@@ -368,7 +412,7 @@ def inference_table(rows: list[dict]) -> pd.DataFrame:
 INFERENCE_COLUMNS = ["variant", "kind", "of", "KV cache", "batch", "status", "TTFT median (ms)", "TTFT p90 (ms)",
                      "decode tokens/s median", "decode tokens/s 95% CI", "per-token p50 (ms)", "per-token p90 (ms)",
                      "per-token p99 (ms)", "per-token p99/p50", "tail cause (p99/p50 > 1.5)", "peak delta (MiB)",
-                     "memory kind", "footprint (MiB)", "env"]
+                     "memory kind", "footprint (MiB)", "speedup vs base [95% CI]", "verdict vs base", "env"]
 
 
 MEMORY_TARGET = 0.15  # issue 5: the estimator within ±15% of the measurement on the embedded default
@@ -601,7 +645,7 @@ def run(cfg: dict, paths: dict) -> dict:
     tables = {
         "quantize": quantize_table(metrics["quantize"]),
         "finetune": finetune_table(metrics["finetune"]),
-        "finetune_knobs": knob_table(metrics["finetune"]),
+        "finetune_knobs": knob_table(metrics["finetune"], metrics["bench_finetune"]),
         "merge": merge_table(metrics["merge"]),
         "merge_targets": merge_targets_table(metrics["merge"]),
         "bench_attention": attention_table(metrics["bench_attention"]),
@@ -677,11 +721,17 @@ def run(cfg: dict, paths: dict) -> dict:
         "Every pair of trained runs whose settings differ in exactly one knob, everything else equal (add runs "
         "to `finetune.runs` to sweep a knob). Memory change is of the training memory over the process's "
         "resident memory before training; step time change is of the mean wall time per optimizer step; the median "
-        "step and its bootstrap 95% interval leave out the first (warm-up) step. Runs that drew the same batches "
-        "are compared step by step (the ratio of each step to the same step of the other run, with a bootstrap "
-        "95% interval of its median); the verdict says slower or faster only when that interval excludes 1 "
-        "(for runs with other batches: when the runs' own intervals do not overlap), else no significant "
-        "difference.", "",
+        "step and its bootstrap 95% interval leave out the first (warm-up) step. The step time ratio and its "
+        "verdict come from `bench_finetune`, which builds both runs of the pair in one process and times their "
+        f"training steps interleaved (A B, then B A) over the same batches, {cfg['bench_finetune']['rounds']} "
+        "stable rounds, with a matmul speed probe before and after each round: a round in which the machine's "
+        f"speed moved by more than {cfg['bench_finetune']['sentinel_tolerance']:.0%} is set aside and run again, "
+        "and a pair left without enough stable rounds gets no verdict. The ratio is the median of the per-round "
+        "ratios with its bootstrap 95% interval; the verdict says slower or faster only when that interval "
+        "excludes 1, else no significant difference. A pair bench_finetune did not measure falls back to the "
+        "runs' own steps (step by step where they drew the same batches), and gets no verdict when the matmul "
+        "ceilings the two runs measured differ by more than "
+        f"{SENTINEL_TOLERANCE:.0%}.", "",
         table("finetune_knobs"), "",
         "### Determinism", "",
         "On CPU the same params give a bitwise-identical loss curve and adapter weights on a rerun (tested). "
@@ -698,7 +748,11 @@ def run(cfg: dict, paths: dict) -> dict:
         "## Attention implementations", "",
         f"{metrics['bench_attention'][0].get('measured', 'model forward')}; `forward_backward` freezes the weights "
         "and back-propagates into the input embeddings, so its memory is the activations training keeps. "
-        "Agreement vs eager: max |difference| of the output (forward) or of the input gradient (forward+backward).",
+        "Agreement vs eager: max |difference| of the output (forward) or of the input gradient (forward+backward). "
+        "Each implementation's cell also runs eager on the same inputs, the two timed interleaved (A B, then B A) "
+        "with a speed probe around each round: the speedup is the median of eager's time over the "
+        "implementation's per round, with its bootstrap 95% interval; the verdict (of the implementation) says "
+        "faster or slower only when that interval excludes 1.",
         "", table("bench_attention"), "", "![attention latency](bench_attention.png)", "",
         "### Memory vs sequence length", "",
         "Least-squares exponent k of peak memory delta ∝ seq_len^k (k ≈ 2: quadratic, k ≈ 1: linear).", "",
@@ -707,7 +761,10 @@ def run(cfg: dict, paths: dict) -> dict:
         f"Exactly {inf['max_new_tokens']} new tokens per sequence, {len(inf['prompts'])} prompts × {inf['repeats']} repeats "
         "after warmup, per cell (KV cache on/off × batch size). TTFT = prefill; decode tokens/s counts every "
         "sequence of the batch and excludes the first token; per-token latencies are the gaps between "
-        "consecutive tokens.", "",
+        "consecutive tokens. Every variant but the base model is timed interleaved with the base model on the "
+        "same prompts, round by round (A B, then B A, with a speed probe around each round): the speedup is the "
+        "median of the base's generation time over the variant's per round, with its bootstrap 95% interval and "
+        "a verdict said of the variant.", "",
         table("bench_inference"), "", "![inference](bench_inference.png)", "",
         "![memory vs decode speed vs perplexity: Pareto frontier](inference_pareto.png)", "",
         "### Sample answers (first prompt, first cell)", "",

@@ -8,6 +8,7 @@ rule claims:
         "results/base_model/metrics.json",
         expand("results/quantize/{name}/metrics.json", name=names("quantize")),
         expand("results/finetune/{name}/metrics.json", name=names("finetune")),
+        "results/bench_finetune/metrics.json",
         expand("results/bench_attention/{name}/metrics.json", name=names("bench_attention")),
     output:
         csv="results/claims/claims.csv",

@@ -11,6 +11,7 @@ rule report:
         expand("results/quantize/{name}/metrics.json", name=names("quantize")),
         expand("results/finetune/{name}/metrics.json", name=names("finetune")),
         expand("results/merge/{name}/metrics.json", name=names("merge")),
+        "results/bench_finetune/metrics.json",
         expand("results/bench_attention/{name}/metrics.json", name=names("bench_attention")),
         expand("results/bench_inference/{name}/metrics.json", name=names("bench_inference")),
         "results/prepare_data/metrics.json",

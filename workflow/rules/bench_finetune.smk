@@ -1,0 +1,22 @@
+rule bench_finetune:
+    input:
+        module("bench_finetune"),
+        module("finetune"),
+        base="results/base_model/metrics.json",
+        train="results/prepare_data/train.parquet",
+    output:
+        metrics="results/bench_finetune/metrics.json",
+    params:
+        file=PARAMS,
+        settings=settings("bench_finetune"),
+    log:
+        "results/logs/bench_finetune/bench_finetune.log",
+    threads: threads_for("bench_finetune")
+    resources:
+        mem_mb=mem_mb("bench_finetune"),
+        runtime=runtime("bench_finetune"),
+        **gpu_resources("bench_finetune"),
+    conda:
+        "../envs/efflab.yaml"
+    shell:
+        "python -m efflab.bench_finetune --params {params.file:q} --log {log:q}"
