@@ -84,14 +84,58 @@ def test_wrong_seed_figures_are_called_out_with_arithmetic(empty_run):
     df = empty_run[1].set_index("id")
     row = df.loc["fp32-mantissa-bits"]
     assert row["verdict"] == "differs" and row["reproduced"] == "23 bits" and "total width" in row["reason"]
-    row = df.loc["activations-llama-2-13b-21gb"]
-    assert row["verdict"] == "differs" and "GB vs GiB" in row["reason"] and "21.09 GiB" in row["reason"]
-    assert "GB vs GiB" in df.loc["t0-3b-zero3-offload-all-init1-cpu", "reason"]
     row = df.loc["qlora-13b-base-weights"]
-    assert row["verdict"] == "differs" and "block constants" in row["reason"] and "GiB" not in row["reason"]
+    assert row["verdict"] == "differs" and "block constants" in row["reason"]
     assert df.loc["gradscaler-growth-interval", "reproduced"] == "2,000 count"
     assert df.loc["checkpointing-llama-13b-800mb", "verdict"] == "reproduced"
     assert "MiB" in df.loc["checkpointing-llama-13b-800mb", "reason"]
+
+
+def test_binary_convention_claims_compare_like_with_like(empty_run, registry):
+    """A seed's GB that its source shows are GiB (DeepSpeed prints bytes / 2**30 as 'GB') or that only reproduce
+    as GiB are read as GiB, with the convention and its evidence in the row."""
+    df = empty_run[1].set_index("id")
+    row = df.loc["t0-3b-zero3-offload-all-init1-cpu"]
+    assert row["verdict"] == "reproduced" and row["reproduced"] == "70 GB (binary: GiB)"
+    assert row["units"] == "binary (source)" and "2**30" in row["reason"]
+    assert (df.loc[[c["id"] for c in registry if c["id"].startswith("t0-3b-zero3-")], "verdict"] == "reproduced").all()
+    row = df.loc["activations-llama-2-13b-21gb"]
+    assert row["verdict"] == "reproduced" and row["reproduced"] == "21.09 GB (binary: GiB)"
+    assert row["units"] == "binary (arithmetic)" and row["ratio"] == pytest.approx(21.09 / 21, abs=1e-3)
+    assert df.loc["gpt2-1.5b-weights-3gb", "units"] == "decimal (default)"
+    assert pd.isna(df.loc["fp16-exponent-bits", "units"])  # a unit without a byte prefix has no convention
+
+
+def test_a_figure_that_fits_only_in_the_other_convention_still_differs(registry):
+    by_id = {c["id"]: c for c in registry}
+    # decimal by default: the seed's 21 GB without the recorded evidence is 22.65 GB and differs, saying why
+    bare = {k: v for k, v in by_id["activations-llama-2-13b-21gb"].items() if k != "units"}
+    row = claims.evaluate(bare, None)
+    assert row["verdict"] == "differs" and row["reproduced"] == "22.65 GB" and row["units"] == "decimal (default)"
+    assert "fits only in binary: 22.65 GB = 21.09 GiB" in row["reason"] and "nothing in the seed says" in row["reason"]
+    # recorded decimal (the slide's own 0.5 bytes * 13B = 6.5GB): 7.20 GB = 6.71 GiB would fit, but differs
+    row = claims.evaluate(by_id["qlora-13b-base-weights"], None)
+    assert row["verdict"] == "differs" and row["units"] == "decimal (source)"
+    assert "block constants" in row["reason"] and "recorded as decimal" in row["reason"]
+    # and the other way: a binary record whose figure fits only in decimal
+    flipped = dict(by_id["full-13b-weights-26gb"], units={"convention": "binary", "evidence_kind": "arithmetic",
+                                                          "evidence": "a test of the reverse case"})
+    row = claims.evaluate(flipped, None)
+    assert row["verdict"] == "differs" and "fits only in decimal" in row["reason"]
+    assert "recorded as binary" in row["reason"]
+
+
+def test_unit_convention_only_for_byte_units(tmp_path, registry):
+    claim = next(c for c in registry if c["reported"]["unit"] == "bits")
+    path = tmp_path / "claims.yaml"
+    units = {"convention": "binary", "evidence_kind": "source", "evidence": "the seed's code divides by 1024"}
+    path.write_text(yaml.safe_dump({"claims": [dict(claim, units=units)]}))
+    with pytest.raises(UserError, match=r"units: a unit convention applies to KB"):
+        claims.load_registry(path)
+    gb = next(c for c in registry if c["reported"]["unit"] == "GB")
+    path.write_text(yaml.safe_dump({"claims": [dict(gb, units=dict(units, convention="guessed"))]}))
+    with pytest.raises(UserError, match=r"claims\.0\.units\.convention: 'guessed' is not one of"):
+        claims.load_registry(path)
 
 
 def _write(path: Path, data: dict) -> None:

@@ -6,6 +6,11 @@ measured claims are read from this pipeline's own results (a small model on this
 difference is stated in each row); hardware claims need a GPU and are marked so until run on one. Each
 row gets a verdict: reproduced (within tolerance), differs (with the reason found), not reproducible here
 (with why) or needs GPU: <which>. Writes claims.csv and claims.md.
+
+Byte figures are compared like with like: a seed's KB/MB/GB are read in the claim's recorded unit convention
+(`units` in the registry: binary where the seed's code, the tool that printed the figure, or the arithmetic
+shows its GB are GiB, with that evidence), decimal otherwise; a figure that fits only in the other convention
+differs, and the row says so.
 """
 from __future__ import annotations
 
@@ -31,7 +36,14 @@ SCHEMA = REPO_ROOT / "workflow" / "schemas" / "claims.schema.yaml"
 UNIT_SCALE = {"params": 1, "M params": 1e6, "B params": 1e9, "bytes": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9,
               "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TB/s": 1e12, "bytes/param": 1, "bits": 1, "%": 1, "x": 1,
               "count": 1, "cycles": 1, "s": 1}
-# The unit a seed may have meant instead: decimal and binary prefixes are the usual confusion.
+# Byte units whose prefix a seed may write loosely: the power of the prefix, and the convention the label itself
+# names. A claim's `units.convention` (workflow/claims.yaml) says how the seed's label is to be read; without
+# one the label is taken at its word (KB/MB/GB decimal, KiB/MiB/GiB binary).
+PREFIX_POWER = {"KB": 1, "MB": 2, "GB": 3, "KiB": 1, "MiB": 2, "GiB": 3}
+LABEL_CONVENTION = {"KB": "decimal", "MB": "decimal", "GB": "decimal",
+                    "KiB": "binary", "MiB": "binary", "GiB": "binary"}
+CONVENTION_BASE = {"decimal": 1000, "binary": 1024}
+# The unit a label means under the other convention: decimal and binary prefixes are the usual confusion.
 OTHER_UNIT = {"KB": "KiB", "MB": "MiB", "GB": "GiB", "KiB": "KB", "MiB": "MB", "GiB": "GB"}
 VERDICTS = ("reproduced", "differs", "not reproducible here", "needs GPU")
 
@@ -56,6 +68,9 @@ def load_registry(path: Path = REGISTRY) -> list[dict]:
         if "quantity" in claim and claim["quantity"] not in QUANTITIES:
             raise UserError(f"{path}: {claim['id']}.quantity: {claim['quantity']!r} is not one of "
                             f"{sorted(QUANTITIES)}")
+        if "units" in claim and claim["reported"]["unit"] not in PREFIX_POWER:
+            raise UserError(f"{path}: {claim['id']}.units: a unit convention applies to {', '.join(PREFIX_POWER)}, "
+                            f"not {claim['reported']['unit']!r}")
     return doc["claims"]
 
 
@@ -422,16 +437,64 @@ def _reported(value) -> str:
     return "–".join(f"{v:,}" for v in value) if isinstance(value, list) else f"{value:,}"
 
 
-def _holds(x: float, claim: dict) -> bool:
+def convention(claim: dict) -> str | None:
+    """How the claim's byte unit is read: its registry `units.convention`, else what the label says; None for a
+    unit without a decimal/binary prefix."""
+    unit = claim["reported"]["unit"]
+    if unit not in PREFIX_POWER:
+        return None
+    return (claim.get("units") or {}).get("convention", LABEL_CONVENTION[unit])
+
+
+def unit_scale(unit: str, conv: str | None) -> float:
+    """One `unit` in its base unit, the prefix read in convention `conv` (decimal 1000^n, binary 1024^n)."""
+    return CONVENTION_BASE[conv] ** PREFIX_POWER[unit] if conv else UNIT_SCALE[unit]
+
+
+def _meant(unit: str, conv: str) -> str:
+    """The unambiguous unit a label stands for under a convention: GB read as binary is GiB."""
+    return unit if conv == LABEL_CONVENTION[unit] else OTHER_UNIT[unit]
+
+
+def _shown(x: float, unit: str, conv: str | None) -> str:
+    meant = _meant(unit, conv) if conv else unit
+    return f"{_fmt(x)} {unit}" + (f" ({conv}: {meant})" if meant != unit else "")
+
+
+def units_label(claim: dict) -> str:
+    """The claims.csv `units` column: the convention a byte claim is read in and what it rests on (source or
+    arithmetic evidence recorded in the registry, or the default: the label taken at its word)."""
+    conv = convention(claim)
+    if not conv:
+        return ""
+    return f"{conv} ({claim['units']['evidence_kind'] if claim.get('units') else 'default'})"
+
+
+def _units_note(claim: dict, conv: str) -> str:
+    """The recorded convention and its evidence, as the row's reason states it."""
+    units, unit = claim.get("units"), claim["reported"]["unit"]
+    if not units:
+        return ""
+    return (f"the seed's {unit} are {_meant(unit, conv)} ({conv}, {units['evidence_kind']} evidence: "
+            f"{units['evidence']})")
+
+
+def _band(claim: dict) -> tuple[float, float]:
+    """The values that reproduce the claim: its tolerance band around the reported value (or range, or bound)."""
     value, tol = claim["reported"]["value"], claim["tolerance"]
     if isinstance(value, list):
-        return value[0] * (1 - tol) <= x <= value[1] * (1 + tol)
+        return value[0] * (1 - tol), value[1] * (1 + tol)
     compare = claim.get("compare", "equal")
     if compare == "at_least":
-        return x >= value * (1 - tol)
+        return value * (1 - tol), math.inf
     if compare == "at_most":
-        return x <= value * (1 + tol)
-    return abs(x - value) <= tol * abs(value) + 1e-12
+        return -math.inf, value * (1 + tol)
+    return value - tol * abs(value) - 1e-12, value + tol * abs(value) + 1e-12
+
+
+def _holds(x: float, claim: dict) -> bool:
+    lo, hi = _band(claim)
+    return lo <= x <= hi
 
 
 def _ratio(x: float, claim: dict):
@@ -441,32 +504,41 @@ def _ratio(x: float, claim: dict):
 
 def judge(base_value: float, claim: dict,
           unexplained: str = "the seed's figure does not follow from its stated inputs") -> dict:
-    """Compare a value in the base unit with the reported one: reproduced, or differs with a reason."""
+    """Compare a value in the base unit with the reported one, like with like: a byte unit is read in the
+    claim's convention (decimal unless the registry records binary with its evidence). Reproduced, or differs
+    with a reason; a figure that fits only in the other convention still differs, and says so."""
     unit = claim["reported"]["unit"]
-    x = base_value / UNIT_SCALE[unit]
-    out = {"reproduced": f"{_fmt(x)} {unit}", "ratio": _ratio(x, claim)}
-    other = OTHER_UNIT.get(unit)
-    alt = base_value / UNIT_SCALE[other] if other else None
+    conv = convention(claim)
+    x = base_value / unit_scale(unit, conv)
+    recorded = claim.get("units")
+    out = {"reproduced": _shown(x, unit, conv), "ratio": _ratio(x, claim)}
+    other = {"decimal": "binary", "binary": "decimal"}.get(conv)
+    alt = base_value / unit_scale(unit, other) if other else None
+    note = _units_note(claim, conv) if conv else ""
     if _holds(x, claim):
-        note = ""
         r, r_alt = _ratio(x, claim), (_ratio(alt, claim) if other else None)
         if r_alt is not None and abs(r_alt - 1) < 0.002 < abs(r - 1):
-            note = f"{_fmt(alt)} {other} (within {abs(r_alt - 1):.2%}): the seed's {unit} are {other}"
+            note = "; ".join(filter(None, [note, f"closer in {other}: {_fmt(alt)} {_meant(unit, other)} "
+                                                 f"(within {abs(r_alt - 1):.2%})"]))
         return {**out, "verdict": "reproduced", "why": note}
-    # A diagnosis in the registry is the reason found by reading the seed; a unit mix-up is only
-    # concluded when nothing else explains the gap.
-    if claim.get("diagnosis"):
-        return {**out, "verdict": "differs", "why": claim["diagnosis"]}
+    # A diagnosis in the registry is the reason found by reading the seed; a figure that fits only in the other
+    # convention is reported as such, against the convention recorded (or the label, where none is).
+    mismatch = ""
     if other and _holds(alt, claim):
-        return {**out, "verdict": "differs",
-                "why": f"{unit} vs {other}: {_fmt(x)} {unit} = {_fmt(alt)} {other}; the seed's {unit} are {other}"}
-    return {**out, "verdict": "differs", "why": unexplained}
+        mismatch = (f"fits only in {other}: {_fmt(x)} {_meant(unit, conv)} = {_fmt(alt)} {_meant(unit, other)}, "
+                    + (f"but the seed's {unit} are recorded as {conv} ({recorded['evidence_kind']} evidence: "
+                       f"{recorded['evidence']})" if recorded else
+                       f"but nothing in the seed says its {unit} are {_meant(unit, other)} (record units: "
+                       f"{other} with the evidence, if the seed gives any)"))
+    reasons = [claim.get("diagnosis") or ("" if mismatch else unexplained), mismatch or note]
+    return {**out, "verdict": "differs", "why": "; ".join(filter(None, reasons))}
 
 
 def evaluate(claim: dict, layout) -> dict:
     row = {"id": claim["id"], "source": claim["source"], "quote": claim["quote"], "kind": claim["kind"],
            "reported": f"{_reported(claim['reported']['value'])} {claim['reported']['unit']}"
-                       + {"at_least": " (at least)", "at_most": " (at most)"}.get(claim.get("compare"), "")}
+                       + {"at_least": " (at least)", "at_most": " (at most)"}.get(claim.get("compare"), ""),
+           "units": units_label(claim)}
     notes = [claim["assumption"]] if claim.get("assumption") else []
     if claim.get("unreproducible"):
         return {**row, "reproduced": "", "ratio": None, "verdict": "not reproducible here",
@@ -514,7 +586,8 @@ def verdict_class(verdict: str) -> str:
 
 
 def evaluate_all(claims: list[dict], layout) -> pd.DataFrame:
-    columns = ["id", "source", "quote", "kind", "reported", "reproduced", "ratio", "verdict", "reason", "finding"]
+    columns = ["id", "source", "quote", "kind", "reported", "units", "reproduced", "ratio", "verdict", "reason",
+               "finding"]
     return pd.DataFrame([evaluate(c, layout) for c in claims], columns=columns).fillna({"finding": ""})
 
 
