@@ -74,6 +74,8 @@ def test_empty_results_give_a_row_and_a_valid_verdict_per_claim(empty_run, regis
             assert verdict in ("reproduced", "differs")
         elif c["kind"] == "measured":
             assert verdict == "not reproducible here" and "results" in by_id.loc[c["id"], "reason"]
+        elif c.get("estimate", {}).get("sufficient"):  # a footprint whose only missing piece is the real weights
+            assert verdict in ("reproduced (analytic)", "differs (analytic)")
         else:
             assert verdict == f"needs GPU: {c['gpu']}"
     md = (out / "claims.md").read_text()
@@ -136,6 +138,34 @@ def test_unit_convention_only_for_byte_units(tmp_path, registry):
     path.write_text(yaml.safe_dump({"claims": [dict(gb, units=dict(units, convention="guessed"))]}))
     with pytest.raises(UserError, match=r"claims\.0\.units\.convention: 'guessed' is not one of"):
         claims.load_registry(path)
+
+
+def test_int8_footprints_get_an_analytic_verdict_without_results(empty_run, registry):
+    """The INT8 footprints need only the real weights, whose values do not change the bytes: with no results at
+    all they get a verdict from the estimate, labelled analytic and counted with reproduced, in claims.csv and in
+    the markdown; a hardware claim that needs the GPU itself (the allocator's rounding) stays "needs GPU"."""
+    metrics, df, out = empty_run
+    by_id = df.set_index("id")
+    row = by_id.loc["vram-int8-llama-3.1-8b"]
+    assert row["verdict"] == "reproduced (analytic)" and claims.verdict_class(row["verdict"]) == "reproduced"
+    assert row["reproduced"] == "8,666 MB (binary: MiB)" and "analytic verdict" in row["reason"]
+    assert row["ratio"] == pytest.approx(8666 / 8679.11, abs=2e-4)
+    int8 = [c["id"] for c in registry if c["id"].startswith("vram-int8-")]
+    assert len(int8) == 6 and by_id.loc[int8, "verdict"].str.endswith("(analytic)").all()
+    assert by_id.loc["phi3-16-layers-fp16-reserved", "verdict"].startswith("needs GPU: ")
+    assert metrics["by_verdict"]["reproduced"] == (df["verdict"].map(claims.verdict_class) == "reproduced").sum()
+    assert "| reproduced (analytic) " in (out / "claims.md").read_text()
+
+
+def test_a_gpu_measurement_takes_precedence_over_the_analytic_verdict(tmp_path, registry):
+    layout = Layout(tmp_path / "results")
+    claim = dict(next(c for c in registry if c["id"] == "vram-int8-llama-3.1-8b"), metric={"kind": "cuda_context"})
+    assert claims.evaluate(claim, layout)["verdict"] == "reproduced (analytic)"  # no results: the estimate decides
+    _write(layout.metrics("base_model"), {"environment": {"device": "cuda", "gpu": "NVIDIA H100 80GB HBM3"},
+                                          "cuda_context": {"mib": 7000.0, "nvml_process_mib": 8000.0,
+                                                           "torch_reserved_mib": 1000.0}})
+    row = claims.evaluate(claim, layout)  # a stand-in metric that reads 7000 MiB from the GPU
+    assert row["verdict"] == "differs" and row["reproduced"] == "7,000 MB (binary: MiB)"
 
 
 def _write(path: Path, data: dict) -> None:

@@ -5,7 +5,10 @@ it would take to check it. analytic claims are computed by efflab.estimate from 
 measured claims are read from this pipeline's own results (a small model on this machine: the scale
 difference is stated in each row); hardware claims need a GPU and are marked so until run on one. Each
 row gets a verdict: reproduced (within tolerance), differs (with the reason found), not reproducible here
-(with why) or needs GPU: <which>. Writes claims.csv and claims.md.
+(with why) or needs GPU: <which>. A hardware claim whose estimate the registry marks sufficient (a footprint
+whose only missing piece is the real weights) gets an analytic verdict, "reproduced (analytic)" or "differs
+(analytic)", counted with reproduced / differs, until a GPU measurement replaces it. Writes claims.csv and
+claims.md.
 
 Byte figures are compared like with like: a seed's KB/MB/GB are read in the claim's recorded unit convention
 (`units` in the registry: binary where the seed's code, the tool that printed the figure, or the arithmetic
@@ -567,11 +570,18 @@ def _row_result(j: dict) -> dict:
 
 
 def _needs_gpu(row: dict, claim: dict, notes: list[str]) -> dict:
-    """A hardware claim: needs its GPU; an analytic cross-check, where the registry gives one, is shown."""
+    """A hardware claim without a GPU measurement: needs its GPU; an analytic cross-check, where the registry gives
+    one, is shown. Where the registry says the estimate is sufficient (a footprint whose only missing piece is
+    the real weights), the cross-check is the verdict, labelled analytic."""
     out = {**row, "reproduced": "", "ratio": None, "verdict": f"needs GPU: {claim['gpu']}", "reason": ""}
     if "estimate" in claim:
         value, how = compute(claim["estimate"]["quantity"], claim["estimate"]["inputs"])
         j = judge(value, claim)
+        if claim["estimate"].get("sufficient"):
+            label = (f"analytic verdict (no GPU measurement here; one on {claim['gpu']} would take precedence): "
+                     f"{claim['estimate']['sufficient']}")
+            return {**row, **_row_result(j), "verdict": f"{j['verdict']} (analytic)",
+                    "reason": "; ".join(filter(None, [j["why"], how, label, *notes])), "finding": j["why"]}
         agrees = "agrees" if j["verdict"] == "reproduced" else "does not agree"
         out.update(reproduced=f"{j['reproduced']} (analytic)", ratio=j["ratio"],
                    reason="; ".join(filter(None, [f"analytic cross-check {agrees} within {claim['tolerance']:.1%}",
@@ -598,11 +608,12 @@ def markdown(df: pd.DataFrame) -> str:
              + ", ".join(f"{counts.get(v, 0)} {v}" for v in VERDICTS) + ". Analytic values come from "
              "efflab.estimate on the shipped model configs (parameter counts from the meta-device model); "
              "ratio is reproduced / reported.", ""]
-    wrong = df[df["verdict"] == "differs"]
+    wrong = df[df["verdict"].map(verdict_class) == "differs"]
     if len(wrong):
         lines += ["Where the seeds' figures do not reproduce:", ""]
-        lines += [f"- **{r.id}** ({r.source}): reported {r.reported}, reproduced {r.reproduced} — "
-                  f"{r.finding}" for r in wrong.itertuples()]
+        lines += [f"- **{r.id}** ({r.source}): reported {r.reported}, reproduced {r.reproduced}"
+                  f"{' (analytic)' if r.verdict.endswith('(analytic)') else ''} — {r.finding}"
+                  for r in wrong.itertuples()]
         lines.append("")
     table = df.assign(claim=df["id"] + ": “" + df["quote"].str.replace("\t", " ") + "”",
                       ratio=df["ratio"].map(lambda r: "" if r is None or pd.isna(r) else f"{r:.3g}"))
@@ -624,7 +635,7 @@ def run(cfg: dict, paths: dict) -> dict:
     log.info("claims: %s", ", ".join(f"{by_verdict.get(v, 0)} {v}" for v in VERDICTS))
     return {"claims": len(df), "by_kind": df["kind"].value_counts().to_dict(),
             "by_verdict": {v: int(by_verdict.get(v, 0)) for v in VERDICTS},
-            "differs": df.loc[df["verdict"] == "differs", "id"].tolist()}
+            "differs": df.loc[df["verdict"].map(verdict_class) == "differs", "id"].tolist()}
 
 
 if __name__ == "__main__":
