@@ -201,6 +201,52 @@ def test_measured_claims_read_this_pipelines_results(tmp_path):
     assert claims.evaluate(registry["flash-attention-2-4x"], layout)["verdict"].startswith("needs GPU: ")
 
 
+def test_a_measured_figure_with_a_ci_differs_only_when_the_whole_ci_is_outside_the_band():
+    """The claim's tolerance band decides: median inside is reproduced, whole 95% CI outside is differs, a CI
+    reaching into the band from a median outside it is inconclusive (its own verdict class)."""
+    claim = {"id": "synthetic", "reported": {"value": 30, "unit": "%"}, "tolerance": 0.33}  # band 20.1-39.9 %
+    j = claims.judge(35.0, claim, ci=[15.0, 45.0])
+    assert j["verdict"] == "reproduced" and j["reproduced"] == "35 % [15, 45]" and "20.1–39.9 %" in j["why"]
+    j = claims.judge(55.0, claim, ci=[45.0, 65.0])
+    assert j["verdict"] == "differs" and "the whole 95% CI [45, 65] % lies outside the tolerance band" in j["why"]
+    j = claims.judge(41.2, claim, ci=[47.9, 35.0])  # an interval given high to low reads the same
+    assert j["verdict"] == "inconclusive" and j["reproduced"] == "41.2 % [35, 47.9]"
+    assert "the 95% CI [35, 47.9] % straddles the tolerance band's edge" in j["why"]
+    assert claims.verdict_class(j["verdict"]) == "inconclusive" and "inconclusive" in claims.VERDICTS
+    bound = {"id": "bound", "reported": {"value": 99, "unit": "%"}, "compare": "at_least", "tolerance": 0}
+    assert claims.judge(98.0, bound, ci=[97.0, 99.5])["verdict"] == "inconclusive"
+    assert claims.judge(98.0, bound, ci=[97.0, 98.5])["verdict"] == "differs"
+    assert claims.judge(99.2, bound, ci=[97.0, 99.5])["verdict"] == "reproduced"
+    assert claims.judge(55.0, claim)["verdict"] == "differs"  # without a CI the median alone decides
+
+
+def test_metrics_may_return_a_ci_and_finetune_pairs_carry_one(tmp_path, monkeypatch):
+    registry = {c["id"]: c for c in claims.load_registry()}
+    monkeypatch.setitem(claims.METRICS, "finetune_pair", lambda layout, metric: (41.2, "a stand-in", [35.0, 47.9]))
+    row = claims.evaluate(registry["checkpointing-30pct-slowdown"], Layout(tmp_path / "results"))
+    assert row["verdict"] == "inconclusive" and row["reproduced"] == "41.2 % [35, 47.9]"
+    assert "straddles the tolerance band's edge" in row["reason"] and "a stand-in" in row["reason"]
+    monkeypatch.undo()
+    layout = Layout(tmp_path / "results")
+    settings = {"lr": 1e-3, "gradient_checkpointing": False, "method": "lora"}
+    steps = {"lora": [1.0, 1.0, 1.0, 1.0, 1.0], "lora-ckpt": [1.3, 1.35, 1.3, 1.25, 1.3], "qlora": [1.4] * 5}
+    for run, extra in (("lora", {}), ("lora-ckpt", {"gradient_checkpointing": True}), ("qlora", {"method": "qlora"})):
+        _write(layout.metrics("finetune", run), {
+            "run": run, "method": extra.get("method", "lora"), "settings": {**settings, **extra}, "tokens_seen": 500,
+            "step_s": sum(steps[run]) / 5, "tokens_per_s": 100 / (sum(steps[run]) / 5),
+            "step_time": {"n": 5, "samples": steps[run]}})
+    ckpt = claims.evaluate(registry["checkpointing-30pct-slowdown"], layout)  # paired ratios 1.25 .. 1.35
+    assert ckpt["verdict"] == "reproduced" and ckpt["reproduced"].startswith("30 % [")
+    lo, hi = map(float, ckpt["reproduced"].split("[")[1].rstrip("]").split(", "))
+    assert 25 <= lo <= 30 <= hi <= 35 and "5 paired steps" in ckpt["reason"]
+    qlora = claims.evaluate(registry["qlora-throughput-30pct-worse"], layout)  # tokens/s: 1 / 1.4 each step
+    assert qlora["reproduced"] == f"{100 * (1 - 1 / 1.4):.4g} % [{100 * (1 - 1 / 1.4):.4g}, {100 * (1 - 1 / 1.4):.4g}]"
+    record = json.loads(layout.metrics("finetune", "qlora").read_text())
+    _write(layout.metrics("finetune", "qlora"), dict(record, tokens_seen=499))  # other batches: no pairing, no CI
+    qlora = claims.evaluate(registry["qlora-throughput-30pct-worse"], layout)
+    assert qlora["reproduced"] == f"{100 * (1 - 1 / 1.4):.4g} %" and "paired" not in qlora["reason"]
+
+
 def test_hardware_claims_are_evaluated_on_results_from_a_gpu(tmp_path):
     """GPU results (the base_model metrics of a CUDA run: its matmul rates and CUDA context, and attention
     cells measured on CUDA) turn "needs GPU" into verdicts; the same claims on CPU results stay "needs GPU"."""
