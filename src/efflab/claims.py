@@ -4,8 +4,16 @@ The registry (workflow/claims.yaml, schema workflow/schemas/claims.schema.yaml) 
 it would take to check it. analytic claims are computed by efflab.estimate from a shipped model config;
 measured claims are read from this pipeline's own results (a small model on this machine: the scale
 difference is stated in each row); hardware claims need a GPU and are marked so until run on one. Each
-row gets a verdict: reproduced (within tolerance), differs (with the reason found), not reproducible here
-(with why) or needs GPU: <which>. Writes claims.csv and claims.md.
+row gets a verdict: reproduced (within tolerance), differs (with the reason found), inconclusive (a measured
+figure whose 95% CI straddles the tolerance band's edge), not reproducible here (with why) or needs GPU:
+<which>. A hardware claim whose estimate the registry marks sufficient (a footprint whose only missing piece
+is the real weights) gets an analytic verdict, "reproduced (analytic)" or "differs (analytic)", counted with
+reproduced / differs, until a GPU measurement replaces it. Writes claims.csv and claims.md.
+
+Byte figures are compared like with like: a seed's KB/MB/GB are read in the claim's recorded unit convention
+(`units` in the registry: binary where the seed's code, the tool that printed the figure, or the arithmetic
+shows its GB are GiB, with that evidence), decimal otherwise; a figure that fits only in the other convention
+differs, and the row says so.
 """
 from __future__ import annotations
 
@@ -31,9 +39,16 @@ SCHEMA = REPO_ROOT / "workflow" / "schemas" / "claims.schema.yaml"
 UNIT_SCALE = {"params": 1, "M params": 1e6, "B params": 1e9, "bytes": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9,
               "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TB/s": 1e12, "bytes/param": 1, "bits": 1, "%": 1, "x": 1,
               "count": 1, "cycles": 1, "s": 1}
-# The unit a seed may have meant instead: decimal and binary prefixes are the usual confusion.
+# Byte units whose prefix a seed may write loosely: the power of the prefix, and the convention the label itself
+# names. A claim's `units.convention` (workflow/claims.yaml) says how the seed's label is to be read; without
+# one the label is taken at its word (KB/MB/GB decimal, KiB/MiB/GiB binary).
+PREFIX_POWER = {"KB": 1, "MB": 2, "GB": 3, "KiB": 1, "MiB": 2, "GiB": 3}
+LABEL_CONVENTION = {"KB": "decimal", "MB": "decimal", "GB": "decimal",
+                    "KiB": "binary", "MiB": "binary", "GiB": "binary"}
+CONVENTION_BASE = {"decimal": 1000, "binary": 1024}
+# The unit a label means under the other convention: decimal and binary prefixes are the usual confusion.
 OTHER_UNIT = {"KB": "KiB", "MB": "MiB", "GB": "GiB", "KiB": "KB", "MiB": "MB", "GiB": "GB"}
-VERDICTS = ("reproduced", "differs", "not reproducible here", "needs GPU")
+VERDICTS = ("reproduced", "differs", "inconclusive", "not reproducible here", "needs GPU")
 
 
 # ---------------------------------------------------------------- registry
@@ -56,6 +71,9 @@ def load_registry(path: Path = REGISTRY) -> list[dict]:
         if "quantity" in claim and claim["quantity"] not in QUANTITIES:
             raise UserError(f"{path}: {claim['id']}.quantity: {claim['quantity']!r} is not one of "
                             f"{sorted(QUANTITIES)}")
+        if "units" in claim and claim["reported"]["unit"] not in PREFIX_POWER:
+            raise UserError(f"{path}: {claim['id']}.units: a unit convention applies to {', '.join(PREFIX_POWER)}, "
+                            f"not {claim['reported']['unit']!r}")
     return doc["claims"]
 
 
@@ -341,17 +359,44 @@ def _finetune_trainable(layout, metric: dict) -> tuple[float, str]:
     return 100 - p["trainable_pct"], f"run {r['run']}: {p['trainable']:,} trainable of {p['total']:,}"
 
 
-def _finetune_pair(layout, metric: dict) -> tuple[float, str]:
+def _paired_step_ratios(a: dict, b: dict, key: str) -> list[float] | None:
+    """Run a's `key` over run b's, step by step, sorted; None unless both records carry `step_time.samples` of
+    equal length and the same `tokens_seen` (the same batches in the same order, so step i of one run is step i
+    of the other). A step's tokens/s ratio is the other run's step time over this one's (the same tokens)."""
+    if key not in ("step_s", "tokens_per_s"):
+        return None
+    xs, ys = (a.get("step_time") or {}).get("samples"), (b.get("step_time") or {}).get("samples")
+    if not xs or not ys or len(xs) != len(ys) or len(xs) < 2 or a.get("tokens_seen") is None \
+            or a.get("tokens_seen") != b.get("tokens_seen"):
+        return None
+    return sorted(x / y if key == "step_s" else y / x for x, y in zip(xs, ys))
+
+
+def _finetune_pair(layout, metric: dict) -> tuple:
+    """The claim's statistic of run a's `key` over run b's, for the runs that differ only in `differ`: the median
+    of the paired steps' ratios with its bootstrap 95% CI where the runs can be paired step by step, else the
+    ratio of the two runs' figures (no CI)."""
+    from .measure import bootstrap_median_ci, percentile
+
     key, differ = metric["key"], metric["differ"]
+    stat = (lambda r: 100 * (1 - r)) if metric["stat"] == "drop_pct" else (lambda r: 100 * (r - 1))
     for knob, value_a, value_b, a, b in records.knob_pairs(_finetune_runs(layout)):
         if knob != differ:
             continue
         if (value_a, value_b) == (metric["b"], metric["a"]):  # the pair in the claim's order
             value_a, value_b, a, b = value_b, value_a, b, a
         if (value_a, value_b) == (metric["a"], metric["b"]):
-            ratio = a[key] / b[key]
-            value = 100 * (1 - ratio) if metric["stat"] == "drop_pct" else 100 * (ratio - 1)
-            return value, f"{key}: run {a['run']} {a[key]:.4g} vs run {b['run']} {b[key]:.4g}"
+            whole = f"{key}: run {a['run']} {a[key]:.4g} vs run {b['run']} {b[key]:.4g}"
+            ratios = _paired_step_ratios(a, b, key)
+            if ratios is None:
+                return stat(a[key] / b[key]), whole
+            median, (lo, hi) = percentile(ratios, 0.5), bootstrap_median_ci(ratios)
+            per_step = ("step time" if key == "step_s"
+                        else f"tokens/s (run {b['run']}'s step time over run {a['run']}'s)")
+            return stat(median), (f"{key} of run {a['run']} over run {b['run']}: median of {len(ratios)} paired steps' "
+                                  f"{per_step} ratios {median:.4g}, bootstrap 95% CI [{lo:.4g}, {hi:.4g}] (the same "
+                                  f"{a['tokens_seen']:,} tokens in the same order); over whole runs, {whole}"), \
+                sorted([stat(lo), stat(hi)])
     raise NotHere(f"no pair of finetune runs that differ only in {differ} ({metric['a']} vs {metric['b']}) in "
                   f"{layout.out('finetune')}; add one to finetune.runs")
 
@@ -405,6 +450,8 @@ def _cuda_context(layout, metric: dict) -> tuple[float, str]:
             f"{context['torch_reserved_mib']:.0f} MiB = {context['mib']:.0f} MiB")
 
 
+# Each takes the results layout and the claim's metric and returns (value in the base unit, how it was read) or
+# (value, how, [lo, hi]: the 95% CI of the value, same base unit), or raises NotHere.
 METRICS = {"quantize_ratio": _quantize_ratio, "finetune_trainable": _finetune_trainable,
            "finetune_pair": _finetune_pair, "attention_speedup": _attention_speedup,
            "matmul_ratio": _matmul_ratio, "cuda_context": _cuda_context}
@@ -422,16 +469,75 @@ def _reported(value) -> str:
     return "–".join(f"{v:,}" for v in value) if isinstance(value, list) else f"{value:,}"
 
 
-def _holds(x: float, claim: dict) -> bool:
+def convention(claim: dict) -> str | None:
+    """How the claim's byte unit is read: its registry `units.convention`, else what the label says; None for a
+    unit without a decimal/binary prefix."""
+    unit = claim["reported"]["unit"]
+    if unit not in PREFIX_POWER:
+        return None
+    return (claim.get("units") or {}).get("convention", LABEL_CONVENTION[unit])
+
+
+def unit_scale(unit: str, conv: str | None) -> float:
+    """One `unit` in its base unit, the prefix read in convention `conv` (decimal 1000^n, binary 1024^n)."""
+    return CONVENTION_BASE[conv] ** PREFIX_POWER[unit] if conv else UNIT_SCALE[unit]
+
+
+def _meant(unit: str, conv: str) -> str:
+    """The unambiguous unit a label stands for under a convention: GB read as binary is GiB."""
+    return unit if conv == LABEL_CONVENTION[unit] else OTHER_UNIT[unit]
+
+
+def _shown(x: float, unit: str, conv: str | None, interval: list[float] | None = None) -> str:
+    meant = _meant(unit, conv) if conv else unit
+    return (f"{_fmt(x)} {unit}" + (f" [{_fmt(interval[0])}, {_fmt(interval[1])}]" if interval else "")
+            + (f" ({conv}: {meant})" if meant != unit else ""))
+
+
+def units_label(claim: dict) -> str:
+    """The claims.csv `units` column: the convention a byte claim is read in and what it rests on (source or
+    arithmetic evidence recorded in the registry, or the default: the label taken at its word)."""
+    conv = convention(claim)
+    if not conv:
+        return ""
+    return f"{conv} ({claim['units']['evidence_kind'] if claim.get('units') else 'default'})"
+
+
+def _units_note(claim: dict, conv: str) -> str:
+    """The recorded convention and its evidence, as the row's reason states it."""
+    units, unit = claim.get("units"), claim["reported"]["unit"]
+    if not units:
+        return ""
+    return (f"the seed's {unit} are {_meant(unit, conv)} ({conv}, {units['evidence_kind']} evidence: "
+            f"{units['evidence']})")
+
+
+def _band(claim: dict) -> tuple[float, float]:
+    """The values that reproduce the claim: its tolerance band around the reported value (or range, or bound)."""
     value, tol = claim["reported"]["value"], claim["tolerance"]
     if isinstance(value, list):
-        return value[0] * (1 - tol) <= x <= value[1] * (1 + tol)
+        return value[0] * (1 - tol), value[1] * (1 + tol)
     compare = claim.get("compare", "equal")
     if compare == "at_least":
-        return x >= value * (1 - tol)
+        return value * (1 - tol), math.inf
     if compare == "at_most":
-        return x <= value * (1 + tol)
-    return abs(x - value) <= tol * abs(value) + 1e-12
+        return -math.inf, value * (1 + tol)
+    return value - tol * abs(value) - 1e-12, value + tol * abs(value) + 1e-12
+
+
+def _band_text(claim: dict) -> str:
+    lo, hi = _band(claim)
+    unit = claim["reported"]["unit"]
+    if math.isinf(hi):
+        return f"≥ {_fmt(lo)} {unit}"
+    if math.isinf(lo):
+        return f"≤ {_fmt(hi)} {unit}"
+    return f"{_fmt(lo)}–{_fmt(hi)} {unit}"
+
+
+def _holds(x: float, claim: dict) -> bool:
+    lo, hi = _band(claim)
+    return lo <= x <= hi
 
 
 def _ratio(x: float, claim: dict):
@@ -440,33 +546,60 @@ def _ratio(x: float, claim: dict):
 
 
 def judge(base_value: float, claim: dict,
-          unexplained: str = "the seed's figure does not follow from its stated inputs") -> dict:
-    """Compare a value in the base unit with the reported one: reproduced, or differs with a reason."""
+          unexplained: str = "the seed's figure does not follow from its stated inputs",
+          ci: list[float] | None = None) -> dict:
+    """Compare a value in the base unit with the reported one, like with like: a byte unit is read in the
+    claim's convention (decimal unless the registry records binary with its evidence). Reproduced, or differs
+    with a reason; a figure that fits only in the other convention still differs, and says so.
+
+    A measured value may come with `ci`, the 95% CI [lo, hi] of its median in the same base unit. Then the
+    claim's tolerance band decides: the median inside it is reproduced; the whole CI outside it differs; a CI
+    that reaches into the band from a median outside it is inconclusive."""
     unit = claim["reported"]["unit"]
-    x = base_value / UNIT_SCALE[unit]
-    out = {"reproduced": f"{_fmt(x)} {unit}", "ratio": _ratio(x, claim)}
-    other = OTHER_UNIT.get(unit)
-    alt = base_value / UNIT_SCALE[other] if other else None
+    conv = convention(claim)
+    scale = unit_scale(unit, conv)
+    x = base_value / scale
+    interval = sorted(v / scale for v in ci) if ci is not None else None
+    recorded = claim.get("units")
+    out = {"reproduced": _shown(x, unit, conv, interval), "ratio": _ratio(x, claim)}
+    ci_text = f"95% CI [{_fmt(interval[0])}, {_fmt(interval[1])}] {unit}" if interval else ""
+    other = {"decimal": "binary", "binary": "decimal"}.get(conv)
+    alt = base_value / unit_scale(unit, other) if other else None
+    note = _units_note(claim, conv) if conv else ""
     if _holds(x, claim):
-        note = ""
         r, r_alt = _ratio(x, claim), (_ratio(alt, claim) if other else None)
         if r_alt is not None and abs(r_alt - 1) < 0.002 < abs(r - 1):
-            note = f"{_fmt(alt)} {other} (within {abs(r_alt - 1):.2%}): the seed's {unit} are {other}"
+            note = "; ".join(filter(None, [note, f"closer in {other}: {_fmt(alt)} {_meant(unit, other)} "
+                                                 f"(within {abs(r_alt - 1):.2%})"]))
+        if interval:
+            note = "; ".join(filter(None, [f"the median lies in the tolerance band {_band_text(claim)} "
+                                           f"({ci_text})", note]))
         return {**out, "verdict": "reproduced", "why": note}
-    # A diagnosis in the registry is the reason found by reading the seed; a unit mix-up is only
-    # concluded when nothing else explains the gap.
-    if claim.get("diagnosis"):
-        return {**out, "verdict": "differs", "why": claim["diagnosis"]}
+    band_lo, band_hi = _band(claim)
+    if interval and interval[1] >= band_lo and interval[0] <= band_hi:
+        return {**out, "verdict": "inconclusive",
+                "why": "; ".join(filter(None, [f"the {ci_text} straddles the tolerance band's edge "
+                                               f"({_band_text(claim)}); the median {_fmt(x)} {unit} lies outside "
+                                               f"it", note]))}
+    # A diagnosis in the registry is the reason found by reading the seed; a figure that fits only in the other
+    # convention is reported as such, against the convention recorded (or the label, where none is).
+    mismatch = ""
     if other and _holds(alt, claim):
-        return {**out, "verdict": "differs",
-                "why": f"{unit} vs {other}: {_fmt(x)} {unit} = {_fmt(alt)} {other}; the seed's {unit} are {other}"}
-    return {**out, "verdict": "differs", "why": unexplained}
+        mismatch = (f"fits only in {other}: {_fmt(x)} {_meant(unit, conv)} = {_fmt(alt)} {_meant(unit, other)}, "
+                    + (f"but the seed's {unit} are recorded as {conv} ({recorded['evidence_kind']} evidence: "
+                       f"{recorded['evidence']})" if recorded else
+                       f"but nothing in the seed says its {unit} are {_meant(unit, other)} (record units: "
+                       f"{other} with the evidence, if the seed gives any)"))
+    reasons = [claim.get("diagnosis") or ("" if mismatch else unexplained), mismatch or note,
+               interval and f"the whole {ci_text} lies outside the tolerance band {_band_text(claim)}"]
+    return {**out, "verdict": "differs", "why": "; ".join(filter(None, reasons))}
 
 
 def evaluate(claim: dict, layout) -> dict:
     row = {"id": claim["id"], "source": claim["source"], "quote": claim["quote"], "kind": claim["kind"],
            "reported": f"{_reported(claim['reported']['value'])} {claim['reported']['unit']}"
-                       + {"at_least": " (at least)", "at_most": " (at most)"}.get(claim.get("compare"), "")}
+                       + {"at_least": " (at least)", "at_most": " (at most)"}.get(claim.get("compare"), ""),
+           "units": units_label(claim)}
     notes = [claim["assumption"]] if claim.get("assumption") else []
     if claim.get("unreproducible"):
         return {**row, "reproduced": "", "ratio": None, "verdict": "not reproducible here",
@@ -478,13 +611,14 @@ def evaluate(claim: dict, layout) -> dict:
         return {**row, **_row_result(j), "reason": "; ".join(filter(None, [j["why"], how, *notes])),
                 "finding": j["why"]}
     if "metric" in claim:
-        try:
-            value, how = METRICS[claim["metric"]["kind"]](layout, claim["metric"])
+        try:  # (value, how) or (value, how, 95% CI of the value)
+            value, how, *ci = METRICS[claim["metric"]["kind"]](layout, claim["metric"])
         except NotHere as why:
             if kind == "hardware":
                 return _needs_gpu(row, claim, notes)
             return {**row, "reproduced": "", "ratio": None, "verdict": "not reproducible here", "reason": str(why)}
-        j = judge(value, claim, unexplained="outside the tolerance at this pipeline's scale")
+        j = judge(value, claim, unexplained="outside the tolerance at this pipeline's scale",
+                  ci=ci[0] if ci else None)
         return {**row, **_row_result(j), "reason": "; ".join(filter(None, [j["why"], how, _scale_note(layout)])),
                 "finding": j["why"]}
     return _needs_gpu(row, claim, notes)
@@ -495,11 +629,18 @@ def _row_result(j: dict) -> dict:
 
 
 def _needs_gpu(row: dict, claim: dict, notes: list[str]) -> dict:
-    """A hardware claim: needs its GPU; an analytic cross-check, where the registry gives one, is shown."""
+    """A hardware claim without a GPU measurement: needs its GPU; an analytic cross-check, where the registry gives
+    one, is shown. Where the registry says the estimate is sufficient (a footprint whose only missing piece is
+    the real weights), the cross-check is the verdict, labelled analytic."""
     out = {**row, "reproduced": "", "ratio": None, "verdict": f"needs GPU: {claim['gpu']}", "reason": ""}
     if "estimate" in claim:
         value, how = compute(claim["estimate"]["quantity"], claim["estimate"]["inputs"])
         j = judge(value, claim)
+        if claim["estimate"].get("sufficient"):
+            label = (f"analytic verdict (no GPU measurement here; one on {claim['gpu']} would take precedence): "
+                     f"{claim['estimate']['sufficient']}")
+            return {**row, **_row_result(j), "verdict": f"{j['verdict']} (analytic)",
+                    "reason": "; ".join(filter(None, [j["why"], how, label, *notes])), "finding": j["why"]}
         agrees = "agrees" if j["verdict"] == "reproduced" else "does not agree"
         out.update(reproduced=f"{j['reproduced']} (analytic)", ratio=j["ratio"],
                    reason="; ".join(filter(None, [f"analytic cross-check {agrees} within {claim['tolerance']:.1%}",
@@ -514,7 +655,8 @@ def verdict_class(verdict: str) -> str:
 
 
 def evaluate_all(claims: list[dict], layout) -> pd.DataFrame:
-    columns = ["id", "source", "quote", "kind", "reported", "reproduced", "ratio", "verdict", "reason", "finding"]
+    columns = ["id", "source", "quote", "kind", "reported", "units", "reproduced", "ratio", "verdict", "reason",
+               "finding"]
     return pd.DataFrame([evaluate(c, layout) for c in claims], columns=columns).fillna({"finding": ""})
 
 
@@ -524,12 +666,21 @@ def markdown(df: pd.DataFrame) -> str:
              f"{len(df)} numeric claims from the seed texts (workflow/claims.yaml): "
              + ", ".join(f"{counts.get(v, 0)} {v}" for v in VERDICTS) + ". Analytic values come from "
              "efflab.estimate on the shipped model configs (parameter counts from the meta-device model); "
-             "ratio is reproduced / reported.", ""]
-    wrong = df[df["verdict"] == "differs"]
+             "ratio is reproduced / reported. A measured figure shown with its 95% CI [lo, hi] differs only when "
+             "the whole CI lies outside the claim's tolerance band, and is inconclusive when the CI straddles the "
+             "band's edge.", ""]
+    wrong = df[df["verdict"].map(verdict_class) == "differs"]
     if len(wrong):
         lines += ["Where the seeds' figures do not reproduce:", ""]
-        lines += [f"- **{r.id}** ({r.source}): reported {r.reported}, reproduced {r.reproduced} — "
-                  f"{r.finding}" for r in wrong.itertuples()]
+        lines += [f"- **{r.id}** ({r.source}): reported {r.reported}, reproduced {r.reproduced}"
+                  f"{' (analytic)' if r.verdict.endswith('(analytic)') else ''} — {r.finding}"
+                  for r in wrong.itertuples()]
+        lines.append("")
+    undecided = df[df["verdict"] == "inconclusive"]
+    if len(undecided):
+        lines += ["Where the measurement cannot decide at 95%:", ""]
+        lines += [f"- **{r.id}** ({r.source}): reported {r.reported}, reproduced {r.reproduced} — {r.finding}"
+                  for r in undecided.itertuples()]
         lines.append("")
     table = df.assign(claim=df["id"] + ": “" + df["quote"].str.replace("\t", " ") + "”",
                       ratio=df["ratio"].map(lambda r: "" if r is None or pd.isna(r) else f"{r:.3g}"))
@@ -551,7 +702,8 @@ def run(cfg: dict, paths: dict) -> dict:
     log.info("claims: %s", ", ".join(f"{by_verdict.get(v, 0)} {v}" for v in VERDICTS))
     return {"claims": len(df), "by_kind": df["kind"].value_counts().to_dict(),
             "by_verdict": {v: int(by_verdict.get(v, 0)) for v in VERDICTS},
-            "differs": df.loc[df["verdict"] == "differs", "id"].tolist()}
+            "differs": df.loc[df["verdict"].map(verdict_class) == "differs", "id"].tolist(),
+            "inconclusive": df.loc[df["verdict"] == "inconclusive", "id"].tolist()}
 
 
 if __name__ == "__main__":
