@@ -199,6 +199,19 @@ def test_measured_claims_read_this_pipelines_results(tmp_path):
     assert claims.evaluate(registry["lora-over-99pct-measured"], layout)["reproduced"] == "99.1 %"
     assert claims.evaluate(registry["qlora-throughput-30pct-worse"], layout)["verdict"] == "not reproducible here"
     assert claims.evaluate(registry["flash-attention-2-4x"], layout)["verdict"].startswith("needs GPU: ")
+    # bench_finetune timed the pair interleaved: its per-round ratio (checkpointing's step over the plain one's)
+    # and interval take precedence over the runs' own figures, in the claim's orientation
+    pair = {"status": "ok", "knob": "gradient_checkpointing", "a": "lora", "b": "lora-ckpt",
+            "step_time_ratio": {"median": 1.5, "ci95": [1.45, 1.6], "rounds": 6, "verdict": "slower"}}
+    _write(layout.metrics("bench_finetune"), {"status": "ok", "pairs": [pair]})
+    ckpt = claims.evaluate(registry["checkpointing-30pct-slowdown"], layout)
+    assert ckpt["verdict"] == "differs" and ckpt["reproduced"].startswith("50 % [45, 60]")
+    assert "6 interleaved rounds" in ckpt["reason"]
+    pair["step_time_ratio"] = {"median": None, "ci95": None, "rounds": 1,
+                               "verdict": "not a verdict: the machine's speed changed"}
+    _write(layout.metrics("bench_finetune"), {"status": "ok", "pairs": [pair]})
+    ckpt = claims.evaluate(registry["checkpointing-30pct-slowdown"], layout)
+    assert ckpt["verdict"] == "not reproducible here" and "machine's speed changed" in ckpt["reason"]
 
 
 def test_a_measured_figure_with_a_ci_differs_only_when_the_whole_ci_is_outside_the_band():

@@ -372,10 +372,33 @@ def _paired_step_ratios(a: dict, b: dict, key: str) -> list[float] | None:
     return sorted(x / y if key == "step_s" else y / x for x, y in zip(xs, ys))
 
 
+def _interleaved_ratio(layout, a: dict, b: dict, key: str) -> tuple[float, float, float, dict] | None:
+    """Run a's `key` over run b's from bench_finetune's interleaved steps of the pair: (median, CI low, CI high,
+    the pair), or None where bench_finetune did not measure the pair. NotHere when it measured it on a
+    machine whose speed kept changing."""
+    path = layout.metrics("bench_finetune")
+    if key not in ("step_s", "tokens_per_s") or not path.is_file():
+        return None
+    bench = [json.loads(path.read_text())]
+    for x, y in ((a, b), (b, a)):
+        pair = records.interleaved_pair(bench, x["run"], y["run"])
+        if pair is None:
+            continue
+        ratio = pair["step_time_ratio"]  # step time of y over x
+        if ratio["median"] is None:
+            raise NotHere(f"bench_finetune measured {y['run']} vs {x['run']} but gave {ratio['verdict']}")
+        med, lo, hi = ratio["median"], *ratio["ci95"]
+        if (x is a) == (key == "step_s"):  # a's step time over b's is 1/ratio when x is a; tokens/s inverts it
+            med, lo, hi = 1 / med, 1 / hi, 1 / lo
+        return med, lo, hi, pair
+    return None
+
+
 def _finetune_pair(layout, metric: dict) -> tuple:
-    """The claim's statistic of run a's `key` over run b's, for the runs that differ only in `differ`: the median
-    of the paired steps' ratios with its bootstrap 95% CI where the runs can be paired step by step, else the
-    ratio of the two runs' figures (no CI)."""
+    """The claim's statistic of run a's `key` over run b's, for the runs that differ only in `differ`: from
+    bench_finetune's interleaved steps where it measured the pair (median of the per-round ratios, bootstrap 95%
+    CI), else the median of the paired steps' ratios with its CI where the runs can be paired step by step,
+    else the ratio of the two runs' figures (no CI)."""
     from .measure import bootstrap_median_ci, percentile
 
     key, differ = metric["key"], metric["differ"]
@@ -387,6 +410,14 @@ def _finetune_pair(layout, metric: dict) -> tuple:
             value_a, value_b, a, b = value_b, value_a, b, a
         if (value_a, value_b) == (metric["a"], metric["b"]):
             whole = f"{key}: run {a['run']} {a[key]:.4g} vs run {b['run']} {b[key]:.4g}"
+            interleaved = _interleaved_ratio(layout, a, b, key)
+            if interleaved:
+                median, lo, hi, pair = interleaved
+                return stat(median), (f"{key} of run {a['run']} over run {b['run']}: {median:.4g}, bootstrap 95% CI "
+                                      f"[{lo:.4g}, {hi:.4g}], from bench_finetune's "
+                                      f"{pair['step_time_ratio']['rounds']} interleaved rounds of both runs' steps "
+                                      f"over the same batches; the runs' own whole-run figures: {whole}"), \
+                    sorted([stat(lo), stat(hi)])
             ratios = _paired_step_ratios(a, b, key)
             if ratios is None:
                 return stat(a[key] / b[key]), whole
@@ -413,9 +444,17 @@ def _attention_speedup(layout, metric: dict) -> tuple[float, str]:
         reasons.append(f"{name} did not run here: {impl.get('reason') or 'not on a CUDA GPU'}")
     else:
         raise NotHere("; ".join(reasons))
-    base = _read(layout.metrics("bench_attention", metric["baseline"]))
     ok = lambda m: {r["seq_len"]: r for r in m["rows"] if records.is_ok(r)}  # noqa: E731
-    a, b = ok(impl), ok(base)
+    a = ok(impl)
+    paired = {s: r["vs_eager"]["speedup"] for s, r in a.items()
+              if metric["baseline"] == "eager" and ((r.get("vs_eager") or {}).get("speedup") or {}).get("median")}
+    if paired:  # timed interleaved with eager in the same cell: a median with its interval
+        s = max(paired)
+        speedup = paired[s]
+        return (speedup["median"], f"eager's latency over {name}'s at seq {s}, {speedup['rounds']} interleaved "
+                                   f"rounds in one cell: median {speedup['median']:.3g}, bootstrap 95% CI "
+                                   f"[{speedup['ci95'][0]:.3g}, {speedup['ci95'][1]:.3g}]", speedup["ci95"])
+    b = ok(_read(layout.metrics("bench_attention", metric["baseline"])))
     if not set(a) & set(b):
         raise NotHere(f"{name} and {metric['baseline']} have no sequence length measured by both")
     s = max(set(a) & set(b))
