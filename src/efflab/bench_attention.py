@@ -20,7 +20,7 @@ from contextlib import contextmanager
 
 import torch
 
-from . import cli
+from . import cli, records
 from .measure import (SENTINEL_TOLERANCE, CellJournal, environment, interleave, paired_ratio, pick_device, run_cell,
                       set_threads, synchronize, time_fn, track_memory)
 from .modeling import base_dtype, load_model
@@ -158,7 +158,7 @@ def attention_cell(folder: str, dtype: str, device: str, impl: str, seq_len: int
 def fit_exponent(rows: list[dict]) -> dict:
     """Least-squares slope of log(peak memory delta) vs log(sequence length) over the ok rows."""
     points = [(math.log(r["seq_len"]), math.log(r["memory"]["delta_mib"])) for r in rows
-              if r["status"] == "ok" and (r["memory"].get("delta_mib") or 0) > 0]
+              if records.is_ok(r) and (r["memory"].get("delta_mib") or 0) > 0]
     if len(points) < 2:
         return {"exponent": None, "points": len(points), "reason": "fewer than two measured sequence lengths"}
     mx = sum(x for x, _ in points) / len(points)
@@ -198,14 +198,14 @@ def run(cfg: dict, paths: dict) -> dict:
                     batch_size=batch_size, mode=mode, warmup=b["warmup"], repeats=b["repeats"]),
                     isolation=rt["isolation"], timeout_s=rt["cell_timeout_s"],
                     memory_cap_mib=rt["cell_memory_cap_mib"]))
-                if result["status"] != "ok":
+                if not records.is_ok(result):
                     log.warning("%s %s seq %d batch %d: %s: %s", impl, mode, seq_len, batch_size,
                                 result["status"], result.get("reason"))
                 group.append(cell | result)
             rows += group
             if not mode_reason:
                 fits.append({"implementation": impl, "mode": mode, "batch_size": batch_size,
-                             "memory_kind": next((r["memory"]["kind"] for r in group if r["status"] == "ok"), None),
+                             "memory_kind": next((r["memory"]["kind"] for r in group if records.is_ok(r)), None),
                              **fit_exponent(group)})
     journal.remove()
     statuses = {r["status"] for r in rows}

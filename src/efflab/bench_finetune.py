@@ -163,7 +163,7 @@ def run(cfg: dict, paths: dict) -> dict:
             pair_cell, dict(cfg=cfg, results=str(layout.root), a=a["run"], b=b["run"], dtype=dtype,
                             device=str(device)),
             isolation=rt["isolation"], timeout_s=rt["cell_timeout_s"], memory_cap_mib=rt["cell_memory_cap_mib"]))
-        if result["status"] != "ok":
+        if not records.is_ok(result):
             log.warning("%s vs %s: %s: %s", b["run"], a["run"], result["status"], result.get("reason"))
         pairs.append(cell | result)
     journal.remove()

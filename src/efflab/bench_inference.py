@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from . import cli
+from . import cli, records
 from .config import finetune_run
 from .layout import Layout
 from .measure import (SENTINEL_TOLERANCE, CellJournal, environment, interleave, paired_ratio, percentile,
@@ -218,13 +218,13 @@ def run(cfg: dict, paths: dict) -> dict:
                 inference_cell, dict(cfg=cfg, results=str(layout.root), name=name, dtype=dtype, device=str(device),
                                      kv_cache=kv_cache, batch_size=batch_size),
                 isolation=rt["isolation"], timeout_s=rt["cell_timeout_s"], memory_cap_mib=rt["cell_memory_cap_mib"]))
-            if result["status"] != "ok":
+            if not records.is_ok(result):
                 log.warning("%s kv_cache=%s batch %d: %s: %s", name, kv_cache, batch_size, result["status"],
                             result.get("reason"))
             cells.append(cell | result)
     journal.remove()
     return {
-        "status": "ok" if any(c["status"] == "ok" for c in cells) else "failed",
+        "status": "ok" if records.ok(cells) else "failed",
         "variant": name, "kind": variant["kind"], "of": variant.get("of"), "dtype": dtype,
         "prompts": len(b["prompts"]), "new_tokens": b["max_new_tokens"], "repeats": b["repeats"],
         "warmup": b["warmup"], "cells": cells, "environment": environment(device, b),

@@ -21,6 +21,12 @@ def ok(records: list[dict]) -> list[dict]:
     return [r for r in records if is_ok(r)]
 
 
+def ok_rows(table):
+    """The rows of a report table (a DataFrame with a `status` column, "ok" or "<status>: <reason>") that
+    measured something."""
+    return table[table["status"] == "ok"]
+
+
 def read(layout, stage: str, name: str | None = None) -> dict:
     return json.loads(layout.metrics(stage, name).read_text())
 
