@@ -65,8 +65,11 @@ def check_results(work: Path, cfg: dict) -> None:
     assert len(pngs) >= 5 and all(p.read_bytes()[:4] == b"\x89PNG" for p in pngs)
     summary = pd.read_csv(work / "results/report/summary.csv")
     qlora = any(r["method"] == "qlora" for r in cfg["finetune"]["runs"].values())
-    assert set(summary.stage) - {"finetune_knobs"} == {"quantize", "finetune", "merge", "bench_attention", "attention_memory_exponent",
-                                  "bench_inference"} | ({"merge_targets"} if qlora else set())
+    assert set(summary.stage) - {"finetune_knobs"} == {"quantize", "prune", "finetune", "merge", "bench_attention",
+                                                       "attention_memory_exponent", "bench_inference"} | (
+        {"merge_targets"} if qlora else set())
+    interleaved = json.loads((work / "results/bench_finetune/metrics.json").read_text())
+    assert [(p["a"], p["b"], p["status"]) for p in interleaved["pairs"]] == [("lora-r8", "qlora-r8", "ok")]
     for run in cfg["finetune"]["runs"]:
         m = json.loads((work / f"results/finetune/{run}/metrics.json").read_text())
         assert m["validation_after"]["loss"] < m["validation_before"]["loss"], run

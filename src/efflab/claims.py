@@ -439,7 +439,7 @@ def _attention_speedup(layout, metric: dict) -> tuple[float, str]:
     for name in [metric["impl"]] if isinstance(metric["impl"], str) else metric["impl"]:
         path = layout.metrics("bench_attention", name)
         impl = json.loads(path.read_text()) if path.is_file() else {"reason": f"no {path}"}
-        if impl.get("status") == "ok" and impl.get("environment", {}).get("device") == "cuda":
+        if records.is_ok(impl) and "status" in impl and impl.get("environment", {}).get("device") == "cuda":
             break
         reasons.append(f"{name} did not run here: {impl.get('reason') or 'not on a CUDA GPU'}")
     else:
@@ -460,6 +460,22 @@ def _attention_speedup(layout, metric: dict) -> tuple[float, str]:
     s = max(set(a) & set(b))
     return (b[s]["latency"]["median"] / a[s]["latency"]["median"],
             f"median latency at seq {s}: {metric['baseline']} / {name}")
+
+
+def _prune_ratio(layout, metric: dict) -> tuple:
+    """A pruning strategy's figure against the base model it was cut from, measured in the same job:
+    `footprint_ratio` (pruned / base) or `generation_speedup` (base time / pruned time, with its interval)."""
+    m = _read(layout.metrics("prune", metric["strategy"]))
+    kept = f"{m['kept']['layers']} layers x {m['kept']['heads']} query heads ({m['kept']['kv_heads']} kv)"
+    if metric["key"] == "generation_speedup":
+        s = m["generation_speedup"]
+        if s["median"] is None:
+            raise NotHere(f"prune {metric['strategy']}: {s['verdict']}")
+        return s["median"], (f"prune {metric['strategy']} ({kept}): base generation time over the pruned model's, "
+                             f"{s['rounds']} interleaved rounds of {m['new_tokens']} tokens"), s["ci95"]
+    return m["footprint_ratio"], (f"prune {metric['strategy']} ({kept}): get_memory_footprint "
+                                  f"{m['pruned']['memory_footprint_bytes']:,} B / base "
+                                  f"{m['base']['memory_footprint_bytes']:,} B")
 
 
 def _gpu_base_model(layout) -> dict:
@@ -493,7 +509,7 @@ def _cuda_context(layout, metric: dict) -> tuple[float, str]:
 # (value, how, [lo, hi]: the 95% CI of the value, same base unit), or raises NotHere.
 METRICS = {"quantize_ratio": _quantize_ratio, "finetune_trainable": _finetune_trainable,
            "finetune_pair": _finetune_pair, "attention_speedup": _attention_speedup,
-           "matmul_ratio": _matmul_ratio, "cuda_context": _cuda_context}
+           "matmul_ratio": _matmul_ratio, "cuda_context": _cuda_context, "prune_ratio": _prune_ratio}
 
 
 # ---------------------------------------------------------------- verdicts

@@ -71,7 +71,7 @@ def _setup_logging(log_file: str | None) -> None:
     configure_logging(handlers, "%(asctime)s %(levelname)s %(message)s")
 
 
-STAGES = ("base_model", "prepare_data", "quantize", "finetune", "merge", "bench_finetune", "bench_attention",
+STAGES = ("base_model", "prepare_data", "quantize", "prune", "finetune", "merge", "bench_finetune", "bench_attention",
           "bench_inference", "claims", "report")
 
 
@@ -79,6 +79,7 @@ def stage_names(cfg: dict, stage: str) -> list[str] | None:
     """The names a stage's jobs run over, or None for a single-job stage."""
     return {
         "quantize": lambda: list(cfg["quantize"]["schemes"]),
+        "prune": lambda: list(cfg["prune"]["strategies"]),
         "finetune": lambda: list(cfg["finetune"]["runs"]),
         "merge": lambda: config.merge_runs(cfg),
         "bench_attention": lambda: list(cfg["bench_attention"]["implementations"]),

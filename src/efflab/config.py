@@ -30,6 +30,8 @@ STAGE_PARAMS = {
     "prepare_data": ["prepare_data"],
     "quantize": ["runtime", "quantize.eval_rows", "quantize.batch_size", "quantize.schemes.{name}",
                  "report.baseline_scheme"],
+    "prune": ["runtime", "prune.importance", "prune.calibration_rows", "prune.eval_rows", "prune.prompt",
+              "prune.max_new_tokens", "prune.repeats", "prune.strategies.{name}"],
     "finetune": ["runtime", "finetune.defaults", "finetune.runs.{name}"],
     "merge": ["runtime", "merge", "finetune.defaults", "finetune.runs.{name}"],
     "bench_finetune": ["runtime", "bench_finetune", "finetune.defaults", "finetune.runs"],

@@ -13,7 +13,7 @@ MODEL = "model"
 LOSS_CSV, LOSS_COLUMNS = "loss.csv", ("step", "loss", "learning_rate", "grad_norm")  # finetune's loss curve
 # What a job of each grid stage writes besides metrics.json: a job that did not run writes them too (a model
 # folder holding only NOT_RUN.txt, an empty loss curve), so that the jobs after it run and record "skipped".
-STAGE_OUTPUTS = {"quantize": (MODEL,), "finetune": (MODEL, LOSS_CSV), "merge": (MODEL,),
+STAGE_OUTPUTS = {"quantize": (MODEL,), "prune": (MODEL,), "finetune": (MODEL, LOSS_CSV), "merge": (MODEL,),
                  "bench_attention": (), "bench_inference": ()}
 NOT_RUN = "NOT_RUN.txt"
 

@@ -47,6 +47,42 @@ def quantize_table(rows: list[dict]) -> pd.DataFrame:
                                            "perplexity change (%)", "env"])
 
 
+PRUNE_COLUMNS = ["strategy", "layers", "query heads (kv)", "heads asked", "parameters", "parameters kept (%)",
+                 "footprint (MiB)", "val perplexity", "base perplexity", "perplexity change (%)",
+                 "generation (ms)", "speedup vs base [95% CI]", "verdict vs base", "sample", "env"]
+
+
+def prune_table(rows: list[dict]) -> pd.DataFrame:
+    return pd.DataFrame([{
+        "strategy": r["strategy"], "layers": r["kept"]["layers"],
+        "query heads (kv)": f"{r['kept']['heads']} ({r['kept']['kv_heads']})",
+        "heads asked": f"{r['kept']['target_heads']:g}",
+        "parameters": r["pruned"]["parameters"], "parameters kept (%)": 100 * r["parameter_ratio"],
+        "footprint (MiB)": r["pruned"]["memory_footprint_bytes"] / MiB,
+        "val perplexity": r["pruned"]["validation"]["perplexity"],
+        "base perplexity": r["base"]["validation"]["perplexity"],
+        "perplexity change (%)": r["perplexity_change_pct"],
+        "generation (ms)": 1000 * r["pruned"]["generation_s"]["median"],
+        "speedup vs base [95% CI]": _speedup(r, "generation_speedup"),
+        "verdict vs base": _speedup_verdict(r, "generation_speedup"),
+        "sample": " ".join(r["pruned"]["sample"].split())[:80], "env": _fp(r),
+    } for r in records.ok(rows)], columns=PRUNE_COLUMNS)
+
+
+def plot_prune(df: pd.DataFrame, path: Path) -> None:
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.scatter(df["parameters kept (%)"], df["perplexity change (%)"], color="tab:purple")
+    for name, kept, change in zip(df["strategy"], df["parameters kept (%)"], df["perplexity change (%)"]):
+        ax.annotate(name, (kept, change), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    ax.axhline(0, color="grey", lw=0.8)
+    ax.set_xlabel("parameters kept (%)")
+    ax.set_ylabel("validation perplexity change vs base (%)")
+    ax.set_title("Structured pruning: parameters removed vs perplexity paid")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def _tokens_per_s(run: dict) -> float:
     """A run's real-token throughput over its steady steps, the rate its MFU is computed from (the whole run's,
     first steps included, for runs recorded before throughput was measured steady)."""
@@ -506,7 +542,7 @@ def _seq_axis(ax, df: pd.DataFrame) -> None:
 
 
 def plot_attention(df: pd.DataFrame, path: Path) -> None:
-    ok = df[df["status"] == "ok"]
+    ok = records.ok_rows(df)
     modes = sorted(ok["mode"].unique()) or ["forward"]
     fig, axes = plt.subplots(1, len(modes), figsize=(6 * len(modes), 4), squeeze=False)
     for ax, mode in zip(axes[0], modes):
@@ -523,7 +559,8 @@ def plot_attention(df: pd.DataFrame, path: Path) -> None:
 
 
 def plot_attention_memory(df: pd.DataFrame, exponents: pd.DataFrame, path: Path) -> None:
-    ok = df[(df["status"] == "ok") & (df["peak delta (MiB)"] > 0)]
+    ok = records.ok_rows(df)
+    ok = ok[ok["peak delta (MiB)"] > 0]
     modes = sorted(ok["mode"].unique()) or ["forward"]
     fig, axes = plt.subplots(1, len(modes), figsize=(6 * len(modes), 4), squeeze=False)
     for ax, mode in zip(axes[0], modes):
@@ -542,7 +579,7 @@ def plot_attention_memory(df: pd.DataFrame, exponents: pd.DataFrame, path: Path)
 
 
 def plot_inference(df: pd.DataFrame, path: Path) -> None:
-    ok = df[df["status"] == "ok"].copy()
+    ok = records.ok_rows(df).copy()
     ok["cell"] = ok["variant"] + ok.apply(
         lambda r: "" if r["KV cache"] == "on" and r["batch"] == 1 else f" (KV {r['KV cache']}, b{r['batch']})", axis=1)
     fig, ax = plt.subplots(figsize=(max(7, 0.9 * len(ok)), 4))
@@ -644,6 +681,7 @@ def run(cfg: dict, paths: dict) -> dict:
                                                               else "") + "; rerun it (snakemake reruns what changed)")
     tables = {
         "quantize": quantize_table(metrics["quantize"]),
+        "prune": prune_table(metrics["prune"]),
         "finetune": finetune_table(metrics["finetune"]),
         "finetune_knobs": knob_table(metrics["finetune"], metrics["bench_finetune"]),
         "merge": merge_table(metrics["merge"]),
@@ -655,6 +693,7 @@ def run(cfg: dict, paths: dict) -> dict:
     fronts = {"finetune": finetune_pareto(metrics["finetune"]),
               "inference": inference_pareto(metrics["bench_inference"], metrics["quantize"])}
     plots = {"quantize.png": lambda p: plot_quantize(tables["quantize"], p),
+             "prune.png": lambda p: plot_prune(tables["prune"], p),
              "finetune_loss.png": lambda p: plot_loss(layout, names["finetune"], p),
              "finetune.png": lambda p: plot_finetune(metrics["finetune"], p),
              "bench_attention.png": lambda p: plot_attention(tables["bench_attention"], p),
@@ -710,6 +749,15 @@ def run(cfg: dict, paths: dict) -> dict:
         "Footprint is `get_memory_footprint()` (parameters and buffers as loaded); perplexity on "
         f"{metrics['quantize'][0]['validation']['rows']} validation rows; change is against the baseline scheme.", "",
         table("quantize"), "", "![quantization](quantize.png)", "",
+        "## Structured pruning", "",
+        f"Heads removed from every layer's q/k/v/o projections and whole layers removed (importance: "
+        f"`{cfg['prune']['importance']}`), the model rebuilt from its smaller config: parameters, footprint and "
+        "time really shrink, and the folder loads in plain transformers. Grouped-query attention keeps the same "
+        "number of key/value heads and of query heads per key/value head in every layer, so the heads asked for "
+        "are met by the nearest count that allows. Perplexity on "
+        f"{cfg['prune']['eval_rows']} validation rows, base and pruned in the same process; generation of "
+        f"{cfg['prune']['max_new_tokens']} greedy tokens, the pruned and the base model timed interleaved.", "",
+        table("prune"), "", "![pruning](prune.png)", "",
         "## Fine-tuning: full vs LoRA vs QLoRA", "",
         "Tokens/s counts real (non-padding) tokens. MFU = model FLOPs per token (PaLM's 6N + 12·L·d·T for full "
         "fine-tuning; 4N + 2·N_trainable + 12·L·d·T with frozen weights) × tokens/s, over the matmul throughput "

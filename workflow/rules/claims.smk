@@ -7,6 +7,7 @@ rule claims:
         model_configs(),
         "results/base_model/metrics.json",
         expand("results/quantize/{name}/metrics.json", name=names("quantize")),
+        expand("results/prune/{name}/metrics.json", name=names("prune")),
         expand("results/finetune/{name}/metrics.json", name=names("finetune")),
         "results/bench_finetune/metrics.json",
         expand("results/bench_attention/{name}/metrics.json", name=names("bench_attention")),

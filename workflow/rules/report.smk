@@ -1,5 +1,5 @@
 # The report's plots and their category in `snakemake --report` (captions: workflow/report/<plot>.rst).
-REPORT_PLOTS = {"quantize": "Quantization", "finetune": "Fine-tuning", "finetune_pareto": "Fine-tuning",
+REPORT_PLOTS = {"quantize": "Quantization", "prune": "Pruning", "finetune": "Fine-tuning", "finetune_pareto": "Fine-tuning",
                 "finetune_loss": "Fine-tuning", "bench_attention": "Attention",
                 "bench_attention_memory": "Attention", "bench_inference": "Inference",
                 "inference_pareto": "Inference"}
@@ -9,6 +9,7 @@ rule report:
     input:
         module("report"),
         expand("results/quantize/{name}/metrics.json", name=names("quantize")),
+        expand("results/prune/{name}/metrics.json", name=names("prune")),
         expand("results/finetune/{name}/metrics.json", name=names("finetune")),
         expand("results/merge/{name}/metrics.json", name=names("merge")),
         "results/bench_finetune/metrics.json",

@@ -1,0 +1,235 @@
+"""Stage prune: structured pruning of attention heads and whole decoder layers, one job per strategy.
+
+Heads come off the q/k/v/o projections and layers out of the stack for real, and the pruned model is
+rebuilt from its smaller config and saved, so that plain transformers loads the folder and parameter count,
+footprint and latency shrink (the seed's pruning function only addressed the weights and changed nothing).
+Grouped-query attention is respected: every layer must keep the same number of key/value heads and of query
+heads per key/value head, so the query-head count a strategy asks for is met by the nearest count that
+shape allows (both are recorded). Which heads and layers go is decided by `prune.importance`:
+`activation_norm` (measured on calibration rows: each query head's mean output norm, the input of o_proj;
+each layer's block influence, 1 - cos(hidden in, hidden out), as in ShortGPT) or `seed` (the seed's order:
+the last heads of every group, the last layers). Each job measures the base and the pruned model in the
+same process: parameters, footprint, validation perplexity, a sample generation, and greedy-generation
+latency timed interleaved (measure.interleave), so the speedup has an interval.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import re
+
+import torch
+
+from . import cli
+from .config import UserError
+from .measure import (SENTINEL_TOLERANCE, count_parameters, environment, interleave, paired_ratio, pick_device,
+                      set_threads)
+from .modeling import base_dtype, eval_loss, folder_bytes, load_model, load_tokenizer, read_split
+
+log = logging.getLogger("efflab")
+
+
+def attention_shape(config) -> tuple[int, int, int, int]:
+    """(layers, query heads, key/value heads, head dim) of a Llama-style config."""
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return config.num_hidden_layers, heads, kv, head_dim
+
+
+def head_plan(strategy: dict, heads: int, kv: int) -> dict:
+    """How many key/value heads and query heads per key/value head each layer keeps: the shape
+    grouped-query attention allows whose query-head count is nearest the strategy's target (ties keep more)."""
+    if "keep_heads" in strategy:
+        target = strategy["keep_heads"]
+    else:
+        remove = strategy.get("remove_heads", 0)
+        target = heads - (remove * heads if isinstance(remove, float) else remove)
+    if not 1 <= target <= heads:
+        raise UserError(f"prune.strategies: keeps {target:g} of {heads} query heads (expected 1 to {heads})")
+    group = heads // kv
+    shapes = [(k * q, k, q) for k in range(1, kv + 1) for q in range(1, group + 1)]
+    # nearest count; then more heads; then more key/value heads (a layer keeps more of its distinct keys)
+    total, keep_kv, per_group = min(shapes, key=lambda s: (abs(s[0] - target), -s[0], -s[1]))
+    return {"target_heads": target, "heads": total, "kv_heads": keep_kv, "heads_per_kv": per_group}
+
+
+def layer_count(strategy: dict, layers: int) -> int:
+    remove = strategy.get("remove_layers", 0)
+    n = round(remove * layers) if isinstance(remove, float) else remove
+    if not 0 <= n < layers:
+        raise UserError(f"prune.strategies: removes {n} of {layers} layers (expected 0 to {layers - 1})")
+    return layers - n
+
+
+def importance(model, rows: list[dict], tokenizer, how: str) -> dict:
+    """Per layer, each query head's importance, and each layer's: measured on `rows` (activation_norm) or
+    the seed's order (earlier heads and layers first)."""
+    layers, heads, _, head_dim = attention_shape(model.config)
+    if how == "seed":
+        return {"heads": [[float(heads - h) for h in range(heads)] for _ in range(layers)],
+                "layers": [float(layers - i) for i in range(layers)]}
+    from .modeling import forward_batches
+
+    head_norm = torch.zeros(layers, heads, dtype=torch.float64)
+    influence = torch.zeros(layers, dtype=torch.float64)
+    tokens = [0]
+    hooks = []
+    decoder_layers = model.model.layers
+
+    def on_o_proj(i):
+        def hook(module, args):
+            x = args[0].detach().float()
+            norms = x.reshape(*x.shape[:-1], heads, head_dim).norm(dim=-1)  # [batch, seq, heads]
+            head_norm[i] += norms.reshape(-1, heads).sum(0).double()
+        return hook
+
+    def on_layer(i):
+        def hook(module, args, kwargs, output):
+            h_in = (args[0] if args else kwargs["hidden_states"]).detach().float()
+            h_out = (output[0] if isinstance(output, tuple) else output).detach().float()
+            cos = torch.nn.functional.cosine_similarity(h_in, h_out, dim=-1)
+            influence[i] += (1 - cos).sum().double()
+            if i == 0:
+                tokens[0] += cos.numel()
+        return hook
+
+    for i, layer in enumerate(decoder_layers):
+        hooks.append(layer.self_attn.o_proj.register_forward_pre_hook(on_o_proj(i)))
+        hooks.append(layer.register_forward_hook(on_layer(i), with_kwargs=True))
+    try:
+        with torch.no_grad():
+            for _ in forward_batches(model, rows, 4, tokenizer):
+                pass
+    finally:
+        for h in hooks:
+            h.remove()
+    # Padding positions are counted alike for every head and layer, so they do not change the order.
+    return {"heads": (head_norm / max(tokens[0], 1)).tolist(), "layers": (influence / max(tokens[0], 1)).tolist()}
+
+
+def _select_heads(scores: list[float], plan: dict, group: int) -> tuple[list[int], list[int]]:
+    """The key/value heads and (grouped by them, in order) the query heads one layer keeps."""
+    groups = sorted(range(len(scores) // group), key=lambda g: -sum(scores[g * group:(g + 1) * group]))
+    kept_kv = sorted(groups[:plan["kv_heads"]])
+    kept_q = []
+    for g in kept_kv:
+        members = sorted(range(g * group, (g + 1) * group), key=lambda h: -scores[h])[:plan["heads_per_kv"]]
+        kept_q += sorted(members)
+    return kept_kv, kept_q
+
+
+def pruned_state(model, keep_layers: list[int], heads_kept: dict[int, tuple[list[int], list[int]]]) -> dict:
+    """The state dict of the pruned model: layers renumbered, q/k/v rows and o_proj columns of the kept
+    heads (and q/k/v biases where the model has them)."""
+    _, _, _, d = attention_shape(model.config)
+    rows = lambda heads: torch.cat([torch.arange(h * d, (h + 1) * d) for h in heads])  # noqa: E731
+    renumber = {old: new for new, old in enumerate(keep_layers)}
+    out = {}
+    for key, tensor in model.state_dict().items():
+        match = re.match(r"(.*\.layers\.)(\d+)\.(.*)", key)
+        if not match:
+            out[key] = tensor
+            continue
+        prefix, index, rest = match.group(1), int(match.group(2)), match.group(3)
+        if index not in renumber:
+            continue
+        kept_kv, kept_q = heads_kept[index]
+        if re.match(r"self_attn\.q_proj\.(weight|bias)$", rest):
+            tensor = tensor.index_select(0, rows(kept_q))
+        elif re.match(r"self_attn\.[kv]_proj\.(weight|bias)$", rest):
+            tensor = tensor.index_select(0, rows(kept_kv))
+        elif rest == "self_attn.o_proj.weight":
+            tensor = tensor.index_select(1, rows(kept_q))
+        out[f"{prefix}{renumber[index]}.{rest}"] = tensor.contiguous()
+    return out
+
+
+def prune(model, strategy: dict, scores: dict):
+    """A new model of the smaller config holding the kept weights, and what was kept."""
+    from transformers import AutoModelForCausalLM
+
+    layers, heads, kv, d = attention_shape(model.config)
+    plan = head_plan(strategy, heads, kv)
+    n_layers = layer_count(strategy, layers)
+    keep_layers = sorted(sorted(range(layers), key=lambda i: -scores["layers"][i])[:n_layers])
+    heads_kept = {i: _select_heads(scores["heads"][i], plan, heads // kv) for i in keep_layers}
+    config = model.config.__class__.from_dict(model.config.to_dict())
+    config.num_hidden_layers, config.num_attention_heads = n_layers, plan["heads"]
+    config.num_key_value_heads, config.head_dim = plan["kv_heads"], d
+    if isinstance(getattr(config, "layer_types", None), list):
+        config.layer_types = [config.layer_types[i] for i in keep_layers]
+    pruned = AutoModelForCausalLM.from_config(config, dtype=model.dtype)
+    pruned.load_state_dict(pruned_state(model, keep_layers, heads_kept), strict=True)
+    pruned.tie_weights()
+    return pruned.to(model.device).eval(), {
+        **plan, "layers": n_layers, "kept_layers": keep_layers,
+        "kept_heads": {i: heads_kept[i][1] for i in keep_layers}}
+
+
+def generate(model, inputs: dict, new_tokens: int, pad_token_id: int) -> torch.Tensor:
+    with torch.no_grad():
+        return model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                              num_beams=1, pad_token_id=pad_token_id)
+
+
+def run(cfg: dict, paths: dict) -> dict:
+    """Prune the base model with one strategy; measure the pruned model against the base in this process."""
+    p, layout = cfg["prune"], paths["layout"]
+    strategy = p["strategies"][paths["name"]]
+    set_threads(cfg["runtime"])
+    device = pick_device(cfg["runtime"])
+    dtype = base_dtype(layout)
+    tokenizer = load_tokenizer(layout.base_model())
+    rows = read_split(layout.split("validation"), p["eval_rows"])
+    calibration = read_split(layout.split("train"), p["calibration_rows"])
+    base = load_model(layout.base_model(), dtype, device)
+    if not hasattr(base, "model") or not hasattr(base.model, "layers"):
+        raise UserError(f"prune: {type(base).__name__} is not a Llama-style decoder (model.layers with self_attn)")
+    scores = importance(base, calibration, tokenizer, p["importance"])
+    pruned, kept = prune(base, strategy, scores)
+    if kept["heads"] != kept["target_heads"]:
+        log.info("%s: %g query heads asked for, %d kept: grouped-query attention allows %d key/value heads x "
+                 "1..%d query heads each", paths["name"], kept["target_heads"], kept["heads"],
+                 attention_shape(base.config)[2], attention_shape(base.config)[1] // attention_shape(base.config)[2])
+    folder = paths["out"] / "model"
+    pruned.save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+
+    figures = {}
+    for which, model in (("base", base), ("pruned", pruned)):
+        figures[which] = {"parameters": count_parameters(model)["total"],
+                          "memory_footprint_bytes": model.get_memory_footprint(),
+                          "validation": eval_loss(model, rows, 4, tokenizer)}
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": p["prompt"]}], add_generation_prompt=True,
+                                         tokenize=False)
+    inputs = tokenizer(chat, return_tensors="pt", add_special_tokens=False).to(device)
+    n, pad = p["max_new_tokens"], tokenizer.pad_token_id or tokenizer.eos_token_id
+    timed = interleave({"pruned": lambda r: generate(pruned, inputs, n, pad),
+                        "base": lambda r: generate(base, inputs, n, pad)}, p["repeats"], device, warmup=1,
+                       tolerance=SENTINEL_TOLERANCE)
+    speedup = paired_ratio(timed, "pruned", "base")
+    speedup["verdict"] = {"slower": "faster", "faster": "slower"}.get(speedup["verdict"], speedup["verdict"])
+    prompt_len = inputs["input_ids"].shape[1]
+    for which, model in (("base", base), ("pruned", pruned)):
+        figures[which]["generation_s"] = timed["variants"][which]
+        figures[which]["sample"] = tokenizer.decode(generate(model, inputs, n, pad)[0, prompt_len:],
+                                                    skip_special_tokens=True)
+    b, q = figures["base"], figures["pruned"]
+    ppl_change = 100 * (q["validation"]["perplexity"] / b["validation"]["perplexity"] - 1)
+    log.info("%s: %d layers x %d heads (%d kv): %s -> %s parameters, perplexity %.2f -> %.2f (%+.0f%%), "
+             "generation %.2fx the base's speed", paths["name"], kept["layers"], kept["heads"], kept["kv_heads"],
+             f"{b['parameters']:,}", f"{q['parameters']:,}", b["validation"]["perplexity"],
+             q["validation"]["perplexity"], ppl_change, speedup["median"] or math.nan)
+    return {
+        "strategy": paths["name"], "settings": strategy, "importance": p["importance"], "dtype": dtype,
+        "kept": kept, "base": b, "pruned": q, "parameter_ratio": q["parameters"] / b["parameters"],
+        "footprint_ratio": q["memory_footprint_bytes"] / b["memory_footprint_bytes"],
+        "perplexity_change_pct": ppl_change, "generation_speedup": speedup, "new_tokens": n,
+        "interleaved": {k: timed[k] for k in ("stable_rounds", "set_aside", "probe", "sentinel_s")},
+        "bytes_on_disk": folder_bytes(folder), "environment": environment(device, p),
+    }
+
+
+if __name__ == "__main__":
+    cli.main("prune", run)

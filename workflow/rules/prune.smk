@@ -1,0 +1,23 @@
+rule prune:
+    input:
+        module("prune"),
+        base="results/base_model/metrics.json",
+        train="results/prepare_data/train.parquet",
+        validation="results/prepare_data/validation.parquet",
+    output:
+        model=directory("results/prune/{name}/model"),
+        metrics="results/prune/{name}/metrics.json",
+    params:
+        file=PARAMS,
+        settings=settings("prune"),
+    log:
+        "results/logs/prune/{name}.log",
+    threads: threads_for("prune")
+    resources:
+        mem_mb=mem_mb("prune"),
+        runtime=runtime("prune"),
+        **gpu_resources("prune"),
+    conda:
+        "../envs/efflab.yaml"
+    shell:
+        "python -m efflab.prune --params {params.file:q} --name {wildcards.name:q} --log {log:q}"
