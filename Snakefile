@@ -23,6 +23,7 @@ include: "workflow/rules/merge.smk"
 include: "workflow/rules/bench_finetune.smk"
 include: "workflow/rules/bench_attention.smk"
 include: "workflow/rules/bench_inference.smk"
+include: "workflow/rules/bench_serving.smk"
 include: "workflow/rules/claims.smk"
 include: "workflow/rules/report.smk"
 

@@ -478,6 +478,19 @@ def _prune_ratio(layout, metric: dict) -> tuple:
                                   f"{m['base']['memory_footprint_bytes']:,} B")
 
 
+def _serving_ratio(layout, metric: dict) -> tuple:
+    """bench_serving's output tokens/s of `method` over the naive server's, at the highest concurrency it ran."""
+    m = _read(layout.metrics("bench_serving"))
+    cells = [c for c in m["cells"] if c["method"] == metric["method"] and records.is_ok(c)]
+    if not cells or not any(c["method"] == "naive" and records.is_ok(c) for c in m["cells"]):
+        reasons = [c.get("reason", "") for c in m["cells"] if c["method"] in (metric["method"], "naive")]
+        raise NotHere(f"bench_serving has no {metric['method']} and naive results to compare: {'; '.join(reasons)}")
+    best = max(cells, key=lambda c: c["concurrency"])
+    return best["throughput_vs_naive"], (f"bench_serving, {m['requests']} requests at once: {metric['method']} at "
+                                         f"concurrency {best['concurrency']} {best['output_tokens_per_s']:.1f} "
+                                         f"output tokens/s over naive's (from requests.csv)")
+
+
 def _gpu_base_model(layout) -> dict:
     base = _read(layout.metrics("base_model"))
     if base.get("environment", {}).get("device") != "cuda":
@@ -509,7 +522,8 @@ def _cuda_context(layout, metric: dict) -> tuple[float, str]:
 # (value, how, [lo, hi]: the 95% CI of the value, same base unit), or raises NotHere.
 METRICS = {"quantize_ratio": _quantize_ratio, "finetune_trainable": _finetune_trainable,
            "finetune_pair": _finetune_pair, "attention_speedup": _attention_speedup,
-           "matmul_ratio": _matmul_ratio, "cuda_context": _cuda_context, "prune_ratio": _prune_ratio}
+           "matmul_ratio": _matmul_ratio, "cuda_context": _cuda_context, "prune_ratio": _prune_ratio,
+           "serving_ratio": _serving_ratio}
 
 
 # ---------------------------------------------------------------- verdicts

@@ -72,7 +72,7 @@ def _setup_logging(log_file: str | None) -> None:
 
 
 STAGES = ("base_model", "prepare_data", "quantize", "prune", "finetune", "merge", "bench_finetune", "bench_attention",
-          "bench_inference", "claims", "report")
+          "bench_inference", "bench_serving", "claims", "report")
 
 
 def stage_names(cfg: dict, stage: str) -> list[str] | None:

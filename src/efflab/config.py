@@ -40,6 +40,7 @@ STAGE_PARAMS = {
     "bench_inference": ["runtime", "bench_inference.max_new_tokens", "bench_inference.warmup",
                         "bench_inference.repeats", "bench_inference.kv_cache", "bench_inference.batch_sizes",
                         "bench_inference.prompts", "bench_inference.variants.{name}"],
+    "bench_serving": ["runtime", "bench_serving"],
     "claims": ["claims"],
     "report": ["report"],
 }

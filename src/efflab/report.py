@@ -83,6 +83,39 @@ def plot_prune(df: pd.DataFrame, path: Path) -> None:
     plt.close(fig)
 
 
+SERVING_COLUMNS = ["method", "concurrency", "status", "requests/s", "output tokens/s", "x naive",
+                   "TTFT p50 (s)", "TTFT p90 (s)", "TTFT p99 (s)", "latency p50 (s)", "latency p90 (s)",
+                   "latency p99 (s)", "env"]
+
+
+def serving_table(jobs: list[dict]) -> pd.DataFrame:
+    out = []
+    for job in records.ok(jobs):
+        for c in job["cells"]:
+            ok = records.is_ok(c)
+            ttft, lat = (c.get("ttft_s") or {}), (c.get("latency_s") or {})
+            out.append({"method": c["method"], "concurrency": c["concurrency"], "status": _status(c),
+                        "requests/s": c.get("requests_per_s"), "output tokens/s": c.get("output_tokens_per_s"),
+                        "x naive": c.get("throughput_vs_naive"),
+                        **{f"TTFT {q} (s)": ttft.get(q) for q in ("p50", "p90", "p99")},
+                        **{f"latency {q} (s)": lat.get(q) for q in ("p50", "p90", "p99")},
+                        "env": _fp(job)} if ok else {"method": c["method"], "concurrency": c["concurrency"],
+                                                     "status": _status(c), "env": _fp(job)})
+    return pd.DataFrame(out, columns=SERVING_COLUMNS)
+
+
+def plot_serving(df: pd.DataFrame, path: Path) -> None:
+    ok = records.ok_rows(df)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    labels = [f"{m}\n@{c}" for m, c in zip(ok["method"], ok["concurrency"])]
+    ax.bar(labels, ok["output tokens/s"], color="tab:green", alpha=0.8)
+    ax.set_ylabel("output tokens/s (whole burst)")
+    ax.set_title("Serving a burst of requests: naive vs static vs continuous batching")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def _tokens_per_s(run: dict) -> float:
     """A run's real-token throughput over its steady steps, the rate its MFU is computed from (the whole run's,
     first steps included, for runs recorded before throughput was measured steady)."""
@@ -689,6 +722,7 @@ def run(cfg: dict, paths: dict) -> dict:
         "bench_attention": attention_table(metrics["bench_attention"]),
         "attention_memory_exponent": exponent_table(metrics["bench_attention"]),
         "bench_inference": inference_table(metrics["bench_inference"]),
+        "bench_serving": serving_table(metrics["bench_serving"]),
     }
     fronts = {"finetune": finetune_pareto(metrics["finetune"]),
               "inference": inference_pareto(metrics["bench_inference"], metrics["quantize"])}
@@ -700,6 +734,7 @@ def run(cfg: dict, paths: dict) -> dict:
              "bench_attention_memory.png": lambda p: plot_attention_memory(
                  tables["bench_attention"], tables["attention_memory_exponent"], p),
              "bench_inference.png": lambda p: plot_inference(tables["bench_inference"], p),
+             "bench_serving.png": lambda p: plot_serving(tables["bench_serving"], p),
              "finetune_pareto.png": lambda p: plot_finetune_pareto(fronts["finetune"], p),
              "inference_pareto.png": lambda p: plot_inference_pareto(fronts["inference"], p)}
     for file, draw in plots.items():
@@ -815,6 +850,14 @@ def run(cfg: dict, paths: dict) -> dict:
         "a verdict said of the variant.", "",
         table("bench_inference"), "", "![inference](bench_inference.png)", "",
         "![memory vs decode speed vs perplexity: Pareto frontier](inference_pareto.png)", "",
+        "## Serving: naive vs static vs continuous batching", "",
+        f"{cfg['bench_serving']['requests']} requests (prompts of the data's own lengths, outputs of "
+        f"{cfg['bench_serving']['max_new_tokens'][0]}-{cfg['bench_serving']['max_new_tokens'][1]} tokens, forced) "
+        "arrive at once; naive serves one at a time, static batching `concurrency` at a time (a batch returns when its "
+        "longest request is done), continuous batching (transformers' paged scheduler) lets a finished request "
+        "leave and a waiting one join. Latency is from arrival, queueing included. Every figure is recomputed "
+        "from `results/bench_serving/requests.csv`.", "", table("bench_serving"), "",
+        "![serving](bench_serving.png)", "",
         "### Sample answers (first prompt, first cell)", "",
         *[f"- **{m['variant']}**: {m['cells'][0]['samples'][0]['answer'].strip()[:200]!r}"
           for m in metrics["bench_inference"] if m.get("cells") and records.is_ok(m["cells"][0])],

@@ -10,6 +10,7 @@ rule claims:
         expand("results/prune/{name}/metrics.json", name=names("prune")),
         expand("results/finetune/{name}/metrics.json", name=names("finetune")),
         "results/bench_finetune/metrics.json",
+        "results/bench_serving/metrics.json",
         expand("results/bench_attention/{name}/metrics.json", name=names("bench_attention")),
     output:
         csv="results/claims/claims.csv",

@@ -1,0 +1,204 @@
+"""Stage bench_serving: N requests of varied lengths served three ways, at each concurrency level.
+
+All N requests arrive at once (an offline burst: latency includes the wait in the queue). `concurrency` is
+how many the server works on at a time:
+  naive       one request at a time, `generate()` each (concurrency does not apply: it is the floor);
+  static      batches of `concurrency` requests, left-padded, each batch generated until its longest request
+              is done and returned as a whole (a request's latency is its batch's end);
+  continuous  transformers' continuous batching (paged KV cache; `max_requests_per_batch` = concurrency): a
+              finished request leaves the batch at once and a waiting one takes its place;
+  vllm        vLLM's engine where it is installed, else `unavailable`.
+Every request's times (submitted, first token, finished) and lengths go to requests.csv, from which every
+figure of the metrics is computed: requests/s, output tokens/s, and percentiles of TTFT and latency.
+"""
+from __future__ import annotations
+
+import csv
+import importlib.util
+import logging
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from . import cli
+from .measure import environment, percentile, pick_device, set_threads, synchronize
+from .modeling import base_dtype, load_model, load_tokenizer, read_split
+
+log = logging.getLogger("efflab")
+
+REQUEST_COLUMNS = ("method", "concurrency", "request", "prompt_tokens", "output_tokens", "submitted_s",
+                   "first_token_s", "finished_s")
+
+
+def requests(cfg: dict, layout) -> list[dict]:
+    """N prompts from the validation rows (their prompt part: varied lengths) with seeded output lengths."""
+    s = cfg["bench_serving"]
+    rows = read_split(layout.split("validation")) + read_split(layout.split("train"))
+    rng = random.Random(s["seed"])
+    lo, hi = s["max_new_tokens"]
+    out = []
+    for i in range(s["requests"]):
+        row = rows[i % len(rows)]
+        prompt = [t for t, label in zip(row["input_ids"], row["labels"]) if label == -100] or row["input_ids"][:8]
+        out.append({"request": i, "prompt": prompt, "new_tokens": rng.randint(lo, hi)})
+    return out
+
+
+class FirstToken:
+    """A generate() streamer that notes when the first new token of a batch appears (the second put())."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.puts, self.first = device, 0, None
+
+    def put(self, value):
+        self.puts += 1
+        if self.puts == 2:
+            synchronize(self.device)
+            self.first = time.perf_counter()
+
+    def end(self):
+        pass
+
+
+def _generate(model, tokenizer, prompts: list[list[int]], new_tokens: int, device) -> tuple[float, torch.Tensor]:
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    clock = FirstToken(device)
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                             do_sample=False, num_beams=1, pad_token_id=pad, streamer=clock)
+    synchronize(device)
+    return clock.first, out
+
+
+def serve_naive(model, tokenizer, reqs: list[dict], concurrency: int, device) -> list[dict]:
+    t0, log_ = time.perf_counter(), []
+    for r in reqs:
+        first, _ = _generate(model, tokenizer, [r["prompt"]], r["new_tokens"], device)
+        log_.append(_row(r, t0, first, time.perf_counter()))
+    return log_
+
+
+def serve_static(model, tokenizer, reqs: list[dict], concurrency: int, device) -> list[dict]:
+    t0, log_ = time.perf_counter(), []
+    for i in range(0, len(reqs), concurrency):
+        batch = reqs[i:i + concurrency]
+        first, _ = _generate(model, tokenizer, [r["prompt"] for r in batch], max(r["new_tokens"] for r in batch), device)
+        done = time.perf_counter()
+        log_ += [_row(r, t0, first, done) for r in batch]
+    return log_
+
+
+def serve_continuous(model, tokenizer, reqs: list[dict], concurrency: int, device) -> list[dict]:
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    gen = GenerationConfig(do_sample=False, max_new_tokens=max(r["new_tokens"] for r in reqs),
+                           eos_token_id=-1, pad_token_id=tokenizer.pad_token_id)  # forced lengths: no early stop
+    cb = ContinuousBatchingConfig(max_requests_per_batch=concurrency)
+    results = {}
+    with model.continuous_batching_context_manager(generation_config=gen, continuous_batching_config=cb,
+                                                   warmup=False) as manager:
+        t0 = time.perf_counter()
+        for r in reqs:
+            manager.add_request(r["prompt"], request_id=f"r{r['request']}", max_new_tokens=r["new_tokens"],
+                                record_timestamps=True)
+        while len(results) < len(reqs):
+            out = manager.get_result(timeout=60)
+            if out is None:
+                raise RuntimeError("continuous batching stopped before every request finished")
+            if out.is_finished():
+                if out.error:
+                    raise RuntimeError(f"continuous batching: {out.error}")
+                results[out.request_id] = (out, time.perf_counter())
+    rows = []
+    for r in reqs:
+        out, seen = results[f"r{r['request']}"]
+        stamps = out.timestamps or []
+        finished = out.lifespan[1] if out.lifespan[1] > 0 else seen
+        rows.append(_row(r, t0, stamps[0] if stamps else None, finished, len(out.generated_tokens)))
+    return rows
+
+
+def _row(r: dict, t0: float, first: float | None, finished: float, output_tokens: int | None = None) -> dict:
+    return {"request": r["request"], "prompt_tokens": len(r["prompt"]),
+            "output_tokens": r["new_tokens"] if output_tokens is None else output_tokens, "submitted_s": 0.0,
+            "first_token_s": None if first is None else first - t0, "finished_s": finished - t0}
+
+
+SERVERS = {"naive": serve_naive, "static": serve_static, "continuous": serve_continuous}
+
+
+def unavailable_reason(method: str, model) -> str | None:
+    if method == "vllm":
+        return None if importlib.util.find_spec("vllm") else "vllm is not installed (pip install vllm; CUDA only)"
+    if method == "continuous" and not hasattr(model, "continuous_batching_context_manager"):
+        import transformers
+
+        return f"transformers {transformers.__version__} has no continuous batching (generate_batch)"
+    return None
+
+
+def figures(rows: list[dict]) -> dict:
+    """Throughput and latency percentiles of one (method, concurrency) from its per-request rows."""
+    makespan = max(r["finished_s"] for r in rows)
+    tokens = sum(r["output_tokens"] for r in rows)
+    ttft = sorted(r["first_token_s"] for r in rows if r["first_token_s"] is not None)
+    latency = sorted(r["finished_s"] - r["submitted_s"] for r in rows)
+    pct = lambda xs: {f"p{q}": percentile(xs, q / 100) for q in (50, 90, 99)} if xs else None  # noqa: E731
+    return {"requests": len(rows), "output_tokens": tokens, "makespan_s": makespan,
+            "requests_per_s": len(rows) / makespan, "output_tokens_per_s": tokens / makespan,
+            "ttft_s": pct(ttft), "latency_s": pct(latency)}
+
+
+def run(cfg: dict, paths: dict) -> dict:
+    """Serve the same burst of requests every way, at every concurrency level; write the per-request log."""
+    s, layout = cfg["bench_serving"], paths["layout"]
+    set_threads(cfg["runtime"])
+    device = pick_device(cfg["runtime"])
+    dtype = base_dtype(layout)
+    tokenizer = load_tokenizer(layout.base_model())
+    model = load_model(layout.base_model(), dtype, device).eval()
+    reqs = requests(cfg, layout)
+    warm = reqs[:2]
+    log_rows, cells = [], []
+    for method in s["methods"]:
+        reason = unavailable_reason(method, model) or ("vllm serving is not wired in yet" if method == "vllm" else None)
+        levels = [1] if method == "naive" else s["concurrency"]
+        for concurrency in levels:
+            cell = {"method": method, "concurrency": concurrency}
+            if reason:
+                cells.append(cell | {"status": "unavailable", "reason": reason})
+                continue
+            try:
+                SERVERS[method](model, tokenizer, warm, concurrency, device)  # first-call work stays out
+                rows = SERVERS[method](model, tokenizer, reqs, concurrency, device)
+            except Exception as err:  # a serving path this stack cannot run is a row, not a crash
+                cells.append(cell | {"status": "failed", "reason": f"{type(err).__name__}: {str(err).splitlines()[0]}"})
+                log.warning("%s at concurrency %d: %s", method, concurrency, cells[-1]["reason"])
+                continue
+            log_rows += [{"method": method, "concurrency": concurrency, **r} for r in rows]
+            cells.append(cell | {"status": "ok"} | figures(rows))
+            log.info("%s at concurrency %d: %.2f requests/s, %.1f output tokens/s, TTFT p50 %.3f s, latency p90 %.3f s",
+                     method, concurrency, cells[-1]["requests_per_s"], cells[-1]["output_tokens_per_s"],
+                     (cells[-1]["ttft_s"] or {}).get("p50", float("nan")), cells[-1]["latency_s"]["p90"])
+    out = Path(paths["out"])
+    with open(out / "requests.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=REQUEST_COLUMNS)
+        writer.writeheader()
+        writer.writerows(log_rows)
+    naive = next((c for c in cells if c["method"] == "naive" and c["status"] == "ok"), None)
+    for c in cells:
+        if naive and c["status"] == "ok":
+            c["throughput_vs_naive"] = c["output_tokens_per_s"] / naive["output_tokens_per_s"]
+    return {"dtype": dtype, "requests": len(reqs), "prompt_tokens": [len(r["prompt"]) for r in reqs],
+            "new_tokens": [r["new_tokens"] for r in reqs], "arrival": "all requests at once (offline burst)",
+            "cells": cells, "environment": environment(device, s)}
+
+
+if __name__ == "__main__":
+    cli.main("bench_serving", run)

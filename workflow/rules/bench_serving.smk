@@ -1,0 +1,23 @@
+rule bench_serving:
+    input:
+        module("bench_serving"),
+        base="results/base_model/metrics.json",
+        train="results/prepare_data/train.parquet",
+        validation="results/prepare_data/validation.parquet",
+    output:
+        requests="results/bench_serving/requests.csv",
+        metrics="results/bench_serving/metrics.json",
+    params:
+        file=PARAMS,
+        settings=settings("bench_serving"),
+    log:
+        "results/logs/bench_serving/bench_serving.log",
+    threads: threads_for("bench_serving")
+    resources:
+        mem_mb=mem_mb("bench_serving"),
+        runtime=runtime("bench_serving"),
+        **gpu_resources("bench_serving"),
+    conda:
+        "../envs/efflab.yaml"
+    shell:
+        "python -m efflab.bench_serving --params {params.file:q} --log {log:q}"
