@@ -3,11 +3,14 @@
 Every verdict efflab states: each knob pair's step time (bench_finetune, interleaved), each attention
 implementation's speed against eager per cell, each inference variant's against the base model per cell,
 and each seed claim's (claims.csv). A verdict *flips* when both runs gave one and they differ (slower vs no
-significant difference counts); a comparison that gave "not a verdict" in either run (the machine's speed
-changed) is listed apart, as it claims nothing.
+significant difference counts); a comparison that gave no verdict in a run ("not a verdict": the machine's
+speed changed; "inconclusive": too few rounds, or an interval too wide to rule a 10% difference in or out)
+claims nothing there, and is listed apart.
 
     python benchmarks/verdict_stability.py /tmp/run1/results /tmp/run2/results [--out results/benchmarks]
 
+Verdicts are recomputed from each record's per-round data with the current rule (measure.ratio_verdict),
+so results recorded under an earlier rule compare as they would read today; claims are compared as stored.
 Prints a Markdown table and writes verdict_stability.{json,md} to --out; exits 1 if any verdict flipped.
 """
 from __future__ import annotations
@@ -18,15 +21,35 @@ import json
 import sys
 from pathlib import Path
 
+from efflab.measure import format_ratio, ratio_verdict
+
 
 def _load(path: Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
+SPEEDUP = {"slower": "faster", "faster": "slower"}  # a speedup's verdict is said of the faster-or-not side
+
+
 def _fmt(ratio: dict) -> str:
-    if ratio.get("median") is None:
-        return "-"
-    return f"{ratio['median']:.3f} [{ratio['ci95'][0]:.3f}, {ratio['ci95'][1]:.3f}]"
+    return format_ratio(ratio, 3)
+
+
+def _recomputed(stored: dict, ratios: list[float] | None, speedup: bool = False) -> dict:
+    """The stored ratio, or, from the per-round ratios where the record keeps them, the verdict the current
+    rule (measure.ratio_verdict) gives; without them, the current rule's verdict from the round count alone
+    where that count is too small for any interval."""
+    if stored.get("median") is None or str(stored.get("verdict", "")).startswith("not a verdict"):
+        return stored
+    if ratios:
+        ratio = ratio_verdict(ratios)
+    elif stored.get("rounds", 0) < 6:
+        ratio = ratio_verdict([stored["median"]] * stored.get("rounds", 0)) | {"median": stored["median"]}
+    else:
+        return stored
+    if speedup:
+        ratio["verdict"] = SPEEDUP.get(ratio["verdict"], ratio["verdict"])
+    return ratio
 
 
 def verdicts(results: Path) -> dict[str, tuple[str, str]]:
@@ -35,22 +58,37 @@ def verdicts(results: Path) -> dict[str, tuple[str, str]]:
     bench = _load(results / "bench_finetune" / "metrics.json") or {}
     for pair in bench.get("pairs", []):
         if pair.get("status") == "ok":
-            ratio = pair["step_time_ratio"]
+            ratio = _recomputed(pair["step_time_ratio"], [
+                r["seconds"][pair["b"]] / r["seconds"][pair["a"]] for r in pair["interleaved"]["rounds"] if r["stable"]])
             out[f"knob {pair['knob']}: {pair['b']} vs {pair['a']} step time"] = (ratio["verdict"], _fmt(ratio))
     for path in sorted((results / "bench_attention").glob("*/metrics.json")):
         for row in (_load(path) or {}).get("rows", []):
-            speedup = ((row.get("vs_eager") or {}).get("speedup")) or {}
+            vs = row.get("vs_eager") or {}
+            speedup = vs.get("speedup") or {}
             if row.get("status") == "ok" and speedup.get("verdict"):
+                eager, mine = vs["eager_latency"].get("samples"), row["latency"].get("samples")
+                speedup = _recomputed(speedup, [e / m for e, m in zip(eager, mine)] if eager and mine else None, True)
                 key = f"attention {row['implementation']} vs eager, {row['mode']} seq {row['seq_len']} batch {row['batch_size']}"
                 out[key] = (speedup["verdict"], _fmt(speedup))
     for path in sorted((results / "bench_inference").glob("*/metrics.json")):
         variant = _load(path) or {}
         for cell in variant.get("cells", []):
-            speedup = ((cell.get("vs_base") or {}).get("generation_speedup")) or {}
+            vs = cell.get("vs_base") or {}
+            speedup = vs.get("generation_speedup") or {}
             if cell.get("status") == "ok" and speedup.get("verdict"):
+                rounds = [r for r in vs.get("rounds", []) if r["stable"]]
+                speedup = _recomputed(speedup, [r["seconds"]["base"] / r["seconds"][variant["variant"]]
+                                                for r in rounds] or None, True)
                 key = (f"inference {variant['variant']} vs base, KV cache {'on' if cell['kv_cache'] else 'off'} "
                        f"batch {cell['batch_size']}")
                 out[key] = (speedup["verdict"], _fmt(speedup))
+    for path in sorted((results / "prune").glob("*/metrics.json")):
+        m = _load(path) or {}
+        if m.get("status") == "ok":
+            base, pruned = m["base"]["generation_s"].get("samples"), m["pruned"]["generation_s"].get("samples")
+            speedup = _recomputed(m["generation_speedup"],
+                                  [b / p for b, p in zip(base, pruned)] if base and pruned else None, True)
+            out[f"prune {m['strategy']} vs base generation"] = (speedup["verdict"], _fmt(speedup))
     claims = results / "claims" / "claims.csv"
     if claims.is_file():
         with open(claims, newline="") as f:
@@ -63,8 +101,8 @@ def compare(a: dict, b: dict) -> list[dict]:
     rows = []
     for key in sorted(a.keys() | b.keys()):
         (va, fa), (vb, fb) = a.get(key, ("absent", "")), b.get(key, ("absent", ""))
-        if va.startswith("not a verdict") or vb.startswith("not a verdict"):
-            outcome = "no verdict in a run"
+        if any(v.startswith(("not a verdict", "inconclusive")) for v in (va, vb)):
+            outcome = "same" if va.split(":")[0] == vb.split(":")[0] else "stated in one run only"
         elif "absent" in (va, vb):
             outcome = "in one run only"
         else:

@@ -25,7 +25,7 @@ def test_attention_cells_run_isolated_agree_with_eager_and_flash_is_unavailable_
         assert row["max_abs_diff_vs_eager"] < 1e-4
         assert row["latency"]["n"] >= b["repeats"], "rounds the speed probe set aside are measured again"
         speedup = row["vs_eager"]["speedup"]
-        assert speedup["verdict"].startswith(("faster", "slower", "no significant", "not a verdict"))
+        assert speedup["verdict"].startswith(("faster", "slower", "no significant", "not a verdict", "inconclusive"))
         assert row["vs_eager"]["eager_latency"]["median"] > 0 and row["vs_eager"]["probe"]["median"] > 0
         assert row["latency"]["p99"] >= row["latency"]["p90"] >= row["latency"]["median"] > 0
         assert row["memory"]["kind"] == "cpu_peak_rss" and row["memory"]["delta_mib"] > 0
@@ -98,11 +98,9 @@ def test_int8_cells_show_each_warning_at_most_once_and_no_profiler_lines(results
     vs_base = cell["vs_base"]  # timed interleaved with the base model on the same prompts
     speedup = vs_base["generation_speedup"]
     assert vs_base["base_generation_s"]["median"] > 0 and vs_base["probe"]["n"] >= 2
-    if speedup["median"] is not None:
+    if speedup.get("ci95"):
         assert speedup["ci95"][0] <= speedup["median"] <= speedup["ci95"][1]
-        assert speedup["verdict"] in ("faster", "slower", "no significant difference")
-    else:
-        assert speedup["verdict"].startswith("not a verdict")
+    assert speedup["verdict"].startswith(("faster", "slower", "no significant", "not a verdict", "inconclusive: 2 rounds"))
     for err in (in_stage, proc.stderr):
         assert "USDT" not in err and "profiler_start" not in err
         assert err.count("MatMul8bitLt") <= 1

@@ -210,9 +210,9 @@ def _sleeper(seconds_per_round):
 
 def test_interleaved_rounds_alternate_the_order_and_find_a_known_slowdown(monkeypatch):
     monkeypatch.setattr(measure, "speed_probe", lambda device: 100.0)
-    timed = measure.interleave({"a": _sleeper(lambda r: 0.004), "b": _sleeper(lambda r: 0.008)}, 4, CPU, warmup=1)
-    assert [r["order"] for r in timed["rounds"]] == [["a", "b"], ["b", "a"]] * 2
-    assert timed["stable_rounds"] == 4 and timed["set_aside"] == 0 and "unstable" not in timed
+    timed = measure.interleave({"a": _sleeper(lambda r: 0.004), "b": _sleeper(lambda r: 0.008)}, 6, CPU, warmup=1)
+    assert [r["order"] for r in timed["rounds"]] == [["a", "b"], ["b", "a"]] * 3
+    assert timed["stable_rounds"] == 6 and timed["set_aside"] == 0 and "unstable" not in timed
     ratio = measure.paired_ratio(timed, "a", "b")
     assert ratio["median"] == pytest.approx(2, rel=0.25) and ratio["verdict"] == "slower" and ratio["ci95"][0] > 1
     assert measure.paired_ratio(timed, "b", "a")["verdict"] == "faster"
@@ -223,9 +223,20 @@ def test_a_drift_that_hits_both_variants_alike_cancels_in_the_paired_ratio(monke
     interleaved per-round ratio sees two identical variants."""
     monkeypatch.setattr(measure, "speed_probe", lambda device: 100.0)
     drift = lambda r: 0.003 * (1 + 0.5 * r)  # noqa: E731
-    timed = measure.interleave({"a": _sleeper(drift), "b": _sleeper(drift)}, 5, CPU, warmup=0)
+    timed = measure.interleave({"a": _sleeper(drift), "b": _sleeper(drift)}, 6, CPU, warmup=0)
     ratio = measure.paired_ratio(timed, "a", "b")
     assert ratio["median"] == pytest.approx(1, abs=0.1) and ratio["verdict"] == "no significant difference"
+
+
+def test_a_verdict_needs_enough_rounds_and_no_difference_needs_a_narrow_interval():
+    """Order statistics: fewer than 6 values give no 95% interval of a median; an interval that holds 1 but
+    also a 10% difference is inconclusive, not 'no significant difference'."""
+    assert measure.ratio_verdict([1.3, 1.4, 1.35, 1.32, 1.38])["verdict"].startswith("inconclusive: 5 rounds")
+    assert measure.ratio_verdict([1.3, 1.4, 1.35, 1.32, 1.38, 1.31])["verdict"] == "slower"
+    assert measure.ratio_verdict([0.99, 1.01, 1.0, 1.02, 0.98, 1.03])["verdict"] == "no significant difference"
+    wide = measure.ratio_verdict([0.85, 1.2, 1.0, 1.1, 0.95, 1.05])
+    assert wide["verdict"].startswith("inconclusive: the 95% interval [0.85, 1.2] holds 1")
+    assert wide["ci95"] == [0.85, 1.2] and wide["coverage"] == pytest.approx(1 - 2 / 64)
 
 
 def test_rounds_where_the_machine_slowed_are_set_aside_and_measured_again(monkeypatch):

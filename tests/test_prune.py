@@ -57,5 +57,5 @@ def test_a_pruned_folder_loads_in_plain_transformers_with_the_parameters_the_tab
                                                                             metrics["kept"]["heads"])
     assert metrics["footprint_ratio"] < 1 and metrics["pruned"]["validation"]["perplexity"] > 0
     assert metrics["pruned"]["generation_s"]["median"] > 0 and isinstance(metrics["pruned"]["sample"], str)
-    assert metrics["generation_speedup"]["verdict"] in ("faster", "slower", "no significant difference") \
-        or metrics["generation_speedup"]["verdict"].startswith("not a verdict")
+    assert metrics["generation_speedup"]["verdict"].startswith(
+        ("faster", "slower", "no significant difference", "not a verdict", "inconclusive"))

@@ -142,7 +142,7 @@ def attention_cell(folder: str, dtype: str, device: str, impl: str, seq_len: int
             speedup = paired_ratio(timed, impl, "eager")
             speedup["verdict"] = {"slower": "faster", "faster": "slower"}.get(speedup["verdict"], speedup["verdict"])
             vs_eager = {"speedup": speedup, "eager_latency": timed["variants"]["eager"],
-                        **{k: timed[k] for k in ("stable_rounds", "set_aside", "probe", "sentinel_s")}}
+                        **{k: timed[k] for k in ("rounds", "stable_rounds", "set_aside", "probe", "sentinel_s")}}
             latency |= {"warmup": warmup, "clock": timed["clock"], "interleaved_with": "eager"}
         else:
             latency = time_fn(mine, device, 0, repeats) | {"warmup": warmup}

@@ -27,7 +27,7 @@ from . import cli, records
 from .config import finetune_run
 from .finetune import build_model, collator, mixed_precision, unavailable_knobs
 from .layout import Layout
-from .measure import (CellJournal, environment, interleave, paired_ratio, pick_device, run_cell, set_threads,
+from .measure import (CellJournal, environment, format_ratio, interleave, paired_ratio, pick_device, run_cell, set_threads,
                       synchronize)
 from .modeling import base_dtype, load_tokenizer, read_split
 
@@ -136,7 +136,7 @@ def pair_cell(cfg: dict, results: str, a: str, b: str, dtype: str, device: str) 
         per_run[name] = {"step_time": timed["variants"][name], "mixed_precision": precision[name],
                          "tokens_per_s": sum(t for _, t in kept) / seconds if seconds else None}
     log.info("%s vs %s: step time ratio %s %s (%d stable rounds, %d set aside)", b, a,
-             f"{ratio['median']:.3f} [{ratio['ci95'][0]:.3f}, {ratio['ci95'][1]:.3f}]" if ratio["median"] else "-",
+             format_ratio(ratio, 3),
              ratio["verdict"], timed["stable_rounds"], timed["set_aside"])
     return {"runs": per_run, "step_time_ratio": ratio, "interleaved": timed}
 

@@ -169,7 +169,7 @@ def inference_cell(cfg: dict, results: str, name: str, dtype: str, device: str, 
         vs_base = {"generation_speedup": ratio, "measured": "whole generations of every prompt batch per round; "
                    "speedup = the base model's time over this variant's; the verdict is said of this variant",
                    "base_generation_s": timed["variants"]["base"],
-                   **{k: timed[k] for k in ("stable_rounds", "set_aside", "probe", "sentinel_s")}}
+                   **{k: timed[k] for k in ("rounds", "stable_rounds", "set_aside", "probe", "sentinel_s")}}
         if "unstable" in timed:
             vs_base["unstable"] = timed["unstable"]
     if any(r["new_tokens"] != n for r in runs):

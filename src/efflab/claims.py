@@ -385,7 +385,7 @@ def _interleaved_ratio(layout, a: dict, b: dict, key: str) -> tuple[float, float
         if pair is None:
             continue
         ratio = pair["step_time_ratio"]  # step time of y over x
-        if ratio["median"] is None:
+        if not ratio.get("ci95"):
             raise NotHere(f"bench_finetune measured {y['run']} vs {x['run']} but gave {ratio['verdict']}")
         med, lo, hi = ratio["median"], *ratio["ci95"]
         if (x is a) == (key == "step_s"):  # a's step time over b's is 1/ratio when x is a; tokens/s inverts it
@@ -447,7 +447,7 @@ def _attention_speedup(layout, metric: dict) -> tuple[float, str]:
     ok = lambda m: {r["seq_len"]: r for r in m["rows"] if records.is_ok(r)}  # noqa: E731
     a = ok(impl)
     paired = {s: r["vs_eager"]["speedup"] for s, r in a.items()
-              if metric["baseline"] == "eager" and ((r.get("vs_eager") or {}).get("speedup") or {}).get("median")}
+              if metric["baseline"] == "eager" and ((r.get("vs_eager") or {}).get("speedup") or {}).get("ci95")}
     if paired:  # timed interleaved with eager in the same cell: a median with its interval
         s = max(paired)
         speedup = paired[s]
@@ -469,7 +469,7 @@ def _prune_ratio(layout, metric: dict) -> tuple:
     kept = f"{m['kept']['layers']} layers x {m['kept']['heads']} query heads ({m['kept']['kv_heads']} kv)"
     if metric["key"] == "generation_speedup":
         s = m["generation_speedup"]
-        if s["median"] is None:
+        if not s.get("ci95"):
             raise NotHere(f"prune {metric['strategy']}: {s['verdict']}")
         return s["median"], (f"prune {metric['strategy']} ({kept}): base generation time over the pruned model's, "
                              f"{s['rounds']} interleaved rounds of {m['new_tokens']} tokens"), s["ci95"]

@@ -226,7 +226,7 @@ def run(cfg: dict, paths: dict) -> dict:
         "kept": kept, "base": b, "pruned": q, "parameter_ratio": q["parameters"] / b["parameters"],
         "footprint_ratio": q["memory_footprint_bytes"] / b["memory_footprint_bytes"],
         "perplexity_change_pct": ppl_change, "generation_speedup": speedup, "new_tokens": n,
-        "interleaved": {k: timed[k] for k in ("stable_rounds", "set_aside", "probe", "sentinel_s")},
+        "interleaved": {k: timed[k] for k in ("rounds", "stable_rounds", "set_aside", "probe", "sentinel_s")},
         "bytes_on_disk": folder_bytes(folder), "environment": environment(device, p),
     }
 

@@ -14,7 +14,8 @@ import pandas as pd  # noqa: E402
 
 from . import cli, provenance, records  # noqa: E402
 from .config import UserError  # noqa: E402
-from .measure import SENTINEL_TOLERANCE, FINGERPRINT_KEYS, bootstrap_median_ci, fingerprint, percentile  # noqa: E402
+from .measure import (SENTINEL_TOLERANCE, FINGERPRINT_KEYS, bootstrap_median_ci, fingerprint, format_ratio,
+                      percentile)  # noqa: E402
 
 log = logging.getLogger("efflab")
 MiB = 2**20
@@ -188,8 +189,7 @@ def _ratio_ci(ratio: dict | None) -> str:
     if not ratio or ratio.get("median") is None:
         return "-"
     if ratio.get("interleaved"):
-        lo, hi = ratio["ci95"]
-        return f"{ratio['median']:.2f} [{lo:.2f}, {hi:.2f}] (interleaved, {ratio['rounds']} rounds)"
+        return f"{format_ratio(ratio)} (interleaved, {ratio['rounds']} rounds)"
     if not ratio["paired"]:
         return f"{ratio['median']:.2f} (runs' intervals)"
     lo, hi = ratio["ci95"]
@@ -436,7 +436,7 @@ def _speedup(pair: dict | None, key: str) -> str:
     ratio = (pair or {}).get(key) or {}
     if ratio.get("median") is None:
         return (pair or {}).get("unavailable", "-")
-    return f"{ratio['median']:.2f} [{ratio['ci95'][0]:.2f}, {ratio['ci95'][1]:.2f}]"
+    return format_ratio(ratio)
 
 
 def _speedup_verdict(pair: dict | None, key: str) -> str:
