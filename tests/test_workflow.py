@@ -66,7 +66,8 @@ def check_results(work: Path, cfg: dict) -> None:
     summary = pd.read_csv(work / "results/report/summary.csv")
     qlora = any(r["method"] == "qlora" for r in cfg["finetune"]["runs"].values())
     assert set(summary.stage) - {"finetune_knobs"} == {"quantize", "prune", "finetune", "merge", "bench_attention",
-                                                       "attention_memory_exponent", "bench_inference"} | (
+                                                       "attention_memory_exponent", "bench_inference",
+                                                       "bench_serving"} | (
         {"merge_targets"} if qlora else set())
     interleaved = json.loads((work / "results/bench_finetune/metrics.json").read_text())
     assert [(p["a"], p["b"], p["status"]) for p in interleaved["pairs"]] == [("lora-r8", "qlora-r8", "ok")]
