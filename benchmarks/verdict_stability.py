@@ -21,14 +21,11 @@ import json
 import sys
 from pathlib import Path
 
-from efflab.measure import format_ratio, ratio_verdict
+from efflab.measure import format_ratio, ratio_verdict, said_of_faster_side
 
 
 def _load(path: Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
-
-
-SPEEDUP = {"slower": "faster", "faster": "slower"}  # a speedup's verdict is said of the faster-or-not side
 
 
 def _fmt(ratio: dict) -> str:
@@ -47,9 +44,7 @@ def _recomputed(stored: dict, ratios: list[float] | None, speedup: bool = False)
         ratio = ratio_verdict([stored["median"]] * stored.get("rounds", 0)) | {"median": stored["median"]}
     else:
         return stored
-    if speedup:
-        ratio["verdict"] = SPEEDUP.get(ratio["verdict"], ratio["verdict"])
-    return ratio
+    return said_of_faster_side(ratio) if speedup else ratio
 
 
 def verdicts(results: Path) -> dict[str, tuple[str, str]]:

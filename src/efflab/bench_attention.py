@@ -21,8 +21,8 @@ from contextlib import contextmanager
 import torch
 
 from . import cli, records
-from .measure import (SENTINEL_TOLERANCE, CellJournal, environment, interleave, paired_ratio, pick_device, run_cell,
-                      set_threads, synchronize, time_fn, track_memory)
+from .measure import (INTERLEAVE_RECORD, SENTINEL_TOLERANCE, CellJournal, environment, interleave, pick_device,
+                      run_cell, set_threads, speedup, synchronize, time_fn, track_memory)
 from .modeling import base_dtype, load_model
 
 log = logging.getLogger("efflab")
@@ -139,18 +139,16 @@ def attention_cell(folder: str, dtype: str, device: str, impl: str, seq_len: int
                                tolerance=sentinel_tolerance)
             latency = timed["variants"][impl] | ({"unstable": timed["unstable"]} if "unstable" in timed else {})
             # eager's time over this implementation's: the speedup; its verdict is said of this implementation
-            speedup = paired_ratio(timed, impl, "eager")
-            speedup["verdict"] = {"slower": "faster", "faster": "slower"}.get(speedup["verdict"], speedup["verdict"])
-            vs_eager = {"speedup": speedup, "eager_latency": timed["variants"]["eager"],
-                        **{k: timed[k] for k in ("rounds", "stable_rounds", "set_aside", "probe", "sentinel_s")}}
+            vs_eager = {"speedup": speedup(timed, impl, "eager"), "eager_latency": timed["variants"]["eager"],
+                        **{k: timed[k] for k in INTERLEAVE_RECORD}}
             latency |= {"warmup": warmup, "clock": timed["clock"], "interleaved_with": "eager"}
         else:
             latency = time_fn(mine, device, 0, repeats) | {"warmup": warmup}
     tokens = batch_size * seq_len
-    speedup = (vs_eager or {}).get("speedup", {}).get("median")
+    times_eager = (vs_eager or {}).get("speedup", {}).get("median")
     log.info("%s %s seq %d batch %d: median %.4f s (p90 %.4f), peak delta %s MiB, |diff| %s%s", impl, mode,
              seq_len, batch_size, latency["median"], latency["p90"], mem.get("delta_mib"),
-             "n/a" if diff is None else f"{diff:.2e}", f", {speedup:.2f}x eager" if speedup else "")
+             "n/a" if diff is None else f"{diff:.2e}", f", {times_eager:.2f}x eager" if times_eager else "")
     return {"latency": latency, "memory": mem, "tokens_per_s": tokens / latency["median"],
             "max_abs_diff_vs_eager": diff, "compared": compared, "vs_eager": vs_eager}
 

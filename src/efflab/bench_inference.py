@@ -17,8 +17,8 @@ import torch
 from . import cli, records
 from .config import finetune_run
 from .layout import Layout
-from .measure import (SENTINEL_TOLERANCE, CellJournal, environment, interleave, paired_ratio, percentile,
-                      pick_device, run_cell, set_threads, summarize, track_memory)
+from .measure import (INTERLEAVE_RECORD, SENTINEL_TOLERANCE, CellJournal, environment, interleave, percentile,
+                      pick_device, run_cell, set_threads, speedup, summarize, track_memory)
 from .memory_estimate import compared, generation_peak, quantized_layer_transient, variant_quant
 from .modeling import base_dtype, load_model, load_tokenizer, require_input
 
@@ -164,12 +164,11 @@ def inference_cell(cfg: dict, results: str, name: str, dtype: str, device: str, 
                            b["repeats"], device, warmup=b["warmup"], tolerance=SENTINEL_TOLERANCE)
         kept = [b["warmup"] + i for i, r in enumerate(timed["rounds"]) if r["stable"] or "unstable" in timed]
         runs = [g for r in kept for g in by_round[r]]  # the rounds the figures are of (warmup rounds are not)
-        ratio = paired_ratio(timed, name, "base")
-        ratio["verdict"] = {"slower": "faster", "faster": "slower"}.get(ratio["verdict"], ratio["verdict"])
-        vs_base = {"generation_speedup": ratio, "measured": "whole generations of every prompt batch per round; "
-                   "speedup = the base model's time over this variant's; the verdict is said of this variant",
+        vs_base = {"generation_speedup": speedup(timed, name, "base"),
+                   "measured": "whole generations of every prompt batch per round; speedup = the base model's "
+                               "time over this variant's; the verdict is said of this variant",
                    "base_generation_s": timed["variants"]["base"],
-                   **{k: timed[k] for k in ("rounds", "stable_rounds", "set_aside", "probe", "sentinel_s")}}
+                   **{k: timed[k] for k in INTERLEAVE_RECORD}}
         if "unstable" in timed:
             vs_base["unstable"] = timed["unstable"]
     if any(r["new_tokens"] != n for r in runs):

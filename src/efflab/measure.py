@@ -227,6 +227,22 @@ def ratio_verdict(ratios: list[float], level: float = 0.95) -> dict:
             "interval": "order statistics (distribution-free)", "verdict": verdict}
 
 
+def said_of_faster_side(ratio: dict) -> dict:
+    """A ratio of the reference's time over this side's (a speedup) with its verdict said of this side: the
+    reference `slower` means this side is `faster`; other verdicts read the same."""
+    return ratio | {"verdict": {"slower": "faster", "faster": "slower"}.get(ratio["verdict"], ratio["verdict"])}
+
+
+def speedup(result: dict, mine: str, reference: str) -> dict:
+    """The reference's time over `mine`'s from an interleave() result, with paired_ratio's interval and the
+    verdict said of `mine`."""
+    return said_of_faster_side(paired_ratio(result, mine, reference))
+
+
+# What an interleave() result keeps beside its figures: the rounds, the sentinel's probes and cost.
+INTERLEAVE_RECORD = ("rounds", "stable_rounds", "set_aside", "probe", "sentinel_s")
+
+
 def format_ratio(ratio: dict | None, digits: int = 2) -> str:
     """'1.13 [1.02, 1.30]', '1.13 (no 95% interval: 3 rounds)' or '-'."""
     if not ratio or ratio.get("median") is None:

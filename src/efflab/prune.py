@@ -22,8 +22,8 @@ import torch
 
 from . import cli
 from .config import UserError
-from .measure import (SENTINEL_TOLERANCE, count_parameters, environment, interleave, paired_ratio, pick_device,
-                      set_threads)
+from .measure import (INTERLEAVE_RECORD, SENTINEL_TOLERANCE, count_parameters, environment, interleave, pick_device,
+                      set_threads, speedup)
 from .modeling import base_dtype, eval_loss, folder_bytes, load_model, load_tokenizer, read_split
 
 log = logging.getLogger("efflab")
@@ -208,8 +208,7 @@ def run(cfg: dict, paths: dict) -> dict:
     timed = interleave({"pruned": lambda r: generate(pruned, inputs, n, pad),
                         "base": lambda r: generate(base, inputs, n, pad)}, p["repeats"], device, warmup=1,
                        tolerance=SENTINEL_TOLERANCE)
-    speedup = paired_ratio(timed, "pruned", "base")
-    speedup["verdict"] = {"slower": "faster", "faster": "slower"}.get(speedup["verdict"], speedup["verdict"])
+    faster = speedup(timed, "pruned", "base")
     prompt_len = inputs["input_ids"].shape[1]
     for which, model in (("base", base), ("pruned", pruned)):
         figures[which]["generation_s"] = timed["variants"][which]
@@ -220,13 +219,13 @@ def run(cfg: dict, paths: dict) -> dict:
     log.info("%s: %d layers x %d heads (%d kv): %s -> %s parameters, perplexity %.2f -> %.2f (%+.0f%%), "
              "generation %.2fx the base's speed", paths["name"], kept["layers"], kept["heads"], kept["kv_heads"],
              f"{b['parameters']:,}", f"{q['parameters']:,}", b["validation"]["perplexity"],
-             q["validation"]["perplexity"], ppl_change, speedup["median"] or math.nan)
+             q["validation"]["perplexity"], ppl_change, faster["median"] or math.nan)
     return {
         "strategy": paths["name"], "settings": strategy, "importance": p["importance"], "dtype": dtype,
         "kept": kept, "base": b, "pruned": q, "parameter_ratio": q["parameters"] / b["parameters"],
         "footprint_ratio": q["memory_footprint_bytes"] / b["memory_footprint_bytes"],
-        "perplexity_change_pct": ppl_change, "generation_speedup": speedup, "new_tokens": n,
-        "interleaved": {k: timed[k] for k in ("rounds", "stable_rounds", "set_aside", "probe", "sentinel_s")},
+        "perplexity_change_pct": ppl_change, "generation_speedup": faster, "new_tokens": n,
+        "interleaved": {k: timed[k] for k in INTERLEAVE_RECORD},
         "bytes_on_disk": folder_bytes(folder), "environment": environment(device, p),
     }
 
