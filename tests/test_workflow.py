@@ -65,7 +65,7 @@ def check_results(work: Path, cfg: dict) -> None:
     assert len(pngs) >= 5 and all(p.read_bytes()[:4] == b"\x89PNG" for p in pngs)
     summary = pd.read_csv(work / "results/report/summary.csv")
     qlora = any(r["method"] == "qlora" for r in cfg["finetune"]["runs"].values())
-    assert set(summary.stage) - {"finetune_knobs"} == {"quantize", "prune", "finetune", "merge", "bench_attention",
+    assert set(summary.stage) - {"finetune_knobs"} == {"quantize", "prune", "qat", "finetune", "merge", "bench_attention",
                                                        "attention_memory_exponent", "bench_inference",
                                                        "bench_serving"} | (
         {"merge_targets"} if qlora else set())

@@ -24,8 +24,11 @@ log = logging.getLogger("efflab")
 
 # Libraries whose logged warnings speak to their own developers, not to whoever reads a benchmark: errors only.
 # bitsandbytes logs "MatMul8bitLt: inputs will be cast from ... to float16" on every INT8 matmul whose input is
-# not float16 (tens of thousands of lines per benchmark cell).
-QUIET_LIBRARIES = ("transformers", "accelerate", "peft", "bitsandbytes", "urllib3", "filelock", "httpx")
+# not float16 (tens of thousands of lines per benchmark cell). torchao (imported by peft too) warns at import that
+# a CPU build of torch cannot load its CUDA kernels, which efflab does not use, and torch's pytree module that
+# torchao registers enums the deprecated way.
+QUIET_LIBRARIES = ("transformers", "accelerate", "peft", "bitsandbytes", "torchao", "torch.utils._pytree", "urllib3",
+                   "filelock", "httpx")
 
 
 class WarningOnce(logging.Filter):
@@ -71,7 +74,7 @@ def _setup_logging(log_file: str | None) -> None:
     configure_logging(handlers, "%(asctime)s %(levelname)s %(message)s")
 
 
-STAGES = ("base_model", "prepare_data", "quantize", "prune", "finetune", "merge", "bench_finetune", "bench_attention",
+STAGES = ("base_model", "prepare_data", "quantize", "prune", "qat", "finetune", "merge", "bench_finetune", "bench_attention",
           "bench_inference", "bench_serving", "claims", "report")
 
 

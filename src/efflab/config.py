@@ -32,6 +32,7 @@ STAGE_PARAMS = {
                  "report.baseline_scheme"],
     "prune": ["runtime", "prune.importance", "prune.calibration_rows", "prune.eval_rows", "prune.prompt",
               "prune.max_new_tokens", "prune.repeats", "prune.strategies.{name}"],
+    "qat": ["runtime", "qat"],
     "finetune": ["runtime", "finetune.defaults", "finetune.runs.{name}"],
     "merge": ["runtime", "merge", "finetune.defaults", "finetune.runs.{name}"],
     "bench_finetune": ["runtime", "bench_finetune", "finetune.defaults", "finetune.runs"],

@@ -84,6 +84,72 @@ def plot_prune(df: pd.DataFrame, path: Path) -> None:
     plt.close(fig)
 
 
+QAT_COLUMNS = ["bits", "PTQ perplexity", "PTQ x full precision", "PTQ passes", "QAT perplexity",
+               "QAT x full precision", "QAT passes", "packed weights (MiB)", "env"]
+
+
+def qat_table(jobs: list[dict]) -> pd.DataFrame:
+    """One row per bit width: PTQ and QAT validation perplexity, over the full-precision fine-tune's, and
+    whether the width passes the precision range test's threshold."""
+    out = []
+    for job in records.ok(jobs):
+        reference, threshold = job["reference_perplexity"], job["threshold"]
+        for bits in job["bits"]:
+            row = {"bits": bits, "env": _fp(job)}
+            for method in ("ptq", "qat"):
+                v = next(v for v in job["variants"] if (v["method"], v["bits"]) == (method, bits))
+                label = method.upper()
+                if records.is_ok(v):
+                    ratio = v["perplexity"] / reference
+                    row |= {f"{label} perplexity": v["perplexity"], f"{label} x full precision": ratio,
+                            f"{label} passes": "yes" if ratio <= threshold else "no",
+                            "packed weights (MiB)": v["weight_bytes"]["packed_bytes"] / MiB}
+                else:
+                    row[f"{label} passes"] = _status(v)
+            out.append(row)
+    return pd.DataFrame(out, columns=QAT_COLUMNS)
+
+
+def plot_qat(df: pd.DataFrame, job: dict | None, path: Path) -> None:
+    """Perplexity vs bits for PTQ and QAT (log scale), the full-precision reference and the threshold line."""
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, color in (("PTQ", "tab:red"), ("QAT", "tab:blue")):
+        ok = df.dropna(subset=[f"{label} perplexity"])
+        ax.plot(ok["bits"], ok[f"{label} perplexity"], "o-", color=color, label=label)
+    if job and job.get("reference_perplexity"):
+        reference = job["reference_perplexity"]
+        ax.axhline(reference, color="grey", lw=0.8, label="full precision (fine-tuned)")
+        ax.axhline(job["threshold"] * reference, color="grey", lw=0.8, ls="--",
+                   label=f"threshold ({job['threshold']:g}x)")
+    ax.set_yscale("log")
+    ax.set_xticks(sorted(df["bits"].unique()) if not df.empty else [])
+    ax.set_xlabel("weight bits (per-group symmetric, round to nearest)")
+    ax.set_ylabel("validation perplexity (log)")
+    ax.set_title("Precision range test: post-training vs quantization-aware training")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def qat_lines(job: dict) -> list[str]:
+    """What the table rests on, and each method's B_min."""
+    if not records.is_ok(job):
+        return [f"_qat did not run: {job['status']}: {job.get('reason', '')}_"]
+    tests = job["precision_range_test"]
+
+    def b_min(method: str) -> str:
+        t = tests[method]
+        said = f"**{t['b_min']} bits**" if t["b_min"] else f"none of {job['bits']} bits"
+        return said + (f" (but {', '.join(map(str, t['fail_above_b_min']))} bits fail again)"
+                       if t["fail_above_b_min"] else "")
+
+    return [f"Validation perplexity of the base model {job['base_perplexity']:.2f}; fine-tuned in full precision "
+            f"{job['reference_perplexity']:.2f}, so a width passes at {job['threshold']:g} x that = "
+            f"{job['threshold'] * job['reference_perplexity']:.2f} or less. B_min: PTQ {b_min('ptq')}, "
+            f"QAT {b_min('qat')}.", ""]
+
+
 SERVING_COLUMNS = ["method", "concurrency", "status", "requests/s", "output tokens/s", "x naive",
                    "TTFT p50 (s)", "TTFT p90 (s)", "TTFT p99 (s)", "latency p50 (s)", "latency p90 (s)",
                    "latency p99 (s)", "env"]
@@ -715,6 +781,7 @@ def run(cfg: dict, paths: dict) -> dict:
     tables = {
         "quantize": quantize_table(metrics["quantize"]),
         "prune": prune_table(metrics["prune"]),
+        "qat": qat_table(metrics["qat"]),
         "finetune": finetune_table(metrics["finetune"]),
         "finetune_knobs": knob_table(metrics["finetune"], metrics["bench_finetune"]),
         "merge": merge_table(metrics["merge"]),
@@ -728,6 +795,7 @@ def run(cfg: dict, paths: dict) -> dict:
               "inference": inference_pareto(metrics["bench_inference"], metrics["quantize"])}
     plots = {"quantize.png": lambda p: plot_quantize(tables["quantize"], p),
              "prune.png": lambda p: plot_prune(tables["prune"], p),
+             "qat.png": lambda p: plot_qat(tables["qat"], next(iter(records.ok(metrics["qat"])), None), p),
              "finetune_loss.png": lambda p: plot_loss(layout, names["finetune"], p),
              "finetune.png": lambda p: plot_finetune(metrics["finetune"], p),
              "bench_attention.png": lambda p: plot_attention(tables["bench_attention"], p),
@@ -793,6 +861,16 @@ def run(cfg: dict, paths: dict) -> dict:
         f"{cfg['prune']['eval_rows']} validation rows, base and pruned in the same process; generation of "
         f"{cfg['prune']['max_new_tokens']} greedy tokens, the pruned and the base model timed interleaved.", "",
         table("prune"), "", "![pruning](prune.png)", "",
+        "## Quantization-aware training and the precision range test", "",
+        f"The base model fine-tuned {cfg['qat']['train']['steps']} steps in full precision, then its weights "
+        "quantized (PTQ), against the base fine-tuned on the same batches with the weights fake-quantized in "
+        "every forward pass and quantized at the end (QAT): the two differ only in whether training saw the "
+        f"quantization. torchao, symmetric int weights with one scale per {cfg['qat']['group_size']} weights, "
+        "round to nearest; quantized: " + (metrics["qat"][0].get("quantized") or "") + ". Perplexity on "
+        f"{cfg['qat']['eval_rows']} validation rows; packed weights is bits/8 per weight plus a bf16 scale per "
+        "group (torchao holds each code in an int8 here). The precision range test scans from the lowest width "
+        "up: B_min is the first that passes. Every figure is recomputed from `results/qat/evals.csv`.", "",
+        *qat_lines(metrics["qat"][0]), table("qat"), "", "![precision range test](qat.png)", "",
         "## Fine-tuning: full vs LoRA vs QLoRA", "",
         "Tokens/s counts real (non-padding) tokens. MFU = model FLOPs per token (PaLM's 6N + 12·L·d·T for full "
         "fine-tuning; 4N + 2·N_trainable + 12·L·d·T with frozen weights) × tokens/s, over the matmul throughput "
@@ -810,7 +888,7 @@ def run(cfg: dict, paths: dict) -> dict:
         "stable rounds, with a matmul speed probe before and after each round: a round in which the machine's "
         f"speed moved by more than {cfg['bench_finetune']['sentinel_tolerance']:.0%} is set aside and run again, "
         "and a pair left without enough stable rounds gets no verdict. The ratio is the median of the per-round "
-        "ratios with its bootstrap 95% interval; the verdict says slower or faster only when that interval "
+        "ratios with its distribution-free 95% interval (order statistics); the verdict says slower or faster only when that interval "
         "excludes 1, else no significant difference. A pair bench_finetune did not measure falls back to the "
         "runs' own steps (step by step where they drew the same batches), and gets no verdict when the matmul "
         "ceilings the two runs measured differ by more than "
@@ -834,7 +912,7 @@ def run(cfg: dict, paths: dict) -> dict:
         "Agreement vs eager: max |difference| of the output (forward) or of the input gradient (forward+backward). "
         "Each implementation's cell also runs eager on the same inputs, the two timed interleaved (A B, then B A) "
         "with a speed probe around each round: the speedup is the median of eager's time over the "
-        "implementation's per round, with its bootstrap 95% interval; the verdict (of the implementation) says "
+        "implementation's per round, with its distribution-free 95% interval; the verdict (of the implementation) says "
         "faster or slower only when that interval excludes 1.",
         "", table("bench_attention"), "", "![attention latency](bench_attention.png)", "",
         "### Memory vs sequence length", "",
@@ -846,7 +924,7 @@ def run(cfg: dict, paths: dict) -> dict:
         "sequence of the batch and excludes the first token; per-token latencies are the gaps between "
         "consecutive tokens. Every variant but the base model is timed interleaved with the base model on the "
         "same prompts, round by round (A B, then B A, with a speed probe around each round): the speedup is the "
-        "median of the base's generation time over the variant's per round, with its bootstrap 95% interval and "
+        "median of the base's generation time over the variant's per round, with its distribution-free 95% interval and "
         "a verdict said of the variant.", "",
         table("bench_inference"), "", "![inference](bench_inference.png)", "",
         "![memory vs decode speed vs perplexity: Pareto frontier](inference_pareto.png)", "",

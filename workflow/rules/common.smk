@@ -107,11 +107,11 @@ GPU_THREADS = max(1, HEAVY // GPU_JOBS)
 # moments in fp32; LoRA and QLoRA hold the frozen base plus small adapters; quantize and merge hold a
 # second copy of the model; the benchmarks hold one model and its activations.
 MEM_BASE_MB = 2000
-MEM_MODEL_FACTOR = {"base_model": 3, "quantize": 3, "prune": 3, "full": 5, "lora": 2, "qlora": 2, "merge": 3,
+MEM_MODEL_FACTOR = {"base_model": 3, "quantize": 3, "prune": 3, "qat": 6, "full": 5, "lora": 2, "qlora": 2, "merge": 3,
                     "bench_finetune": 7, "bench_attention": 2, "bench_inference": 2,
                     "bench_serving": 3}
 # Wall-time limit in minutes for a CPU-sized run on a model of up to 1 GB; linear in size above.
-RUNTIME_MIN = {"base_model": 15, "prepare_data": 10, "quantize": 20, "prune": 20, "finetune": 60, "merge": 20,
+RUNTIME_MIN = {"base_model": 15, "prepare_data": 10, "quantize": 20, "prune": 20, "qat": 40, "finetune": 60, "merge": 20,
                "bench_finetune": 30, "bench_attention": 20, "bench_inference": 20, "bench_serving": 20,
                "claims": 10, "report": 10}
 # Before base_model has run (dry runs, DAG planning) its size is not known yet; Snakemake evaluates

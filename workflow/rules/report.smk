@@ -1,5 +1,5 @@
 # The report's plots and their category in `snakemake --report` (captions: workflow/report/<plot>.rst).
-REPORT_PLOTS = {"quantize": "Quantization", "prune": "Pruning", "finetune": "Fine-tuning", "finetune_pareto": "Fine-tuning",
+REPORT_PLOTS = {"quantize": "Quantization", "prune": "Pruning", "qat": "Quantization-aware training", "finetune": "Fine-tuning", "finetune_pareto": "Fine-tuning",
                 "finetune_loss": "Fine-tuning", "bench_attention": "Attention",
                 "bench_attention_memory": "Attention", "bench_inference": "Inference", "bench_serving": "Serving",
                 "inference_pareto": "Inference"}
@@ -12,6 +12,7 @@ rule report:
         expand("results/prune/{name}/metrics.json", name=names("prune")),
         expand("results/finetune/{name}/metrics.json", name=names("finetune")),
         expand("results/merge/{name}/metrics.json", name=names("merge")),
+        "results/qat/metrics.json",
         "results/bench_finetune/metrics.json",
         "results/bench_serving/metrics.json",
         expand("results/bench_attention/{name}/metrics.json", name=names("bench_attention")),

@@ -1,0 +1,25 @@
+rule qat:
+    input:
+        module("qat"),
+        base="results/base_model/metrics.json",
+        train="results/prepare_data/train.parquet",
+        validation="results/prepare_data/validation.parquet",
+    output:
+        finetuned=directory("results/qat/finetuned"),
+        evals="results/qat/evals.csv",
+        losses="results/qat/losses.csv",
+        metrics="results/qat/metrics.json",
+    params:
+        file=PARAMS,
+        settings=settings("qat"),
+    log:
+        "results/logs/qat/qat.log",
+    threads: threads_for("qat")
+    resources:
+        mem_mb=mem_mb("qat"),
+        runtime=runtime("qat"),
+        **gpu_resources("qat"),
+    conda:
+        "../envs/efflab.yaml"
+    shell:
+        "python -m efflab.qat --params {params.file:q} --log {log:q}"
