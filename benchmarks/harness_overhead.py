@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from efflab.bench_inference import generate_timed, prompt_batches
+from efflab.bench_inference import generate_timed, prompt_batches, prompts
 from efflab.measure import environment, set_threads, summarize
 from efflab.modeling import load_model, load_tokenizer
 
@@ -60,7 +60,7 @@ def main() -> None:
     device = torch.device("cpu")
     tokenizer = load_tokenizer(args.model)
     model = load_model(args.model, "float32", device)
-    batches = prompt_batches(tokenizer, PROMPTS, 1, device)
+    batches = prompt_batches(tokenizer, [p["text"] for p in prompts({"prompts": PROMPTS}, None, tokenizer)], 1, device)
     n, pad = args.new_tokens, tokenizer.pad_token_id
     harness, bare, manual = [], [], []
     for batch in batches:  # warmup every path once

@@ -4,6 +4,7 @@ import re
 import subprocess
 import sys
 
+import pandas as pd
 import yaml
 
 from conftest import TEST_PARAMS, run_stage
@@ -58,7 +59,7 @@ def test_inference_separates_prefill_from_decode_per_kv_cache_and_batch_cell(res
     n = b["max_new_tokens"]
     for c in m["cells"]:
         assert c["status"] == "ok"
-        generations = b["repeats"] * -(-len(b["prompts"]) // c["batch_size"])
+        generations = b["repeats"] * -(-m["prompts"] // c["batch_size"])
         assert c["generations"] == c["ttft"]["n"] == c["decode_tokens_per_s"]["n"] == generations
         assert c["per_token_latency"]["n"] == generations * (n - 1)
         assert c["ttft"]["median"] > 0 and c["decode_tokens_per_s"]["median"] > 0
@@ -66,6 +67,26 @@ def test_inference_separates_prefill_from_decode_per_kv_cache_and_batch_cell(res
     cell = {(c["kv_cache"], c["batch_size"]): c for c in m["cells"]}
     assert cell[(True, 1)]["samples"][0]["answer"] == cell[(False, 1)]["samples"][0]["answer"], \
         "greedy decoding gives the same tokens with and without the KV cache"
+    # by default the models are asked the user's own validation questions, the reference answer kept beside
+    validation = pd.read_parquet(results / "prepare_data" / "validation.parquet")
+    assert m["prompts_from"] == "validation rows" and m["prompts"] == b["prompts"]["validation_rows"]
+    for sample in cell[(True, 1)]["samples"]:
+        row = validation[validation.question == sample["prompt"]]
+        assert len(row) == 1 and row.answer.iloc[0] == sample["reference"] != ""
+
+
+def test_explicit_prompts_are_chat_templated_and_the_default_draw_is_seeded(results, test_cfg):
+    from efflab.bench_inference import prompts
+    from efflab.layout import Layout
+    from efflab.modeling import load_tokenizer
+
+    tokenizer = load_tokenizer(results / "base_model" / "model")
+    (asked,) = prompts({"prompts": ["Is a permit needed for a fence?"]}, None, tokenizer)
+    assert asked["reference"] is None and asked["text"].index("Is a permit needed for a fence?") > 0
+    b = test_cfg["bench_inference"]
+    drawn = [p["question"] for p in prompts(b, Layout(results), tokenizer)]
+    assert drawn == [p["question"] for p in prompts(b, Layout(results), tokenizer)]
+    assert len(drawn) == b["prompts"]["validation_rows"]
 
 
 def test_flex_attention_runs_forward_and_says_why_not_backward_on_cpu(results, write_params):

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from . import cli, records
-from .config import finetune_run
+from .config import UserError, finetune_run
 from .layout import Layout
 from .measure import (INTERLEAVE_RECORD, SENTINEL_TOLERANCE, CellJournal, environment, interleave, percentile,
                       pick_device, run_cell, set_threads, speedup, summarize, track_memory)
@@ -101,11 +101,30 @@ def load_variant(cfg: dict, variant: dict, layout, dtype: str, device: torch.dev
     return PeftModel.from_pretrained(base, layout.model("finetune", of)).eval()
 
 
-def prompt_batches(tokenizer, prompts: list[str], batch_size: int, device: torch.device) -> list[dict]:
-    """The prompts, chat-templated, left-padded into batches of `batch_size` (cycling through the prompt
-    set so that every batch is full and each prompt appears at least once)."""
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                           tokenize=False) for p in prompts]
+def prompts(b: dict, layout, tokenizer) -> list[dict]:
+    """What the models are asked: by default `validation_rows` rows of the user's validation split, drawn with
+    `seed`, as fine-tuning templated them, each with its reference answer; or the configured texts, each
+    chat-templated. Each: {question, text (what the model reads), reference}."""
+    import random
+
+    import pandas as pd
+
+    chosen = b["prompts"]
+    if isinstance(chosen, list):
+        return [{"question": p, "reference": None,
+                 "text": tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                                       tokenize=False)} for p in chosen]
+    path = require_input(layout.split("validation"))
+    frame = pd.read_parquet(path)
+    if "prompt" not in frame.columns:
+        raise UserError(f"{path}: no prompt column (written by an older prepare_data): rerun prepare_data")
+    picked = sorted(random.Random(chosen["seed"]).sample(range(len(frame)), min(chosen["validation_rows"], len(frame))))
+    return [{"question": r.question, "text": r.prompt, "reference": r.answer} for r in frame.iloc[picked].itertuples()]
+
+
+def prompt_batches(tokenizer, texts: list[str], batch_size: int, device: torch.device) -> list[dict]:
+    """The templated prompts, left-padded into batches of `batch_size` (cycling through the prompt set so that
+    every batch is full and each prompt appears at least once)."""
     count = math.ceil(len(texts) / batch_size) * batch_size
     cycled = [texts[i % len(texts)] for i in range(count)]
     tokenizer.padding_side = "left"
@@ -133,7 +152,8 @@ def inference_cell(cfg: dict, results: str, name: str, dtype: str, device: str, 
     b, layout, device = cfg["bench_inference"], Layout(Path(results)), torch.device(device)
     tokenizer = load_tokenizer(layout.base_model())
     model = load_variant(cfg, b["variants"][name], layout, dtype, device)
-    batches = prompt_batches(tokenizer, b["prompts"], batch_size, device)
+    asked = prompts(b, layout, tokenizer)
+    batches = prompt_batches(tokenizer, [a["text"] for a in asked], batch_size, device)
     n = b["max_new_tokens"]
     for _ in range(b["warmup"]):  # one-time work (lazy init, first allocations) is paid by any batch
         generate_timed(model, tokenizer, batches[0], n, kv_cache)
@@ -185,7 +205,8 @@ def inference_cell(cfg: dict, results: str, name: str, dtype: str, device: str, 
             "generations": len(runs), "prompt_tokens": [r["prompt_tokens"] for r in runs[:len(batches)]],
             "memory_footprint_bytes": model.get_memory_footprint(),
             "memory_prediction": compared(prediction, mem), "vs_base": vs_base,
-            "samples": [{"prompt": p, "answer": t} for p, t in zip(b["prompts"], runs[0]["texts"])]}
+            "samples": [{"prompt": a["question"], "answer": t, "reference": a["reference"]}
+                        for a, t in zip(asked, runs[0]["texts"])]}
 
 
 def _fmt(value) -> str:
@@ -225,7 +246,9 @@ def run(cfg: dict, paths: dict) -> dict:
     return {
         "status": "ok" if records.ok(cells) else "failed",
         "variant": name, "kind": variant["kind"], "of": variant.get("of"), "dtype": dtype,
-        "prompts": len(b["prompts"]), "new_tokens": b["max_new_tokens"], "repeats": b["repeats"],
+        "prompts": len(prompts(b, layout, load_tokenizer(layout.base_model()))),
+        "prompts_from": "configured" if isinstance(b["prompts"], list) else "validation rows",
+        "new_tokens": b["max_new_tokens"], "repeats": b["repeats"],
         "warmup": b["warmup"], "cells": cells, "environment": environment(device, b),
     }
 

@@ -126,9 +126,14 @@ def run(cfg: dict, paths: dict) -> dict:
         raise UserError(f"prepare_data.source: {len(raw)} rows; at least 4 are needed for a split")
     tokenizer = load_tokenizer(paths["layout"].base_model())
     records = []
+    cols = pd_cfg["columns"]
     for _, row in raw.iterrows():
         prompt, full = prompt_and_full(row, pd_cfg, tokenizer)
-        records.append(tokenize_row(prompt, full, tokenizer, pd_cfg["max_length"], pd_cfg["mask_prompt"]))
+        # The row's question, reference answer and templated prompt travel with it: bench_inference asks the
+        # models the user's own validation questions and the report shows the reference beside their answers.
+        question = "\n\n".join(t for t in (_text(row, cols["instruction"]), _text(row, cols["input"])) if t)
+        records.append(tokenize_row(prompt, full, tokenizer, pd_cfg["max_length"], pd_cfg["mask_prompt"])
+                       | {"question": question, "answer": _text(row, cols["output"]), "prompt": prompt})
     frame = pd.DataFrame.from_records(records)
     frame = frame[frame["labels"].map(lambda l: any(t != -100 for t in l))].reset_index(drop=True)
     train_idx, val_idx = split_rows(len(frame), pd_cfg["validation_fraction"], pd_cfg["seed"])

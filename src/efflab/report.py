@@ -313,6 +313,41 @@ def knob_table(rows: list[dict], bench_finetune: list[dict] = ()) -> pd.DataFram
     return pd.DataFrame(out)
 
 
+def prompt_count(cfg: dict, metrics: dict) -> int:
+    """How many prompts bench_inference asked (as it recorded; else as configured)."""
+    done = [m["prompts"] for m in records.ok(metrics["bench_inference"]) if "prompts" in m]
+    chosen = cfg["bench_inference"]["prompts"]
+    return done[0] if done else len(chosen) if isinstance(chosen, list) else chosen["validation_rows"]
+
+
+def _one_line(text: str | None, limit: int = 240) -> str:
+    text = " ".join((text or "").split())
+    return (text[:limit] + "…" if len(text) > limit else text).replace("|", "\\|")
+
+
+def sample_lines(jobs: list[dict]) -> list[str]:
+    """Each question bench_inference asked, its reference answer when it came from the user's data, and every
+    variant's greedy answer (first cell of each variant), as a table per question."""
+    answers: dict[str, dict] = {}
+    for m in jobs:
+        cell = next(iter(records.ok(m.get("cells", []))), None)
+        for s in (cell or {}).get("samples", []):
+            entry = answers.setdefault(s["prompt"], {"reference": s.get("reference"), "by": {}})
+            entry["by"][m["variant"]] = s["answer"]
+    if not answers:
+        return []
+    lines = ["### Sample answers", "",
+             "Greedy answers of each variant (first cell; cut at the benchmark's fixed length) to the questions "
+             "asked, with the data's own answer where the question is one of its validation rows.", ""]
+    for i, (question, entry) in enumerate(answers.items(), 1):
+        lines += [f"**Q{i}.** {_one_line(question)}", ""]
+        if entry["reference"]:
+            lines += [f"_Reference answer:_ {_one_line(entry['reference'])}", ""]
+        lines += ["| variant | answer |", "|---|---|"] + [f"| {v} | {_one_line(a)} |" for v, a in entry["by"].items()]
+        lines.append("")
+    return lines
+
+
 def not_run_table(metrics: dict[str, list[dict]]) -> pd.DataFrame:
     """Every job of the grid that did not produce numbers, and why: nothing disappears silently."""
     return pd.DataFrame(records.not_run(metrics), columns=["stage", "name", "status", "reason"])
@@ -703,7 +738,7 @@ def run_size_lines(cfg: dict, metrics: dict[str, list[dict]]) -> list[str]:
         f"×{ft['gradient_accumulation_steps']} rows per run (runs may override), validation loss on "
         f"{ft['eval_rows']} rows before and after; quantization perplexity on {q['eval_rows']} rows; attention "
         f"{a['warmup']} warm-up + {a['repeats']} timed calls per cell at {', '.join(map(str, a['seq_lens']))} "
-        f"tokens; inference {len(i['prompts'])} prompts × {i['repeats']} repeats of exactly {i['max_new_tokens']} "
+        f"tokens; inference {prompt_count(cfg, metrics)} prompts × {i['repeats']} repeats of exactly {i['max_new_tokens']} "
         f"new tokens per cell after {i['warmup']} warm-up generation(s). The stages took {stage_s / 60:.1f} "
         "minutes in all (their own wall times, process start-up not included).",
         "",
@@ -919,7 +954,7 @@ def run(cfg: dict, paths: dict) -> dict:
         "Least-squares exponent k of peak memory delta ∝ seq_len^k (k ≈ 2: quadratic, k ≈ 1: linear).", "",
         table("attention_memory_exponent"), "", "![attention memory](bench_attention_memory.png)", "",
         "## Inference variants (greedy, fixed length)", "",
-        f"Exactly {inf['max_new_tokens']} new tokens per sequence, {len(inf['prompts'])} prompts × {inf['repeats']} repeats "
+        f"Exactly {inf['max_new_tokens']} new tokens per sequence, {prompt_count(cfg, metrics)} prompts × {inf['repeats']} repeats "
         "after warmup, per cell (KV cache on/off × batch size). TTFT = prefill; decode tokens/s counts every "
         "sequence of the batch and excludes the first token; per-token latencies are the gaps between "
         "consecutive tokens. Every variant but the base model is timed interleaved with the base model on the "
@@ -936,9 +971,7 @@ def run(cfg: dict, paths: dict) -> dict:
         "leave and a waiting one join. Latency is from arrival, queueing included. Every figure is recomputed "
         "from `results/bench_serving/requests.csv`.", "", table("bench_serving"), "",
         "![serving](bench_serving.png)", "",
-        "### Sample answers (first prompt, first cell)", "",
-        *[f"- **{m['variant']}**: {m['cells'][0]['samples'][0]['answer'].strip()[:200]!r}"
-          for m in metrics["bench_inference"] if m.get("cells") and records.is_ok(m["cells"][0])],
+        *sample_lines(metrics["bench_inference"]),
         "", "## Cells that did not run", "",
         "Grid cells that failed, ran out of memory, were unavailable on this device or were skipped because "
         "what they build on did not run; the rest of the grid ran.", "",

@@ -3,6 +3,7 @@ rule bench_inference:
         unpack(inference_inputs),
         module("bench_inference"),
         base="results/base_model/metrics.json",
+        validation="results/prepare_data/validation.parquet",
     output:
         metrics="results/bench_inference/{name}/metrics.json",
     params:
