@@ -84,3 +84,33 @@ def test_the_embedded_gguf_metadata_is_converted_once_then_read_from_the_cache(p
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         assert (tmp_path / "saved0" / name).read_bytes() == (tmp_path / "saved1" / name).read_bytes() \
             == (saved / name).read_bytes(), name
+
+
+def test_a_dtype_chosen_on_another_kind_of_cpu_is_refused_by_the_stages_that_read_it(results):
+    """Committed or copied base_model metrics whose `auto` probe ran on a CPU with (or without) AVX512-BF16:
+    a stage on the other kind stops with one line instead of training in the wrong dtype."""
+    import json
+
+    import pytest
+
+    from efflab import measure, modeling
+    from efflab.config import UserError
+    from efflab.layout import Layout
+
+    path = results / "base_model" / "metrics.json"
+    metrics = json.loads(path.read_text())
+    here = measure.cpu_isa()
+    elsewhere = [f for f in here if f not in measure.FAST_BF16_ISA] if measure.FAST_BF16_ISA & set(here) \
+        else here + ["avx512_bf16"]
+    metrics["dtype_choice"] = {"requested": "auto", "reason": "probe"}
+    metrics["environment"] |= {"device": "cpu", "cpu_isa": here}
+    path.write_text(json.dumps(metrics))
+    assert modeling.base_dtype(Layout(results)) == metrics["dtype"], "made here: accepted"
+    metrics["environment"]["cpu_isa"] = elsewhere
+    path.write_text(json.dumps(metrics))
+    with pytest.raises(UserError, match=r"base_model chose \w+ on .* AVX512-BF16/AMX\), this machine is .*rerun "
+                                        r"base_model here"):
+        modeling.base_dtype(Layout(results))
+    metrics["dtype_choice"] = {"requested": "float32"}
+    path.write_text(json.dumps(metrics))
+    assert modeling.base_dtype(Layout(results)) == metrics["dtype"], "a configured dtype holds anywhere"

@@ -146,8 +146,48 @@ def load_model(folder: str | Path, dtype: str, device: torch.device, quant: dict
 
 
 def base_dtype(layout) -> str:
-    """The compute dtype the base_model stage resolved (and saved the folder in)."""
-    return json.loads(require_input(layout.metrics("base_model")).read_text())["dtype"]
+    """The compute dtype the base_model stage resolved (and saved the folder in), refused when it was chosen
+    for another kind of machine (see same_kind_of_machine)."""
+    path = require_input(layout.metrics("base_model"))
+    metrics = json.loads(path.read_text())
+    same_kind_of_machine(metrics, path)
+    return metrics["dtype"]
+
+
+def same_kind_of_machine(metrics: dict, path) -> None:
+    """Refuse base_model metrics whose `dtype: auto` choice was made on another kind of machine: bf16 chosen
+    on a CPU with AVX512-BF16 trains ~5x slower on one with AVX2 only, and a GPU's choice means nothing on a
+    CPU. That happens when results/ holds metrics from elsewhere (a checkout of committed results beside an
+    existing model folder, a copied folder); rerunning base_model makes the choice here."""
+    from .measure import FAST_BF16_ISA, cpu_isa
+
+    if metrics.get("dtype_choice", {}).get("requested") != "auto":
+        return  # a configured dtype holds anywhere
+    env = metrics.get("environment", {})
+    there_gpu = env.get("gpu") if env.get("device") == "cuda" else None
+    here_gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    there_isa = env.get("cpu_isa")
+    there_fast = None if there_isa is None else bool(FAST_BF16_ISA & set(there_isa))
+    here_fast = bool(FAST_BF16_ISA & set(cpu_isa()))
+
+    def kind(gpu, cpu, fast):
+        return gpu or f"{cpu} ({'with' if fast else 'without'} AVX512-BF16/AMX)"
+    if bool(there_gpu) != bool(here_gpu):  # e.g. base_model in a CPU-only SLURM job, the GPU stages on a GPU node
+        log.warning("%s: base_model chose %s on %s; this job runs on %s", path, metrics["dtype"],
+                    kind(there_gpu, env.get("cpu"), there_fast), kind(here_gpu, _cpu(), here_fast))
+        return
+    differs = there_gpu != here_gpu if there_gpu else \
+        (there_fast is not None and there_fast != here_fast) or (there_fast is None and env.get("cpu") != _cpu())
+    if differs:
+        raise UserError(f"{path}: base_model chose {metrics['dtype']} on {kind(there_gpu, env.get('cpu'), there_fast)}, "
+                        f"this machine is {kind(here_gpu, _cpu(), here_fast)}: rerun base_model here "
+                        "(snakemake --forcerun base_model, or dvc repro --force base_model)")
+
+
+def _cpu() -> str:
+    from .measure import _cpu_model
+
+    return _cpu_model()
 
 
 def batches(rows: list[dict], batch_size: int, tokenizer):
