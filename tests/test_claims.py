@@ -79,7 +79,8 @@ def test_empty_results_give_a_row_and_a_valid_verdict_per_claim(empty_run, regis
         else:
             assert verdict == f"needs GPU: {c['gpu']}"
     md = (out / "claims.md").read_text()
-    assert md.startswith("## Reported vs reproduced") and md.count("\n| ") >= len(registry)
+    assert md.startswith("# Published numbers: reported vs reproduced") and "`000_965e890cecb00a0b.txt`: \"Chapter 12" in md \
+        and md.count("\n| ") >= len(registry)
 
 
 def test_wrong_seed_figures_are_called_out_with_arithmetic(empty_run):

@@ -143,3 +143,36 @@ def test_a_knob_verdict_comes_from_the_interleaved_pair_and_never_from_runs_at_d
     row = report.knob_table([plain, gc], [interleaved]).iloc[0]
     assert row["step time verdict"] == "slower" and row["tokens/s ratio"] == pytest.approx(0.75)
     assert row["step time ratio [95% CI]"] == "1.31 [1.22, 1.40] (interleaved, 6 rounds)"
+
+
+def _ft_run(name, method, last, peak, delta, live, **settings):
+    return {"run": name, "method": method, "status": "ok", "first_loss": 2.0, "last_loss": last,
+            "validation_after": {"loss": last + 0.1},
+            "settings": {"gradient_checkpointing": False, "packing": True} | settings,
+            "train_memory": {"kind": "cpu_peak_rss", "peak_mib": peak, "delta_mib": delta},
+            "memory_prediction": {"measured_mib": live}}
+
+
+def test_the_opening_names_identical_runs_and_explains_qlora_peaking_above_lora():
+    from efflab import glance
+
+    runs = [_ft_run("lora-r8", "lora", 1.5, 2400, 1200, 890), _ft_run("lora-r8-gc", "lora", 1.5, 2000, 800, 400,
+                                                                  gradient_checkpointing=True),
+            _ft_run("qlora-r8", "qlora", 1.6, 2600, 1340, 890)]
+    assert glance.same_updates(runs) == [["lora-r8", "lora-r8-gc"]]
+    (note,) = glance.qlora_above_lora(runs)
+    assert "2,600 vs 2,400 MiB" in note and "1,260 vs 1,200 MiB" in note and "890 vs 890 MiB" in note
+    runs[2]["train_memory"]["peak_mib"] = 2300
+    assert glance.qlora_above_lora(runs) == [], "nothing to explain when QLoRA peaks lower"
+
+
+def test_the_attention_note_computes_where_the_square_law_takes_over_from_the_config():
+    from efflab import glance
+
+    jobs = [{"status": "ok", "implementation": "eager", "rows": [{"seq_len": 64}, {"seq_len": 256}],
+             "memory_exponents": [{"mode": "forward", "exponent": 1.03}]}]
+    config = {"num_attention_heads": 9, "hidden_size": 576, "intermediate_size": 1536}
+    (note,) = glance.attention_law(jobs, config)
+    assert "L ≈ 384 tokens" in note and "64–256 tokens" in note and "linear terms dominate" in note
+    jobs[0]["memory_exponents"][0]["exponent"] = 1.9
+    assert glance.attention_law(jobs, config) == []

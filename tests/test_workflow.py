@@ -54,11 +54,15 @@ def check_results(work: Path, cfg: dict) -> None:
     missing = [p for p in expected_outputs(cfg) if not (work / p).is_file()]
     assert missing == []
     report = (work / "results/report/report.md").read_text()
-    for section in ("## Quantization", "## Fine-tuning", "## Merging adapters", "## Attention implementations",
+    for section in ("## At a glance: your model on your data", "## Published numbers checked", "## In detail",
+                    "## Quantization", "## Fine-tuning", "## Merging adapters", "## Attention implementations",
                     "### What each knob costs and buys", "### Determinism", "## Cells that did not run",
-                    "### Memory vs sequence length", "## Inference variants", "## Run size", "## Reported vs reproduced",
-                    "## Environments"):
+                    "### Memory vs sequence length", "## Inference variants", "## Run size", "## Environments"):
         assert section in report
+    # the user's answers come first; the seed texts' claims are a linked page, not the bulk of the report
+    assert report.index("## At a glance") < report.index("## Published numbers checked") < report.index("## In detail")
+    assert "](../claims/claims.md)" in report and "| claim |" not in report
+    assert "### Sample answers" in report and "_Reference answer:_" in report
     assert "Not compared in one table" not in report, "one machine, one stack: one table per stage"
     assert "unavailable: flash_attention_2 needs a CUDA GPU" in report
     pngs = sorted((work / "results/report").glob("*.png"))

@@ -729,9 +729,24 @@ def evaluate_all(claims: list[dict], layout) -> pd.DataFrame:
     return pd.DataFrame([evaluate(c, layout) for c in claims], columns=columns).fillna({"finding": ""})
 
 
+# The texts efflab grew from (the `source` of each claim), by title, so that a reader can look them up.
+SOURCES = {
+    "000_965e890cecb00a0b.txt": "\"Chapter 12: Efficient Training and Inference at Scale\" (a book chapter: LoRA, "
+                                "QLoRA, post-training quantization, FlashAttention, serving)",
+    "001_d5371e57926c34be.txt": "CS 696 Applied Large Language Models, Spring 2025, \"Assignment 2, Performance "
+                                "Issues\" (a course deck: KV cache, quantization, pruning, attention)",
+    "002_80b60e9b2efd77d3.txt": "\"Efficient Finetuning of LLMs\" (Sumanth R Hegde; a talk with the memory arithmetic of "
+                                "full, LoRA and QLoRA fine-tuning)",
+    "003_6740d5587871bfd4.txt": "a blog guide to scaling transformers in production (mixed precision, checkpointing, ZeRO)",
+    "004_a8bbd29d2539a3ab.txt": "Quantization-aware training notes, with a \"GPU RAM usage\" appendix",
+}
+
+
 def markdown(df: pd.DataFrame) -> str:
     counts = df["verdict"].map(verdict_class).value_counts()
-    lines = ["## Reported vs reproduced", "",
+    used = [s for s in SOURCES if s in set(df["source"])]
+    lines = ["# Published numbers: reported vs reproduced", "",
+             "The texts these claims come from:", "", *[f"- `{s}`: {SOURCES[s]}" for s in used], "",
              f"{len(df)} numeric claims from the seed texts (workflow/claims.yaml): "
              + ", ".join(f"{counts.get(v, 0)} {v}" for v in VERDICTS) + ". Analytic values come from "
              "efflab.estimate on the shipped model configs (parameter counts from the meta-device model); "

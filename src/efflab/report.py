@@ -12,7 +12,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from . import cli, provenance, records  # noqa: E402
+from . import cli, glance, provenance, records  # noqa: E402
 from .config import UserError  # noqa: E402
 from .measure import (SENTINEL_TOLERANCE, FINGERPRINT_KEYS, bootstrap_median_ci, fingerprint, format_ratio,
                       percentile)  # noqa: E402
@@ -646,13 +646,19 @@ def plot_quantize(df: pd.DataFrame, path: Path) -> None:
     plt.close(fig)
 
 
-def plot_loss(layout, runs: list[str], path: Path) -> None:
+def plot_loss(layout, runs: list[str], path: Path, identical: list[list[str]] = ()) -> None:
+    """Every run's training loss; runs that make the same updates (`identical`) get distinct line styles and
+    shrinking markers, so that curves lying exactly on top of each other all stay visible."""
     fig, ax = plt.subplots(figsize=(7, 4))
-    for run in runs:
+    twin = {run: group[0] for group in identical for run in group[1:]}
+    styles = ["-", "--", ":", "-."]
+    for i, run in enumerate(runs):
         curve = pd.read_csv(layout.out("finetune", run) / "loss.csv")
         if curve.empty:  # the run did not train
             continue
-        ax.plot(curve["step"], curve["loss"], marker=".", label=run)
+        ax.plot(curve["step"], curve["loss"], ls=styles[i % len(styles)], marker="os^D"[i % 4],
+                markersize=max(3, 9 - 2 * i), fillstyle="none", lw=1.5,
+                label=f"{run} (same as {twin[run]})" if run in twin else run)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("training loss (response tokens)")
     ax.set_title("Fine-tuning loss curves")
@@ -831,7 +837,8 @@ def run(cfg: dict, paths: dict) -> dict:
     plots = {"quantize.png": lambda p: plot_quantize(tables["quantize"], p),
              "prune.png": lambda p: plot_prune(tables["prune"], p),
              "qat.png": lambda p: plot_qat(tables["qat"], next(iter(records.ok(metrics["qat"])), None), p),
-             "finetune_loss.png": lambda p: plot_loss(layout, names["finetune"], p),
+             "finetune_loss.png": lambda p: plot_loss(layout, names["finetune"], p,
+                                                      glance.same_updates(metrics["finetune"])),
              "finetune.png": lambda p: plot_finetune(metrics["finetune"], p),
              "bench_attention.png": lambda p: plot_attention(tables["bench_attention"], p),
              "bench_attention_memory.png": lambda p: plot_attention_memory(
@@ -875,6 +882,9 @@ def run(cfg: dict, paths: dict) -> dict:
         + (f", {env['gpu']}" if env.get("gpu") else "") + f"; torch {env['packages']['torch']}, "
         f"transformers {env['packages']['transformers']}, peft {env['packages']['peft']}, "
         f"bitsandbytes {env['packages']['bitsandbytes']}; commit {env['git_commit']}.", "",
+        *glance.lines(tables, metrics),
+        *glance.claims_lines(metrics["claims"], "../claims/claims.md"),
+        "## In detail", "",
         "**How to read the numbers.** Latencies are medians of repeats after warmup (perf_counter on CPU, CUDA "
         "events on GPU) with the p90/p99 and a bootstrap 95% confidence interval of the median; plots show that "
         "interval as error bars. Memory names its kind: `cpu_peak_rss` is the resident-memory high-water mark "
@@ -978,7 +988,6 @@ def run(cfg: dict, paths: dict) -> dict:
         _md(not_run) if not not_run.empty else "_none: every cell ran_",
         "", *run_size_lines(cfg, metrics),
         *memory_prediction_section(metrics["finetune"], metrics["bench_inference"], environments, allow_mixed),
-        (layout.out("claims") / "claims.md").read_text().strip(),
         "", "## Provenance", "",
         "What each job wrote (SHA-256 of its model folder or splits) and the chain of artifacts its numbers were "
         "measured on, nearest first; every link was checked against what the upstream job records now.", "",
