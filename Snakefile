@@ -29,6 +29,10 @@ include: "workflow/rules/claims.smk"
 include: "workflow/rules/report.smk"
 
 
+onstart:
+    warn_mixed_drivers()
+
+
 rule all:
     input:
         rules.report.output,

@@ -264,6 +264,7 @@ def test_dvc_tracks_the_snakemake_run_and_reruns_what_a_param_change_touches(loc
     Snakemake run as they are, and `dvc exp run -S` then reruns the job the changed param reaches, and what
     depends on it, with the real stage command: nothing else."""
     copy_project(tmp_path)
+    shutil.copy(REPO / ".gitignore", tmp_path)  # as in a checkout: results/ in git holds only the metrics
     shutil.copytree(local_pipeline.wait()["dir"] / "results", tmp_path / "results")
     sh(["git", "init", "-q"], tmp_path)
     sh([BIN / "dvc", "init", "-q"], tmp_path)
@@ -288,6 +289,22 @@ def test_dvc_tracks_the_snakemake_run_and_reruns_what_a_param_change_touches(loc
     cells = json.loads((tmp_path / "results/bench_inference/baseline/metrics.json").read_text())["cells"]
     assert cells and all(c["kv_cache"] for c in cells), "the rerun used the changed param"
     assert (tmp_path / "results/finetune/lora-r8/metrics.json").read_text() == finetuned, "finetune did not rerun"
+
+    # One driver per workspace: what dvc ran here is named, and Snakemake warns before it runs beside it ...
+    from efflab.provenance import written_by_dvc
+    assert written_by_dvc(tmp_path / "results") == ["bench_inference/baseline", "report"]
+    run = sh([BIN / "snakemake", "--cores", "1", "--forcerun", "report"], tmp_path)
+    assert "2 results here were written by dvc repro / dvc exp run" in run.stderr
+    # ... and `dvc exp run --temp` runs an experiment without touching the workspace (params.yaml's comments
+    # and flow lists included)
+    sh(["git", "add", "-A"], tmp_path)
+    sh(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "exp applied"], tmp_path)
+    params, report = (tmp_path / "params.yaml").read_text(), (tmp_path / "results/report/metrics.json").read_text()
+    sh([BIN / "dvc", "exp", "run", "--temp", "-S", "bench_inference.variants.baseline.kv_cache=[false]"], tmp_path)
+    assert (tmp_path / "params.yaml").read_text() == params and "  # " in params
+    assert (tmp_path / "results/report/metrics.json").read_text() == report
+    shown = json.loads(sh([BIN / "dvc", "exp", "show", "--json"], tmp_path).stdout)
+    assert "kv_cache" in json.dumps(shown) and "false" in json.dumps(shown).lower()
 
 
 def test_failed_jobs_are_results_the_jobs_after_them_skip_and_the_report_still_renders(

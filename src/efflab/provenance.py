@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 # What each stage writes that later jobs read (relative to its job folder).
@@ -61,14 +62,36 @@ def _metrics(layout, job: str) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
+def driver() -> str:
+    """Which tool ran this job: `dvc` (dvc repro / dvc exp run set DVC_STAGE for the stage's command) or
+    `snakemake or command line`."""
+    return "dvc" if os.environ.get("DVC_STAGE") else "snakemake or command line"
+
+
+def written_by_dvc(results: Path) -> list[str]:
+    """The jobs under `results` whose metrics say DVC ran them in this workspace: Snakemake keeps no record of
+    their params and code, so it would not rerun them when those change."""
+    found = []
+    for path in sorted(Path(results).glob("*/metrics.json")) + sorted(Path(results).glob("*/*/metrics.json")):
+        try:
+            made = json.loads(path.read_text()).get("provenance", {}).get("driver")
+        except (OSError, ValueError):
+            continue
+        if made == "dvc":
+            found.append(str(path.parent.relative_to(results)))
+    return sorted(found)
+
+
 def record(stage: str, name: str | None, cfg: dict, layout, out: Path) -> dict:
-    """The provenance block of a job that has just written `out`: its artifacts' hash and its inputs' chain."""
+    """The provenance block of a job that has just written `out`: its artifacts' hash, its inputs' chain and
+    the tool that ran it."""
     inputs = {}
     for job in upstream_jobs(stage, name, cfg):
         upstream = _metrics(layout, job).get("provenance", {})
         inputs[job] = {"sha256": upstream.get("outputs_sha256"), "inputs": upstream.get("inputs", {})}
     artifacts = [out / a for a in ARTIFACTS.get(stage, ()) if (out / a).exists()]
-    return {"outputs_sha256": content_sha256(artifacts) if artifacts else None, "inputs": inputs}
+    return {"outputs_sha256": content_sha256(artifacts) if artifacts else None, "inputs": inputs,
+            "driver": driver()}
 
 
 def chain(provenance: dict) -> list[str]:

@@ -33,6 +33,19 @@ wildcard_constraints:
     name="[a-z0-9][a-z0-9_-]*",
 
 
+def warn_mixed_drivers():
+    """One driver per workspace (README, "Two drivers"): say so when DVC wrote results here."""
+    from efflab.provenance import written_by_dvc
+
+    jobs = written_by_dvc(Path("results"))
+    if jobs:
+        print(f"efflab: warning: {len(jobs)} results here were written by dvc repro / dvc exp run ({', '.join(jobs[:3])}"
+              f"{', ...' if len(jobs) > 3 else ''}): Snakemake has no record of their params and code and will not "
+              "rerun them when those change. Take them over with `snakemake --forceall`, and run DVC experiments "
+              "with `dvc exp run --temp`, which leaves this workspace alone (README, \"Two drivers\").",
+              file=sys.stderr)
+
+
 def module(stage):
     """The stage's own module: an input, so that editing it reruns the stage."""
     return str(SRC / f"{stage}.py")
