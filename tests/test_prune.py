@@ -59,3 +59,25 @@ def test_a_pruned_folder_loads_in_plain_transformers_with_the_parameters_the_tab
     assert metrics["pruned"]["generation_s"]["median"] > 0 and isinstance(metrics["pruned"]["sample"], str)
     assert metrics["generation_speedup"]["verdict"].startswith(
         ("faster", "slower", "no significant difference", "not a verdict", "inconclusive"))
+
+
+def test_healing_lowers_the_pruned_model_s_loss_and_keeps_its_shape(results, test_cfg):
+    """The LoRA-healed model is merged into a folder of the pruned shape that plain transformers loads, and its
+    validation loss is below the pruned model's."""
+    (name,) = test_cfg["prune"]["strategies"]
+    metrics = run_stage("prune", TEST_PARAMS, results, name)
+    healing = metrics["healing"]
+    assert healing["status"] == "ok" and healing["steps"] == test_cfg["prune"]["heal"]["steps"]
+    assert healing["last_loss"] < healing["first_loss"]
+    assert healing["validation"]["loss"] < metrics["pruned"]["validation"]["loss"]
+    model = AutoModelForCausalLM.from_pretrained(results / "prune" / name / "healed")
+    assert sum(p.numel() for p in model.parameters()) == healing["parameters"] == metrics["pruned"]["parameters"]
+    assert not any("lora" in n for n, _ in model.named_parameters()), "merged: a plain model"
+
+
+def test_healing_off_is_recorded_as_disabled(results, write_params, test_cfg):
+    (name,) = test_cfg["prune"]["strategies"]
+    params = write_params(lambda cfg: cfg["prune"]["heal"].update(steps=0))
+    metrics = run_stage("prune", params, results, name)
+    assert metrics["healing"] == {"status": "disabled", "reason": "prune.heal.steps is 0"}
+    assert (results / "prune" / name / "healed" / "NOT_RUN.txt").read_text().startswith("disabled")

@@ -31,7 +31,7 @@ STAGE_PARAMS = {
     "quantize": ["runtime", "quantize.eval_rows", "quantize.batch_size", "quantize.schemes.{name}",
                  "report.baseline_scheme"],
     "prune": ["runtime", "prune.importance", "prune.calibration_rows", "prune.eval_rows", "prune.prompt",
-              "prune.max_new_tokens", "prune.repeats", "prune.strategies.{name}"],
+              "prune.max_new_tokens", "prune.repeats", "prune.heal", "prune.strategies.{name}"],
     "qat": ["runtime", "qat"],
     "finetune": ["runtime", "finetune.defaults", "finetune.runs.{name}"],
     "merge": ["runtime", "merge", "finetune.defaults", "finetune.runs.{name}"],

@@ -10,10 +10,11 @@ from pathlib import Path
 
 METRICS = "metrics.json"
 MODEL = "model"
+HEALED = "healed"  # prune's LoRA-healed model
 LOSS_CSV, LOSS_COLUMNS = "loss.csv", ("step", "loss", "learning_rate", "grad_norm")  # finetune's loss curve
 # What a job of each grid stage writes besides metrics.json: a job that did not run writes them too (a model
 # folder holding only NOT_RUN.txt, an empty loss curve), so that the jobs after it run and record "skipped".
-STAGE_OUTPUTS = {"quantize": (MODEL,), "prune": (MODEL,), "finetune": (MODEL, LOSS_CSV), "merge": (MODEL,),
+STAGE_OUTPUTS = {"quantize": (MODEL,), "prune": (MODEL, HEALED), "finetune": (MODEL, LOSS_CSV), "merge": (MODEL,),
                  "bench_attention": (), "bench_inference": ()}
 NOT_RUN = "NOT_RUN.txt"
 
@@ -48,9 +49,9 @@ class Layout:
         for leftover in out.iterdir():
             shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
         for output in STAGE_OUTPUTS.get(stage, ()):
-            if output == MODEL:
-                (out / MODEL).mkdir()
-                (out / MODEL / NOT_RUN).write_text(f"{status}: {reason}\n")
+            if output in (MODEL, HEALED):
+                (out / output).mkdir()
+                (out / output / NOT_RUN).write_text(f"{status}: {reason}\n")
             else:
                 (out / output).write_text(",".join(LOSS_COLUMNS) + "\n")
 

@@ -11,12 +11,18 @@ each layer's block influence, 1 - cos(hidden in, hidden out), as in ShortGPT) or
 the last heads of every group, the last layers). Each job measures the base and the pruned model in the
 same process: parameters, footprint, validation perplexity, a sample generation, and greedy-generation
 latency timed interleaved (measure.interleave), so the speedup has an interval.
+
+Healing (`prune.heal`, off with steps: 0): a short LoRA fine-tune of the pruned model on the training rows
+(peft; the step is training.training_step), merged back into its weights and saved as healed/, a folder of the
+same smaller shape that plain transformers loads; its validation perplexity and sample sit beside the pruned
+model's.
 """
 from __future__ import annotations
 
 import logging
 import math
 import re
+import tempfile
 
 import torch
 
@@ -24,6 +30,7 @@ from . import cli
 from .config import UserError
 from .measure import (INTERLEAVE_RECORD, SENTINEL_TOLERANCE, count_parameters, environment, interleave, pick_device,
                       set_threads, speedup)
+from .layout import HEALED, NOT_RUN
 from .modeling import base_dtype, eval_loss, folder_bytes, load_model, load_tokenizer, read_split
 
 log = logging.getLogger("efflab")
@@ -173,6 +180,33 @@ def generate(model, inputs: dict, new_tokens: int, pad_token_id: int) -> torch.T
                               num_beams=1, pad_token_id=pad_token_id)
 
 
+def heal(pruned, h: dict, tokenizer, rows: list[dict], dtype: str, device: torch.device, scratch: str):
+    """A LoRA fine-tune of a copy of `pruned` for h["steps"] steps, merged back: (healed model, its record)."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import set_seed
+
+    from .training import batches, training_step
+
+    set_seed(h["seed"])
+    lora = h["lora"]
+    model = get_peft_model(copy.deepcopy(pruned), LoraConfig(
+        task_type="CAUSAL_LM", r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
+        target_modules=lora["target_modules"], bias="none", use_dora=lora.get("use_dora", False),
+        use_rslora=lora.get("use_rslora", False)))
+    run_cfg = h | {"gradient_accumulation_steps": 1, "packing": True, "optimizer": "adamw_torch", "weight_decay": 0.0,
+                   "lr_scheduler": "cosine", "warmup_steps": 0, "max_grad_norm": 1.0, "mixed_precision": "auto",
+                   "tf32": False, "torch_compile": False}
+    step, precision = training_step(run_cfg, model, dtype, device, batches(run_cfg, tokenizer, rows, h["steps"], device),
+                                    scratch)
+    losses = [step(i).item() for i in range(h["steps"])]
+    healed = model.merge_and_unload().eval()
+    healed.config.use_cache = True
+    return healed, {"steps": h["steps"], "first_loss": losses[0], "last_loss": losses[-1], "losses": losses,
+                    "mixed_precision": precision, "lora": lora, "learning_rate": h["learning_rate"]}
+
+
 def run(cfg: dict, paths: dict) -> dict:
     """Prune the base model with one strategy; measure the pruned model against the base in this process."""
     p, layout = cfg["prune"], paths["layout"]
@@ -195,6 +229,16 @@ def run(cfg: dict, paths: dict) -> dict:
     folder = paths["out"] / "model"
     pruned.save_pretrained(folder, safe_serialization=True)
     tokenizer.save_pretrained(folder)
+    healed, healing = None, {"status": "disabled", "reason": "prune.heal.steps is 0"}
+    if p["heal"]["steps"]:
+        with tempfile.TemporaryDirectory() as scratch:
+            healed, healing = heal(pruned, p["heal"], tokenizer, read_split(layout.split("train")), dtype, device,
+                                   scratch)
+        healed.save_pretrained(paths["out"] / HEALED, safe_serialization=True)
+        tokenizer.save_pretrained(paths["out"] / HEALED)
+    else:
+        (paths["out"] / HEALED).mkdir()
+        (paths["out"] / HEALED / NOT_RUN).write_text(f"disabled: {healing['reason']}\n")
 
     figures = {}
     for which, model in (("base", base), ("pruned", pruned)):
@@ -214,6 +258,10 @@ def run(cfg: dict, paths: dict) -> dict:
         figures[which]["generation_s"] = timed["variants"][which]
         figures[which]["sample"] = tokenizer.decode(generate(model, inputs, n, pad)[0, prompt_len:],
                                                     skip_special_tokens=True)
+    if healed is not None:
+        healing |= {"status": "ok", "parameters": count_parameters(healed)["total"],
+                    "validation": eval_loss(healed, rows, 4, tokenizer),
+                    "sample": tokenizer.decode(generate(healed, inputs, n, pad)[0, prompt_len:], skip_special_tokens=True)}
     b, q = figures["base"], figures["pruned"]
     ppl_change = 100 * (q["validation"]["perplexity"] / b["validation"]["perplexity"] - 1)
     log.info("%s: %d layers x %d heads (%d kv): %s -> %s parameters, perplexity %.2f -> %.2f (%+.0f%%), "
@@ -224,7 +272,7 @@ def run(cfg: dict, paths: dict) -> dict:
         "strategy": paths["name"], "settings": strategy, "importance": p["importance"], "dtype": dtype,
         "kept": kept, "base": b, "pruned": q, "parameter_ratio": q["parameters"] / b["parameters"],
         "footprint_ratio": q["memory_footprint_bytes"] / b["memory_footprint_bytes"],
-        "perplexity_change_pct": ppl_change, "generation_speedup": faster, "new_tokens": n,
+        "perplexity_change_pct": ppl_change, "generation_speedup": faster, "new_tokens": n, "healing": healing,
         "interleaved": {k: timed[k] for k in INTERLEAVE_RECORD},
         "bytes_on_disk": folder_bytes(folder), "environment": environment(device, p),
     }

@@ -50,7 +50,8 @@ def quantize_table(rows: list[dict]) -> pd.DataFrame:
 
 PRUNE_COLUMNS = ["strategy", "layers", "query heads (kv)", "heads asked", "parameters", "parameters kept (%)",
                  "footprint (MiB)", "val perplexity", "base perplexity", "perplexity change (%)",
-                 "generation (ms)", "speedup vs base [95% CI]", "verdict vs base", "sample", "env"]
+                 "generation (ms)", "speedup vs base [95% CI]", "verdict vs base", "sample", "healed perplexity",
+                 "healed change (%)", "healed sample", "env"]
 
 
 def prune_table(rows: list[dict]) -> pd.DataFrame:
@@ -66,18 +67,36 @@ def prune_table(rows: list[dict]) -> pd.DataFrame:
         "generation (ms)": 1000 * r["pruned"]["generation_s"]["median"],
         "speedup vs base [95% CI]": _speedup(r, "generation_speedup"),
         "verdict vs base": _speedup_verdict(r, "generation_speedup"),
-        "sample": " ".join(r["pruned"]["sample"].split())[:80], "env": _fp(r),
+        "sample": " ".join(r["pruned"]["sample"].split())[:80], **_healed(r), "env": _fp(r),
     } for r in records.ok(rows)], columns=PRUNE_COLUMNS)
+
+
+def _healed(r: dict) -> dict:
+    h = r.get("healing") or {}
+    if not records.is_ok(h):
+        return {"healed perplexity": None, "healed change (%)": None, "healed sample": h.get("status", "-")}
+    ppl = h["validation"]["perplexity"]
+    return {"healed perplexity": ppl, "healed change (%)": 100 * (ppl / r["base"]["validation"]["perplexity"] - 1),
+            "healed sample": " ".join(h["sample"].split())[:80]}
 
 
 def plot_prune(df: pd.DataFrame, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.scatter(df["parameters kept (%)"], df["perplexity change (%)"], color="tab:purple")
+    ax.scatter(df["parameters kept (%)"], df["perplexity change (%)"], color="tab:purple", label="pruned")
     for name, kept, change in zip(df["strategy"], df["parameters kept (%)"], df["perplexity change (%)"]):
         ax.annotate(name, (kept, change), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    healed = df.dropna(subset=["healed change (%)"])
+    if not healed.empty:
+        ax.scatter(healed["parameters kept (%)"], healed["healed change (%)"], color="tab:green", marker="v",
+                   label="after LoRA healing")
+        for kept, before, after in zip(healed["parameters kept (%)"], healed["perplexity change (%)"],
+                                       healed["healed change (%)"]):
+            ax.annotate("", (kept, after), (kept, before), arrowprops={"arrowstyle": "->", "color": "tab:green"})
+        ax.legend(fontsize=8)
     ax.axhline(0, color="grey", lw=0.8)
+    ax.set_yscale("symlog")
     ax.set_xlabel("parameters kept (%)")
-    ax.set_ylabel("validation perplexity change vs base (%)")
+    ax.set_ylabel("validation perplexity change vs base (%, symlog)")
     ax.set_title("Structured pruning: parameters removed vs perplexity paid")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -904,7 +923,11 @@ def run(cfg: dict, paths: dict) -> dict:
         "number of key/value heads and of query heads per key/value head in every layer, so the heads asked for "
         "are met by the nearest count that allows. Perplexity on "
         f"{cfg['prune']['eval_rows']} validation rows, base and pruned in the same process; generation of "
-        f"{cfg['prune']['max_new_tokens']} greedy tokens, the pruned and the base model timed interleaved.", "",
+        f"{cfg['prune']['max_new_tokens']} greedy tokens, the pruned and the base model timed interleaved. "
+        + (f"Healing: LoRA ({cfg['prune']['heal']['lora']['target_modules']}, r {cfg['prune']['heal']['lora']['r']}) "
+           f"fine-tuned {cfg['prune']['heal']['steps']} steps on the training rows and merged back, a model of the "
+           "pruned shape (results/prune/<strategy>/healed)." if cfg["prune"]["heal"]["steps"] else
+           "Healing is off (prune.heal.steps: 0)."), "",
         table("prune"), "", "![pruning](prune.png)", "",
         "## Quantization-aware training and the precision range test", "",
         f"The base model fine-tuned {cfg['qat']['train']['steps']} steps in full precision, then its weights "

@@ -6,6 +6,7 @@ rule prune:
         validation="results/prepare_data/validation.parquet",
     output:
         model=directory("results/prune/{name}/model"),
+        healed=directory("results/prune/{name}/healed"),
         metrics="results/prune/{name}/metrics.json",
     params:
         file=PARAMS,
