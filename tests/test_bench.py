@@ -64,6 +64,7 @@ def test_inference_separates_prefill_from_decode_per_kv_cache_and_batch_cell(res
         assert c["per_token_latency"]["n"] == generations * (n - 1)
         assert c["ttft"]["median"] > 0 and c["decode_tokens_per_s"]["median"] > 0
         assert c["memory"]["kind"] == "cpu_peak_rss"
+        assert c["energy"].get("joules_per_token", 0) > 0 or c["energy"]["unavailable"], "measured, or why not"
     cell = {(c["kv_cache"], c["batch_size"]): c for c in m["cells"]}
     assert cell[(True, 1)]["samples"][0]["answer"] == cell[(False, 1)]["samples"][0]["answer"], \
         "greedy decoding gives the same tokens with and without the KV cache"

@@ -21,6 +21,8 @@ def test_lora_trains_only_the_adapter_and_loss_goes_down(results, test_cfg):
     m = run_stage("finetune", TEST_PARAMS, results, "lora-r8")
     assert m["parameters"]["trainable"] == _lora_param_count(test_cfg, "lora-r8")
     assert m["validation_after"]["loss"] < m["validation_before"]["loss"]
+    energy = m["energy"]  # joules per training token where a counter can be read, else the reason
+    assert (energy.get("joules_per_token", 0) > 0 and energy["tokens"] == m["tokens_seen"]) or energy["unavailable"]
     curve = pd.read_csv(Layout(results).out("finetune", "lora-r8") / "loss.csv")
     assert len(curve) == m["steps"] == test_cfg["finetune"]["defaults"]["max_steps"]
     assert curve.loss.iloc[-3:].mean() < curve.loss.iloc[:3].mean()

@@ -281,3 +281,65 @@ def test_the_speed_probe_sees_a_busy_core():
             t.join()
         torch.set_num_threads(threads_before)
     assert busy < quiet * (1 - measure.SENTINEL_TOLERANCE)
+
+
+def _zone(root, name, uj, max_uj=2**32):
+    zone = root / name
+    zone.mkdir(parents=True)
+    (zone / "energy_uj").write_text(str(uj))
+    (zone / "max_energy_range_uj").write_text(str(max_uj))
+    return zone
+
+
+def test_rapl_energy_sums_the_packages_and_survives_a_counter_wraparound(tmp_path, monkeypatch):
+    import torch
+
+    from efflab import measure
+
+    monkeypatch.setenv(measure.POWERCAP_ENV, str(tmp_path))
+    p0 = _zone(tmp_path, "intel-rapl:0", 1_000_000)
+    p1 = _zone(tmp_path, "intel-rapl:1", 999_000_000, max_uj=1_000_000_000)
+    _zone(tmp_path, "intel-rapl:0:0", 5)  # a subzone (core) of package 0: not counted twice
+    meter = measure.EnergyMeter(torch.device("cpu")).start()
+    (p0 / "energy_uj").write_text(str(3_500_000))  # +2.5 J
+    (p1 / "energy_uj").write_text(str(1_000_000))  # wrapped: +1 J to the top, +1 J after
+    got = meter.stop()
+    assert got["joules"] == pytest.approx(4.5) and "intel-rapl:0, intel-rapl:1" in got["source"]
+    assert measure.energy_per_token(got, 9)["joules_per_token"] == pytest.approx(0.5)
+
+
+def test_energy_without_a_counter_is_unavailable_with_the_reason(tmp_path, monkeypatch):
+    import torch
+
+    from efflab import measure
+
+    monkeypatch.setenv(measure.POWERCAP_ENV, str(tmp_path / "absent"))
+    got, tokens = measure.energy_of(lambda: 1 / 0, torch.device("cpu"))  # nothing runs without a counter
+    assert tokens == 0 and got["unavailable"].startswith(f"no {tmp_path / 'absent'}")
+    assert measure.energy_per_token(got, 100) == {"unavailable": got["unavailable"]}
+
+
+def test_energy_on_this_machine_is_measured_or_says_why_not():
+    import torch
+
+    from efflab import measure
+
+    got = measure.EnergyMeter(torch.device("cpu")).start().stop()
+    assert got.get("joules", 0) >= 0 and ("joules" in got or got["unavailable"])
+
+
+def test_gpu_energy_reads_nvml_s_board_counter_in_millijoules(monkeypatch):
+    import sys
+    import types
+
+    import torch
+
+    from efflab import measure
+
+    readings = iter([1_000, 4_500])  # mJ
+    fake = types.SimpleNamespace(nvmlDeviceGetTotalEnergyConsumption=lambda handle: next(readings))
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.setattr(measure, "_nvml_handle", lambda device: "handle")
+    monkeypatch.setattr(measure, "synchronize", lambda device: None)
+    got = measure.EnergyMeter(torch.device("cuda", 0)).start().stop()
+    assert got["joules"] == pytest.approx(3.5) and got["source"] == "NVML total energy of the GPU board"

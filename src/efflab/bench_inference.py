@@ -17,8 +17,8 @@ import torch
 from . import cli, records
 from .config import UserError, finetune_run
 from .layout import Layout
-from .measure import (INTERLEAVE_RECORD, SENTINEL_TOLERANCE, CellJournal, environment, interleave, percentile,
-                      pick_device, run_cell, set_threads, speedup, summarize, track_memory)
+from .measure import (INTERLEAVE_RECORD, SENTINEL_TOLERANCE, CellJournal, energy_of, energy_per_token, environment,
+                      interleave, percentile, pick_device, run_cell, set_threads, speedup, summarize, track_memory)
 from .memory_estimate import compared, generation_peak, quantized_layer_transient, variant_quant
 from .modeling import base_dtype, load_model, load_tokenizer, require_input
 
@@ -167,6 +167,9 @@ def inference_cell(cfg: dict, results: str, name: str, dtype: str, device: str, 
     with track_memory(device) as mem:
         for batch in batches:
             generate_timed(model, tokenizer, batch, n, kv_cache)
+    # And energy in a pass of its own (this variant alone: the timed rounds interleave the base model)
+    energy = energy_per_token(*energy_of(lambda: sum(generate_timed(model, tokenizer, x, n, kv_cache)["batch_size"] * n
+                                                     for x in batches), device))
     by_round, vs_base = {}, None
 
     def mine(round_):
@@ -204,7 +207,7 @@ def inference_cell(cfg: dict, results: str, name: str, dtype: str, device: str, 
     return {"ttft": ttft, "decode_tokens_per_s": decode_tps, "per_token_latency": per_token, "memory": mem,
             "generations": len(runs), "prompt_tokens": [r["prompt_tokens"] for r in runs[:len(batches)]],
             "memory_footprint_bytes": model.get_memory_footprint(),
-            "memory_prediction": compared(prediction, mem), "vs_base": vs_base,
+            "memory_prediction": compared(prediction, mem), "vs_base": vs_base, "energy": energy,
             "samples": [{"prompt": a["question"], "answer": t, "reference": a["reference"]}
                         for a, t in zip(asked, runs[0]["texts"])]}
 

@@ -21,8 +21,8 @@ import torch
 from . import cli
 from .config import UserError, finetune_run
 from .layout import LOSS_COLUMNS, LOSS_CSV
-from .measure import (CpuTensorPeak, count_parameters, environment, log_file_path, matmul_ceiling, mfu,
-                      pick_device, published_peak_tflops, set_threads, setup_child_logging, summarize,
+from .measure import (CpuTensorPeak, EnergyMeter, count_parameters, energy_per_token, environment, log_file_path,
+                      matmul_ceiling, mfu, pick_device, published_peak_tflops, set_threads, setup_child_logging, summarize,
                       track_memory, training_flops_per_token)
 from .memory_estimate import compared, training_peak
 from .modeling import base_dtype, eval_loss, load_model, load_tokenizer, read_split
@@ -305,9 +305,11 @@ def train(cfg: dict, paths: dict) -> dict:
     prediction = training_peak(layout.base_model(), run_cfg, dtype, precision,  # from config and data only
                                [len(r["input_ids"]) for r in train_rows], device.type)
     with track_memory(device, tensors) as train_mem:
+        meter = EnergyMeter(device).start()  # two counter reads, at the ends: nothing in between
         t0 = time.perf_counter()
         result = trainer.train(resume_from_checkpoint=resume)
         train_s = time.perf_counter() - t0 - tensors.overhead_s  # the tensor count's flushes are not training
+        energy = meter.stop()
     processed.remove()
     optimizer_state_bytes = sum(t.numel() * t.element_size() for state in trainer.optimizer.state.values()
                                 for t in state.values() if torch.is_tensor(t))
@@ -364,7 +366,9 @@ def train(cfg: dict, paths: dict) -> dict:
         "tokens_seen": tokens, "tokens_per_s": tokens / train_s, "samples_per_s": samples / train_s,
         "throughput": throughput,
         "memory_prediction": compared(prediction, train_mem),
-        "train_memory": train_mem, "first_loss": curve[0]["loss"], "last_loss": curve[-1]["loss"],
+        "train_memory": train_mem,
+        "energy": energy_per_token(energy, tokens) | {"counts": "the whole training loop, warm-up steps included"},
+        "first_loss": curve[0]["loss"], "last_loss": curve[-1]["loss"],
         "validation_before": before, "validation_after": after,
         "validation_loss_drop": before["loss"] - after["loss"],
         "environment": environment(device, run_cfg),

@@ -221,8 +221,18 @@ def finetune_table(rows: list[dict]) -> pd.DataFrame:
         "MFU (% of published peak)": _pct(r.get("throughput", {}).get("mfu_vs_published_peak")),
         f"peak memory (MiB, {r['train_memory']['kind']})": _mem(r["train_memory"]),
         "val loss before": r["validation_before"]["loss"], "val loss after": r["validation_after"]["loss"],
-        "val perplexity after": r["validation_after"]["perplexity"], "env": _fp(r),
+        "val perplexity after": r["validation_after"]["perplexity"],
+        "energy (J/token)": (r.get("energy") or {}).get("joules_per_token"), "env": _fp(r),
     } for r in records.ok(rows)])
+
+
+def energy_note(jobs: list[dict]) -> str:
+    """Where the J/token figures come from, or why there are none: one line under the table."""
+    found = [e for e in jobs if e and "joules_per_token" in e]
+    if found:
+        return f"Energy: {found[0]['source']}, over the measured work, per token."
+    reasons = sorted({e.get("unavailable", "not measured") for e in jobs if e})
+    return f"Energy: unavailable here: {'; '.join(reasons) or 'not measured'}."
 
 
 def _show(value) -> str:
@@ -591,6 +601,7 @@ def inference_table(rows: list[dict]) -> pd.DataFrame:
                 "peak delta (MiB)": c["memory"].get("delta_mib") if ok else None,
                 "memory kind": c["memory"]["kind"] if ok else None,
                 "footprint (MiB)": c["memory_footprint_bytes"] / MiB if ok else None,
+                "energy (J/token)": (c.get("energy") or {}).get("joules_per_token") if ok else None,
                 "speedup vs base [95% CI]": _speedup(c.get("vs_base"), "generation_speedup") if ok else "-",
                 "verdict vs base": _speedup_verdict(c.get("vs_base"), "generation_speedup") if ok else "-",
                 "env": _fp(r),
@@ -601,7 +612,8 @@ def inference_table(rows: list[dict]) -> pd.DataFrame:
 INFERENCE_COLUMNS = ["variant", "kind", "of", "KV cache", "batch", "status", "TTFT median (ms)", "TTFT p90 (ms)",
                      "decode tokens/s median", "decode tokens/s 95% CI", "per-token p50 (ms)", "per-token p90 (ms)",
                      "per-token p99 (ms)", "per-token p99/p50", "tail cause (p99/p50 > 1.5)", "peak delta (MiB)",
-                     "memory kind", "footprint (MiB)", "speedup vs base [95% CI]", "verdict vs base", "env"]
+                     "memory kind", "footprint (MiB)", "energy (J/token)", "speedup vs base [95% CI]", "verdict vs base",
+                     "env"]
 
 
 MEMORY_TARGET = 0.15  # issue 5: the estimator within ±15% of the measurement on the embedded default
@@ -944,7 +956,8 @@ def run(cfg: dict, paths: dict) -> dict:
         "fine-tuning; 4N + 2·N_trainable + 12·L·d·T with frozen weights) × tokens/s, over the matmul throughput "
         "measured on this machine in the training dtype at the start of the run (and over the published peak "
         "on known GPUs). Peak memory is of the training loop, kind named in the column.",
-        "", table("finetune"), "", "![memory and throughput](finetune.png)", "",
+        "", table("finetune"), "", energy_note([r.get("energy") for r in records.ok(metrics["finetune"])]), "",
+        "![memory and throughput](finetune.png)", "",
         "![memory vs throughput: Pareto frontier](finetune_pareto.png)", "", "![loss curves](finetune_loss.png)",
         "", "### What each knob costs and buys", "",
         "Every pair of trained runs whose settings differ in exactly one knob, everything else equal (add runs "
@@ -994,7 +1007,10 @@ def run(cfg: dict, paths: dict) -> dict:
         "same prompts, round by round (A B, then B A, with a speed probe around each round): the speedup is the "
         "median of the base's generation time over the variant's per round, with its distribution-free 95% interval and "
         "a verdict said of the variant.", "",
-        table("bench_inference"), "", "![inference](bench_inference.png)", "",
+        table("bench_inference"), "",
+        energy_note([c.get("energy") for m in records.ok(metrics["bench_inference"])
+                     for c in records.ok(m.get("cells", []))]),
+        "", "![inference](bench_inference.png)", "",
         "![memory vs decode speed vs perplexity: Pareto frontier](inference_pareto.png)", "",
         "## Serving: naive vs static vs continuous batching", "",
         f"{cfg['bench_serving']['requests']} requests (prompts of the data's own lengths, outputs of "
