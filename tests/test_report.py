@@ -96,6 +96,11 @@ def test_reference_results_keep_the_numbers_and_no_weights_under_the_device_name
     kept = sorted(str(p.relative_to(target)) for p in target.rglob("*") if p.is_file())
     assert kept == sorted(n for n in files if "/model/" not in n and not n.startswith("logs/"))
     assert copy_reference(results, results / "reference") == target, "a second copy replaces the first"
+    # a CPU run is named by the CPU and whether it has fast bf16, the difference that changes every timing
+    from efflab.reference import device_name
+    for isa, kind in ((["avx2"], "avx2"), (["avx2", "avx512f", "avx512_bf16"], "avx512-bf16")):
+        (results / "base_model/metrics.json").write_text(json.dumps({"environment": {"cpu": "AMD EPYC", "cpu_isa": isa}}))
+        assert device_name(results) == f"amd-epyc-{kind}"
     with pytest.raises(SystemExit) as exit_:
         main(["--results", str(tmp_path / "nowhere")])
     assert exit_.value.code == 2

@@ -2,7 +2,8 @@
 
 Snakemake is the source of truth: this asks `snakemake --dry-run --forceall --printshellcmds` for
 every job of the given params file and writes one DVC stage per job with the same command, the same
-inputs as deps, the same outputs (metrics.json as DVC metrics kept in git, loss curves as plots),
+inputs as deps, the same outputs (metrics.json as DVC metrics, loss curves as plots; all in DVC's cache, none
+in git: the numbers committed to compare with live in results/reference/),
 and the params sections the stage reads. `--check` fails when the committed dvc.yaml has drifted.
 """
 from __future__ import annotations
@@ -61,9 +62,9 @@ def dvc_stages(jobs: list[dict]) -> dict:
                  "params": [p.format(name=name) for p in STAGE_PARAMS[job["rule"]]]}
         for out in job["output"]:
             if out.endswith("metrics.json"):
-                stage.setdefault("metrics", []).append({out: {"cache": False}})
+                stage.setdefault("metrics", []).append(out)
             elif out.endswith(tuple(PLOTS)):
-                stage.setdefault("plots", []).append({out: {"cache": False, **next(
+                stage.setdefault("plots", []).append({out: {**next(
                     axes for suffix, axes in PLOTS.items() if out.endswith(suffix))}})
             else:
                 stage.setdefault("outs", []).append(out)

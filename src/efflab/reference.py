@@ -22,7 +22,9 @@ def device_name(results: Path) -> str:
     if not metrics.is_file():
         raise FileNotFoundError(f"{metrics} does not exist (expected a finished run: run the pipeline first)")
     env = json.loads(metrics.read_text()).get("environment", {})
-    name = env.get("gpu") or env.get("cpu") or "unknown-device"
+    isa = env.get("cpu_isa") or []
+    cpu_kind = "avx512-bf16" if {"avx512_bf16", "amx_bf16"} & set(isa) else "avx2" if "avx2" in isa else None
+    name = env.get("gpu") or " ".join(filter(None, [env.get("cpu"), cpu_kind])) or "unknown-device"
     return re.sub(r"[^A-Za-z0-9.]+", "-", name).strip("-").lower()
 
 
