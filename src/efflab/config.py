@@ -2,12 +2,17 @@
 
 Defaults live in params.yaml; the JSON schema (workflow/schemas/params.schema.yaml) requires every
 key, and the cross-checks below catch what a schema cannot express (names that refer to each other).
+The schema also describes every key (`dvc exp run -S` rewrites params.yaml without its comments):
+`python -m efflab.config describe [KEY]`.
 """
 from __future__ import annotations
 
+import argparse
 import copy
+import functools
 import json
 import re
+import sys
 from pathlib import Path
 
 import jsonschema
@@ -81,6 +86,79 @@ def _schema_message(err: jsonschema.ValidationError) -> str:
 
 def load_schema() -> dict:
     return yaml.safe_load(SCHEMA_PATH.read_text())
+
+
+# --- every key's description: `dvc exp run -S` rewrites params.yaml without its comments, the schema keeps them
+
+@functools.lru_cache(maxsize=1)
+def _described_schema() -> dict:
+    """The schema, parsed once per process for describe() (read only)."""
+    return load_schema()
+
+
+def _schemas(schema: dict, nodes: list, branches: tuple[str, ...]) -> list[dict]:
+    """`nodes` and the schemas their $ref and `branches` keywords (allOf, oneOf, ...) lead to, depth first."""
+    seen: list[dict] = []
+
+    def visit(node) -> None:
+        if not isinstance(node, dict) or any(node is s for s in seen):
+            return
+        seen.append(node)
+        if "$ref" in node:
+            target = schema
+            for part in node["$ref"].removeprefix("#/").split("/"):
+                target = target[part]
+            visit(target)
+        for keyword in branches:
+            for sub in node.get(keyword, []):
+                visit(sub)
+
+    for node in nodes:
+        visit(node)
+    return seen
+
+
+def _children(schema: dict, nodes: list) -> dict[str, list]:
+    """The keys a value of `nodes` may have, each with its schemas; "<name>" stands for any other key."""
+    nodes = _schemas(schema, nodes, ("allOf", "oneOf", "anyOf"))
+    children: dict[str, list] = {}
+    for node in nodes:
+        for key, sub in node.get("properties", {}).items():
+            children.setdefault(key, []).append(sub)
+    extra = [n["additionalProperties"] for n in nodes if isinstance(n.get("additionalProperties"), dict)]
+    return children | ({"<name>": extra} if extra else {})
+
+
+def _description(schema: dict, nodes: list) -> str:
+    """The key's own description, else that of the schema it refers to ($ref, allOf)."""
+    return next((n["description"] for n in nodes + _schemas(schema, nodes, ("allOf",)) if "description" in n), "")
+
+
+def describe(key: str) -> str:
+    """The description of a dotted params key, e.g. finetune.defaults.packing or finetune.runs.<any name>.method."""
+    schema = _described_schema()
+    nodes, parts = [schema], key.split(".")
+    for i, part in enumerate(parts):
+        children = _children(schema, nodes)
+        nodes = children.get(part) or children.get("<name>")
+        if not nodes:
+            where = ".".join(parts[:i]) or "the top level"
+            expected = f"expected one of: {', '.join(children)}" if children else "a value, with no keys under it"
+            raise UserError(f"{key!r} is not a params key: {where} has no key {part!r} ({expected})")
+    return _description(schema, nodes)
+
+
+def descriptions() -> dict[str, str]:
+    """Every key path of the schema (<name> for a named entry of a grid), with its description."""
+    schema, out = _described_schema(), {}
+
+    def walk(nodes: list, path: list[str]) -> None:
+        for key, subs in _children(schema, nodes).items():
+            out[".".join(path + [key])] = _description(schema, subs)
+            walk(subs, path + [key])
+
+    walk([schema], [])
+    return out
 
 
 def validate(cfg: dict, source: str = "params") -> dict:
@@ -215,3 +293,24 @@ def local_source_files(stage: str, source: str) -> list[str]:
     if not (path / "config.json").is_file():
         raise UserError(f"{key}: {source!r} is not a model folder (expected a folder with config.json)")
     return sorted(str(f) for f in path.iterdir() if f.is_file() and not f.name.startswith("."))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m efflab.config", description="What the params.yaml keys mean.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    describe_cmd = commands.add_parser("describe", help="print a key's description (no key: every key's, one a line)")
+    describe_cmd.add_argument("key", nargs="?", help="a dotted key, e.g. finetune.defaults.packing")
+    args = parser.parse_args(argv)
+    try:
+        if args.key is not None:
+            print(describe(args.key))
+        else:
+            for key, text in descriptions().items():
+                print(f"{key}: {text}")
+    except UserError as err:
+        print(f"efflab config: error: {err}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
