@@ -280,6 +280,7 @@ def test_knobs_a_cpu_cannot_honour_are_unavailable_and_the_grid_goes_on(results,
         cfg["finetune"]["runs"]["fp16"] = {"method": "lora", "mixed_precision": "fp16"}
         cfg["finetune"]["runs"]["tf32-pinned"] = {"method": "lora", "tf32": True, "pin_memory": True}
         cfg["bench_inference"]["variants"] = {"adapter-fp16": {"kind": "adapter", "of": "fp16"}}
+        cfg["capacity"]["variants"] = []
     params = write_params(edit)
     fp16 = run_stage("finetune", params, results, "fp16")
     both = run_stage("finetune", params, results, "tf32-pinned")

@@ -222,10 +222,11 @@ def test_a_drift_that_hits_both_variants_alike_cancels_in_the_paired_ratio(monke
     """The machine gets slower every round (a neighbour job ramping up): A A B B would read B as slower; the
     interleaved per-round ratio sees two identical variants."""
     monkeypatch.setattr(measure, "speed_probe", lambda device: 100.0)
-    # 10 ms sleeps, so that a late wake-up on a busy machine (a few ms) stays small beside them; 9 rounds, so
-    # that the 95% interval of the median leaves out the most extreme ratio on each side (one such wake-up)
-    drift = lambda r: 0.01 * (1 + 0.5 * r)  # noqa: E731
-    timed = measure.interleave({"a": _sleeper(drift), "b": _sleeper(drift)}, 9, CPU, warmup=0)
+    # 20 ms sleeps, so that a late wake-up on a busy machine (a few ms) stays small beside them; 14 rounds, so
+    # that the 95% interval of the median leaves out the two most extreme ratios on each side (two such
+    # wake-ups: the whole test suite runs beside this on two cores)
+    drift = lambda r: 0.02 * (1 + 0.5 * r)  # noqa: E731
+    timed = measure.interleave({"a": _sleeper(drift), "b": _sleeper(drift)}, 14, CPU, warmup=0)
     ratio = measure.paired_ratio(timed, "a", "b")
     assert ratio["median"] == pytest.approx(1, abs=0.1) and ratio["verdict"] == "no significant difference"
 

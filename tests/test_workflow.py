@@ -71,7 +71,7 @@ def check_results(work: Path, cfg: dict) -> None:
     qlora = any(r["method"] == "qlora" for r in cfg["finetune"]["runs"].values())
     assert set(summary.stage) - {"finetune_knobs"} == {"quantize", "prune", "qat", "finetune", "merge", "bench_attention",
                                                        "attention_memory_exponent", "bench_inference",
-                                                       "bench_serving"} | (
+                                                       "bench_serving", "capacity"} | (
         {"merge_targets"} if qlora else set())
     interleaved = json.loads((work / "results/bench_finetune/metrics.json").read_text())
     assert [(p["a"], p["b"], p["status"]) for p in interleaved["pairs"]] == [("lora-r8", "qlora-r8", "ok")]
@@ -285,16 +285,17 @@ def test_dvc_tracks_the_snakemake_run_and_reruns_what_a_param_change_touches(loc
     finetuned = (tmp_path / "results/finetune/lora-r8/metrics.json").read_text()
     exp = sh([BIN / "dvc", "exp", "run", "-S", "bench_inference.variants.baseline.kv_cache=[true]"], tmp_path)
     ran = set(re.findall(r"Running stage '([^']+)'", exp.stdout + exp.stderr))
-    assert ran == {"bench_inference-baseline", "report"}, ran
+    # capacity reads bench_inference.variants (the variants it generates with) as one params key
+    assert ran == {"bench_inference-baseline", "capacity", "report"}, ran
     cells = json.loads((tmp_path / "results/bench_inference/baseline/metrics.json").read_text())["cells"]
     assert cells and all(c["kv_cache"] for c in cells), "the rerun used the changed param"
     assert (tmp_path / "results/finetune/lora-r8/metrics.json").read_text() == finetuned, "finetune did not rerun"
 
     # One driver per workspace: what dvc ran here is named, and Snakemake warns before it runs beside it ...
     from efflab.provenance import written_by_dvc
-    assert written_by_dvc(tmp_path / "results") == ["bench_inference/baseline", "report"]
+    assert written_by_dvc(tmp_path / "results") == ["bench_inference/baseline", "capacity", "report"]
     run = sh([BIN / "snakemake", "--cores", "1", "--forcerun", "report"], tmp_path)
-    assert "2 results here were written by dvc repro / dvc exp run" in run.stderr
+    assert "3 results here were written by dvc repro / dvc exp run" in run.stderr
     # ... and `dvc exp run --temp` runs an experiment without touching the workspace (params.yaml's comments
     # and flow lists included)
     sh(["git", "add", "-A"], tmp_path)

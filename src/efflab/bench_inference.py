@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import logging
 import math
+import shutil
 import time
 from pathlib import Path
 
 import torch
 
-from . import cli, records
+from . import cli, profiling, records
 from .config import UserError, finetune_run
 from .layout import Layout
 from .measure import (INTERLEAVE_RECORD, SENTINEL_TOLERANCE, CellJournal, energy_of, energy_per_token, environment,
@@ -147,7 +148,7 @@ def generate_timed(model, tokenizer, batch: dict, new_tokens: int, kv_cache: boo
 
 
 def inference_cell(cfg: dict, results: str, name: str, dtype: str, device: str, kv_cache: bool,
-                   batch_size: int) -> dict:
+                   batch_size: int, profile_dir: str | None = None) -> dict:
     """Measure one (variant, KV cache, batch size) cell: prefill and decode, apart, at a fixed length."""
     b, layout, device = cfg["bench_inference"], Layout(Path(results)), torch.device(device)
     tokenizer = load_tokenizer(layout.base_model())
@@ -194,6 +195,11 @@ def inference_cell(cfg: dict, results: str, name: str, dtype: str, device: str, 
                    **{k: timed[k] for k in INTERLEAVE_RECORD}}
         if "unstable" in timed:
             vs_base["unstable"] = timed["unstable"]
+    profile = None
+    if profile_dir:  # after every timed pass: the profiler's cost lands in none of them
+        folder = Path(profile_dir)
+        profile = profiling.profile_generation(cfg["profile"], folder, f"{profiling.FOLDER}/{folder.name}", device,
+                                               lambda: generate_timed(model, tokenizer, batches[0], n, kv_cache))
     if any(r["new_tokens"] != n for r in runs):
         raise RuntimeError(f"generation length differs from max_new_tokens={n}")
     ttft = summarize([r["ttft_s"] for r in runs])
@@ -207,7 +213,7 @@ def inference_cell(cfg: dict, results: str, name: str, dtype: str, device: str, 
     return {"ttft": ttft, "decode_tokens_per_s": decode_tps, "per_token_latency": per_token, "memory": mem,
             "generations": len(runs), "prompt_tokens": [r["prompt_tokens"] for r in runs[:len(batches)]],
             "memory_footprint_bytes": model.get_memory_footprint(),
-            "memory_prediction": compared(prediction, mem), "vs_base": vs_base, "energy": energy,
+            "memory_prediction": compared(prediction, mem), "vs_base": vs_base, "energy": energy, "profile": profile,
             "samples": [{"prompt": a["question"], "answer": t, "reference": a["reference"]}
                         for a, t in zip(asked, runs[0]["texts"])]}
 
@@ -234,18 +240,25 @@ def run(cfg: dict, paths: dict) -> dict:
     journal = CellJournal(layout.out("bench_inference") / f".{name}.cells.jsonl",
                           {"bench_inference": b, "runtime": rt, "built_on": built_on.read_text()})
     cells = []
+    profiles = layout.out("bench_inference") / f".{name}.{profiling.FOLDER}"  # beside the journal, until the end
+    if journal.resumed == 0:
+        shutil.rmtree(profiles, ignore_errors=True)  # a killed earlier run's
     for kv_cache in variant.get("kv_cache", b["kv_cache"]):
         for batch_size in variant.get("batch_sizes", b["batch_sizes"]):
             cell = {"kv_cache": kv_cache, "batch_size": batch_size}
+            profile_dir = (str(profiles / f"kv-cache-{str(kv_cache).lower()}-batch-{batch_size}")
+                           if profiling.wanted(cfg, "bench_inference") else None)
             result = journal.result(cell, lambda: run_cell(
                 inference_cell, dict(cfg=cfg, results=str(layout.root), name=name, dtype=dtype, device=str(device),
-                                     kv_cache=kv_cache, batch_size=batch_size),
+                                     kv_cache=kv_cache, batch_size=batch_size, profile_dir=profile_dir),
                 isolation=rt["isolation"], timeout_s=rt["cell_timeout_s"], memory_cap_mib=rt["cell_memory_cap_mib"]))
             if not records.is_ok(result):
                 log.warning("%s kv_cache=%s batch %d: %s: %s", name, kv_cache, batch_size, result["status"],
                             result.get("reason"))
             cells.append(cell | result)
     journal.remove()
+    if profiles.is_dir():
+        shutil.move(str(profiles), str(paths["out"] / profiling.FOLDER))
     return {
         "status": "ok" if records.ok(cells) else "failed",
         "variant": name, "kind": variant["kind"], "of": variant.get("of"), "dtype": dtype,

@@ -75,7 +75,7 @@ def _setup_logging(log_file: str | None) -> None:
 
 
 STAGES = ("base_model", "prepare_data", "quantize", "prune", "qat", "finetune", "merge", "bench_finetune", "bench_attention",
-          "bench_inference", "bench_serving", "claims", "report")
+          "bench_inference", "bench_serving", "capacity", "claims", "report")
 
 
 def stage_names(cfg: dict, stage: str) -> list[str] | None:

@@ -38,15 +38,16 @@ STAGE_PARAMS = {
     "prune": ["runtime", "prune.importance", "prune.calibration_rows", "prune.eval_rows", "prune.prompt",
               "prune.max_new_tokens", "prune.repeats", "prune.heal", "prune.strategies.{name}"],
     "qat": ["runtime", "qat"],
-    "finetune": ["runtime", "finetune.defaults", "finetune.runs.{name}"],
+    "finetune": ["runtime", "finetune.defaults", "finetune.runs.{name}", "profile"],
     "merge": ["runtime", "merge", "finetune.defaults", "finetune.runs.{name}"],
     "bench_finetune": ["runtime", "bench_finetune", "finetune.defaults", "finetune.runs"],
     "bench_attention": ["runtime", "bench_attention.seq_lens", "bench_attention.batch_sizes",
                         "bench_attention.modes", "bench_attention.warmup", "bench_attention.repeats"],
     "bench_inference": ["runtime", "bench_inference.max_new_tokens", "bench_inference.warmup",
                         "bench_inference.repeats", "bench_inference.kv_cache", "bench_inference.batch_sizes",
-                        "bench_inference.prompts", "bench_inference.variants.{name}"],
+                        "bench_inference.prompts", "bench_inference.variants.{name}", "profile"],
     "bench_serving": ["runtime", "bench_serving"],
+    "capacity": ["runtime", "capacity", "finetune.defaults", "finetune.runs", "bench_inference.variants"],
     "claims": ["claims"],
     "report": ["report"],
 }
@@ -189,6 +190,12 @@ def _cross_check(cfg: dict, source: str) -> None:
     for name in cfg["merge"]["runs"] or []:
         if name not in runs or runs[name]["method"] not in ADAPTER_METHODS:
             raise UserError(f"{source}: merge.runs: {name!r} is not a lora/qlora run in finetune.runs")
+    for name in cfg["capacity"]["runs"]:
+        if name not in runs:
+            raise UserError(f"{source}: capacity.runs: {name!r} is not a run in finetune.runs")
+    for name in cfg["capacity"]["variants"]:
+        if name not in cfg["bench_inference"]["variants"]:
+            raise UserError(f"{source}: capacity.variants: {name!r} is not a variant in bench_inference.variants")
     for name, variant in cfg["bench_inference"]["variants"].items():
         key = f"bench_inference.variants.{name}"
         kind, of = variant["kind"], variant.get("of")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from . import cli
+from . import cli, profiling
 from .config import UserError, finetune_run
 from .layout import LOSS_COLUMNS, LOSS_CSV
 from .measure import (CpuTensorPeak, EnergyMeter, count_parameters, energy_per_token, environment, log_file_path,
@@ -293,7 +293,8 @@ def train(cfg: dict, paths: dict) -> dict:
         include_num_input_tokens_seen="non_padding", remove_unused_columns=False,
         ddp_find_unused_parameters=False, disable_tqdm=rank != 0,
     )
-    tensors = CpuTensorPeak()
+    profiled = rank == 0 and profiling.wanted(cfg, "finetune")
+    tensors = CpuTensorPeak(unavailable=profiling.REPLACES_TENSOR_PEAK if profiled else None)
     step_times = StepTimes(device)
     callbacks = [step_times, FlushTensorCount(tensors)] + ([KillAfterCheckpoint()] if os.environ.get(KILL_ENV) else [])
     trainer = Trainer(model=model, args=args, train_dataset=Dataset.from_list(train_rows),
@@ -305,11 +306,16 @@ def train(cfg: dict, paths: dict) -> dict:
     prediction = training_peak(layout.base_model(), run_cfg, dtype, precision,  # from config and data only
                                [len(r["input_ids"]) for r in train_rows], device.type)
     with track_memory(device, tensors) as train_mem:
+        profiler = None
+        if profiled:
+            profiler = profiling.Profiler(cfg["profile"], paths["out"] / profiling.FOLDER, device)
+            profiling.trainer_hooks(trainer, profiler)
         meter = EnergyMeter(device).start()  # two counter reads, at the ends: nothing in between
         t0 = time.perf_counter()
         result = trainer.train(resume_from_checkpoint=resume)
         train_s = time.perf_counter() - t0 - tensors.overhead_s  # the tensor count's flushes are not training
         energy = meter.stop()
+        profile = profiler.close() if profiler else None
     processed.remove()
     optimizer_state_bytes = sum(t.numel() * t.element_size() for state in trainer.optimizer.state.values()
                                 for t in state.values() if torch.is_tensor(t))
@@ -368,6 +374,7 @@ def train(cfg: dict, paths: dict) -> dict:
         "memory_prediction": compared(prediction, train_mem),
         "train_memory": train_mem,
         "energy": energy_per_token(energy, tokens) | {"counts": "the whole training loop, warm-up steps included"},
+        "profile": profile,
         "first_loss": curve[0]["loss"], "last_loss": curve[-1]["loss"],
         "validation_before": before, "validation_after": after,
         "validation_loss_drop": before["loss"] - after["loss"],

@@ -89,6 +89,25 @@ def qat_lines(qat: list[dict]) -> list[str]:
             f"(of {', '.join(map(str, job['bits']))}).", ""]
 
 
+def capacity_lines(capacity: list[dict]) -> list[str]:
+    job = next(iter(records.ok(capacity)), None)
+    if job is None:
+        return []
+    said = []
+    for s in job["searches"]:
+        if s["kind"] != "train" or not records.is_ok(s):
+            continue
+        what = {"batch_size": f"batch of {job['fixed']['train_seq_len']}-token rows",
+                "seq_len": "sequence at batch 1"}[s["dimension"]]
+        top = s["measured_max"]
+        said.append(f"{s['subject']} {'nothing' if top is None else top}{' (whole range)' if s['whole_range_fits'] else ''}"
+                    f" ({what})")
+    if not said:
+        return []
+    return [f"**What fits in {job['budget']['mib']:,.0f} MiB** ({job['budget']['source']}), training: "
+            + "; ".join(said) + ".", ""]
+
+
 def claims_lines(claims: list[dict], link: str) -> list[str]:
     """The seed-claims check in a few lines, linked: it concerns documents, not the user's data."""
     job = next(iter(records.ok(claims)), None)
@@ -154,6 +173,6 @@ def surprise_lines(metrics: dict) -> list[str]:
 def lines(tables: dict, metrics: dict) -> list[str]:
     return ["## At a glance: your model on your data", "",
             *finetune_lines(tables, metrics["finetune"]), *quantize_lines(tables), *inference_lines(tables),
-            *qat_lines(metrics["qat"]), *surprise_lines(metrics),
+            *qat_lines(metrics["qat"]), *capacity_lines(metrics["capacity"]), *surprise_lines(metrics),
             "![fine-tuning: memory vs throughput](finetune_pareto.png)", "",
             "![inference: memory vs decode speed](inference_pareto.png)", ""]

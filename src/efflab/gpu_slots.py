@@ -26,7 +26,7 @@ from pathlib import Path
 
 log = logging.getLogger("efflab")
 
-GPU_STAGES = ("quantize", "prune", "qat", "finetune", "merge", "bench_finetune", "bench_attention", "bench_inference", "bench_serving")
+GPU_STAGES = ("quantize", "prune", "qat", "finetune", "merge", "bench_finetune", "bench_attention", "bench_inference", "bench_serving", "capacity")
 NVIDIA_PROC = Path("/proc/driver/nvidia/gpus")
 
 

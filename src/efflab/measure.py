@@ -344,15 +344,18 @@ class CpuTensorPeak:
             cls().start().stop()
             cls._warm = True
 
-    def __init__(self):
+    def __init__(self, unavailable: str | None = None):
+        """`unavailable`: the reason it is not to run (e.g. another torch.profiler will): start() does nothing."""
         self.current = self.peak = self.events = 0
         self.overhead_s = 0.0
         self._profiler = None
-        self.unavailable: str | None = None
+        self.unavailable: str | None = unavailable
 
     def start(self) -> "CpuTensorPeak":
         from torch.profiler import ProfilerActivity, profile
 
+        if self.unavailable:
+            return self
         if torch.autograd._profiler_enabled():
             self.unavailable = "torch.profiler is already running in this process"
             return self

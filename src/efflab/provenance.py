@@ -53,6 +53,10 @@ def upstream_jobs(stage: str, name: str | None, cfg: dict) -> list[str]:
         variant = cfg["bench_inference"]["variants"][name]
         of = {"quantized": "quantize", "merged": "merge", "adapter": "finetune"}.get(variant["kind"])
         return ["base_model"] + ([f"{of}/{variant['of']}"] if of else [])
+    if stage == "capacity":
+        variants = [cfg["bench_inference"]["variants"][v] for v in cfg["capacity"]["variants"]]
+        of = {"quantized": "quantize", "merged": "merge", "adapter": "finetune"}
+        return base + sorted({f"{of[v['kind']]}/{v['of']}" for v in variants if v["kind"] in of})
     return []  # claims and report read every job's metrics, each of which carries its own chain
 
 

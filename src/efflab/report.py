@@ -202,6 +202,104 @@ def plot_serving(df: pd.DataFrame, path: Path) -> None:
     plt.close(fig)
 
 
+CAPACITY_COLUMNS = ["subject", "work", "largest", "predicted max", "measured max", "first that fails",
+                    "peak at max (MiB)", "tokens/s at max", "cells", "status", "env"]
+
+
+def capacity_table(jobs: list[dict]) -> pd.DataFrame:
+    out = []
+    for job in records.ok(jobs):
+        fixed = job["fixed"]
+        for s in job["searches"]:
+            work = "training" if s["kind"] == "train" else "generation"
+            if s["dimension"] == "batch_size":
+                largest = f"batch ({fixed['train_seq_len'] if s['kind'] == 'train' else fixed['prompt_len']} tokens)"
+            else:
+                largest = "sequence (batch 1)"
+            measured = s.get("measured_max")
+            out.append({"subject": s["subject"], "work": work, "largest": largest,
+                        "predicted max": s.get("predicted_max"),
+                        "measured max": ("none fits" if measured is None else
+                                         f">= {measured} (whole range)" if s.get("whole_range_fits") else measured)
+                        if records.is_ok(s) else None,
+                        "first that fails": s.get("first_failing"), "peak at max (MiB)": s.get("peak_mib_at_max"),
+                        "tokens/s at max": s.get("tokens_per_s_at_max"), "cells": s.get("cells"),
+                        "status": _status(s), "env": _fp(job)})
+    return pd.DataFrame(out, columns=CAPACITY_COLUMNS)
+
+
+def plot_capacity(jobs: list[dict], path: Path) -> None:
+    searches = [s for job in records.ok(jobs) for s in job["searches"] if records.is_ok(s)]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, dimension, label in zip(axes, ("batch_size", "seq_len"), ("largest batch", "longest sequence (batch 1)")):
+        rows = [s for s in searches if s["dimension"] == dimension]
+        names = [f"{s['subject']}\n({'train' if s['kind'] == 'train' else 'generate'})" for s in rows]
+        x = range(len(rows))
+        ax.bar([i - 0.2 for i in x], [s.get("predicted_max") or 0 for s in rows], width=0.4, color="tab:gray",
+               label="predicted (estimator)")
+        ax.bar([i + 0.2 for i in x], [s.get("measured_max") or 0 for s in rows], width=0.4, color="tab:blue",
+               label="measured (passes; the next size fails)")
+        for i, s in zip(x, rows):
+            if s.get("whole_range_fits"):
+                ax.annotate("whole range", (i + 0.2, s["measured_max"]), ha="center", va="bottom", fontsize=7)
+            elif s.get("measured_max") is None:
+                ax.annotate("none fits", (i + 0.2, 0), ha="center", va="bottom", fontsize=7)
+        ax.set_xticks(list(x), names, fontsize=8)
+        ax.set_ylabel(label)
+        ax.set_title(label)
+        if rows:
+            ax.legend(fontsize=7)
+    budget = next((j["budget"] for j in records.ok(jobs)), None)
+    fig.suptitle("What fits" + (f" in {budget['mib']:.0f} MiB ({budget['source']})" if budget else ""))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def capacity_lines(jobs: list[dict], table: str) -> list[str]:
+    job = next(iter(records.ok(jobs)), None)
+    if job is None:
+        return ["## Capacity: the largest batch and sequence that fit", "",
+                f"_capacity did not run: {jobs[0]['status'] if jobs else 'no metrics'}_", ""]
+    b = job["budget"]
+    return ["## Capacity: the largest batch and sequence that fit", "",
+            f"Budget: {b['mib']:.0f} MiB ({b['source']}); memory held against it: {b['memory']}. For each training "
+            "run and inference variant the estimator predicts the largest size (from the memory measured with the "
+            "model loaded, at the smallest size); isolated cells then confirm it: the measured maximum ran "
+            f"{job['steps']['warmup']} + {job['steps']['timed']} steps within the budget and the next size ran out "
+            "of memory (a recorded result, not a crash). Tokens/s at the maximum are over its timed steps. Every "
+            "cell is in `results/capacity/cells.csv`.", "", table, "", "![capacity](capacity.png)", ""]
+
+
+def profile_lines(metrics: dict) -> list[str]:
+    """Each profiled job's trace, linked, and its 10 operators with the most self time."""
+    found = [(f"finetune {m['run']}", f"../finetune/{m['name']}", m["profile"])
+             for m in records.ok(metrics["finetune"]) if m.get("profile")]
+    found += [(f"bench_inference {m['name']}, KV cache {c['kv_cache']}, batch {c['batch_size']}",
+               f"../bench_inference/{m['name']}", c["profile"])
+              for m in records.ok(metrics["bench_inference"]) for c in records.ok(m.get("cells", []))
+              if c.get("profile")]
+    if not found:
+        return []
+    lines = ["## Where the time goes: profiler traces", "",
+             "Traces recorded on demand (`profile.stages`), phases labelled (data, forward, backward, optimizer step; "
+             "generate): open a trace in Perfetto (ui.perfetto.dev) or chrome://tracing. A profiled run's own times "
+             "include the profiler's cost.", ""]
+    for title, folder, prof in found:
+        if "unavailable" in prof:
+            lines += [f"### {title}", "", f"_unavailable: {prof['unavailable']}_", ""]
+            continue
+        top = pd.DataFrame(prof["top10"]).rename(columns={
+            "self_cpu_ms": "self CPU (ms)", "cpu_total_ms": "CPU total (ms)", "self_device_ms": "self GPU (ms)",
+            "device_total_ms": "GPU total (ms)"})
+        if not top.get("GPU total (ms)", pd.Series(dtype=float)).any():
+            top = top.drop(columns=["self GPU (ms)", "GPU total (ms)"], errors="ignore")
+        lines += [f"### {title}", "", f"[trace]({folder}/{prof['trace']}) ({prof['steps']} steps), "
+                  f"[every operator]({folder}/{prof['top_ops']}); the top 10 by {prof['sorted_by']}:", "",
+                  _md(top), ""]
+    return lines
+
+
 def _tokens_per_s(run: dict) -> float:
     """A run's real-token throughput over its steady steps, the rate its MFU is computed from (the whole run's,
     first steps included, for runs recorded before throughput was measured steady)."""
@@ -862,6 +960,7 @@ def run(cfg: dict, paths: dict) -> dict:
         "attention_memory_exponent": exponent_table(metrics["bench_attention"]),
         "bench_inference": inference_table(metrics["bench_inference"]),
         "bench_serving": serving_table(metrics["bench_serving"]),
+        "capacity": capacity_table(metrics["capacity"]),
     }
     fronts = {"finetune": finetune_pareto(metrics["finetune"]),
               "inference": inference_pareto(metrics["bench_inference"], metrics["quantize"])}
@@ -876,6 +975,7 @@ def run(cfg: dict, paths: dict) -> dict:
                  tables["bench_attention"], tables["attention_memory_exponent"], p),
              "bench_inference.png": lambda p: plot_inference(tables["bench_inference"], p),
              "bench_serving.png": lambda p: plot_serving(tables["bench_serving"], p),
+             "capacity.png": lambda p: plot_capacity(metrics["capacity"], p),
              "finetune_pareto.png": lambda p: plot_finetune_pareto(fronts["finetune"], p),
              "inference_pareto.png": lambda p: plot_inference_pareto(fronts["inference"], p)}
     for file, draw in plots.items():
@@ -1020,6 +1120,8 @@ def run(cfg: dict, paths: dict) -> dict:
         "leave and a waiting one join. Latency is from arrival, queueing included. Every figure is recomputed "
         "from `results/bench_serving/requests.csv`.", "", table("bench_serving"), "",
         "![serving](bench_serving.png)", "",
+        *capacity_lines(metrics["capacity"], table("capacity")),
+        *profile_lines(metrics),
         *sample_lines(metrics["bench_inference"]),
         "", "## Cells that did not run", "",
         "Grid cells that failed, ran out of memory, were unavailable on this device or were skipped because "

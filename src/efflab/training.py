@@ -74,7 +74,8 @@ def training_step(run_cfg: dict, model, dtype: str, device: torch.device, steps:
             total += loss.detach()
         if scaler:
             scaler.unscale_(optimizer)
-        torch.nn.utils.clip_grad_norm_(params, run_cfg["max_grad_norm"])
+        if run_cfg["max_grad_norm"] > 0:  # 0: no clipping, as in the Trainer (clipping to 0 would zero every step)
+            torch.nn.utils.clip_grad_norm_(params, run_cfg["max_grad_norm"])
         if scaler:
             scaler.step(optimizer)
             scaler.update()

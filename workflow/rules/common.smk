@@ -86,17 +86,25 @@ def quantize_reference(wildcards):
     return [] if wildcards.name == baseline else [f"results/quantize/{baseline}/metrics.json"]
 
 
-def inference_inputs(wildcards):
+def variant_folder(name):
     """The model folder a bench_inference variant loads."""
-    variant = config["bench_inference"]["variants"][wildcards.name]
+    variant = config["bench_inference"]["variants"][name]
     kind, of = variant["kind"], variant.get("of")
-    folder = {
+    return {
         "base": "results/base_model/model",
         "quantized": f"results/quantize/{of}/model",
         "merged": f"results/merge/{of}/model",
         "adapter": f"results/finetune/{of}/model",
     }[kind]
-    return {"model": folder}
+
+
+def inference_inputs(wildcards):
+    return {"model": variant_folder(wildcards.name)}
+
+
+def capacity_inputs(wildcards):
+    """The model folders of the bench_inference variants the capacity stage searches."""
+    return sorted({variant_folder(v) for v in config["capacity"]["variants"]})
 
 
 # Resources, under the standard names that both the local scheduler and the SLURM executor read:
@@ -122,11 +130,11 @@ GPU_THREADS = max(1, HEAVY // GPU_JOBS)
 MEM_BASE_MB = 2000
 MEM_MODEL_FACTOR = {"base_model": 3, "quantize": 3, "prune": 3, "qat": 6, "full": 5, "lora": 2, "qlora": 2, "merge": 3,
                     "bench_finetune": 7, "bench_attention": 2, "bench_inference": 2,
-                    "bench_serving": 3}
+                    "bench_serving": 3, "capacity": 6}
 # Wall-time limit in minutes for a CPU-sized run on a model of up to 1 GB; linear in size above.
 RUNTIME_MIN = {"base_model": 15, "prepare_data": 10, "quantize": 20, "prune": 20, "qat": 40, "finetune": 60, "merge": 20,
                "bench_finetune": 30, "bench_attention": 20, "bench_inference": 20, "bench_serving": 20,
-               "claims": 10, "report": 10}
+               "capacity": 40, "claims": 10, "report": 10}
 # Before base_model has run (dry runs, DAG planning) its size is not known yet; Snakemake evaluates
 # resources again when a job's inputs exist, and then the measured size is used.
 MODEL_MB_UNKNOWN = 1000

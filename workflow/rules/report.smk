@@ -1,7 +1,7 @@
 # The report's plots and their category in `snakemake --report` (captions: workflow/report/<plot>.rst).
 REPORT_PLOTS = {"quantize": "Quantization", "prune": "Pruning", "qat": "Quantization-aware training", "finetune": "Fine-tuning", "finetune_pareto": "Fine-tuning",
                 "finetune_loss": "Fine-tuning", "bench_attention": "Attention",
-                "bench_attention_memory": "Attention", "bench_inference": "Inference", "bench_serving": "Serving",
+                "bench_attention_memory": "Attention", "bench_inference": "Inference", "bench_serving": "Serving", "capacity": "Capacity",
                 "inference_pareto": "Inference"}
 
 
@@ -15,6 +15,7 @@ rule report:
         "results/qat/metrics.json",
         "results/bench_finetune/metrics.json",
         "results/bench_serving/metrics.json",
+        "results/capacity/metrics.json",
         expand("results/bench_attention/{name}/metrics.json", name=names("bench_attention")),
         expand("results/bench_inference/{name}/metrics.json", name=names("bench_inference")),
         "results/prepare_data/metrics.json",

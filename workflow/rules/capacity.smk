@@ -1,0 +1,23 @@
+rule capacity:
+    input:
+        capacity_inputs,
+        module("capacity"),
+        base="results/base_model/metrics.json",
+        train="results/prepare_data/train.parquet",
+    output:
+        cells="results/capacity/cells.csv",
+        metrics="results/capacity/metrics.json",
+    params:
+        file=PARAMS,
+        settings=settings("capacity"),
+    log:
+        "results/logs/capacity/capacity.log",
+    threads: threads_for("capacity")
+    resources:
+        mem_mb=mem_mb("capacity"),
+        runtime=runtime("capacity"),
+        **gpu_resources("capacity"),
+    conda:
+        "../envs/efflab.yaml"
+    shell:
+        "python -m efflab.capacity --params {params.file:q} --log {log:q}"
