@@ -358,7 +358,7 @@ def test_every_number_carries_the_hashes_of_the_artifacts_it_was_measured_on(loc
     read = lambda job: json.loads((results / job / "metrics.json").read_text())  # noqa: E731
     bench = read("bench_inference/merged-lora-r8")["provenance"]
     links = [line.split()[0] for line in chain(bench)]
-    assert links == ["base_model", "merge/lora-r8", "prepare_data", "finetune/lora-r8"], links
+    assert links == ["base_model", "prepare_data", "merge/lora-r8", "finetune/lora-r8"], links
     merge, finetune = read("merge/lora-r8")["provenance"], read("finetune/lora-r8")["provenance"]
     assert bench["inputs"]["merge/lora-r8"]["sha256"] == merge["outputs_sha256"] == \
         content_sha256([results / "merge/lora-r8/model"])

@@ -43,7 +43,7 @@ def upstream_jobs(stage: str, name: str | None, cfg: dict) -> list[str]:
     if stage == "quantize":
         baseline = cfg["report"]["baseline_scheme"]
         return base + ([f"quantize/{baseline}"] if name != baseline else [])
-    if stage == "finetune":
+    if stage in ("finetune", "bench_finetune", "prune", "qat", "bench_serving"):
         return base
     if stage == "merge":
         return base + [f"finetune/{name}"]
@@ -52,7 +52,7 @@ def upstream_jobs(stage: str, name: str | None, cfg: dict) -> list[str]:
     if stage == "bench_inference":
         variant = cfg["bench_inference"]["variants"][name]
         of = {"quantized": "quantize", "merged": "merge", "adapter": "finetune"}.get(variant["kind"])
-        return ["base_model"] + ([f"{of}/{variant['of']}"] if of else [])
+        return base + ([f"{of}/{variant['of']}"] if of else [])  # the validation rows give its prompts
     if stage == "capacity":
         variants = [cfg["bench_inference"]["variants"][v] for v in cfg["capacity"]["variants"]]
         of = {"quantized": "quantize", "merged": "merge", "adapter": "finetune"}
