@@ -181,3 +181,16 @@ def test_the_attention_note_computes_where_the_square_law_takes_over_from_the_co
     assert "L ≈ 384 tokens" in note and "64–256 tokens" in note and "linear terms dominate" in note
     jobs[0]["memory_exponents"][0]["exponent"] = 1.9
     assert glance.attention_law(jobs, config) == []
+
+
+def test_a_plot_with_nothing_measured_says_so_instead_of_an_empty_legend(tmp_path, recwarn):
+    """Every attention cell failed (or could not run): the plot is still written, with a note and no warning."""
+    failed = pd.DataFrame([{"implementation": "flash_attention_2", "mode": "forward", "batch": 1, "seq len": 64,
+                            "status": "unavailable: the flash-attn package is not installed",
+                            "median (ms)": None, "95% CI of median (ms)": None, "peak delta (MiB)": None,
+                            "memory kind": None}])
+    report.plot_attention(failed, tmp_path / "attention.png")
+    report.plot_attention_memory(failed, pd.DataFrame(columns=["implementation", "mode", "batch",
+                                                               "memory ~ seq^k: k"]), tmp_path / "memory.png")
+    assert (tmp_path / "attention.png").stat().st_size > 0 and (tmp_path / "memory.png").stat().st_size > 0
+    assert not [w for w in recwarn if "No artists" in str(w.message)]

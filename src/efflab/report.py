@@ -92,7 +92,7 @@ def plot_prune(df: pd.DataFrame, path: Path) -> None:
         for kept, before, after in zip(healed["parameters kept (%)"], healed["perplexity change (%)"],
                                        healed["healed change (%)"]):
             ax.annotate("", (kept, after), (kept, before), arrowprops={"arrowstyle": "->", "color": "tab:green"})
-        ax.legend(fontsize=8)
+        _legend(ax, fontsize=8)
     ax.axhline(0, color="grey", lw=0.8)
     ax.set_yscale("symlog")
     ax.set_xlabel("parameters kept (%)")
@@ -145,7 +145,7 @@ def plot_qat(df: pd.DataFrame, job: dict | None, path: Path) -> None:
     ax.set_xlabel("weight bits (per-group symmetric, round to nearest)")
     ax.set_ylabel("validation perplexity (log)")
     ax.set_title("Precision range test: post-training vs quantization-aware training")
-    ax.legend(fontsize=8)
+    _legend(ax, fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -248,7 +248,7 @@ def plot_capacity(jobs: list[dict], path: Path) -> None:
         ax.set_ylabel(label)
         ax.set_title(label)
         if rows:
-            ax.legend(fontsize=7)
+            _legend(ax, fontsize=7)
     budget = next((j["budget"] for j in records.ok(jobs)), None)
     fig.suptitle("What fits" + (f" in {budget['mib']:.0f} MiB ({budget['source']})" if budget else ""))
     fig.tight_layout()
@@ -791,10 +791,20 @@ def plot_loss(layout, runs: list[str], path: Path, identical: list[list[str]] = 
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("training loss (response tokens)")
     ax.set_title("Fine-tuning loss curves")
-    ax.legend()
+    _legend(ax)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _legend(ax, **kwargs) -> None:
+    """The axes' legend, or, where nothing was measured (every cell failed or was unavailable), a note saying so
+    instead of an empty legend."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(**kwargs)
+    else:
+        ax.text(0.5, 0.5, "nothing measured: see the table for why", ha="center", va="center",
+                transform=ax.transAxes, color="grey")
 
 
 def _ci_bars(part: pd.DataFrame, median: str, ci: str) -> list[list[float]]:
@@ -821,7 +831,7 @@ def plot_attention(df: pd.DataFrame, path: Path) -> None:
         _seq_axis(ax, ok)
         ax.set_ylabel("latency (ms, median; bars: 95% CI)")
         ax.set_title(f"Attention implementations: {mode.replace('_', '+')}")
-        ax.legend(fontsize=8)
+        _legend(ax, fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -841,7 +851,7 @@ def plot_attention_memory(df: pd.DataFrame, exponents: pd.DataFrame, path: Path)
         _seq_axis(ax, ok)
         ax.set_ylabel(f"peak memory over baseline (MiB, {ok['memory kind'].iloc[0] if len(ok) else ''})")
         ax.set_title(f"Attention memory vs length: {mode.replace('_', '+')}")
-        ax.legend(fontsize=8)
+        _legend(ax, fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
