@@ -360,16 +360,12 @@ def _finetune_trainable(layout, metric: dict) -> tuple[float, str]:
 
 
 def _paired_step_ratios(a: dict, b: dict, key: str) -> list[float] | None:
-    """Run a's `key` over run b's, step by step, sorted; None unless both records carry `step_time.samples` of
-    equal length and the same `tokens_seen` (the same batches in the same order, so step i of one run is step i
-    of the other). A step's tokens/s ratio is the other run's step time over this one's (the same tokens)."""
+    """Run a's `key` over run b's, step by step, sorted (records.paired_step_times: the same batches in the same
+    order). A step's tokens/s ratio is the other run's step time over this one's (the same tokens)."""
     if key not in ("step_s", "tokens_per_s"):
         return None
-    xs, ys = (a.get("step_time") or {}).get("samples"), (b.get("step_time") or {}).get("samples")
-    if not xs or not ys or len(xs) != len(ys) or len(xs) < 2 or a.get("tokens_seen") is None \
-            or a.get("tokens_seen") != b.get("tokens_seen"):
-        return None
-    return sorted(x / y if key == "step_s" else y / x for x, y in zip(xs, ys))
+    ratios = records.paired_step_times(a, b)  # b's step time over a's
+    return None if ratios is None else sorted(1 / r for r in ratios) if key == "step_s" else ratios
 
 
 def _interleaved_ratio(layout, a: dict, b: dict, key: str) -> tuple[float, float, float, dict] | None:

@@ -48,6 +48,17 @@ def interleaved_pair(bench_finetune: list[dict], a: str, b: str) -> dict | None:
                  if (pair["a"], pair["b"]) == (a, b)), None)
 
 
+def paired_step_times(a: dict, b: dict) -> list[float] | None:
+    """Run b's step time over run a's, step by step, sorted; None unless both records carry `step_time.samples`
+    of equal length (at least 2) and the same `tokens_seen`: the same batches in the same order, so step i of
+    one run is step i of the other, and the ratio takes the batches' different lengths out of the spread."""
+    xs, ys = (a.get("step_time") or {}).get("samples"), (b.get("step_time") or {}).get("samples")
+    if not xs or not ys or len(xs) != len(ys) or len(xs) < 2 or a.get("tokens_seen") is None \
+            or a.get("tokens_seen") != b.get("tokens_seen"):
+        return None
+    return sorted(y / x for x, y in zip(xs, ys))
+
+
 def flat_settings(settings: dict, prefix: str = "") -> dict:
     """A run's settings as `lora.r: 8` pairs, without the ones that are not knobs."""
     out = {}

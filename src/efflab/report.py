@@ -353,9 +353,8 @@ def step_time_ratio(a: dict, b: dict) -> dict | None:
     sa, sb = a.get("step_time"), b.get("step_time")
     if not sa or not sb or sa.get("n", 0) < 2 or sb.get("n", 0) < 2:
         return None
-    if "samples" in sa and "samples" in sb and len(sa["samples"]) == len(sb["samples"]) \
-            and a.get("tokens_seen") is not None and a.get("tokens_seen") == b.get("tokens_seen"):
-        ratios = sorted(y / x for x, y in zip(sa["samples"], sb["samples"]))
+    ratios = records.paired_step_times(a, b)
+    if ratios:
         lo, hi = bootstrap_median_ci(ratios)
         verdict = "slower" if lo > 1 else "faster" if hi < 1 else "no significant difference"
         return {"median": percentile(ratios, 0.5), "ci95": [lo, hi], "paired": True, "verdict": verdict}
