@@ -364,8 +364,10 @@ def _paired_step_ratios(a: dict, b: dict, key: str) -> list[float] | None:
     order). A step's tokens/s ratio is the other run's step time over this one's (the same tokens)."""
     if key not in ("step_s", "tokens_per_s"):
         return None
-    ratios = records.paired_step_times(a, b)  # b's step time over a's
-    return None if ratios is None else sorted(1 / r for r in ratios) if key == "step_s" else ratios
+    ratios = records.paired_step_times(a, b)  # b's step time over a's: a's tokens/s over b's
+    if ratios is None or key == "tokens_per_s":
+        return ratios
+    return sorted(1 / r for r in ratios)
 
 
 def _interleaved_ratio(layout, a: dict, b: dict, key: str) -> tuple[float, float, float, dict] | None:
