@@ -69,7 +69,7 @@ dry-run: install
 	snakemake --dry-run --cores $(CORES)
 
 test: install
-	$(PY) -m pytest -v -n auto --dist loadfile --no-loadscope-reorder --durations=15
+	$(VENV)/bin/pytest -v
 
 lint: install
 	snakemake --lint

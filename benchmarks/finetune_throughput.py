@@ -19,6 +19,8 @@ Reports per cell the median and range of real-token throughput, the ratio of med
 (model FLOPs per token × tokens/s over the matmul ceiling efflab measured on this machine in the training
 dtype), and writes them to results/benchmarks/finetune_throughput.{json,md}.
 """
+from __future__ import annotations
+
 import argparse
 import json
 import shutil
@@ -37,6 +39,11 @@ REPO = Path(__file__).resolve().parents[1]
 CELLS = ("baseline", "baseline-fp32", "efflab", "efflab-padded", "efflab-bf16")
 
 
+# The efflab cell's run is added beside the configured runs, so that every cross-check of the params
+# (merge.runs, capacity.runs, ...) still holds: the stage reads the same file it would in the pipeline.
+BENCH_RUN = "throughput-bench"
+
+
 def efflab_cell(params: dict, run: str, overrides: dict, results: Path, work: Path) -> dict:
     """One efflab fine-tuning run through the stage's real CLI, in a scratch results folder that shares the
     pipeline's base model and data."""
@@ -46,14 +53,12 @@ def efflab_cell(params: dict, run: str, overrides: dict, results: Path, work: Pa
     for stage in ("base_model", "prepare_data"):
         (scratch / stage).symlink_to((results / stage).resolve())
     cfg = json.loads(json.dumps(params))
-    cfg["finetune"]["runs"] = {"bench": {**cfg["finetune"]["runs"][run], **overrides}}
-    cfg["merge"]["runs"] = []
-    cfg["bench_inference"]["variants"] = {"baseline": {"kind": "base"}}
+    cfg["finetune"]["runs"][BENCH_RUN] = {**cfg["finetune"]["runs"][run], **overrides}
     path = work / "params.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    subprocess.run([sys.executable, "-m", "efflab.finetune", "--params", str(path), "--results", str(scratch),
-                    "--name", "bench"], check=True, capture_output=True)
-    m = json.loads((scratch / "finetune" / "bench" / "metrics.json").read_text())
+    _run([sys.executable, "-m", "efflab.finetune", "--params", str(path), "--results", str(scratch),
+          "--name", BENCH_RUN])
+    m = json.loads((scratch / "finetune" / BENCH_RUN / "metrics.json").read_text())
     t = m["throughput"]
     return {"tokens_per_s": m["tokens_per_s"], "train_s": m["train_s"], "tokens_seen": m["tokens_seen"],
             "last_loss": m["last_loss"], "mfu": t["mfu_vs_measured_ceiling"], "mixed_precision": m["mixed_precision"],
@@ -64,15 +69,28 @@ def efflab_cell(params: dict, run: str, overrides: dict, results: Path, work: Pa
 def baseline_cell(settings: dict, results: Path, work: Path, dtype: str = "auto") -> dict:
     lora = settings["lora"]
     out = work / "baseline.json"
-    subprocess.run([sys.executable, str(REPO / "benchmarks" / "trainer_baseline.py"),
+    _run([sys.executable, str(REPO / "benchmarks" / "trainer_baseline.py"),
                     "--model", str(results / "base_model" / "model"),
                     "--train", str(results / "prepare_data" / "train.parquet"),
                     "--max-steps", str(settings["max_steps"]), "--batch-size", str(settings["batch_size"]),
                     "--learning-rate", str(settings["learning_rate"]), "--warmup-steps", str(settings["warmup_steps"]),
                     "--r", str(lora["r"]), "--alpha", str(lora["alpha"]), "--dropout", str(lora["dropout"]),
-                    "--targets", ",".join(lora["target_modules"]), "--seed", str(settings["seed"]),
-                    "--dtype", dtype, "--json", str(out)], check=True, capture_output=True)
+                    "--targets", _targets(lora["target_modules"]), "--seed", str(settings["seed"]),
+                    "--dtype", dtype, "--json", str(out)])
     return json.loads(out.read_text())
+
+
+def _targets(modules: str | list[str] | None) -> str:
+    """The LoRA targets as the baseline script's --targets: peft's own keyword (all-linear) or names."""
+    return modules if isinstance(modules, str) else ",".join(modules or [])
+
+
+def _run(argv: list[str]) -> None:
+    """A cell's command; a failed one ends the benchmark with the command's own last words, not a traceback."""
+    done = subprocess.run(argv, capture_output=True, text=True)
+    if done.returncode:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-5:]
+        sys.exit(f"finetune_throughput: error: {' '.join(argv[1:3])} exited {done.returncode}:\n" + "\n".join(tail))
 
 
 def main() -> None:

@@ -9,7 +9,7 @@ Bare references:
     cancels out and the harness's own bookkeeping is the only difference;
   * manual loop: prefill, then a hand-written greedy loop over the KV cache (no generate() at all), the
     floor any harness built on generate() sits above.
-Prints one JSON object; overhead_pct > 0 means the harness reports fewer tokens/s than the bare loop.
+Prints one JSON object and writes it to --out; overhead_pct > 0 means the harness reports fewer tokens/s than the bare loop.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import argparse
 import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -55,6 +56,7 @@ def main() -> None:
     parser.add_argument("--model", default="results/base_model/model")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", default="results/benchmarks/harness_overhead.json", help="where the JSON goes too")
     args = parser.parse_args()
     set_threads({"threads": None})
     device = torch.device("cpu")
@@ -85,7 +87,10 @@ def main() -> None:
     }
     for key in ("harness_decode_tokens_per_s", "bare_generate_decode_tokens_per_s", "manual_loop_decode_tokens_per_s"):
         result[key].pop("samples")
-    print(json.dumps(result, indent=2))
+    text = json.dumps(result, indent=2)
+    print(text)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(text + "\n")
 
 
 if __name__ == "__main__":

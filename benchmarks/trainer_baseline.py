@@ -33,7 +33,8 @@ def main() -> None:
     parser.add_argument("--r", type=int, default=8)
     parser.add_argument("--alpha", type=float, default=16)
     parser.add_argument("--dropout", type=float, default=0.05)
-    parser.add_argument("--targets", default="q_proj,k_proj,v_proj,o_proj")
+    parser.add_argument("--targets", default="all-linear",
+                        help="comma-separated module names, or peft's all-linear (default)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                         help="from_pretrained's dtype (default auto, transformers 5's default: the saved dtype; "
@@ -46,7 +47,7 @@ def main() -> None:
         tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=args.dtype)
     model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", r=args.r, lora_alpha=args.alpha,
-                                             lora_dropout=args.dropout, target_modules=args.targets.split(",")))
+                                             lora_dropout=args.dropout, target_modules=args.targets if args.targets == "all-linear" else args.targets.split(",")))
     frame = pd.read_parquet(args.train)
     train = Dataset.from_dict({"input_ids": [list(map(int, x)) for x in frame.input_ids],
                                "labels": [list(map(int, x)) for x in frame.labels]})

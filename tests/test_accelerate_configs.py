@@ -9,7 +9,7 @@ import subprocess
 import pytest
 from accelerate.commands.config.config_args import load_config_from_file
 
-from conftest import BIN, REPO
+from tests.helpers import BIN, REPO
 
 CONFIGS = REPO / "workflow" / "accelerate"
 

@@ -8,7 +8,7 @@ from efflab.config import UserError
 from efflab.layout import Layout
 from efflab.modeling import classify_source, load_model, load_tokenizer
 
-from conftest import run_stage
+from tests.helpers import run_stage
 
 
 def test_tiny_base_model_is_built_from_the_real_config_and_tokenizer(prepared, test_cfg):

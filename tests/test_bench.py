@@ -7,7 +7,7 @@ import sys
 import pandas as pd
 import yaml
 
-from conftest import TEST_PARAMS, run_stage
+from tests.helpers import TEST_PARAMS, run_stage
 
 
 def test_attention_cells_run_isolated_agree_with_eager_and_flash_is_unavailable_on_cpu(results, write_params):

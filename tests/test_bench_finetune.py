@@ -1,9 +1,11 @@
-from conftest import run_stage
+from efflab import measure
+from tests.helpers import run_stage
 
 
-def test_a_knob_pair_is_timed_interleaved_and_a_known_slowdown_gets_its_verdict(results, write_params):
-    """Four times the rows per step is a slower step, seen through the per-round ratios; a process-wide knob
-    cannot be interleaved and says why; everything else about the pair is measured, not assumed."""
+def test_a_knob_pair_is_timed_interleaved_and_its_verdict_follows_from_its_rounds(results, write_params):
+    """A pair's steps are timed interleaved and its verdict is the one its own stable rounds give (how the
+    rule reads known ratios: tests/test_measure.py, on a simulated clock; here the machine may be busy, so
+    the timing itself is not asserted); a process-wide knob cannot be interleaved and says why."""
     def edit(cfg):
         cfg["finetune"]["runs"] = {"lora-r8": {"method": "lora"}, "lora-r8-b16": {"method": "lora", "batch_size": 16},
                                    "lora-r8-det": {"method": "lora", "deterministic": True}}
@@ -16,10 +18,13 @@ def test_a_knob_pair_is_timed_interleaved_and_a_known_slowdown_gets_its_verdict(
     big = pairs["lora-r8", "lora-r8-b16"]
     assert big["status"] == "ok" and (big["knob"], big["from"], big["to"]) == ("batch_size", 4, 16)
     ratio, timed = big["step_time_ratio"], big["interleaved"]
-    assert ratio["verdict"] == "slower" and ratio["ci95"][0] > 1.5, ratio
-    assert timed["stable_rounds"] >= 6 and [r["order"] for r in timed["rounds"][:2]] == [
-        ["lora-r8", "lora-r8-b16"], ["lora-r8-b16", "lora-r8"]]
+    assert [r["order"] for r in timed["rounds"][:2]] == [["lora-r8", "lora-r8-b16"], ["lora-r8-b16", "lora-r8"]]
+    if "unstable" in timed:  # a busy machine: no verdict, and it says why
+        assert ratio["verdict"].startswith("not a verdict: the machine's speed changed")
+    else:
+        kept = [r["seconds"] for r in timed["rounds"] if r["stable"]]
+        assert len(kept) == timed["stable_rounds"] >= 6
+        assert ratio == measure.ratio_verdict([s["lora-r8-b16"] / s["lora-r8"] for s in kept])
     runs = big["runs"]
-    assert runs["lora-r8-b16"]["step_time"]["median"] > runs["lora-r8"]["step_time"]["median"]
     assert runs["lora-r8-b16"]["tokens_per_s"] > 0 and runs["lora-r8"]["tokens_per_s"] > 0
     assert timed["sentinel_s"] > 0 and timed["probe"]["n"] == 2 * len(timed["rounds"])

@@ -2,7 +2,7 @@ import csv
 
 import pytest
 
-from conftest import TEST_PARAMS, run_stage
+from tests.helpers import TEST_PARAMS, run_stage
 from efflab import bench_serving
 
 

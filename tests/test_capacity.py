@@ -5,7 +5,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import run_stage
+from tests.helpers import run_stage
 from efflab import capacity
 from efflab.config import UserError
 

@@ -12,7 +12,7 @@ from efflab import claims, estimate
 from efflab.config import UserError
 from efflab.layout import Layout
 
-from conftest import TEST_PARAMS, run_stage
+from tests.helpers import TEST_PARAMS, run_stage
 
 SEEDS = Path("/work/shared/seeds")
 

@@ -5,7 +5,7 @@ import pytest
 from efflab.config import finetune_run
 from efflab.layout import Layout
 
-from conftest import TEST_PARAMS, run_stage
+from tests.helpers import TEST_PARAMS, run_stage
 
 
 def _lora_param_count(cfg, name):

@@ -137,7 +137,7 @@ def test_a_gpu_stage_asks_cuda_nothing_before_its_gpu_slot_is_assigned(tmp_path)
     """CUDA reads CUDA_VISIBLE_DEVICES once, when it starts, and any query starts it (bitsandbytes asks for the
     device capability when it is imported): a stage's imports and its CLI up to gpu_slots.assign must not
     ask. One process runs every GPU stage's entry point, finetune's (the heaviest imports) first."""
-    from conftest import TEST_PARAMS
+    from tests.helpers import TEST_PARAMS
 
     proc = subprocess.run([sys.executable, "-c", PROBE, str(TEST_PARAMS), str(tmp_path), *GPU_JOBS],
                           capture_output=True, text=True, timeout=300)

@@ -15,7 +15,7 @@ import yaml
 from efflab.config import DATA_SUFFIXES, UserError, classify_source, local_source_files
 from efflab.prepare_data import READERS
 
-from conftest import BIN, REPO, TEST_PARAMS, run_stage
+from tests.helpers import BIN, REPO, TEST_PARAMS, run_stage
 
 
 def test_hub_ids_with_version_dots_are_hub_ids_and_missing_file_names_are_errors(tmp_path, monkeypatch):

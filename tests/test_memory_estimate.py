@@ -9,7 +9,7 @@ import torch
 
 from efflab import memory_estimate as me
 from efflab.measure import MiB, run_cell, track_memory
-from tests.conftest import run_stage
+from tests.helpers import run_stage
 
 # h=64, i=128, 4 heads x 16 (attention width 64), 2 KV heads, vocab 1000
 TINY = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,

@@ -7,7 +7,7 @@ from peft import PeftModel
 from efflab.layout import Layout
 from efflab.modeling import forward_batches, load_model, load_tokenizer, read_split
 
-from conftest import TEST_PARAMS, run_stage
+from tests.helpers import TEST_PARAMS, run_stage
 
 
 def test_merged_logits_equal_adapter_logits(results):

@@ -7,7 +7,7 @@ from efflab.layout import Layout
 from efflab.modeling import load_tokenizer
 from efflab.prepare_data import split_rows
 
-from conftest import TEST_PARAMS, run_stage
+from tests.helpers import TEST_PARAMS, run_stage
 
 
 def test_splits_are_disjoint_masked_and_complete(prepared, test_cfg):

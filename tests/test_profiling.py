@@ -3,7 +3,7 @@ import json
 import pandas as pd
 import pytest
 
-from conftest import run_stage
+from tests.helpers import run_stage
 from efflab import profiling
 
 TRAINING_PHASES = {"data", "forward", "backward", "optimizer step"}

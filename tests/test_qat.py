@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import TEST_PARAMS, run_stage
+from tests.helpers import TEST_PARAMS, run_stage
 from efflab import qat
 from efflab.config import UserError
 from efflab.modeling import load_model, load_tokenizer, read_split

@@ -11,7 +11,7 @@ import yaml
 
 from efflab.gpu_slots import GPU_STAGES
 
-from conftest import BIN, REPO, TEST_PARAMS
+from tests.helpers import BIN, REPO, TEST_PARAMS
 
 
 def dry_run(tmp_path, device: str, *args: str) -> dict[str, list[dict]]:

@@ -29,7 +29,7 @@ from efflab import dvcgen
 from efflab.cli import STAGES, stage_names
 from efflab.config import adapter_runs
 
-from conftest import BIN, REPO, TEST_PARAMS, run_stage
+from tests.helpers import BIN, REPO, TEST_PARAMS, run_stage
 
 pytestmark = pytest.mark.slow
 TIMEOUT = 1200
@@ -306,6 +306,28 @@ def test_dvc_tracks_the_snakemake_run_and_reruns_what_a_param_change_touches(loc
     assert (tmp_path / "results/report/metrics.json").read_text() == report
     shown = json.loads(sh([BIN / "dvc", "exp", "show", "--json"], tmp_path).stdout)
     assert "kv_cache" in json.dumps(shown) and "false" in json.dumps(shown).lower()
+
+
+def test_verdict_stability_compares_two_runs_and_fails_on_a_flipped_verdict(local_pipeline, tmp_path):
+    """benchmarks/verdict_stability.py on the session's pipeline: against itself nothing flips; against a copy
+    whose one claim reads otherwise, that claim is FLIPPED and the script exits 1."""
+    results = local_pipeline.wait()["dir"] / "results"
+    script = [sys.executable, str(REPO / "benchmarks" / "verdict_stability.py")]
+    same = subprocess.run(script + [results, results, "--out", tmp_path / "same"], capture_output=True, text=True)
+    assert same.returncode == 0, same.stderr
+    rows = json.loads((tmp_path / "same" / "verdict_stability.json").read_text())
+    assert rows and {r["outcome"] for r in rows} == {"same"} and any(r["what"].startswith("knob ") for r in rows)
+    other = tmp_path / "other"
+    shutil.copytree(results / "claims", other / "claims")
+    claims = pd.read_csv(other / "claims" / "claims.csv")
+    flipped = claims.index[claims.verdict == "reproduced"][0]
+    claims.loc[flipped, "verdict"] = "differs"
+    claims.to_csv(other / "claims" / "claims.csv", index=False)
+    differ = subprocess.run(script + [results, other, "--out", tmp_path / "differ"], capture_output=True, text=True)
+    assert differ.returncode == 1, differ.stderr
+    rows = json.loads((tmp_path / "differ" / "verdict_stability.json").read_text())
+    assert [r["what"] for r in rows if r["outcome"] == "FLIPPED"] == [f"claim {claims.id[flipped]}"]
+    assert "1 FLIPPED" in (tmp_path / "differ" / "verdict_stability.md").read_text()
 
 
 def test_failed_jobs_are_results_the_jobs_after_them_skip_and_the_report_still_renders(

@@ -1,0 +1,48 @@
+"""Smoke tests of the benchmarks of efflab itself (benchmarks/*.py), on the CI's tiny model with the smallest
+settings: each runs end to end and writes what it says it writes. What they measure is not asserted: they are
+benchmarks, run by hand on a quiet machine (README, "Benchmarks"). verdict_stability.py needs two pipeline
+runs: tests/test_workflow.py runs it on the session's CI pipeline."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import REPO, TEST_PARAMS
+
+BENCHMARKS = REPO / "benchmarks"
+
+
+def bench(script: str, *args) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / script), *map(str, args)], cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def test_finetune_throughput_compares_efflab_with_the_trainer_baseline(prepared, tmp_path):
+    """Both sides train the same run on the same rows (trainer_baseline.py is the baseline cell), and the
+    comparison is written as JSON and as a Markdown table."""
+    out = tmp_path / "finetune_throughput"
+    bench("finetune_throughput.py", "--params", TEST_PARAMS, "--results", prepared, "--run", "lora-r8",
+          "--repeats", 1, "--cells", "baseline,efflab", "--out", out)
+    written = json.loads(out.with_suffix(".json").read_text())
+    summary, samples = written["summary"], written["samples"]
+    assert set(summary) == {"baseline", "efflab"} and all(s["n"] == 1 for s in summary.values())
+    assert all(samples[c][0]["tokens_seen"] > 0 and samples[c][0]["last_loss"] > 0 for c in summary)
+    base, mine = (summary[c]["tokens_per_s_median"] for c in ("baseline", "efflab"))
+    assert base > 0 and summary["efflab"]["ratio_vs_baseline"] == pytest.approx(mine / base)
+    table = out.with_suffix(".md").read_text()
+    assert "| baseline | 1 |" in table and "| efflab | 1 |" in table
+
+
+def test_harness_overhead_times_the_harness_and_bare_generation_alike(prepared, tmp_path):
+    out = tmp_path / "harness_overhead.json"
+    bench("harness_overhead.py", "--model", prepared / "base_model" / "model", "--new-tokens", 3, "--repeats", 1,
+          "--out", out)
+    result = json.loads(out.read_text())
+    per_path = [result[f"{k}_decode_tokens_per_s"] for k in ("harness", "bare_generate", "manual_loop")]
+    assert all(p["n"] == result["prompts"] * result["repeats"] and p["median"] > 0 for p in per_path)
+    assert result["overhead_pct_vs_bare_generate"] == pytest.approx(100 * (1 - per_path[0]["median"] / per_path[1]["median"]))
