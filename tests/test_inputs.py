@@ -149,3 +149,21 @@ def test_a_missing_local_source_stops_the_dry_run_with_one_line(tmp_path, key, s
         f"efflab: error: params.yaml: {key}: '{source}' does not exist{where} (expected an existing local path, "
         "a hub id org/name, or an embedded: source)"]
     assert not (tmp_path / "results").exists()
+
+
+@pytest.mark.slow
+def test_a_configfile_is_the_whole_experiment_the_dag_and_the_stages_read(tmp_path):
+    """--configfile replaces params.yaml: its grids alone are planned (not merged over params.yaml's), and a
+    partial file is refused in one line naming what it lacks, before anything runs."""
+    cfg = yaml.safe_load(TEST_PARAMS.read_text())
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    cfg["prune"]["strategies"] = {"layers-1": {"remove_layers": 1}}  # params.yaml's strategy is not asked for
+    (tmp_path / "mine.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    plan = _snakemake(tmp_path, "-n", "--configfile", "mine.yaml", "--quiet", "rules").stdout
+    jobs = {tuple(line.split()) for line in plan.splitlines() if line.split()[:1] == ["prune"]}
+    assert jobs == {("prune", "1")}, plan
+    (tmp_path / "partial.yaml").write_text(yaml.safe_dump({"quantize": cfg["quantize"]}))
+    proc = _snakemake(tmp_path, "-n", "--configfile", "partial.yaml", ok=False)
+    assert proc.stderr.strip().splitlines() == ["efflab: error: partial.yaml: <top level>: 'runtime' is a required "
+                                                "property"]
+    assert not (tmp_path / "results").exists()

@@ -59,3 +59,37 @@ def test_a_missing_column_is_a_user_error(prepared, tmp_path, write_params):
         run_stage("prepare_data", write_params(edit), tmp_path / "results")
     assert exit_.value.code == 2
     assert not (tmp_path / "results" / "prepare_data").exists()
+
+
+def _rows_file(tmp_path, answers):
+    data = tmp_path / "rows.jsonl"
+    data.write_text("\n".join(json.dumps({"q": f"Question number {i}?", "a": a}) for i, a in enumerate(answers)))
+    return data
+
+
+def _local(cfg, data):
+    cfg["prepare_data"] |= {"source": str(data), "max_rows": None,
+                            "columns": {"instruction": "q", "input": None, "output": "a"}}
+
+
+def test_rows_with_an_empty_null_or_blank_answer_are_dropped_and_counted(prepared, tmp_path, write_params):
+    data = _rows_file(tmp_path, [f"Answer {i}." for i in range(8)] + ["", None, "   \n"])
+    results = tmp_path / "results"
+    (results / "base_model").mkdir(parents=True)
+    (results / "base_model" / "model").symlink_to(prepared / "base_model" / "model")
+    metrics = run_stage("prepare_data", write_params(lambda cfg: _local(cfg, data)), results)
+    assert metrics["raw_rows"] == 11 and metrics["dropped_empty_responses"] == 3
+    assert metrics["train"]["rows"] + metrics["validation"]["rows"] == 8
+
+
+def test_a_file_without_usable_answers_is_refused_naming_the_file_and_column(prepared, tmp_path, write_params,
+                                                                            capsys):
+    data = _rows_file(tmp_path, [None] * 10)
+    results = tmp_path / "results"
+    (results / "base_model").mkdir(parents=True)
+    (results / "base_model" / "model").symlink_to(prepared / "base_model" / "model")
+    with pytest.raises(SystemExit) as exit_:
+        run_stage("prepare_data", write_params(lambda cfg: _local(cfg, data)), results)
+    assert exit_.value.code == 2 and not (results / "prepare_data").exists()
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert str(data) in err and "'a' column (prepare_data.columns.output)" in err and "0 rows" in err

@@ -12,6 +12,7 @@ import json
 import math
 from pathlib import Path
 
+from .architecture import matmul_layers, shape
 from .config import REPO_ROOT, UserError
 
 MODELS_DIR = REPO_ROOT / "workflow" / "models"
@@ -86,13 +87,8 @@ def _meta_model(name: str, overrides_json: str):
 
 
 def architecture(name: str, **overrides) -> dict:
-    """Layers, hidden size, heads, KV heads and head dim, read through HF's attribute map (GPT-2, T5, Llama...)."""
-    cfg = hf_config(name, **overrides)
-    heads = cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or getattr(cfg, "d_kv", None) or cfg.hidden_size // heads
-    return {"layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size, "heads": heads,
-            "kv_heads": getattr(cfg, "num_key_value_heads", None) or heads, "head_dim": head_dim,
-            "vocab": cfg.vocab_size}
+    """The shape of a shipped or local model config (efflab.architecture.shape: any family's field names)."""
+    return shape(hf_config(name, **overrides))
 
 
 def parameter_count(name: str, **overrides) -> int:
@@ -106,22 +102,12 @@ def largest_layer_parameters(name: str, **overrides) -> int:
 
 
 def linear_layers(name: str, **overrides) -> list[dict]:
-    """Every nn.Linear and GPT-2 Conv1D: name, in/out features, and whether it is the output head."""
-    import torch
-    from transformers.pytorch_utils import Conv1D
-
+    """Every matrix-multiply layer (nn.Linear, GPT-2's Conv1D: architecture.matmul_shape): name, in/out features,
+    and whether it is the output head."""
     model = meta_model(name, **overrides)
     head = model.get_output_embeddings()
-    layers = []
-    for module_name, m in model.named_modules():
-        if isinstance(m, Conv1D):
-            fan_in, fan_out = m.weight.shape
-        elif isinstance(m, torch.nn.Linear):
-            fan_out, fan_in = m.weight.shape
-        else:
-            continue
-        layers.append({"name": module_name, "in": fan_in, "out": fan_out, "head": m is head})
-    return layers
+    return [{"name": n, "in": fan_in, "out": fan_out, "head": model.get_submodule(n) is head}
+            for n, (fan_in, fan_out) in matmul_layers(model).items()]
 
 
 def lora_matrix_parameters(d: int, k: int, r: int) -> int:

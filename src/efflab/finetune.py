@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from . import cli, profiling
+from . import architecture, cli, profiling
 from .config import UserError, finetune_run
 from .layout import LOSS_COLUMNS, LOSS_CSV
 from .measure import (CpuTensorPeak, EnergyMeter, count_parameters, energy_per_token, environment, log_file_path,
@@ -90,7 +90,8 @@ def build_model(run: dict, layout, dtype: str, device: torch.device):
         model.enable_input_require_grads()
     lora = run["lora"]
     peft_config = LoraConfig(task_type="CAUSAL_LM", r=lora["r"], lora_alpha=lora["alpha"],
-                             lora_dropout=lora["dropout"], target_modules=lora["target_modules"], bias="none",
+                             lora_dropout=lora["dropout"], bias="none",
+                             target_modules=architecture.lora_targets(model.config, lora["target_modules"]),
                              use_dora=lora["use_dora"], use_rslora=lora["use_rslora"])
     try:
         return get_peft_model(model, peft_config)

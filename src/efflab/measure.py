@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from . import architecture
+
 MiB = 1024 * 1024
 
 # The host clock of CPU timings (time_fn, interleave). Tests replace it with a simulated clock that the timed
@@ -771,12 +773,13 @@ def count_parameters(model) -> dict:
 
 
 def matmul_params(model) -> dict:
-    """Weights that take part in matrix multiplies (every nn.Linear, bnb layers and the LM head
+    """Weights that take part in matrix multiplies (every nn.Linear and Conv1D, bnb layers and the LM head
     included, at their full shape), and how many of them train."""
     total = trainable = 0
     for module in model.modules():
-        if isinstance(module, torch.nn.Linear):
-            n = module.in_features * module.out_features
+        features = architecture.matmul_shape(module)
+        if features:
+            n = features[0] * features[1]
             total += n
             if module.weight.requires_grad:
                 trainable += n
@@ -787,12 +790,9 @@ def training_flops_per_token(model, seq_len: float, gradient_checkpointing: bool
     """Model FLOPs per trained token (PaLM appendix B): forward 2N + 4·L·d_attn·T, backward 2N + 8·L·d_attn·T
     for the activation gradients plus 2·N_trainable for the weight gradients; full fine-tuning gives the
     familiar 6N + 12·L·d_attn·T. Checkpointing recomputes the forward once more (counted as hardware FLOPs)."""
-    cfg = model.config
-    layers = cfg.num_hidden_layers
-    heads = cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    a = architecture.shape(model.config)
     mm = matmul_params(model)
-    attn_fwd = 4 * layers * heads * head_dim * seq_len
+    attn_fwd = 4 * a["layers"] * a["heads"] * a["head_dim"] * seq_len
     forward = 2 * mm["total"] + attn_fwd
     model_flops = forward + (2 * mm["total"] + 2 * attn_fwd) + 2 * mm["trainable"]
     return {"model_flops_per_token": model_flops,

@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import math
 
-from . import estimate
+from . import architecture, estimate
 
 MiB = 2**20
 ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -56,12 +56,7 @@ def padded_batch_lengths(lengths: list[int], batch_size: int, steps: int, accumu
 
 
 def _arch(folder) -> dict:
-    cfg = estimate.hf_config(str(folder))
-    heads = cfg.num_attention_heads
-    return {"model_type": cfg.model_type, "layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size,
-            "intermediate": cfg.intermediate_size, "heads": heads,
-            "kv_heads": getattr(cfg, "num_key_value_heads", None) or heads,
-            "head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // heads, "vocab": cfg.vocab_size}
+    return architecture.shape(estimate.hf_config(str(folder)))
 
 
 def _precisions(run: dict, dtype: str, precision: str) -> dict:
@@ -144,7 +139,7 @@ def activation_rates(folder, run: dict, dtype: str, precision: str) -> dict:
     a, p = _arch(folder), _precisions(run, dtype, precision)
     lora = None
     if run["method"] != "full":
-        targets = run["lora"]["target_modules"]
+        targets = architecture.lora_targets(estimate.hf_config(str(folder)), run["lora"]["target_modules"])
         names = {lay["name"].rsplit(".", 1)[-1] for lay in estimate.targeted_layers(str(folder), targets)}
         lora = {"modules": names, "dropout": run["lora"]["dropout"]}
     checkpointing = run["gradient_checkpointing"]
@@ -189,7 +184,8 @@ def _trainable_tensors(folder, run: dict) -> list[int]:
     if run["method"] == "full":
         return [t.numel() for t in estimate.meta_model(str(folder)).parameters()]
     r = run["lora"]["r"]
-    return [n for lay in estimate.targeted_layers(str(folder), run["lora"]["target_modules"])
+    targets = architecture.lora_targets(estimate.hf_config(str(folder)), run["lora"]["target_modules"])
+    return [n for lay in estimate.targeted_layers(str(folder), targets)
             for n in (r * lay["in"], r * lay["out"])]
 
 

@@ -122,8 +122,16 @@ def run(cfg: dict, paths: dict) -> dict:
                             f"(columns: {', '.join(map(str, raw.columns))})")
     if pd_cfg["max_rows"] is not None:
         raw = raw.sample(frac=1.0, random_state=pd_cfg["seed"]).head(pd_cfg["max_rows"]).sort_index()
+    answers = raw[pd_cfg["columns"]["output"]].map(lambda v: _text({"v": v}, "v"))
+    empty = int((answers == "").sum())  # nothing to learn from: the loss would be on the end-of-turn tokens alone
+    if empty:
+        log.warning("prepare_data: %d of %d rows have an empty, null or blank %r: dropped", empty, len(raw),
+                    pd_cfg["columns"]["output"])
+    read, raw = len(raw), raw[answers != ""]
     if len(raw) < 4:
-        raise UserError(f"prepare_data.source: {len(raw)} rows; at least 4 are needed for a split")
+        raise UserError(f"prepare_data.source: {pd_cfg['source']}: {len(raw)} rows with a non-empty "
+                        f"{pd_cfg['columns']['output']!r} column (prepare_data.columns.output); at least 4 are "
+                        f"needed for a train/validation split")
     tokenizer = load_tokenizer(paths["layout"].base_model())
     records = []
     cols = pd_cfg["columns"]
@@ -145,8 +153,9 @@ def run(cfg: dict, paths: dict) -> dict:
              stats["train"]["rows"], stats["validation"]["rows"],
              stats["train"]["length_percentiles"]["p50"])
     return {"source": pd_cfg["source"], "attribution": attribution, "template": pd_cfg["template"],
-            "mask_prompt": pd_cfg["mask_prompt"], "raw_rows": len(raw),
-            "dropped_rows_without_labels": len(raw) - len(frame), **stats,
+            "mask_prompt": pd_cfg["mask_prompt"], "raw_rows": read,
+            "dropped_empty_responses": empty, "dropped_rows_without_labels": len(raw) - len(frame),
+            **stats,
             "example": tokenizer.decode(splits["train"].iloc[0]["input_ids"]),
             "environment": environment(torch.device("cpu"), pd_cfg)}
 

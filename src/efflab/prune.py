@@ -26,7 +26,7 @@ import tempfile
 
 import torch
 
-from . import cli
+from . import architecture, cli
 from .config import UserError
 from .measure import (INTERLEAVE_RECORD, SENTINEL_TOLERANCE, count_parameters, environment, interleave, pick_device,
                       set_threads, speedup)
@@ -37,11 +37,41 @@ log = logging.getLogger("efflab")
 
 
 def attention_shape(config) -> tuple[int, int, int, int]:
-    """(layers, query heads, key/value heads, head dim) of a Llama-style config."""
-    heads = config.num_attention_heads
-    kv = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return config.num_hidden_layers, heads, kv, head_dim
+    """(layers, query heads, key/value heads, head dim) of any family's config."""
+    a = architecture.shape(config)
+    return a["layers"], a["heads"], a["kv_heads"], a["head_dim"]
+
+
+# The attention projections prune can cut, by their module names: separate q/k/v (Llama, Qwen2, Gemma,
+# Mistral, Mixtral...) or one fused q|k|v matrix (Phi-3's qkv_proj), and the output projection.
+SEPARATE, FUSED, OUTPUT = ("q_proj", "k_proj", "v_proj"), "qkv_proj", "o_proj"
+
+
+def attention_modules(model) -> dict:
+    """Where the decoder layers and each layer's attention live: {"layers": qualified name of the layer stack,
+    "attention": [qualified name of each layer's attention module], "fused": bool}. Raises Unprunable naming
+    what the family lacks where its attention is not one of the layouts above (GPT-NeoX's per-head
+    interleaved query_key_value, GPT-2's Conv1D c_attn, ...)."""
+    stack = architecture.decoder_layers(model)
+    if stack is None:
+        raise Unprunable(f"{type(model).__name__} has no stack of decoder layers (a ModuleList of "
+                         f"{attention_shape(model.config)[0]} layers)")
+    names = {m: n for n, m in model.named_modules()}
+    attention, fused = [], set()
+    for layer in stack:
+        found = [(name, FUSED in children) for name, module in layer.named_modules()
+                 if (children := {k for k, c in module.named_children() if isinstance(c, torch.nn.Linear)})
+                 and OUTPUT in children and (set(SEPARATE) <= children or FUSED in children)]
+        if not found:
+            raise Unprunable(f"{type(model).__name__}'s attention has no nn.Linear {'/'.join(SEPARATE)} or "
+                             f"{FUSED}, with {OUTPUT}, to cut heads from")
+        attention.append(f"{names[layer]}.{found[0][0]}")
+        fused.add(found[0][1])
+    return {"layers": names[stack], "attention": attention, "fused": fused.pop() if len(fused) == 1 else None}
+
+
+class Unprunable(Exception):
+    """The model's architecture is not one whose heads and layers prune can cut: the job is unavailable."""
 
 
 def head_plan(strategy: dict, heads: int, kv: int) -> dict:
@@ -82,7 +112,8 @@ def importance(model, rows: list[dict], tokenizer, how: str) -> dict:
     influence = torch.zeros(layers, dtype=torch.float64)
     tokens = [0]
     hooks = []
-    decoder_layers = model.model.layers
+    where = attention_modules(model)
+    decoder_layers = model.get_submodule(where["layers"])
 
     def on_o_proj(i):
         def hook(module, args):
@@ -102,7 +133,8 @@ def importance(model, rows: list[dict], tokenizer, how: str) -> dict:
         return hook
 
     for i, layer in enumerate(decoder_layers):
-        hooks.append(layer.self_attn.o_proj.register_forward_pre_hook(on_o_proj(i)))
+        output = model.get_submodule(f"{where['attention'][i]}.{OUTPUT}")
+        hooks.append(output.register_forward_pre_hook(on_o_proj(i)))
         hooks.append(layer.register_forward_hook(on_layer(i), with_kwargs=True))
     try:
         with torch.no_grad():
@@ -126,29 +158,46 @@ def _select_heads(scores: list[float], plan: dict, group: int) -> tuple[list[int
     return kept_kv, kept_q
 
 
+def _kept_rows(name: str, kept_kv: list[int], kept_q: list[int], heads: int, kv: int, d: int) -> torch.Tensor | None:
+    """The output rows of projection `name` that the kept heads own (None: not a q/k/v projection). A fused
+    q|k|v matrix holds the query heads' rows, then the key heads', then the value heads'."""
+    rows = lambda heads_, offset=0: torch.cat([torch.arange(offset + h * d, offset + (h + 1) * d)  # noqa: E731
+                                               for h in heads_])
+    if name == "q_proj":
+        return rows(kept_q)
+    if name in ("k_proj", "v_proj"):
+        return rows(kept_kv)
+    if name == FUSED:
+        return torch.cat([rows(kept_q), rows(kept_kv, heads * d), rows(kept_kv, (heads + kv) * d)])
+    return None
+
+
 def pruned_state(model, keep_layers: list[int], heads_kept: dict[int, tuple[list[int], list[int]]]) -> dict:
-    """The state dict of the pruned model: layers renumbered, q/k/v rows and o_proj columns of the kept
-    heads (and q/k/v biases where the model has them)."""
-    _, _, _, d = attention_shape(model.config)
-    rows = lambda heads: torch.cat([torch.arange(h * d, (h + 1) * d) for h in heads])  # noqa: E731
+    """The state dict of the pruned model: layers renumbered, the q/k/v (or fused qkv) rows and the output
+    projection's columns of the kept heads (and the projections' biases where the model has them)."""
+    _, heads, kv, d = attention_shape(model.config)
+    where = attention_modules(model)
     renumber = {old: new for new, old in enumerate(keep_layers)}
+    layer_key = re.compile(rf"{re.escape(where['layers'])}\.(\d+)\.(.*)")
     out = {}
     for key, tensor in model.state_dict().items():
-        match = re.match(r"(.*\.layers\.)(\d+)\.(.*)", key)
+        match = layer_key.fullmatch(key)
         if not match:
             out[key] = tensor
             continue
-        prefix, index, rest = match.group(1), int(match.group(2)), match.group(3)
+        index, rest = int(match.group(1)), match.group(2)
         if index not in renumber:
             continue
-        kept_kv, kept_q = heads_kept[index]
-        if re.match(r"self_attn\.q_proj\.(weight|bias)$", rest):
-            tensor = tensor.index_select(0, rows(kept_q))
-        elif re.match(r"self_attn\.[kv]_proj\.(weight|bias)$", rest):
-            tensor = tensor.index_select(0, rows(kept_kv))
-        elif rest == "self_attn.o_proj.weight":
-            tensor = tensor.index_select(1, rows(kept_q))
-        out[f"{prefix}{renumber[index]}.{rest}"] = tensor.contiguous()
+        attention = where["attention"][index].removeprefix(f"{where['layers']}.{index}.")
+        module, _, kind = rest.removeprefix(f"{attention}.").rpartition(".")
+        if rest.startswith(f"{attention}.") and "." not in module:
+            kept_kv, kept_q = heads_kept[index]
+            rows = _kept_rows(module, kept_kv, kept_q, heads, kv, d)
+            if rows is not None:
+                tensor = tensor.index_select(0, rows)
+            elif module == OUTPUT and kind == "weight":
+                tensor = tensor.index_select(1, _kept_rows("q_proj", kept_kv, kept_q, heads, kv, d))
+        out[f"{where['layers']}.{renumber[index]}.{rest}"] = tensor.contiguous()
     return out
 
 
@@ -218,8 +267,14 @@ def run(cfg: dict, paths: dict) -> dict:
     rows = read_split(layout.split("validation"), p["eval_rows"])
     calibration = read_split(layout.split("train"), p["calibration_rows"])
     base = load_model(layout.base_model(), dtype, device)
-    if not hasattr(base, "model") or not hasattr(base.model, "layers"):
-        raise UserError(f"prune: {type(base).__name__} is not a Llama-style decoder (model.layers with self_attn)")
+    try:
+        attention_modules(base)
+    except Unprunable as why:
+        reason = f"prune cannot cut this family's attention: {why}"
+        log.warning("%s: unavailable: %s", paths["name"], reason)
+        layout.write_not_run("prune", paths["out"], "unavailable", reason)
+        return {"status": "unavailable", "reason": reason, "strategy": paths["name"], "settings": strategy,
+                "environment": environment(device, p)}
     scores = importance(base, calibration, tokenizer, p["importance"])
     pruned, kept = prune(base, strategy, scores)
     if kept["heads"] != kept["target_heads"]:

@@ -7,14 +7,19 @@ from efflab import config as efflab_config
 from efflab import gpu_slots
 from efflab.cli import stage_names
 
-# The stage CLIs read the params file themselves, so it must be the file Snakemake validated:
-# choose it with --configfile; --config overrides would not reach them.
+# The stage CLIs read the params file themselves, so the DAG must be built from that same file alone:
+# --configfile FILE names a whole experiment, which replaces params.yaml (Snakemake would otherwise merge it
+# key by key over params.yaml, and plan jobs from params the stages never see); --config overrides would
+# not reach the stages at all.
 PARAMS = os.path.relpath(workflow.overwrite_configfiles[-1]) if workflow.overwrite_configfiles else "params.yaml"
 if workflow.config_settings.config:
     sys.exit("efflab: error: --config overrides do not reach the stage commands; "
              "edit params.yaml or pass --configfile FILE")
+if len(workflow.overwrite_configfiles) > 1:
+    sys.exit("efflab: error: --configfile: give one params file (a whole experiment), not several to merge")
 try:
-    efflab_config.validate(config, PARAMS)
+    config.clear()
+    config.update(efflab_config.load(PARAMS))
 except efflab_config.UserError as err:
     sys.exit(f"efflab: error: {err}")
 

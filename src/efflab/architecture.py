@@ -1,0 +1,76 @@
+"""What efflab reads of a causal LM's architecture, through one adapter for every transformers family.
+
+Families name their sizes differently (GPT-2's n_embd and n_inner, Mixtral's num_local_experts, Gemma-3's
+text sub-config), and some build their projections from other layer types (GPT-2's Conv1D). Stages and
+estimators read a model's shape and its matrix-multiply weights only through here, never a family's own
+config field or module name.
+"""
+from __future__ import annotations
+
+import torch
+
+# The MLP width under each family's name; absent in all of them (GPT-2's n_inner: null), 4 x hidden.
+INTERMEDIATE_FIELDS = ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size", "d_ff")
+EXPERT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+
+
+def text_config(config):
+    """The language model's own config (a multimodal model's text part; the config itself otherwise)."""
+    get = getattr(config, "get_text_config", None)
+    return get() if callable(get) else config
+
+
+def _first(config, fields: tuple[str, ...]):
+    return next((getattr(config, f) for f in fields if getattr(config, f, None)), None)
+
+
+def shape(config) -> dict:
+    """Layers, hidden size, MLP width, query and key/value heads, head dim, vocabulary, tied embeddings and
+    experts of any family's config (read through its attribute map, so GPT-2's n_layer is num_hidden_layers)."""
+    c = text_config(config)
+    hidden, heads = c.hidden_size, c.num_attention_heads
+    experts = _first(c, EXPERT_FIELDS) or 0
+    return {"model_type": c.model_type, "layers": c.num_hidden_layers, "hidden": hidden,
+            "intermediate": _first(c, INTERMEDIATE_FIELDS) or 4 * hidden, "heads": heads,
+            "kv_heads": getattr(c, "num_key_value_heads", None) or heads,
+            "head_dim": getattr(c, "head_dim", None) or getattr(c, "d_kv", None) or hidden // heads,
+            "vocab": c.vocab_size,
+            "tied_embeddings": bool(getattr(config, "tie_word_embeddings", getattr(c, "tie_word_embeddings", False))),
+            "experts": experts, "experts_per_token": (getattr(c, "num_experts_per_tok", None) or 1) if experts else 0}
+
+
+def matmul_shape(module) -> tuple[int, int] | None:
+    """(in features, out features) of a layer that multiplies its input by a weight matrix: nn.Linear and
+    its subclasses (bitsandbytes' included, at their full shape) and transformers' Conv1D (GPT-2 style,
+    weight stored transposed); None for any other module."""
+    from transformers.pytorch_utils import Conv1D
+
+    if isinstance(module, torch.nn.Linear):
+        return module.in_features, module.out_features
+    if isinstance(module, Conv1D):
+        return module.weight.shape[0], module.nf
+    return None
+
+
+def matmul_layers(model) -> dict[str, tuple[int, int]]:
+    """Every matrix-multiply layer of the model by its qualified name, with (in, out) features."""
+    return {name: s for name, module in model.named_modules() if (s := matmul_shape(module))}
+
+
+def decoder_layers(model) -> torch.nn.ModuleList | None:
+    """The stack of decoder layers, wherever the family keeps it (model.layers, transformer.h,
+    gpt_neox.layers, ...): the ModuleList with one entry per config layer; None where there is none."""
+    count = shape(model.config)["layers"]
+    stacks = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == count]
+    return stacks[0] if stacks else None
+
+
+def lora_targets(config, targets: str | list[str] | None) -> str | list[str]:
+    """The modules LoRA adapts: the user's names or peft's all-linear as given; for null, what peft itself
+    chooses for the family (its per-architecture default, e.g. q_proj and v_proj for Llama, query_key_value
+    for GPT-NeoX, c_attn for GPT-2), and all-linear for a family peft has no default for."""
+    if targets is not None:
+        return targets
+    from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_DEFAULTS
+
+    return sorted(PEFT_DEFAULTS.get(text_config(config).model_type) or []) or "all-linear"
