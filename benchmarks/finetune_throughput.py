@@ -32,7 +32,9 @@ import time
 from pathlib import Path
 
 import yaml
+from transformers import AutoConfig
 
+from efflab.architecture import lora_targets
 from efflab.config import finetune_run, load
 
 REPO = Path(__file__).resolve().parents[1]
@@ -75,14 +77,16 @@ def baseline_cell(settings: dict, results: Path, work: Path, dtype: str = "auto"
                     "--max-steps", str(settings["max_steps"]), "--batch-size", str(settings["batch_size"]),
                     "--learning-rate", str(settings["learning_rate"]), "--warmup-steps", str(settings["warmup_steps"]),
                     "--r", str(lora["r"]), "--alpha", str(lora["alpha"]), "--dropout", str(lora["dropout"]),
-                    "--targets", _targets(lora["target_modules"]), "--seed", str(settings["seed"]),
+                    "--targets", _targets(results / "base_model" / "model", lora["target_modules"]), "--seed", str(settings["seed"]),
                     "--dtype", dtype, "--json", str(out)])
     return json.loads(out.read_text())
 
 
-def _targets(modules: str | list[str] | None) -> str:
-    """The LoRA targets as the baseline script's --targets: peft's own keyword (all-linear) or names."""
-    return modules if isinstance(modules, str) else ",".join(modules or [])
+def _targets(model: Path, modules: str | list[str] | None) -> str:
+    """The LoRA targets efflab resolves for the model (null: peft's default for its family), as the baseline
+    script's --targets: peft's own keyword all-linear, or comma-separated names."""
+    targets = lora_targets(AutoConfig.from_pretrained(model), modules)
+    return targets if isinstance(targets, str) else ",".join(targets)
 
 
 def _run(argv: list[str]) -> None:
