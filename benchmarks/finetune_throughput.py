@@ -77,7 +77,8 @@ def baseline_cell(settings: dict, results: Path, work: Path, dtype: str = "auto"
                     "--max-steps", str(settings["max_steps"]), "--batch-size", str(settings["batch_size"]),
                     "--learning-rate", str(settings["learning_rate"]), "--warmup-steps", str(settings["warmup_steps"]),
                     "--r", str(lora["r"]), "--alpha", str(lora["alpha"]), "--dropout", str(lora["dropout"]),
-                    "--targets", _targets(results / "base_model" / "model", lora["target_modules"]), "--seed", str(settings["seed"]),
+                    "--targets", _targets(results / "base_model" / "model", lora["target_modules"]),
+                    "--seed", str(settings["seed"]),
                     "--dtype", dtype, "--json", str(out)])
     return json.loads(out.read_text())
 

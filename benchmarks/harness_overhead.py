@@ -9,7 +9,8 @@ Bare references:
     cancels out and the harness's own bookkeeping is the only difference;
   * manual loop: prefill, then a hand-written greedy loop over the KV cache (no generate() at all), the
     floor any harness built on generate() sits above.
-Prints one JSON object and writes it to --out; overhead_pct > 0 means the harness reports fewer tokens/s than the bare loop.
+Prints one JSON object and writes it to --out; overhead_pct > 0 means the harness reports fewer tokens/s than
+the bare loop.
 """
 from __future__ import annotations
 

@@ -46,8 +46,9 @@ def main() -> None:
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=args.dtype)
+    targets = args.targets if args.targets == "all-linear" else args.targets.split(",")
     model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", r=args.r, lora_alpha=args.alpha,
-                                             lora_dropout=args.dropout, target_modules=args.targets if args.targets == "all-linear" else args.targets.split(",")))
+                                             lora_dropout=args.dropout, target_modules=targets))
     frame = pd.read_parquet(args.train)
     train = Dataset.from_dict({"input_ids": [list(map(int, x)) for x in frame.input_ids],
                                "labels": [list(map(int, x)) for x in frame.labels]})

@@ -47,6 +47,10 @@ def attention_shape(config) -> tuple[int, int, int, int]:
 SEPARATE, FUSED, OUTPUT = ("q_proj", "k_proj", "v_proj"), "qkv_proj", "o_proj"
 
 
+class Unprunable(Exception):
+    """The model's architecture is not one whose heads and layers prune can cut: the job is unavailable."""
+
+
 def attention_modules(model) -> dict:
     """Where the decoder layers and each layer's attention live: {"layers": qualified name of the layer stack,
     "attention": [qualified name of each layer's attention module], "fused": bool}. Raises Unprunable naming
@@ -68,10 +72,6 @@ def attention_modules(model) -> dict:
         attention.append(f"{names[layer]}.{found[0][0]}")
         fused.add(found[0][1])
     return {"layers": names[stack], "attention": attention, "fused": fused.pop() if len(fused) == 1 else None}
-
-
-class Unprunable(Exception):
-    """The model's architecture is not one whose heads and layers prune can cut: the job is unavailable."""
 
 
 def head_plan(strategy: dict, heads: int, kv: int) -> dict:
