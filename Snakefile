@@ -34,6 +34,10 @@ onstart:
     warn_mixed_drivers()
 
 
+onsuccess:
+    fail_if_jobs_failed()
+
+
 rule all:
     input:
         rules.report.output,

@@ -25,7 +25,8 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
 # collection order, and this order puts the longest first. test_workflow.py starts the background CI pipeline
 # and the SLURM run, which then overlap with the unit tests on the other worker instead of running alone at the
 # end (xdist's default order, by number of tests, left them last: 100 s of a 2-core machine half idle).
-LONGEST_FIRST = ("test_workflow.py", "test_finetune.py", "test_inputs.py", "test_merge.py", "test_bench.py")
+LONGEST_FIRST = ("test_workflow.py", "test_families_a.py", "test_families_b.py", "test_finetune.py", "test_inputs.py",
+                 "test_merge.py", "test_bench.py")
 
 
 def pytest_collection_modifyitems(config, items):

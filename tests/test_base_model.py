@@ -6,7 +6,8 @@ from transformers import AutoConfig
 
 from efflab.config import UserError
 from efflab.layout import Layout
-from efflab.modeling import classify_source, load_model, load_tokenizer
+from efflab.config import classify_source
+from efflab.modeling import load_model, load_tokenizer
 
 from tests.helpers import run_stage
 

@@ -56,7 +56,7 @@ def check_results(work: Path, cfg: dict) -> None:
     report = (work / "results/report/report.md").read_text()
     for section in ("## At a glance: your model on your data", "## Published numbers checked", "## In detail",
                     "## Quantization", "## Fine-tuning", "## Merging adapters", "## Attention implementations",
-                    "### What each knob costs and buys", "### Determinism", "## Cells that did not run",
+                    "### What each knob costs and buys", "### Determinism", "## Did not run",
                     "### Memory vs sequence length", "## Inference variants", "## Run size", "## Environments"):
         assert section in report
     # the user's answers come first; the seed texts' claims are a linked page, not the bulk of the report
@@ -364,9 +364,64 @@ def test_failed_jobs_are_results_the_jobs_after_them_skip_and_the_report_still_r
     run_stage("claims", TEST_PARAMS, results)
     run_stage("report", TEST_PARAMS, results)
     report = (results / "report/report.md").read_text()
-    section = report[report.index("## Cells that did not run"):]
+    section = report[report.index("## Did not run"):]
     for stage, name in [*failed, *skipped]:
         assert re.search(rf"\| *{stage} *\| *{name} *\|", section), f"{stage} {name} is not in the report's table"
+
+
+def test_a_single_job_stage_that_raises_is_a_result_and_snakemake_still_exits_non_zero(
+        local_pipeline, tmp_path, monkeypatch):
+    """Any stage job that raises (a bug, or a user error that slipped past the checks) writes its record, failed
+    with the reason, and its outputs empty; the report renders around it; and the run's exit status still says
+    that a job failed, naming it."""
+    from efflab import bench_serving
+    from efflab.config import UserError
+
+    work = tmp_path / "run"
+    shutil.copytree(local_pipeline.wait()["dir"], work, symlinks=True)
+    results = work / "results"
+
+    def slipped(*args, **kwargs):
+        raise UserError("bench_serving.concurrency: a check that should have come earlier")
+    monkeypatch.setattr(bench_serving, "pick_device", slipped)
+    m = run_stage("bench_serving", work / "params.yaml", results)
+    assert m["status"] == "failed" and m["reason"].startswith("UserError: bench_serving.concurrency"), m
+    assert (results / "bench_serving" / "requests.csv").read_text() == ""
+    proc = subprocess.run([str(BIN / "snakemake"), "-s", str(REPO / "Snakefile"), "--cores", "2"], cwd=work,
+                          capture_output=True, text=True, timeout=TIMEOUT, env={**os.environ, "PATH": f"{BIN}:"
+                                                                               f"{os.environ['PATH']}"})
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "efflab: error: 1 job(s) failed" in proc.stderr and "bench_serving: failed: UserError" in proc.stderr
+    report = (results / "report" / "report.md").read_text()
+    assert re.search(r"\| *bench_serving *\| *- *\| *failed *\|", report[report.index("## Did not run"):]), report
+    assert "## Serving: naive vs static vs continuous batching\n\n_No job of this stage produced numbers" in report
+
+
+def test_stages_left_out_plan_no_jobs_and_the_report_says_they_were_not_asked_for(local_pipeline, tmp_path):
+    """An empty grid switches a stage off: the dry run plans none of its jobs (nor the jobs that need them),
+    the stage command refuses to run it, and the report renders with "Not asked for" in its section."""
+    import yaml
+
+    work = tmp_path / "run"
+    shutil.copytree(local_pipeline.wait()["dir"], work, symlinks=True)
+    cfg = yaml.safe_load((work / "params.yaml").read_text())
+    cfg["prune"]["strategies"], cfg["qat"]["bits"], cfg["bench_serving"]["methods"] = {}, [], []
+    cfg["capacity"]["runs"], cfg["capacity"]["variants"] = [], []
+    (work / "off.yaml").write_text(yaml.safe_dump(cfg))
+    plan = sh([BIN / "snakemake", "-s", REPO / "Snakefile", "-n", "--forceall", "--cores", "1", "--configfile",
+               "off.yaml", "--quiet", "rules"], work).stdout
+    planned = {line.split()[0] for line in plan.splitlines() if line.strip() and line.split()[-1].isdigit()}
+    assert {"prune", "qat", "bench_serving", "capacity"}.isdisjoint(planned) and "report" in planned, plan
+    with pytest.raises(SystemExit) as exit_:
+        run_stage("qat", work / "off.yaml", work / "results")
+    assert exit_.value.code == 2
+    run_stage("report", work / "off.yaml", work / "results")
+    report = (work / "results" / "report" / "report.md").read_text()
+    for title, why in [("## Structured pruning", "prune.strategies is empty"), ("## Quantization-aware training",
+                       "qat.bits is empty"), ("## Serving", "bench_serving.methods is empty"),
+                       ("## Capacity", "capacity.runs and capacity.variants are empty")]:
+        section = report[report.index(title):]
+        assert section.split("\n\n")[1] == f"_Not asked for: {why}._", (title, section[:300])
 
 
 def test_every_number_carries_the_hashes_of_the_artifacts_it_was_measured_on(local_pipeline, tmp_path, capsys):

@@ -74,3 +74,41 @@ def lora_targets(config, targets: str | list[str] | None) -> str | list[str]:
     from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_DEFAULTS
 
     return sorted(PEFT_DEFAULTS.get(text_config(config).model_type) or []) or "all-linear"
+
+
+def restore_conv1d(model) -> int:
+    """Put back the Conv1D layers a dequantized model lost: transformers' dequantize() turns every 4-bit layer
+    into an nn.Linear, so a GPT-2-style model's projections would save with transposed weights that its own
+    class cannot load. Returns how many layers it restored (0 for a family without Conv1D)."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+    from transformers.pytorch_utils import Conv1D
+
+    config = copy.deepcopy(model.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    restored = 0
+    for name, module in skeleton.named_modules():
+        current = model.get_submodule(name) if name else model
+        if isinstance(module, Conv1D) and type(current) is torch.nn.Linear:
+            layer = Conv1D(current.out_features, current.in_features).to(current.weight.device, current.weight.dtype)
+            with torch.no_grad():
+                layer.weight.copy_(current.weight.T)
+                if current.bias is not None:
+                    layer.bias.copy_(current.bias)
+            model.set_submodule(name, layer)
+            restored += 1
+    return restored
+
+
+def lora_config(config, lora: dict):
+    """peft's LoraConfig for the settings `lora` (r, alpha, dropout, target_modules, use_dora, use_rslora) on a
+    model of `config`: one construction for fine-tuning, healing and the dry-run check."""
+    from peft import LoraConfig
+
+    return LoraConfig(task_type="CAUSAL_LM", r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
+                      bias="none", target_modules=lora_targets(config, lora["target_modules"]),
+                      use_dora=lora.get("use_dora", False), use_rslora=lora.get("use_rslora", False))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from . import cli
+from . import cli, model_check
 from .measure import (count_parameters, cuda_context_mib, environment, gpu_matmul_rates, pick_device, resolve_dtype,
                       set_threads)
 from .modeling import DTYPES, EMBEDDED_MODELS, folder_bytes, gguf_tokenizer_and_config, load_model, package_folder
@@ -65,6 +65,7 @@ def run(cfg: dict, paths: dict) -> dict:
     # GGUF-loaded configs carry a quantization_config that would make the saved folder unloadable.
     if hasattr(model_config, "quantization_config") and kind == "embedded":
         del model_config.quantization_config
+    model_check.check(cfg, paths["params"], config=model_config)  # a hub model's config is in hand only now
 
     t0 = time.perf_counter()
     if bm["random_init"]:

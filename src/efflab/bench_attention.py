@@ -17,13 +17,14 @@ import importlib.util
 import logging
 import math
 from contextlib import contextmanager
+from importlib.metadata import version
 
 import torch
 
-from . import cli, records
+from . import cli, model_check, records
 from .measure import (INTERLEAVE_RECORD, SENTINEL_TOLERANCE, CellJournal, environment, interleave, pick_device,
                       run_cell, set_threads, speedup, synchronize, time_fn, track_memory)
-from .modeling import base_dtype, load_model
+from .modeling import base_dtype, load_model, shape_only
 
 log = logging.getLogger("efflab")
 
@@ -174,6 +175,11 @@ def run(cfg: dict, paths: dict) -> dict:
     set_threads(rt)
     device = pick_device(rt)
     dtype = base_dtype(layout)
+    skeleton = shape_only(layout.base_model())
+    offers = model_check.attention_offers(skeleton)
+    if ("sdpa" if impl.startswith("sdpa") else impl) not in offers:  # recorded as unavailable (cli.not_run)
+        raise NotImplementedError(f"{type(skeleton).__name__} does not support {impl} in transformers "
+                                  f"{version('transformers')}: it offers {', '.join(offers)}")
     reason = unavailable_reason(impl, device)
     journal = CellJournal(layout.out("bench_attention") / f".{impl}.cells.jsonl",
                           {"bench_attention": b, "runtime": rt, "base": layout.metrics("base_model").read_text()})

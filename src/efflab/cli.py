@@ -101,9 +101,10 @@ def _missing_result(err: Exception, results: str) -> bool:
 
 
 def not_run(stage: str, name: str, cfg: dict, layout: Layout, out: Path, err: Exception) -> dict:
-    """The result of a grid job that failed or ran out of memory: its status, the reason and the traceback's
-    last lines, with the stage's outputs written empty, so that the grid goes on and the jobs that build on
-    this one record themselves as skipped. `snakemake --forcerun <rule>` (or deleting the folder) retries it."""
+    """The result of a job that failed or ran out of memory: its status, the reason and the traceback's
+    last lines, with the stage's outputs written empty, so that the DAG goes on, the jobs that build on
+    this one record themselves as skipped, and the report renders around it; the run's exit status still says
+    it failed (failed_jobs). `snakemake --forcerun <rule>` (or deleting the folder) retries it."""
     from .measure import classify_failure, environment, pick_device
 
     failure = classify_failure(err)
@@ -113,6 +114,27 @@ def not_run(stage: str, name: str, cfg: dict, layout: Layout, out: Path, err: Ex
         return {**failure, "environment": environment(pick_device(cfg["runtime"]), cfg[stage])}
     except Exception:  # the device itself may be what failed: the result goes without its environment
         return failure
+
+
+# A job that ended so is a failure of the run (unavailable and skipped are what the model or device allows).
+FAILED = ("failed", "oom", "timeout")
+
+
+def failed_jobs(cfg: dict, results: Path) -> list[str]:
+    """'stage/name: status: reason' for every job of the experiment `cfg` whose record under `results` says it
+    failed: what makes the run's exit status non-zero (the Snakefile's onsuccess) though every job wrote its
+    record and the report rendered."""
+    out = []
+    for stage in STAGES:
+        if config.not_asked(cfg, stage):
+            continue
+        for name in stage_names(cfg, stage) or [None]:
+            path = Layout(results).metrics(stage, name)
+            record = json.loads(path.read_text()) if path.is_file() else {}
+            if record.get("status") in FAILED:
+                out.append(f"{stage}{'/' + name if name else ''}: {record['status']}: "
+                           f"{record.get('reason', 'no reason given')}")
+    return out
 
 
 def main(stage: str, run, argv: list[str] | None = None) -> None:
@@ -132,6 +154,9 @@ def main(stage: str, run, argv: list[str] | None = None) -> None:
                             f"({', '.join(names) or 'none'})")
         if names is None and args.name:
             raise UserError(f"--name: stage {stage} has a single job and takes no name")
+        left_out = config.not_asked(cfg, stage)
+        if left_out:
+            raise UserError(f"{stage} is not asked for in {args.params}: {left_out}")
         gpu_slots.assign(stage, cfg["runtime"])
         layout = Layout(Path(args.results))
         final = layout.out(stage, args.name)
@@ -145,9 +170,11 @@ def main(stage: str, run, argv: list[str] | None = None) -> None:
         try:
             metrics = run(cfg, {"layout": layout, "name": args.name, "out": staging, "final": final,
                                 "params": args.params})
-        except Exception as err:
-            if stage not in STAGE_OUTPUTS or isinstance(err, UserError) or _missing_result(err, args.results):
+        except Exception as err:  # recorded, so that the DAG and the report go on around it (stages_failed)
+            if stage not in STAGE_OUTPUTS or _missing_result(err, args.results):
                 raise
+            if isinstance(err, UserError):
+                print(f"efflab {stage}: error: {err}", file=sys.stderr)
             metrics = not_run(stage, args.name, cfg, layout, staging, err)
         metrics = {"stage": stage, "name": args.name, "status": metrics.pop("status", "ok"),
                    "wall_s": time.perf_counter() - t0, **metrics,

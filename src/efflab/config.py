@@ -252,6 +252,29 @@ def merge_runs(cfg: dict) -> list[str]:
     return adapter_runs(cfg) if chosen is None else list(chosen)
 
 
+# The optional stages, and what leaves each out: an empty grid plans no job, and the report says "not asked for".
+OPTIONAL_STAGES = {
+    "prune": ("prune.strategies is empty", lambda cfg: not cfg["prune"]["strategies"]),
+    "qat": ("qat.bits is empty", lambda cfg: not cfg["qat"]["bits"]),
+    "finetune": ("finetune.runs is empty", lambda cfg: not cfg["finetune"]["runs"]),
+    "merge": ("no adapter run to merge (merge.runs, finetune.runs)", lambda cfg: not merge_runs(cfg)),
+    "bench_finetune": ("finetune.runs has fewer than two runs to compare",
+                       lambda cfg: len(cfg["finetune"]["runs"]) < 2),
+    "bench_attention": ("bench_attention.implementations is empty",
+                        lambda cfg: not cfg["bench_attention"]["implementations"]),
+    "bench_inference": ("bench_inference.variants is empty", lambda cfg: not cfg["bench_inference"]["variants"]),
+    "bench_serving": ("bench_serving.methods is empty", lambda cfg: not cfg["bench_serving"]["methods"]),
+    "capacity": ("capacity.runs and capacity.variants are empty",
+                 lambda cfg: not cfg["capacity"]["runs"] and not cfg["capacity"]["variants"]),
+}
+
+
+def not_asked(cfg: dict, stage: str) -> str | None:
+    """Why `stage` is left out of this experiment (its grid is empty), or None when it runs."""
+    reason, left_out = OPTIONAL_STAGES.get(stage, (None, lambda cfg: False))
+    return reason if left_out(cfg) else None
+
+
 def lookup(cfg: dict, dotted: str):
     node = cfg
     for part in dotted.split("."):

@@ -71,7 +71,7 @@ def collator(run: dict, tokenizer):
 
 def build_model(run: dict, layout, dtype: str, device: torch.device):
     """The model to train: full weights in fp32, or the frozen base (4-bit for QLoRA) with LoRA."""
-    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from peft import get_peft_model, prepare_model_for_kbit_training
 
     if run["method"] == "full":
         model = load_model(layout.base_model(), "float32", device)
@@ -88,13 +88,8 @@ def build_model(run: dict, layout, dtype: str, device: torch.device):
     elif run["gradient_checkpointing"]:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
-    lora = run["lora"]
-    peft_config = LoraConfig(task_type="CAUSAL_LM", r=lora["r"], lora_alpha=lora["alpha"],
-                             lora_dropout=lora["dropout"], bias="none",
-                             target_modules=architecture.lora_targets(model.config, lora["target_modules"]),
-                             use_dora=lora["use_dora"], use_rslora=lora["use_rslora"])
     try:
-        return get_peft_model(model, peft_config)
+        return get_peft_model(model, architecture.lora_config(model.config, run["lora"]))
     except ValueError as err:
         raise UserError(f"finetune.lora.target_modules: {str(err).splitlines()[0]}") from None
 

@@ -35,7 +35,7 @@ def same_updates(finetune: list[dict]) -> list[list[str]]:
 def finetune_lines(tables: dict, finetune: list[dict]) -> list[str]:
     df = tables["finetune"]
     if df.empty:
-        return ["No fine-tuning run finished in this run (see *Cells that did not run*).", ""]
+        return ["No fine-tuning run finished in this run (see *Did not run*).", ""]
     memory = next(c for c in df.columns if c.startswith("peak memory"))
     view = df.assign(**{"val loss": df["val loss before"].map("{:.3f}".format) + " → "
                         + df["val loss after"].map("{:.3f}".format)})

@@ -12,10 +12,16 @@ METRICS = "metrics.json"
 MODEL = "model"
 HEALED = "healed"  # prune's LoRA-healed model
 LOSS_CSV, LOSS_COLUMNS = "loss.csv", ("step", "loss", "learning_rate", "grad_norm")  # finetune's loss curve
-# What a job of each grid stage writes besides metrics.json: a job that did not run writes them too (a model
-# folder holding only NOT_RUN.txt, an empty loss curve), so that the jobs after it run and record "skipped".
-STAGE_OUTPUTS = {"quantize": (MODEL,), "prune": (MODEL, HEALED), "finetune": (MODEL, LOSS_CSV), "merge": (MODEL,),
-                 "bench_attention": (), "bench_inference": ()}
+QAT_MODEL = "finetuned"  # qat's full-precision fine-tune
+# What a job of each stage writes besides metrics.json: a job that did not run writes them too (a model folder
+# holding only NOT_RUN.txt, an empty loss curve, empty tables), so that the jobs after it run and record
+# "skipped", and the report renders around it. base_model and prepare_data are not here: without them nothing
+# can run, so their failure stops the run; nor is the report, which nothing reads.
+STAGE_OUTPUTS = {"quantize": (MODEL,), "prune": (MODEL, HEALED), "qat": (QAT_MODEL, "evals.csv", "losses.csv"),
+                 "finetune": (MODEL, LOSS_CSV), "merge": (MODEL,), "bench_finetune": (), "bench_attention": (),
+                 "bench_inference": (), "bench_serving": ("requests.csv",), "capacity": ("cells.csv",),
+                 "claims": ("claims.csv", "claims.md")}
+FOLDERS = (MODEL, HEALED, QAT_MODEL)
 NOT_RUN = "NOT_RUN.txt"
 
 
@@ -49,11 +55,14 @@ class Layout:
         for leftover in out.iterdir():
             shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
         for output in STAGE_OUTPUTS.get(stage, ()):
-            if output in (MODEL, HEALED):
+            if output in FOLDERS:
                 (out / output).mkdir()
                 (out / output / NOT_RUN).write_text(f"{status}: {reason}\n")
-            else:
+            elif output == LOSS_CSV:
                 (out / output).write_text(",".join(LOSS_COLUMNS) + "\n")
+            else:  # a table or page: empty, or saying why
+                (out / output).write_text(f"{stage} did not run: {status}: {reason}\n" if output.endswith(".md")
+                                          else "")
 
     def skipped_because(self, stage: str, name: str) -> dict | None:
         """A 'skipped' result naming why, when the job `stage/name` this one builds on did not succeed

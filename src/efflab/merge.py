@@ -13,6 +13,7 @@ import logging
 import torch
 
 from . import cli
+from .architecture import restore_conv1d
 from .config import finetune_run
 from .measure import environment, pick_device, set_threads
 from .modeling import (base_dtype, forward_batches, load_model, load_tokenizer, loss_summary, read_split,
@@ -58,6 +59,7 @@ def merged_into(layout, adapter, dtype: str, merge_dtype: str, device, quant: di
                         quant=quant if roundtrip else None)
     if quant is not None and roundtrip:
         target = target.dequantize()
+        restore_conv1d(target)  # GPT-2-style families: dequantize() leaves nn.Linear where the class has Conv1D
     target = target.to(getattr(torch, merge_dtype))
     return PeftModel.from_pretrained(target, adapter).merge_and_unload().eval()
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from .config import UserError, classify_source, missing_input  # noqa: F401 (re-exported)
+from .config import UserError, missing_input  # noqa: F401 (re-exported)
 
 log = logging.getLogger("efflab")
 
@@ -38,6 +38,16 @@ def cache_root() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "efflab"
 
 
+def gguf_cache_entry(gguf: Path) -> tuple[Path, str]:
+    """Where the tokenizer and config converted from a GGUF file are kept (a folder holding `complete` once
+    written), under the file's SHA-256 and the transformers version; and that SHA-256."""
+    import transformers
+
+    with open(gguf, "rb") as fh:
+        digest = hashlib.file_digest(fh, "sha256").hexdigest()
+    return cache_root() / "gguf-metadata" / f"{digest[:32]}-transformers-{transformers.__version__}", digest
+
+
 def gguf_tokenizer_and_config(folder: Path, gguf_file: str) -> tuple[object, object, str]:
     """The tokenizer and config of a GGUF file, and where they came from ("gguf" or "cache").
 
@@ -48,13 +58,10 @@ def gguf_tokenizer_and_config(folder: Path, gguf_file: str) -> tuple[object, obj
     several stages started together convert while the others wait for its result; the entry is written to a
     temporary folder and renamed into place, so no reader sees half of one. An unwritable cache only costs
     the time."""
-    import transformers
     from filelock import FileLock
     from transformers import AutoConfig, AutoTokenizer
 
-    with open(folder / gguf_file, "rb") as fh:
-        digest = hashlib.file_digest(fh, "sha256").hexdigest()
-    cached = cache_root() / "gguf-metadata" / f"{digest[:32]}-transformers-{transformers.__version__}"
+    cached, digest = gguf_cache_entry(folder / gguf_file)
     try:
         cached.parent.mkdir(parents=True, exist_ok=True)
         lock = FileLock(f"{cached}.lock")
@@ -245,3 +252,11 @@ def read_split(path: str | Path, limit: int | None = None) -> list[dict]:
 
 def folder_bytes(folder: str | Path) -> int:
     return sum(f.stat().st_size for f in Path(folder).rglob("*") if f.is_file())
+
+
+def shape_only(folder: Path):
+    """The model's layers without their weights (on the meta device): enough to check shapes, instantly."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(require_input(folder)))

@@ -233,17 +233,14 @@ def heal(pruned, h: dict, tokenizer, rows: list[dict], dtype: str, device: torch
     """A LoRA fine-tune of a copy of `pruned` for h["steps"] steps, merged back: (healed model, its record)."""
     import copy
 
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
     from transformers import set_seed
 
     from .training import batches, training_step
 
     set_seed(h["seed"])
     lora = h["lora"]
-    model = get_peft_model(copy.deepcopy(pruned), LoraConfig(
-        task_type="CAUSAL_LM", r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
-        target_modules=lora["target_modules"], bias="none", use_dora=lora.get("use_dora", False),
-        use_rslora=lora.get("use_rslora", False)))
+    model = get_peft_model(copy.deepcopy(pruned), architecture.lora_config(pruned.config, lora))
     run_cfg = h | {"gradient_accumulation_steps": 1, "packing": True, "optimizer": "adamw_torch", "weight_decay": 0.0,
                    "lr_scheduler": "cosine", "warmup_steps": 0, "max_grad_norm": 1.0, "mixed_precision": "auto",
                    "tf32": False, "torch_compile": False}

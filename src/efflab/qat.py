@@ -30,13 +30,15 @@ import torch
 
 from . import cli, records
 from .config import UserError
-from .layout import Layout
+from .architecture import matmul_shape
+from .layout import QAT_MODEL, Layout
 from .measure import CellJournal, environment, pick_device, run_cell, set_threads, summarize
-from .modeling import base_dtype, forward_batches, load_model, load_tokenizer, read_split, require_input, summed_nll
+from .modeling import (base_dtype, forward_batches, load_model, load_tokenizer, read_split,
+                       shape_only, summed_nll)
 
 log = logging.getLogger("efflab")
 
-FINETUNED = "finetuned"
+FINETUNED = QAT_MODEL
 EVALS_CSV, EVAL_COLUMNS = "evals.csv", ("variant", "method", "bits", "row", "tokens", "nll_sum")
 LOSSES_CSV, LOSS_COLUMNS = "losses.csv", ("variant", "step", "loss")
 QUANTIZED = "every linear layer of the decoder blocks; the embedding and the LM head stay in full precision"
@@ -65,14 +67,6 @@ def check_group_size(model, group_size: int) -> None:
         if layer.in_features % group_size:
             raise UserError(f"qat.group_size: {group_size} does not divide the {layer.in_features} input features "
                             f"of {name} (expected a divisor of every quantized layer's input size)")
-
-
-def shape_only(folder: Path):
-    """The model's layers without their weights (on the meta device): enough to check shapes, instantly."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(require_input(folder)))
 
 
 def _only_quantized(model):
@@ -218,7 +212,13 @@ def run(cfg: dict, paths: dict) -> dict:
     set_threads(rt)
     device = pick_device(rt)
     dtype = base_dtype(layout)
-    check_group_size(shape_only(layout.base_model()), q["group_size"])
+    skeleton = shape_only(layout.base_model())
+    if not quantized_layers(skeleton):  # recorded as unavailable (cli.not_run), naming what the family lacks
+        head = skeleton.get_output_embeddings()
+        kinds = sorted({type(m).__name__ for m in skeleton.modules() if matmul_shape(m) and m is not head})
+        raise NotImplementedError(f"qat fake-quantizes nn.Linear layers (torchao) and {type(skeleton).__name__} "
+                                  f"has none besides its LM head: its projections are {', '.join(kinds)}")
+    check_group_size(skeleton, q["group_size"])
     bits = sorted(q["bits"])
     journal = CellJournal(layout.out("qat") / ".cells.jsonl",
                           {"qat": q, "runtime": rt, "base": layout.metrics("base_model").read_text()})

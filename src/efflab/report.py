@@ -12,7 +12,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from . import cli, glance, provenance, records  # noqa: E402
+from . import cli, config, glance, provenance, records  # noqa: E402
 from .config import UserError  # noqa: E402
 from .measure import (SENTINEL_TOLERANCE, FINGERPRINT_KEYS, bootstrap_median_ci, fingerprint, format_ratio,
                       percentile)  # noqa: E402
@@ -945,19 +945,46 @@ def provenance_table(jobs: dict[str, dict]) -> pd.DataFrame:
     } for job, m in jobs.items()], columns=["job", "wrote (sha256)", "measured on"])
 
 
-def run(cfg: dict, paths: dict) -> dict:
-    """Write summary.csv, report.md and the plots from every stage's metrics."""
-    layout, out = paths["layout"], paths["out"]
-    allow_mixed = cfg["report"]["allow_mixed_environments"]
-    names = {s: cli.stage_names(cfg, s) for s in cli.STAGES}
-    metrics = {s: records.read_stage(layout, s, names[s]) for s in cli.STAGES if s != "report"}
-    base, data = metrics["base_model"][0], metrics["prepare_data"][0]
-    jobs = {f"{s}/{m['name']}" if m.get("name") else s: m for s, ms in metrics.items() for m in ms}
-    stale = provenance.check(layout, jobs)
-    if stale:
-        raise UserError(f"results mix artifacts: {stale[0]}" + (f" (and {len(stale) - 1} more)" if len(stale) > 1
-                                                              else "") + "; rerun it (snakemake reruns what changed)")
-    tables = {
+# Which stage's results each plot draws: a stage left out or without numbers gets a plot that says so.
+PLOT_STAGES = {"quantize.png": "quantize", "prune.png": "prune", "qat.png": "qat", "finetune_loss.png": "finetune",
+               "finetune.png": "finetune", "bench_attention.png": "bench_attention",
+               "bench_attention_memory.png": "bench_attention", "bench_inference.png": "bench_inference",
+               "bench_serving.png": "bench_serving", "capacity.png": "capacity", "finetune_pareto.png": "finetune",
+               "inference_pareto.png": "bench_inference"}
+
+
+def read_results(cfg: dict, layout) -> dict[str, list[dict]]:
+    """Every stage's records, in grid order; [] for a stage this experiment leaves out (config.not_asked)."""
+    return {s: [] if config.not_asked(cfg, s) else records.read_stage(layout, s, cli.stage_names(cfg, s))
+            for s in cli.STAGES if s != "report"}
+
+
+def absent(cfg: dict, metrics: dict, stage: str) -> str | None:
+    """Why a stage's section or plot has nothing to show: left out of the experiment, or no job produced numbers."""
+    why = config.not_asked(cfg, stage)
+    if why:
+        return f"not asked for: {why}"
+    return None if records.ok(metrics[stage]) else "no job of this stage produced numbers (see *Did not run*)"
+
+
+def section(cfg: dict, metrics: dict, stage: str, title: str, body) -> list[str]:
+    """A report section: its body, or one line saying why it has none."""
+    why = absent(cfg, metrics, stage)
+    if why:
+        return [title, "", f"_{why[0].upper()}{why[1:]}._", ""]
+    return [title, "", *body(), ""]
+
+
+def placeholder_plot(path: Path, why: str) -> None:
+    fig, ax = plt.subplots(figsize=(7, 2))
+    ax.axis("off")
+    ax.text(0.5, 0.5, why, ha="center", va="center", wrap=True, fontsize=10)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def build_tables(metrics: dict) -> dict[str, pd.DataFrame]:
+    return {
         "quantize": quantize_table(metrics["quantize"]),
         "prune": prune_table(metrics["prune"]),
         "qat": qat_table(metrics["qat"]),
@@ -971,13 +998,14 @@ def run(cfg: dict, paths: dict) -> dict:
         "bench_serving": serving_table(metrics["bench_serving"]),
         "capacity": capacity_table(metrics["capacity"]),
     }
-    fronts = {"finetune": finetune_pareto(metrics["finetune"]),
-              "inference": inference_pareto(metrics["bench_inference"], metrics["quantize"])}
+
+
+def draw_plots(cfg: dict, metrics: dict, tables: dict, fronts: dict, layout, out: Path) -> list[str]:
+    names = cli.stage_names(cfg, "finetune") or []
     plots = {"quantize.png": lambda p: plot_quantize(tables["quantize"], p),
              "prune.png": lambda p: plot_prune(tables["prune"], p),
              "qat.png": lambda p: plot_qat(tables["qat"], next(iter(records.ok(metrics["qat"])), None), p),
-             "finetune_loss.png": lambda p: plot_loss(layout, names["finetune"], p,
-                                                      glance.same_updates(metrics["finetune"])),
+             "finetune_loss.png": lambda p: plot_loss(layout, names, p, glance.same_updates(metrics["finetune"])),
              "finetune.png": lambda p: plot_finetune(metrics["finetune"], p),
              "bench_attention.png": lambda p: plot_attention(tables["bench_attention"], p),
              "bench_attention_memory.png": lambda p: plot_attention_memory(
@@ -988,8 +1016,13 @@ def run(cfg: dict, paths: dict) -> dict:
              "finetune_pareto.png": lambda p: plot_finetune_pareto(fronts["finetune"], p),
              "inference_pareto.png": lambda p: plot_inference_pareto(fronts["inference"], p)}
     for file, draw in plots.items():
-        draw(out / file)
-    # The frontiers' points as data too: `dvc plots show` draws them from these (dvc.yaml, scatter template).
+        why = absent(cfg, metrics, PLOT_STAGES[file])
+        placeholder_plot(out / file, f"{PLOT_STAGES[file]}: {why}") if why else draw(out / file)
+    return sorted(plots)
+
+
+def write_fronts(fronts: dict, out: Path) -> None:
+    """The frontiers' points as data too: `dvc plots show` draws them from these (dvc.yaml, scatter template)."""
     pd.DataFrame([{"config": p["name"], "peak_memory_mib": p["memory"], "tokens_per_s": p["tokens_per_s"],
                    "memory_kind": p["kind"], "dominated": p["dominated"]} for p in fronts["finetune"]],
                  columns=["config", "peak_memory_mib", "tokens_per_s", "memory_kind", "dominated"]
@@ -1000,18 +1033,11 @@ def run(cfg: dict, paths: dict) -> dict:
                  columns=["config", "footprint_mib", "decode_tokens_per_s", "perplexity_change_pct", "dominated"]
                  ).to_csv(out / "inference_pareto.csv", index=False)
 
-    frames = [df.assign(stage=stage) for stage, df in tables.items()]
-    pd.concat(frames, ignore_index=True).to_csv(out / "summary.csv", index=False)
-    environments = {_fp(m): m["environment"] for ms in metrics.values() for m in ms if "environment" in m}
 
-    def table(key: str) -> str:
-        return comparison(tables[key], environments, allow_mixed)
-
+def header_lines(base: dict, data: dict) -> list[str]:
     env = base["environment"]
-    inf = cfg["bench_inference"]
-    not_run = not_run_table(metrics)
     dtype_note = base.get("dtype_choice", {}).get("reason", f"{base['dtype']} as configured")
-    lines = [
+    return [
         "# efflab report", "",
         f"Model: `{base['source']}` ({base['model_type']}, {base['parameters']:,} parameters"
         f"{', random init' if base['random_init'] else ''}), compute dtype **{base['dtype']}** — {dtype_note}.",
@@ -1021,46 +1047,54 @@ def run(cfg: dict, paths: dict) -> dict:
         f"Measured on: {env['device']} — {env['cpu']} ({env['cpu_cores']} cores)"
         + (f", {env['gpu']}" if env.get("gpu") else "") + f"; torch {env['packages']['torch']}, "
         f"transformers {env['packages']['transformers']}, peft {env['packages']['peft']}, "
-        f"bitsandbytes {env['packages']['bitsandbytes']}; commit {env['git_commit']}.", "",
-        *glance.lines(tables, metrics),
-        *glance.claims_lines(metrics["claims"], "../claims/claims.md"),
-        "## In detail", "",
-        "**How to read the numbers.** Latencies are medians of repeats after warmup (perf_counter on CPU, CUDA "
-        "events on GPU) with the p90/p99 and a bootstrap 95% confidence interval of the median; plots show that "
-        "interval as error bars. Memory names its kind: `cpu_peak_rss` is the resident-memory high-water mark "
-        "of the measured work (reset at its start; 'delta' is over the resident memory just before it), "
-        "`cuda_max_allocated` the allocator's peak of live tensors. Benchmark cells run "
-        f"{'each in a fresh process' if cfg['runtime']['isolation'] == 'subprocess' else 'in the stage process'} "
-        "(`runtime.isolation`); a cell that fails, runs out of memory or times out is a row with its status.",
-        "",
-        "## Quantization (post-training, bitsandbytes)", "",
-        "Footprint is `get_memory_footprint()` (parameters and buffers as loaded); perplexity on "
-        f"{metrics['quantize'][0]['validation']['rows']} validation rows; change is against the baseline scheme.", "",
-        table("quantize"), "", "![quantization](quantize.png)", "",
-        "## Structured pruning", "",
-        f"Heads removed from every layer's q/k/v/o projections and whole layers removed (importance: "
-        f"`{cfg['prune']['importance']}`), the model rebuilt from its smaller config: parameters, footprint and "
-        "time really shrink, and the folder loads in plain transformers. Grouped-query attention keeps the same "
-        "number of key/value heads and of query heads per key/value head in every layer, so the heads asked for "
-        "are met by the nearest count that allows. Perplexity on "
-        f"{cfg['prune']['eval_rows']} validation rows, base and pruned in the same process; generation of "
-        f"{cfg['prune']['max_new_tokens']} greedy tokens, the pruned and the base model timed interleaved. "
-        + (f"Healing: LoRA ({cfg['prune']['heal']['lora']['target_modules']}, r {cfg['prune']['heal']['lora']['r']}) "
-           f"fine-tuned {cfg['prune']['heal']['steps']} steps on the training rows and merged back, a model of the "
-           "pruned shape (results/prune/<strategy>/healed)." if cfg["prune"]["heal"]["steps"] else
-           "Healing is off (prune.heal.steps: 0)."), "",
-        table("prune"), "", "![pruning](prune.png)", "",
-        "## Quantization-aware training and the precision range test", "",
-        f"The base model fine-tuned {cfg['qat']['train']['steps']} steps in full precision, then its weights "
-        "quantized (PTQ), against the base fine-tuned on the same batches with the weights fake-quantized in "
-        "every forward pass and quantized at the end (QAT): the two differ only in whether training saw the "
-        f"quantization. torchao, symmetric int weights with one scale per {cfg['qat']['group_size']} weights, "
-        "round to nearest; quantized: " + (metrics["qat"][0].get("quantized") or "") + ". Perplexity on "
-        f"{cfg['qat']['eval_rows']} validation rows; packed weights is bits/8 per weight plus a bf16 scale per "
-        "group (torchao holds each code in an int8 here). The precision range test scans from the lowest width "
-        "up: B_min is the first that passes. Every figure is recomputed from `results/qat/evals.csv`.", "",
-        *qat_lines(metrics["qat"][0]), table("qat"), "", "![precision range test](qat.png)", "",
-        "## Fine-tuning: full vs LoRA vs QLoRA", "",
+        f"bitsandbytes {env['packages']['bitsandbytes']}; commit {env['git_commit']}.", ""]
+
+
+HOW_TO_READ = (
+    "**How to read the numbers.** Latencies are medians of repeats after warmup (perf_counter on CPU, CUDA "
+    "events on GPU) with the p90/p99 and a bootstrap 95% confidence interval of the median; plots show that "
+    "interval as error bars. Memory names its kind: `cpu_peak_rss` is the resident-memory high-water mark "
+    "of the measured work (reset at its start; 'delta' is over the resident memory just before it), "
+    "`cuda_max_allocated` the allocator's peak of live tensors. Benchmark cells run {isolation} "
+    "(`runtime.isolation`); a cell that fails, runs out of memory or times out is a row with its status.")
+
+
+def quantize_body(cfg: dict, metrics: dict, table) -> list[str]:
+    rows = records.ok(metrics["quantize"])[0]["validation"]["rows"]
+    return ["Footprint is `get_memory_footprint()` (parameters and buffers as loaded); perplexity on "
+            f"{rows} validation rows; change is against the baseline scheme.", "",
+            table("quantize"), "", "![quantization](quantize.png)"]
+
+
+def prune_body(cfg: dict, metrics: dict, table) -> list[str]:
+    pr = cfg["prune"]
+    healing = (f"Healing: LoRA ({pr['heal']['lora']['target_modules']}, r {pr['heal']['lora']['r']}) fine-tuned "
+               f"{pr['heal']['steps']} steps on the training rows and merged back, a model of the pruned shape "
+               "(results/prune/<strategy>/healed)." if pr["heal"]["steps"] else "Healing is off (prune.heal.steps: 0).")
+    return [f"Heads removed from every layer's attention projections and whole layers removed (importance: "
+            f"`{pr['importance']}`), the model rebuilt from its smaller config: parameters, footprint and "
+            "time really shrink, and the folder loads in plain transformers. Grouped-query attention keeps the same "
+            "number of key/value heads and of query heads per key/value head in every layer, so the heads asked for "
+            f"are met by the nearest count that allows. Perplexity on {pr['eval_rows']} validation rows, base and "
+            f"pruned in the same process; generation of {pr['max_new_tokens']} greedy tokens, the pruned and the base "
+            f"model timed interleaved. {healing}", "", table("prune"), "", "![pruning](prune.png)"]
+
+
+def qat_body(cfg: dict, metrics: dict, table) -> list[str]:
+    job = records.ok(metrics["qat"])[0]
+    return [f"The base model fine-tuned {cfg['qat']['train']['steps']} steps in full precision, then its weights "
+            "quantized (PTQ), against the base fine-tuned on the same batches with the weights fake-quantized in "
+            "every forward pass and quantized at the end (QAT): the two differ only in whether training saw the "
+            f"quantization. torchao, symmetric int weights with one scale per {cfg['qat']['group_size']} weights, "
+            "round to nearest; quantized: " + (job.get("quantized") or "") + ". Perplexity on "
+            f"{cfg['qat']['eval_rows']} validation rows; packed weights is bits/8 per weight plus a bf16 scale per "
+            "group (torchao holds each code in an int8 here). The precision range test scans from the lowest width "
+            "up: B_min is the first that passes. Every figure is recomputed from `results/qat/evals.csv`.", "",
+            *qat_lines(job), table("qat"), "", "![precision range test](qat.png)"]
+
+
+def finetune_body(cfg: dict, metrics: dict, table) -> list[str]:
+    return [
         "Tokens/s counts real (non-padding) tokens. MFU = model FLOPs per token (PaLM's 6N + 12·L·d·T for full "
         "fine-tuning; 4N + 2·N_trainable + 12·L·d·T with frozen weights) × tokens/s, over the matmul throughput "
         "measured on this machine in the training dtype at the start of the run (and over the published peak "
@@ -1074,69 +1108,125 @@ def run(cfg: dict, paths: dict) -> dict:
         "resident memory before training; step time change is of the mean wall time per optimizer step; the median "
         "step and its bootstrap 95% interval leave out the first (warm-up) step. The step time ratio and its "
         "verdict come from `bench_finetune`, which builds both runs of the pair in one process and times their "
-        f"training steps interleaved (A B, then B A) over the same batches, {cfg['bench_finetune']['rounds']} "
-        "stable rounds, with a matmul speed probe before and after each round: a round in which the machine's "
-        f"speed moved by more than {cfg['bench_finetune']['sentinel_tolerance']:.0%} is set aside and run again, "
-        "and a pair left without enough stable rounds gets no verdict. The ratio is the median of the per-round "
-        "ratios with its distribution-free 95% interval (order statistics); the verdict says slower or faster only when that interval "
-        "excludes 1, else no significant difference. A pair bench_finetune did not measure falls back to the "
-        "runs' own steps (step by step where they drew the same batches), and gets no verdict when the matmul "
-        "ceilings the two runs measured differ by more than "
+        "training steps interleaved (A B, then B A) over the same batches, "
+        f"{cfg['bench_finetune']['rounds']} stable rounds, with a matmul speed probe before and after each round: a "
+        f"round in which the machine's speed moved by more than {cfg['bench_finetune']['sentinel_tolerance']:.0%} "
+        "is set aside and run again, and a pair left without enough stable rounds gets no verdict. The ratio is "
+        "the median of the per-round ratios with its distribution-free 95% interval (order statistics); the verdict "
+        "says slower or faster only when that interval excludes 1, else no significant difference. A pair "
+        "bench_finetune did not measure falls back to the runs' own steps (step by step where they drew the same "
+        "batches), and gets no verdict when the matmul ceilings the two runs measured differ by more than "
         f"{SENTINEL_TOLERANCE:.0%}.", "",
         table("finetune_knobs"), "",
         "### Determinism", "",
         "On CPU the same params give a bitwise-identical loss curve and adapter weights on a rerun (tested). "
         "On a GPU these break bitwise reruns:", "",
-        *[f"- {line}" for line in GPU_DETERMINISM], "",
-        "## Merging adapters", "",
-        "Reference: the adapter on the base it was trained against. Differences are max |logit| over "
-        "every real token of the validation rows.", "", table("merge"), "",
-        "### Which merge keeps a QLoRA fine-tune", "",
-        "The QLoRA adapter learned corrections to the 4-bit weights. Merged into the original base it corrects "
-        "errors that are not there; merged into the base after the same NF4 quantize→dequantize round trip "
-        "it reproduces what was trained; re-quantizing that merge adds fresh rounding. KL is the mean "
-        "KL(adapter ‖ merged) per token.", "", table("merge_targets"), "",
-        "## Attention implementations", "",
-        f"{metrics['bench_attention'][0].get('measured', 'model forward')}; `forward_backward` freezes the weights "
-        "and back-propagates into the input embeddings, so its memory is the activations training keeps. "
-        "Agreement vs eager: max |difference| of the output (forward) or of the input gradient (forward+backward). "
-        "Each implementation's cell also runs eager on the same inputs, the two timed interleaved (A B, then B A) "
-        "with a speed probe around each round: the speedup is the median of eager's time over the "
-        "implementation's per round, with its distribution-free 95% interval; the verdict (of the implementation) says "
-        "faster or slower only when that interval excludes 1.",
-        "", table("bench_attention"), "", "![attention latency](bench_attention.png)", "",
-        "### Memory vs sequence length", "",
-        "Least-squares exponent k of peak memory delta ∝ seq_len^k (k ≈ 2: quadratic, k ≈ 1: linear).", "",
-        table("attention_memory_exponent"), "", "![attention memory](bench_attention_memory.png)", "",
-        "## Inference variants (greedy, fixed length)", "",
-        f"Exactly {inf['max_new_tokens']} new tokens per sequence, {prompt_count(cfg, metrics)} prompts × {inf['repeats']} repeats "
-        "after warmup, per cell (KV cache on/off × batch size). TTFT = prefill; decode tokens/s counts every "
-        "sequence of the batch and excludes the first token; per-token latencies are the gaps between "
-        "consecutive tokens. Every variant but the base model is timed interleaved with the base model on the "
-        "same prompts, round by round (A B, then B A, with a speed probe around each round): the speedup is the "
-        "median of the base's generation time over the variant's per round, with its distribution-free 95% interval and "
-        "a verdict said of the variant.", "",
-        table("bench_inference"), "",
-        energy_note([c.get("energy") for m in records.ok(metrics["bench_inference"])
-                     for c in records.ok(m.get("cells", []))]),
-        "", "![inference](bench_inference.png)", "",
-        "![memory vs decode speed vs perplexity: Pareto frontier](inference_pareto.png)", "",
-        "## Serving: naive vs static vs continuous batching", "",
-        f"{cfg['bench_serving']['requests']} requests (prompts of the data's own lengths, outputs of "
-        f"{cfg['bench_serving']['max_new_tokens'][0]}-{cfg['bench_serving']['max_new_tokens'][1]} tokens, forced) "
-        "arrive at once; naive serves one at a time, static batching `concurrency` at a time (a batch returns when its "
-        "longest request is done), continuous batching (transformers' paged scheduler) lets a finished request "
-        "leave and a waiting one join. Latency is from arrival, queueing included. Every figure is recomputed "
-        "from `results/bench_serving/requests.csv`.", "", table("bench_serving"), "",
-        "![serving](bench_serving.png)", "",
-        *capacity_lines(metrics["capacity"], table("capacity")),
-        *profile_lines(metrics),
-        *sample_lines(metrics["bench_inference"]),
-        "", "## Cells that did not run", "",
-        "Grid cells that failed, ran out of memory, were unavailable on this device or were skipped because "
-        "what they build on did not run; the rest of the grid ran.", "",
-        _md(not_run) if not not_run.empty else "_none: every cell ran_",
-        "", *run_size_lines(cfg, metrics),
+        *[f"- {line}" for line in GPU_DETERMINISM]]
+
+
+def merge_body(cfg: dict, metrics: dict, table) -> list[str]:
+    return ["Reference: the adapter on the base it was trained against. Differences are max |logit| over "
+            "every real token of the validation rows.", "", table("merge"), "",
+            "### Which merge keeps a QLoRA fine-tune", "",
+            "The QLoRA adapter learned corrections to the 4-bit weights. Merged into the original base it corrects "
+            "errors that are not there; merged into the base after the same NF4 quantize→dequantize round trip "
+            "it reproduces what was trained; re-quantizing that merge adds fresh rounding. KL is the mean "
+            "KL(adapter ‖ merged) per token.", "", table("merge_targets")]
+
+
+def attention_body(cfg: dict, metrics: dict, table) -> list[str]:
+    measured = records.ok(metrics["bench_attention"])[0].get("measured", "model forward")
+    return [f"{measured}; `forward_backward` freezes the weights "
+            "and back-propagates into the input embeddings, so its memory is the activations training keeps. "
+            "Agreement vs eager: max |difference| of the output (forward) or of the input gradient (forward+backward). "
+            "Each implementation's cell also runs eager on the same inputs, the two timed interleaved (A B, then B A) "
+            "with a speed probe around each round: the speedup is the median of eager's time over the "
+            "implementation's per round, with its distribution-free 95% interval; the verdict (of the implementation) "
+            "says faster or slower only when that interval excludes 1.",
+            "", table("bench_attention"), "", "![attention latency](bench_attention.png)", "",
+            "### Memory vs sequence length", "",
+            "Least-squares exponent k of peak memory delta ∝ seq_len^k (k ≈ 2: quadratic, k ≈ 1: linear).", "",
+            table("attention_memory_exponent"), "", "![attention memory](bench_attention_memory.png)"]
+
+
+def inference_body(cfg: dict, metrics: dict, table) -> list[str]:
+    inf = cfg["bench_inference"]
+    return [f"Exactly {inf['max_new_tokens']} new tokens per sequence, {prompt_count(cfg, metrics)} prompts × "
+            f"{inf['repeats']} repeats after warmup, per cell (KV cache on/off × batch size). TTFT = prefill; decode "
+            "tokens/s counts every sequence of the batch and excludes the first token; per-token latencies are the "
+            "gaps between consecutive tokens. Every variant but the base model is timed interleaved with the base "
+            "model on the same prompts, round by round (A B, then B A, with a speed probe around each round): the "
+            "speedup is the median of the base's generation time over the variant's per round, with its "
+            "distribution-free 95% interval and a verdict said of the variant.", "",
+            table("bench_inference"), "",
+            energy_note([c.get("energy") for m in records.ok(metrics["bench_inference"])
+                         for c in records.ok(m.get("cells", []))]),
+            "", "![inference](bench_inference.png)", "",
+            "![memory vs decode speed vs perplexity: Pareto frontier](inference_pareto.png)"]
+
+
+def serving_body(cfg: dict, metrics: dict, table) -> list[str]:
+    bs = cfg["bench_serving"]
+    return [f"{bs['requests']} requests (prompts of the data's own lengths, outputs of "
+            f"{bs['max_new_tokens'][0]}-{bs['max_new_tokens'][1]} tokens, forced) arrive at once; naive serves one at "
+            "a time, static batching `concurrency` at a time (a batch returns when its longest request is done), "
+            "continuous batching (transformers' paged scheduler) lets a finished request leave and a waiting one "
+            "join. Latency is from arrival, queueing included. Every figure is recomputed from "
+            "`results/bench_serving/requests.csv`.", "", table("bench_serving"), "", "![serving](bench_serving.png)"]
+
+
+def not_run_lines(not_run: pd.DataFrame) -> list[str]:
+    return ["## Did not run", "",
+            "Jobs and grid cells that failed, ran out of memory, were unavailable for this model or device, or "
+            "were skipped because what they build on did not run; the rest ran. A failed job's log is "
+            "results/logs/<stage>/<name>.log.", "",
+            _md(not_run) if not not_run.empty else "_none: every job ran_", ""]
+
+
+def run(cfg: dict, paths: dict) -> dict:
+    """Write summary.csv, report.md and the plots from every stage's metrics."""
+    layout, out = paths["layout"], paths["out"]
+    allow_mixed = cfg["report"]["allow_mixed_environments"]
+    metrics = read_results(cfg, layout)
+    base, data = metrics["base_model"][0], metrics["prepare_data"][0]
+    jobs = {f"{s}/{m['name']}" if m.get("name") else s: m for s, ms in metrics.items() for m in ms}
+    stale = provenance.check(layout, jobs)
+    if stale:
+        raise UserError(f"results mix artifacts: {stale[0]}" + (f" (and {len(stale) - 1} more)" if len(stale) > 1
+                                                              else "") + "; rerun it (snakemake reruns what changed)")
+    tables = build_tables(metrics)
+    fronts = {"finetune": finetune_pareto(metrics["finetune"]),
+              "inference": inference_pareto(metrics["bench_inference"], metrics["quantize"])}
+    plots = draw_plots(cfg, metrics, tables, fronts, layout, out)
+    write_fronts(fronts, out)
+    frames = [df.assign(stage=stage) for stage, df in tables.items()]
+    pd.concat(frames, ignore_index=True).to_csv(out / "summary.csv", index=False)
+    environments = {_fp(m): m["environment"] for ms in metrics.values() for m in ms if "environment" in m}
+
+    def table(key: str) -> str:
+        return comparison(tables[key], environments, allow_mixed)
+
+    def part(stage: str, title: str, body) -> list[str]:
+        return section(cfg, metrics, stage, title, lambda: body(cfg, metrics, table))
+
+    not_run = not_run_table(metrics)
+    isolation = "each in a fresh process" if cfg["runtime"]["isolation"] == "subprocess" else "in the stage process"
+    lines = [
+        *header_lines(base, data), *glance.lines(tables, metrics),
+        *glance.claims_lines(metrics["claims"], "../claims/claims.md"),
+        "## In detail", "", HOW_TO_READ.format(isolation=isolation), "",
+        *part("quantize", "## Quantization (post-training, bitsandbytes)", quantize_body),
+        *part("prune", "## Structured pruning", prune_body),
+        *part("qat", "## Quantization-aware training and the precision range test", qat_body),
+        *part("finetune", "## Fine-tuning: full vs LoRA vs QLoRA", finetune_body),
+        *part("merge", "## Merging adapters", merge_body),
+        *part("bench_attention", "## Attention implementations", attention_body),
+        *part("bench_inference", "## Inference variants (greedy, fixed length)", inference_body),
+        *part("bench_serving", "## Serving: naive vs static vs continuous batching", serving_body),
+        *(capacity_lines(metrics["capacity"], table("capacity")) if not absent(cfg, metrics, "capacity") else
+          section(cfg, metrics, "capacity", "## Capacity: the largest batch and sequence that fit", list)),
+        *profile_lines(metrics), *sample_lines(metrics["bench_inference"]),
+        *not_run_lines(not_run), *run_size_lines(cfg, metrics),
         *memory_prediction_section(metrics["finetune"], metrics["bench_inference"], environments, allow_mixed),
         "", "## Provenance", "",
         "What each job wrote (SHA-256 of its model folder or splits) and the chain of artifacts its numbers were "
@@ -1148,7 +1238,7 @@ def run(cfg: dict, paths: dict) -> dict:
     ]
     (out / "report.md").write_text("\n".join(lines))
     log.info("report: %s", paths["final"] / "report.md")
-    return {"tables": {k: len(v) for k, v in tables.items()}, "plots": sorted(plots), "not_run": len(not_run),
+    return {"tables": {k: len(v) for k, v in tables.items()}, "plots": plots, "not_run": len(not_run),
             "environments": len(environments)}
 
 

@@ -9,8 +9,8 @@ rule claims:
         expand("results/quantize/{name}/metrics.json", name=names("quantize")),
         expand("results/prune/{name}/metrics.json", name=names("prune")),
         expand("results/finetune/{name}/metrics.json", name=names("finetune")),
-        "results/bench_finetune/metrics.json",
-        "results/bench_serving/metrics.json",
+        asked("bench_finetune", "results/bench_finetune/metrics.json"),
+        asked("bench_serving", "results/bench_serving/metrics.json"),
         expand("results/bench_attention/{name}/metrics.json", name=names("bench_attention")),
     output:
         csv="results/claims/claims.csv",

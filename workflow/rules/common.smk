@@ -4,7 +4,7 @@ import sys
 from pathlib import Path
 
 from efflab import config as efflab_config
-from efflab import gpu_slots
+from efflab import gpu_slots, model_check
 from efflab.cli import stage_names
 
 # The stage CLIs read the params file themselves, so the DAG must be built from that same file alone:
@@ -20,6 +20,7 @@ if len(workflow.overwrite_configfiles) > 1:
 try:
     config.clear()
     config.update(efflab_config.load(PARAMS))
+    model_check.check(config, PARAMS)  # the params that depend on the model, where its config is at hand
 except efflab_config.UserError as err:
     sys.exit(f"efflab: error: {err}")
 
@@ -49,6 +50,23 @@ def warn_mixed_drivers():
               "rerun them when those change. Take them over with `snakemake --forceall`, and run DVC experiments "
               "with `dvc exp run --temp`, which leaves this workspace alone (README, \"Two drivers\").",
               file=sys.stderr)
+
+
+def fail_if_jobs_failed():
+    """Every job wrote its record and the report rendered around the failed ones (README, "Did not run"), but
+    the run's exit status must still say that jobs failed."""
+    from efflab.cli import failed_jobs
+
+    failed = failed_jobs(config, Path("results"))
+    if failed:
+        print(f"efflab: error: {len(failed)} job(s) failed; the report lists them under \"Did not run\": "
+              + "; ".join(failed[:5]) + (" ..." if len(failed) > 5 else ""), file=sys.stderr)
+        sys.exit(1)
+
+
+def asked(stage, path):
+    """`path` as an input, or nothing when the experiment leaves `stage` out (its grid is empty)."""
+    return [] if efflab_config.not_asked(config, stage) else [path]
 
 
 def module(stage):

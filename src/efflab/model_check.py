@@ -1,0 +1,202 @@
+"""What the chosen model can take, checked before anything runs: the params that depend on the model.
+
+A LoRA target list, a pruning strategy, an attention implementation, a quantization scheme or a QAT group size
+that the model cannot take would otherwise fail minutes into a run. They are checked against the model's config
+and its module tree, built on the meta device (no weights, no memory): at the dry run for a local folder, for the
+embedded model once its metadata is cached and for a hub id once its config.json is in the local cache; and
+again by base_model, which has the config in hand whatever the source. Each problem is one line naming the key,
+the model and what it offers.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from importlib.metadata import version
+from pathlib import Path
+
+from .config import ADAPTER_METHODS, UserError, classify_source, finetune_run, not_asked
+
+ATTENTION_FLAGS = {"sdpa": "_supports_sdpa", "flash_attention_2": "_supports_flash_attn",
+                   "flex_attention": "_supports_flex_attn"}
+
+
+def config_file(cfg: dict) -> Path | None:
+    """The base model's config.json where it is at hand without a download or a conversion, else None (the
+    stage base_model checks the model then): the local folder's, the hub cache's, or the one efflab converted
+    from the embedded GGUF on its first run."""
+    bm = cfg["base_model"]
+    kind = classify_source(bm["source"], "base_model.source")
+    if kind == "local":
+        return Path(bm["source"]).expanduser() / "config.json"
+    if kind == "hub":
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(bm["source"], "config.json", revision=bm["revision"])
+        return Path(found) if isinstance(found, str) else None
+    from .modeling import EMBEDDED_MODELS, gguf_cache_entry, package_folder
+
+    if bm["source"] not in EMBEDDED_MODELS:
+        return None  # base_model names the embedded models there are
+    package, gguf_file, pip_name = EMBEDDED_MODELS[bm["source"]]
+    entry, _ = gguf_cache_entry(package_folder(package, pip_name) / gguf_file)
+    return entry / "config.json" if (entry / "complete").is_file() else None
+
+
+def load_config(cfg: dict, path: Path):
+    """The model's config from `path`, with base_model.config_overrides applied."""
+    from transformers import AutoConfig
+
+    bm = cfg["base_model"]
+    config = AutoConfig.from_pretrained(path.parent, trust_remote_code=bm["trust_remote_code"])
+    if hasattr(config, "quantization_config") and bm["source"].startswith("embedded:"):
+        del config.quantization_config  # what GGUF loading adds; the saved folder has none
+    for key, value in bm["config_overrides"].items():
+        setattr(config, key, value)
+    return config
+
+
+def skeleton(config, trust_remote_code: bool = False):
+    """The model built from its config on the meta device: its module tree, with no weights."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+
+
+def _leaf_names(model) -> list[str]:
+    from .architecture import matmul_layers
+
+    return sorted({name.rsplit(".", 1)[-1] for name in matmul_layers(model)})
+
+
+def lora_problems(cfg: dict, config, label: str) -> list[str]:
+    """peft's own check of each LoRA setting, on the meta-device model: the target modules exist, and peft can
+    wrap what they name (e.g. a mixture of experts' 3-D expert weights take no dropout)."""
+    from peft import get_peft_model
+
+    from .architecture import lora_config
+
+    wanted = {}
+    for run in cfg["finetune"]["runs"]:
+        if finetune_run(cfg, run)["method"] in ADAPTER_METHODS:
+            own = set(cfg["finetune"]["runs"][run].get("lora") or {})
+            key = f"finetune.runs.{run}.lora" if own else "finetune.defaults.lora"
+            wanted.setdefault(json.dumps(finetune_run(cfg, run)["lora"], sort_keys=True), key)
+    if not not_asked(cfg, "prune") and cfg["prune"]["heal"]["steps"]:
+        wanted.setdefault(json.dumps(cfg["prune"]["heal"]["lora"], sort_keys=True), "prune.heal.lora")
+    out = []
+    for settings, key in wanted.items():
+        model = skeleton(config, cfg["base_model"]["trust_remote_code"])
+        try:
+            get_peft_model(model, lora_config(config, json.loads(settings)))
+        except ValueError as err:  # peft's errors, NoMatchingPeftModuleError among them
+            out.append(f"{key}: {label} cannot take it: {str(err).splitlines()[0].rstrip('.')}; its projections are "
+                       f"{', '.join(_leaf_names(model))} (target_modules null: peft's default for the family)")
+    return out
+
+
+def prune_problems(cfg: dict, config, label: str) -> list[str]:
+    from .architecture import shape
+
+    s, out = shape(config), []
+    for name, strategy in ({} if not_asked(cfg, "prune") else cfg["prune"]["strategies"]).items():
+        key = f"prune.strategies.{name}"
+        if "keep_heads" in strategy:
+            target = strategy["keep_heads"]
+        else:
+            remove = strategy.get("remove_heads", 0)
+            target = s["heads"] - (remove * s["heads"] if isinstance(remove, float) else remove)
+        if not 1 <= target <= s["heads"]:
+            out.append(f"{key}: keeps {target:g} of the {s['heads']} query heads of {label} (expected 1 to "
+                       f"{s['heads']})")
+        remove = strategy.get("remove_layers", 0)
+        n = round(remove * s["layers"]) if isinstance(remove, float) else remove
+        if not 0 <= n < s["layers"]:
+            out.append(f"{key}: removes {n} of the {s['layers']} layers of {label} (expected 0 to {s['layers'] - 1})")
+    return out
+
+
+def attention_offers(model) -> list[str]:
+    """The attention implementations the model's class declares it supports (eager always)."""
+    return ["eager"] + [impl for impl, flag in ATTENTION_FLAGS.items() if getattr(type(model), flag, False)]
+
+
+def attention_problems(cfg: dict, model, label: str) -> list[str]:
+    offers = attention_offers(model)
+    for impl in cfg["bench_attention"]["implementations"]:
+        if impl.split("_")[0] == "sdpa" and impl != "sdpa" and "sdpa" not in offers or \
+                (impl in ATTENTION_FLAGS and impl not in offers):
+            return [f"bench_attention.implementations: {label} cannot take {impl!r}; it offers {', '.join(offers)}"]
+    return []
+
+
+def quantization_problems(cfg: dict, model, label: str) -> list[str]:
+    """bitsandbytes quantizes nn.Linear and Conv1D layers; the LM head stays as it is."""
+    from .architecture import matmul_layers
+
+    head = model.get_output_embeddings()
+    layers = [n for n, m in model.named_modules() if n in matmul_layers(model) and m is not head]
+    methods = {s["method"] for s in cfg["quantize"]["schemes"].values()} - {"none"}
+    if methods and not layers:
+        return [f"quantize.schemes: {label} has no nn.Linear or Conv1D layer for bitsandbytes to quantize"]
+    return []
+
+
+def qat_problems(cfg: dict, model, label: str) -> list[str]:
+    import torch
+
+    if not_asked(cfg, "qat"):
+        return []
+    head, size = model.get_output_embeddings(), cfg["qat"]["group_size"]
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and module is not head and module.in_features % size:
+            return [f"qat.group_size: {size} does not divide the {module.in_features} input features of {name} in "
+                    f"{label} (expected a divisor of every nn.Linear layer's input size)"]
+    return []
+
+
+def problems(cfg: dict, config) -> list[str]:
+    """Every param of `cfg` that the model of `config` cannot take, one line each."""
+    model = skeleton(config, cfg["base_model"]["trust_remote_code"])
+    label = f"{type(model).__name__} ({config.model_type})"
+    return [*lora_problems(cfg, config, label), *prune_problems(cfg, config, label),
+            *attention_problems(cfg, model, label), *quantization_problems(cfg, model, label),
+            *qat_problems(cfg, model, label)]
+
+
+# The params sections the checks read: a verdict is reused until one of them, the model's config or this code changes.
+CHECKED = ("base_model", "quantize", "prune", "qat", "finetune", "bench_attention")
+
+
+def _verdict_marker(cfg: dict, path: Path) -> Path:
+    from .modeling import cache_root
+
+    key = hashlib.sha256(json.dumps({k: cfg[k] for k in CHECKED}, sort_keys=True, default=str).encode()
+                         + path.read_bytes() + Path(__file__).read_bytes()
+                         + version("transformers").encode() + version("peft").encode()).hexdigest()
+    return cache_root() / "model-check" / key[:32]
+
+
+def check(cfg: dict, source: str | Path = "params", config=None) -> None:
+    """Raise UserError naming the first param the model cannot take. `config`: the model's config in hand
+    (base_model); else the config file at hand, if any, with a verdict already reached for the same params,
+    config and code reused (a Snakemake dry run stays fast); nothing when no config is at hand."""
+    if config is not None:
+        found = problems(cfg, config)
+    else:
+        path = config_file(cfg)
+        if path is None or not path.is_file():
+            return
+        marker = _verdict_marker(cfg, path)
+        if marker.is_file():
+            return
+        found = problems(cfg, load_config(cfg, path))
+        if not found:
+            try:
+                marker.parent.mkdir(parents=True, exist_ok=True)
+                marker.write_text("ok\n")
+            except OSError:
+                pass  # an unwritable cache costs the next dry run the check again
+    if found:
+        raise UserError(f"{source}: {found[0]}" + (f" (and {len(found) - 1} more)" if len(found) > 1 else ""))

@@ -1,0 +1,12 @@
+"""The supported-architecture matrix (tests/matrix.py), part a: Llama-style decoders with separate, biased
+and fused projections, and soft-capping."""
+from __future__ import annotations
+
+import pytest
+
+from tests.matrix import GROUPS, check_family, tokenizer_folder  # noqa: F401 (a fixture)
+
+
+@pytest.mark.parametrize("family", GROUPS["a"])
+def test_every_stage_runs_or_says_why(family, tmp_path, tokenizer_folder):  # noqa: F811
+    check_family(family, tmp_path, tokenizer_folder)

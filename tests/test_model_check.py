@@ -1,0 +1,114 @@
+"""Params that depend on the model are checked before anything runs: LoRA targets (by peft itself, on the
+meta-device model), pruning strategies, attention implementations, quantization schemes and the QAT group size,
+each refused in one line naming the key, the model and what it offers; for a local folder at the dry run, for a
+hub id as soon as its config.json is in the local cache."""
+from __future__ import annotations
+
+import copy
+import subprocess
+
+import pytest
+import yaml
+from transformers import AutoConfig
+
+from efflab import config, model_check
+from efflab.config import UserError
+from tests.families import FAMILIES
+from tests.helpers import BIN, REPO, TEST_PARAMS
+
+
+@pytest.fixture(scope="module")
+def params():
+    return config.load(TEST_PARAMS)
+
+
+def family_config(family: str):
+    return AutoConfig.for_model(family, vocab_size=1000, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                **FAMILIES[family])
+
+
+def problems(cfg: dict, family: str, edit) -> list[str]:
+    cfg = copy.deepcopy(cfg)
+    edit(cfg)
+    return model_check.problems(config.validate(cfg), family_config(family))
+
+
+def test_the_ci_params_fit_the_families_whose_module_names_they_use(params):
+    assert model_check.problems(params, family_config("llama")) == []
+    assert model_check.problems(params, family_config("qwen2")) == []
+
+
+def test_lora_targets_the_model_lacks_are_named_with_what_it_offers(params):
+    found = problems(params, "gpt2", lambda c: None)  # the CI params name Llama's q/k/v/o
+    assert found and found[0].startswith("finetune.defaults.lora: GPT2LMHeadModel (gpt2) cannot take it")
+    assert "c_attn" in found[0] and "null" in found[0]
+
+
+def test_null_targets_are_peft_s_default_for_every_family(params):
+    def defaults(cfg):
+        cfg["finetune"]["defaults"]["lora"]["target_modules"] = None
+        cfg["bench_attention"]["implementations"] = ["eager"]
+    for family in FAMILIES:
+        assert [p for p in problems(params, family, defaults) if "lora" in p] == [], family
+
+
+def test_what_peft_cannot_wrap_is_caught_before_training(params):
+    # A mixture of experts under all-linear: peft wraps the 3-D expert weights, which take no dropout.
+    def moe(cfg):
+        cfg["finetune"]["defaults"]["lora"] |= {"target_modules": "all-linear", "dropout": 0.05}
+    found = problems(params, "mixtral", moe)
+    assert found and "MixtralForCausalLM (mixtral) cannot take it" in found[0] and "dropout" in found[0]
+
+
+def test_a_strategy_that_keeps_more_heads_or_layers_than_there_are_is_refused(params):
+    def too_many(cfg):
+        cfg["prune"]["strategies"] = {"keep-9": {"keep_heads": 9}, "all-layers": {"remove_layers": 2}}
+    found = problems(params, "llama", too_many)
+    assert any(p.startswith("prune.strategies.keep-9: keeps 9 of the 4 query heads") for p in found)
+    assert any(p.startswith("prune.strategies.all-layers: removes 2 of the 2 layers") for p in found)
+
+
+def test_an_attention_implementation_the_family_lacks_is_named_with_what_it_offers(params):
+    def sdpa(cfg):
+        cfg["bench_attention"]["implementations"] = ["eager", "sdpa"]
+        cfg["finetune"]["defaults"]["lora"]["target_modules"] = None
+    found = problems(params, "gemma2", sdpa)
+    assert found == ["bench_attention.implementations: Gemma2ForCausalLM (gemma2) cannot take 'sdpa'; it offers "
+                     "eager, flash_attention_2, flex_attention"]
+
+
+def test_a_qat_group_size_that_does_not_divide_a_layer_is_refused(params):
+    found = problems(params, "llama", lambda c: c["qat"].update(group_size=48))
+    assert found and found[0].startswith("qat.group_size: 48 does not divide the 64 input features")
+
+
+def test_the_dry_run_refuses_a_local_folder_or_a_cached_hub_id_the_params_do_not_fit(tmp_path):
+    folder = tmp_path / "gpt2"
+    family_config("gpt2").save_pretrained(folder)
+    hub = tmp_path / "hub" / "models--efflab-test--tiny-gpt2"
+    (hub / "refs").mkdir(parents=True)
+    (hub / "refs" / "main").write_text("0" * 40)
+    family_config("gpt2").save_pretrained(hub / "snapshots" / ("0" * 40))
+    base = yaml.safe_load(TEST_PARAMS.read_text())
+    for source in (str(folder), "efflab-test/tiny-gpt2", "efflab-test/not-cached"):
+        cfg = copy.deepcopy(base)
+        cfg["base_model"] |= {"source": source, "config_overrides": {}}
+        (tmp_path / "params.yaml").write_text(yaml.safe_dump(cfg))
+        proc = subprocess.run([str(BIN / "snakemake"), "-s", str(REPO / "Snakefile"), "-n", "--cores", "1",
+                               "--quiet", "rules"], cwd=tmp_path, capture_output=True, text=True,
+                              env={"PATH": f"{BIN}:/usr/bin:/bin", "HOME": str(tmp_path),
+                                   "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"})
+        if source.endswith("not-cached"):  # no config at hand: base_model checks it once downloaded
+            assert proc.returncode == 0, proc.stderr[-2000:]
+            continue
+        assert proc.returncode == 1, proc.stderr[-2000:]
+        last = proc.stderr.strip().splitlines()[-1]
+        assert last.startswith("efflab: error: params.yaml: finetune.defaults.lora: GPT2LMHeadModel (gpt2)"), last
+
+
+def test_the_check_raises_one_line_naming_the_first_problem_and_the_count(params):
+    cfg = copy.deepcopy(params)
+    cfg["qat"]["group_size"] = 48
+    cfg["prune"]["strategies"] = {"keep-9": {"keep_heads": 9}}
+    with pytest.raises(UserError, match=r"^p.yaml: prune.strategies.keep-9: .* \(and 1 more\)$"):
+        model_check.check(cfg, "p.yaml", config=family_config("llama"))
