@@ -40,6 +40,30 @@ def test_every_family_s_shape_is_read_through_one_adapter(folders, family):
     assert (family == "gpt2") == any(n.endswith("c_attn") for n in layers), "GPT-2's Conv1D layers are counted"
 
 
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_token_s_matmul_weights_are_what_torch_counts_in_its_forward(folders, family):
+    """N in efflab's FLOPs per token (2N + attention) against torch's own FLOP counter over one forward: every
+    family's projections (Conv1D, fused, biased) and, for a mixture of experts, the experts a token is routed
+    to, not all of them."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from efflab.measure import matmul_params
+
+    model, tokens = tiny(folders, family), 8
+    ids = torch.randint(0, model.config.vocab_size, (1, tokens))
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        model(input_ids=ids)
+    attention = 4 * 2 * 4 * 16 * tokens * tokens / 2  # q·k and p·v of 2 layers x 4 heads x 16, causal half
+    counted = counter.get_total_flops() - 2 * attention  # torch counts SDPA's full square
+    n = matmul_params(model)["total"]
+    experts = architecture.expert_weights(model)
+    if experts:  # torch's counter does not see the experts' grouped matmuls: a token runs experts_per_token of them
+        routed = sum(w.numel() for w in experts) * model.config.num_experts_per_tok // model.config.num_local_experts
+        assert routed > 0.01 * n
+        n -= routed
+    assert 2 * n * tokens == pytest.approx(counted, rel=0.002), (family, counted, n)
+
+
 @pytest.mark.parametrize("family, expected", [("llama", ["q_proj", "v_proj"]), ("gpt_neox", ["query_key_value"]),
                                               ("gpt2", ["c_attn"]), ("phi3", "all-linear")])
 def test_lora_targets_default_to_peft_s_choice_for_the_family(folders, family, expected):

@@ -215,22 +215,26 @@ def test_measured_claims_read_this_pipelines_results(tmp_path):
     assert ckpt["verdict"] == "not reproducible here" and "machine's speed changed" in ckpt["reason"]
 
 
-def test_a_measured_figure_with_a_ci_differs_only_when_the_whole_ci_is_outside_the_band():
-    """The claim's tolerance band decides: median inside is reproduced, whole 95% CI outside is differs, a CI
-    reaching into the band from a median outside it is inconclusive (its own verdict class)."""
+def test_a_measured_figure_with_a_ci_is_judged_by_equivalence_with_the_band():
+    """The claim's tolerance band decides by equivalence: the whole 95% CI inside it is reproduced, the whole
+    CI outside it differs, and a CI across either edge is inconclusive (its own verdict class), wherever the
+    median lies."""
     claim = {"id": "synthetic", "reported": {"value": 30, "unit": "%"}, "tolerance": 0.33}  # band 20.1-39.9 %
-    j = claims.judge(35.0, claim, ci=[15.0, 45.0])
-    assert j["verdict"] == "reproduced" and j["reproduced"] == "35 % [15, 45]" and "20.1–39.9 %" in j["why"]
+    j = claims.judge(30.0, claim, ci=[25.0, 36.0])
+    assert j["verdict"] == "reproduced" and j["reproduced"] == "30 % [25, 36]" and "20.1–39.9 %" in j["why"]
+    j = claims.judge(36.9, claim, ci=[23.2, 52.6])  # the median inside, the interval across the upper edge
+    assert j["verdict"] == "inconclusive" and "crosses an edge of the tolerance band 20.1–39.9 %" in j["why"]
     j = claims.judge(55.0, claim, ci=[45.0, 65.0])
     assert j["verdict"] == "differs" and "the whole 95% CI [45, 65] % lies outside the tolerance band" in j["why"]
     j = claims.judge(41.2, claim, ci=[47.9, 35.0])  # an interval given high to low reads the same
     assert j["verdict"] == "inconclusive" and j["reproduced"] == "41.2 % [35, 47.9]"
-    assert "the 95% CI [35, 47.9] % straddles the tolerance band's edge" in j["why"]
+    assert "the 95% CI [35, 47.9] % crosses an edge of the tolerance band" in j["why"]
     assert claims.verdict_class(j["verdict"]) == "inconclusive" and "inconclusive" in claims.VERDICTS
     bound = {"id": "bound", "reported": {"value": 99, "unit": "%"}, "compare": "at_least", "tolerance": 0}
     assert claims.judge(98.0, bound, ci=[97.0, 99.5])["verdict"] == "inconclusive"
     assert claims.judge(98.0, bound, ci=[97.0, 98.5])["verdict"] == "differs"
-    assert claims.judge(99.2, bound, ci=[97.0, 99.5])["verdict"] == "reproduced"
+    assert claims.judge(99.2, bound, ci=[97.0, 99.5])["verdict"] == "inconclusive"
+    assert claims.judge(99.6, bound, ci=[99.2, 99.9])["verdict"] == "reproduced"
     assert claims.judge(55.0, claim)["verdict"] == "differs"  # without a CI the median alone decides
 
 
@@ -239,7 +243,7 @@ def test_metrics_may_return_a_ci_and_finetune_pairs_carry_one(tmp_path, monkeypa
     monkeypatch.setitem(claims.METRICS, "finetune_pair", lambda layout, metric: (41.2, "a stand-in", [35.0, 47.9]))
     row = claims.evaluate(registry["checkpointing-30pct-slowdown"], Layout(tmp_path / "results"))
     assert row["verdict"] == "inconclusive" and row["reproduced"] == "41.2 % [35, 47.9]"
-    assert "straddles the tolerance band's edge" in row["reason"] and "a stand-in" in row["reason"]
+    assert "crosses an edge of the tolerance band" in row["reason"] and "a stand-in" in row["reason"]
     monkeypatch.undo()
     layout = Layout(tmp_path / "results")
     settings = {"lr": 1e-3, "gradient_checkpointing": False, "method": "lora"}

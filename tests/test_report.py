@@ -167,8 +167,21 @@ def test_the_opening_names_identical_runs_and_explains_qlora_peaking_above_lora(
     assert glance.same_updates(runs) == [["lora-r8", "lora-r8-gc"]]
     (note,) = glance.qlora_above_lora(runs)
     assert "2,600 vs 2,400 MiB" in note and "1,260 vs 1,200 MiB" in note and "890 vs 890 MiB" in note
+    assert "Before training QLoRA's process held more: 1,260 vs 1,200 MiB (it reads" in note
     runs[2]["train_memory"]["peak_mib"] = 2300
     assert glance.qlora_above_lora(runs) == [], "nothing to explain when QLoRA peaks lower"
+
+
+def test_the_qlora_note_says_what_its_numbers_say_when_qlora_held_less_before_training():
+    """The reference run's case: QLoRA held less before training (847 vs 932 MiB) and the whole gap came in
+    training. The note once said QLoRA 'already held' more; every clause now follows from the two records."""
+    from efflab import glance
+
+    runs = [_ft_run("lora-r8", "lora", 1.5, 1100, 168.4, 300), _ft_run("qlora-r8", "qlora", 1.6, 1200, 352.8, 310)]
+    (note,) = glance.qlora_above_lora(runs)
+    assert "Before training QLoRA's process held less: 847 vs 932 MiB." in note, note
+    assert "reads the full-precision checkpoint" not in note
+    assert "Training added 353 vs 168 MiB: bitsandbytes dequantizes" in note
 
 
 def test_the_attention_note_computes_where_the_square_law_takes_over_from_the_config():
@@ -194,3 +207,48 @@ def test_a_plot_with_nothing_measured_says_so_instead_of_an_empty_legend(tmp_pat
                                                                "memory ~ seq^k: k"]), tmp_path / "memory.png")
     assert (tmp_path / "attention.png").stat().st_size > 0 and (tmp_path / "memory.png").stat().st_size > 0
     assert not [w for w in recwarn if "No artists" in str(w.message)]
+
+
+def test_the_merge_route_closest_to_the_adapter_is_not_called_best_when_another_has_lower_perplexity():
+    """The reference run's case: the round-trip merge is closest to the QLoRA adapter, the merge into the
+    original base has the lower perplexity. The report says both, and which is which."""
+    from efflab.report import merge_route_lines, merge_targets_table
+
+    def target(kl, ppl):
+        return {"max_abs_logit_diff": 0.1, "kl_mean": kl, "validation": {"perplexity": ppl, "rows": 8}}
+    record = {"run": "qlora-r8", "status": "ok", "adapter_validation": {"perplexity": 31.6},
+              "environment": {"fingerprint": "x"}, "closest_target": "nf4 round-trip base",
+              "targets": {"original base": target(0.05, 26.57), "nf4 round-trip base": target(0.001, 31.39)}}
+    (line,) = [x for x in merge_route_lines([record]) if x]
+    assert "closest to the adapter that was trained (KL 0.001, perplexity 31.39)" in line
+    assert "merging into the original base has the lower perplexity (26.57)" in line and "8 validation rows" in line
+    table = merge_targets_table([record])
+    assert "keeps the fine-tune best" not in table.columns
+    assert list(table["closest to the adapter (lowest KL)"]) == ["", "yes"]
+
+
+def test_the_glance_weighs_a_smaller_scheme_and_the_fastest_variant_against_their_other_axes():
+    """Planted: INT8 keeps perplexity within the tolerance and is smaller, but decodes slower than the base;
+    NF4 decodes fastest but loses 29% perplexity. The opening says both costs, read from the tables."""
+    import pandas as pd
+
+    from efflab import glance
+
+    quantize = pd.DataFrame([
+        {"scheme": "baseline", "footprint (MiB)": 260.0, "x smaller than baseline": 1.0, "perplexity change (%)": 0.0},
+        {"scheme": "int8", "footprint (MiB)": 158.0, "x smaller than baseline": 1.65, "perplexity change (%)": 3.4},
+        {"scheme": "nf4", "footprint (MiB)": 110.0, "x smaller than baseline": 2.4, "perplexity change (%)": 28.9}])
+
+    def cell(variant, kind, of, rate, speedup, verdict):
+        return {"variant": variant, "kind": kind, "of": of, "KV cache": "on", "batch": 1, "status": "ok",
+                "decode tokens/s median": rate, "footprint (MiB)": 100.0, "speedup vs base [95% CI]": speedup,
+                "verdict vs base": verdict}
+    inference = pd.DataFrame([cell("baseline", "base", "-", 22.7, "-", "-"),
+                              cell("int8", "quantized", "int8", 14.2, "0.58× [0.55, 0.61]", "slower"),
+                              cell("nf4", "quantized", "nf4", 25.0, "1.10× [1.02, 1.19]", "faster")])
+    tables = {"quantize": quantize, "bench_inference": inference}
+    (said, *_) = glance.quantize_lines(tables)
+    assert "**int8**" in said and "decodes at 0.58× [0.55, 0.61] the base model's speed, interleaved (slower)" in said
+    (fast, *_) = glance.inference_lines(tables)
+    assert "**nf4**" in fast and "validation perplexity +28.9% vs the base model" in fast
+    assert "1.10× [1.02, 1.19] (faster)" in fast

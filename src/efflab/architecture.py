@@ -57,6 +57,14 @@ def matmul_layers(model) -> dict[str, tuple[int, int]]:
     return {name: s for name, module in model.named_modules() if (s := matmul_shape(module))}
 
 
+def expert_weights(model) -> list[torch.nn.Parameter]:
+    """A mixture of experts' stacked expert weights (experts x out x in, e.g. Mixtral's gate_up_proj and
+    down_proj), which are parameters, not layers; [] for a dense model."""
+    experts = shape(model.config)["experts"]
+    return [p for m in model.modules() for p in m.parameters(recurse=False)
+            if experts and p.dim() == 3 and p.shape[0] == experts]
+
+
 def decoder_layers(model) -> torch.nn.ModuleList | None:
     """The stack of decoder layers, wherever the family keeps it (model.layers, transformer.h,
     gpt_neox.layers, ...): the ModuleList with one entry per config layer; None where there is none."""

@@ -5,10 +5,11 @@ it would take to check it. analytic claims are computed by efflab.estimate from 
 measured claims are read from this pipeline's own results (a small model on this machine: the scale
 difference is stated in each row); hardware claims need a GPU and are marked so until run on one. Each
 row gets a verdict: reproduced (within tolerance), differs (with the reason found), inconclusive (a measured
-figure whose 95% CI straddles the tolerance band's edge), not reproducible here (with why) or needs GPU:
-<which>. A hardware claim whose estimate the registry marks sufficient (a footprint whose only missing piece
-is the real weights) gets an analytic verdict, "reproduced (analytic)" or "differs (analytic)", counted with
-reproduced / differs, until a GPU measurement replaces it. Writes claims.csv and claims.md.
+figure whose 95% CI crosses an edge of the tolerance band: reproduced needs the whole CI inside it), not
+reproducible here (with why) or needs GPU: <which>. A hardware claim whose estimate the registry marks
+sufficient (a footprint whose only missing piece is the real weights) gets an analytic verdict, "reproduced
+(analytic)" or "differs (analytic)", counted with reproduced / differs, until a GPU measurement replaces it.
+Writes claims.csv and claims.md.
 
 Byte figures are compared like with like: a seed's KB/MB/GB are read in the claim's recorded unit convention
 (`units` in the registry: binary where the seed's code, the tool that printed the figure, or the arithmetic
@@ -620,8 +621,9 @@ def judge(base_value: float, claim: dict,
     with a reason; a figure that fits only in the other convention still differs, and says so.
 
     A measured value may come with `ci`, the 95% CI [lo, hi] of its median in the same base unit. Then the
-    claim's tolerance band decides: the median inside it is reproduced; the whole CI outside it differs; a CI
-    that reaches into the band from a median outside it is inconclusive."""
+    claim is judged by equivalence against its tolerance band: the whole CI inside the band is reproduced, the
+    whole CI outside it differs, and a CI across either edge of the band is inconclusive, wherever its median
+    lies."""
     unit = claim["reported"]["unit"]
     conv = convention(claim)
     scale = unit_scale(unit, conv)
@@ -633,21 +635,21 @@ def judge(base_value: float, claim: dict,
     other = {"decimal": "binary", "binary": "decimal"}.get(conv)
     alt = base_value / unit_scale(unit, other) if other else None
     note = _units_note(claim, conv) if conv else ""
+    band_lo, band_hi = _band(claim)
+    if interval and not band_lo <= interval[0] <= interval[1] <= band_hi and \
+            interval[1] >= band_lo and interval[0] <= band_hi:
+        return {**out, "verdict": "inconclusive",
+                "why": "; ".join(filter(None, [f"the {ci_text} crosses an edge of the tolerance band "
+                                               f"{_band_text(claim)} (median {_fmt(x)} {unit})", note]))}
     if _holds(x, claim):
         r, r_alt = _ratio(x, claim), (_ratio(alt, claim) if other else None)
         if r_alt is not None and abs(r_alt - 1) < 0.002 < abs(r - 1):
             note = "; ".join(filter(None, [note, f"closer in {other}: {_fmt(alt)} {_meant(unit, other)} "
                                                  f"(within {abs(r_alt - 1):.2%})"]))
         if interval:
-            note = "; ".join(filter(None, [f"the median lies in the tolerance band {_band_text(claim)} "
-                                           f"({ci_text})", note]))
+            note = "; ".join(filter(None, [f"the {ci_text} lies inside the tolerance band {_band_text(claim)}",
+                                           note]))
         return {**out, "verdict": "reproduced", "why": note}
-    band_lo, band_hi = _band(claim)
-    if interval and interval[1] >= band_lo and interval[0] <= band_hi:
-        return {**out, "verdict": "inconclusive",
-                "why": "; ".join(filter(None, [f"the {ci_text} straddles the tolerance band's edge "
-                                               f"({_band_text(claim)}); the median {_fmt(x)} {unit} lies outside "
-                                               f"it", note]))}
     # A diagnosis in the registry is the reason found by reading the seed; a figure that fits only in the other
     # convention is reported as such, against the convention recorded (or the label, where none is).
     mismatch = ""
@@ -748,9 +750,9 @@ def markdown(df: pd.DataFrame) -> str:
              f"{len(df)} numeric claims from the seed texts (workflow/claims.yaml): "
              + ", ".join(f"{counts.get(v, 0)} {v}" for v in VERDICTS) + ". Analytic values come from "
              "efflab.estimate on the shipped model configs (parameter counts from the meta-device model); "
-             "ratio is reproduced / reported. A measured figure shown with its 95% CI [lo, hi] differs only when "
-             "the whole CI lies outside the claim's tolerance band, and is inconclusive when the CI straddles the "
-             "band's edge.", ""]
+             "ratio is reproduced / reported. A measured figure shown with its 95% CI [lo, hi] is judged by "
+             "equivalence: reproduced only when the whole CI lies inside the claim's tolerance band, differs only "
+             "when it lies wholly outside, inconclusive when it crosses an edge.", ""]
     wrong = df[df["verdict"].map(verdict_class) == "differs"]
     if len(wrong):
         lines += ["Where the seeds' figures do not reproduce:", ""]

@@ -62,8 +62,32 @@ def quantize_lines(tables: dict) -> list[str]:
             f"({smallest['footprint (MiB)']:,.0f} MiB, {smallest['x smaller than baseline']:.2f}x smaller, "
             f"perplexity {smallest['perplexity change (%)']:+.1f}%)" if smallest is not None else
             f"no scheme keeps validation perplexity within {QUALITY_KEPT_PCT:g}%")
+    speed = _decode_vs_base(tables, "quantized", smallest["scheme"]) if smallest is not None else ""
     view = df[["scheme", "footprint (MiB)", "x smaller than baseline", "perplexity change (%)"]]
-    return [f"**Quantization (post-training, bitsandbytes):** {said}.", "", _md(view), ""]
+    return [f"**Quantization (post-training, bitsandbytes):** {said}{speed}.", "", _md(view), ""]
+
+
+def _decode_vs_base(tables: dict, kind: str, of: str) -> str:
+    """What a variant costs or buys in decode speed, interleaved with the base model (batch 1, KV cache): the
+    other axis of a memory or quality answer, read from the inference table."""
+    df = records.ok_rows(tables["bench_inference"])
+    cell = df[(df["kind"] == kind) & (df["of"] == of) & (df["KV cache"] == "on") & (df["batch"] == 1)]
+    if cell.empty:
+        return "; its decode speed was not measured here"
+    c = cell.iloc[0]
+    return (f"; it decodes at {c['speedup vs base [95% CI]']} the base model's speed, interleaved "
+            f"({c['verdict vs base']})")
+
+
+def _quality_of(tables: dict, variant) -> str:
+    """The quality cost of an inference variant, where this run measured it (a quantized scheme's perplexity)."""
+    q = tables["quantize"]
+    if variant["kind"] == "quantized" and not q[q["scheme"] == variant["of"]].empty:
+        change = q[q["scheme"] == variant["of"]].iloc[0]["perplexity change (%)"]
+        return f", validation perplexity {change:+.1f}% vs the base model"
+    if variant["kind"] == "base":
+        return ""
+    return ", quality not measured against the base model here"
 
 
 def inference_lines(tables: dict) -> list[str]:
@@ -73,9 +97,13 @@ def inference_lines(tables: dict) -> list[str]:
     one = df[(df["KV cache"] == "on") & (df["batch"] == 1)]
     one = one if not one.empty else df
     fast = one.loc[one["decode tokens/s median"].idxmax()]
-    view = one[["variant", "decode tokens/s median", "footprint (MiB)", "speedup vs base [95% CI]"]]
-    return [f"**Inference** (greedy, KV cache, batch 1): fastest decode **{fast['variant']}** "
-            f"({fast['decode tokens/s median']:.1f} tokens/s, {fast['footprint (MiB)']:,.0f} MiB).", "", _md(view), ""]
+    view = one[["variant", "decode tokens/s median", "footprint (MiB)", "speedup vs base [95% CI]",
+                "verdict vs base"]]
+    versus = "" if fast["kind"] == "base" else (f"; vs the base model, interleaved: {fast['speedup vs base [95% CI]']} "
+                                                 f"({fast['verdict vs base']})")
+    return [f"**Inference** (greedy, KV cache, batch 1): highest median decode rate **{fast['variant']}** "
+            f"({fast['decode tokens/s median']:.1f} tokens/s, {fast['footprint (MiB)']:,.0f} MiB"
+            f"{_quality_of(tables, fast)}{versus}).", "", _md(view), ""]
 
 
 def qat_lines(qat: list[dict]) -> list[str]:
@@ -130,18 +158,23 @@ def qlora_above_lora(finetune: list[dict]) -> list[str]:
     if None in peak.values() or peak["qlora"] <= peak["lora"]:
         return []
     before = {k: r["train_memory"]["peak_mib"] - r["train_memory"]["delta_mib"] for k, r in ok.items()}
+    added = {k: r["train_memory"]["delta_mib"] for k, r in ok.items()}
     live = {k: (r.get("memory_prediction") or {}).get("measured_mib") for k, r in ok.items()}
-    return [f"- **QLoRA peaks above LoRA** ({peak['qlora']:,.0f} vs {peak['lora']:,.0f} MiB resident). The peak is "
-            "the process's resident high-water mark: before training it already held "
-            f"{before['qlora']:,.0f} vs {before['lora']:,.0f} MiB (QLoRA reads the full-precision checkpoint and "
-            "bitsandbytes packs it to 4 bits as it loads; memory freed after that is not necessarily returned to "
-            "the system), and in training bitsandbytes "
-            "dequantizes each layer's weight to a full-precision temporary in the forward and the backward pass. "
-            + (f"The live tensors of training peaked at {live['qlora']:,.0f} vs {live['lora']:,.0f} MiB: "
-               if None not in live.values() else "")
-            + "for a small model, activations and logits dominate and the 4-bit saving on the frozen weights is "
-            "small next to them. QLoRA's saving shows where the weights dominate: a model of billions of "
-            "parameters, measured as CUDA allocated memory on a GPU."]
+    held = "more" if before["qlora"] > before["lora"] else "less"
+    lines = [f"- **QLoRA peaks above LoRA** ({peak['qlora']:,.0f} vs {peak['lora']:,.0f} MiB resident, the process's "
+             f"high-water mark). Before training QLoRA's process held {held}: {before['qlora']:,.0f} vs "
+             f"{before['lora']:,.0f} MiB"
+             + (" (it reads the full-precision checkpoint and bitsandbytes packs it to 4 bits as it loads; memory "
+                "freed after that is not necessarily returned to the system)" if held == "more" else "")
+             + f". Training added {added['qlora']:,.0f} vs {added['lora']:,.0f} MiB"
+             + (": bitsandbytes dequantizes each layer's weight to a full-precision temporary in the forward and "
+                "the backward pass" if added["qlora"] > added["lora"] else "") + "."]
+    if None not in live.values():
+        lines[0] += (f" The live tensors of training peaked at {live['qlora']:,.0f} vs {live['lora']:,.0f} MiB; for "
+                     "a small model, activations and logits dominate and the 4-bit saving on the frozen weights is "
+                     "small next to them. QLoRA's saving shows where the weights dominate: a model of billions of "
+                     "parameters, measured as CUDA allocated memory on a GPU.")
+    return lines
 
 
 def attention_law(bench_attention: list[dict], config: dict) -> list[str]:

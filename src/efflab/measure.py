@@ -773,8 +773,9 @@ def count_parameters(model) -> dict:
 
 
 def matmul_params(model) -> dict:
-    """Weights that take part in matrix multiplies (every nn.Linear and Conv1D, bnb layers and the LM head
-    included, at their full shape), and how many of them train."""
+    """Weights that take part in a token's matrix multiplies (every nn.Linear and Conv1D, bnb layers and the LM
+    head included, at their full shape; of a mixture of experts' stacked expert weights, the experts_per_token
+    experts a token is routed to), and how many of them train."""
     total = trainable = 0
     for module in model.modules():
         features = architecture.matmul_shape(module)
@@ -783,6 +784,11 @@ def matmul_params(model) -> dict:
             total += n
             if module.weight.requires_grad:
                 trainable += n
+    routed = architecture.shape(model.config)["experts_per_token"]
+    for weight in architecture.expert_weights(model):
+        n = weight[0].numel() * routed
+        total += n
+        trainable += n if weight.requires_grad else 0
     return {"total": total, "trainable": trainable}
 
 

@@ -25,7 +25,10 @@ def config_file(cfg: dict) -> Path | None:
     stage base_model checks the model then): the local folder's, the hub cache's, or the one efflab converted
     from the embedded GGUF on its first run."""
     bm = cfg["base_model"]
-    kind = classify_source(bm["source"], "base_model.source")
+    try:
+        kind = classify_source(bm["source"], "base_model.source")
+    except UserError:  # a missing source: the dry run says so in its own line (common.smk, local_source)
+        return None
     if kind == "local":
         return Path(bm["source"]).expanduser() / "config.json"
     if kind == "hub":

@@ -621,8 +621,32 @@ def merge_targets_table(rows: list[dict]) -> pd.DataFrame:
         "run": r["run"], "merged into": target, "max |logit diff| vs adapter on 4-bit base": t["max_abs_logit_diff"],
         "mean KL vs adapter": t["kl_mean"], "perplexity": t["validation"]["perplexity"],
         "perplexity adapter": r["adapter_validation"]["perplexity"],
-        "keeps the fine-tune best": "yes" if target == r.get("closest_target") else "", "env": _fp(r),
+        "closest to the adapter (lowest KL)": "yes" if target == r.get("closest_target") else "", "env": _fp(r),
     } for r in rows for target, t in r.get("targets", {}).items()])
+
+
+def merge_route_lines(rows: list[dict]) -> list[str]:
+    """Fidelity and quality of the merge routes, said apart: the route closest to the adapter is not
+    necessarily the one with the lowest perplexity, and the reader is told when they differ."""
+    out = []
+    for r in records.ok(rows):
+        targets = r.get("targets") or {}
+        if len(targets) < 2:
+            continue
+        closest = r["closest_target"]
+        lowest = min(targets, key=lambda t: targets[t]["validation"]["perplexity"])
+        ppl = {t: v["validation"]["perplexity"] for t, v in targets.items()}
+        rows_n = targets[lowest]["validation"].get("rows")
+        if lowest == closest:
+            out.append(f"- {r['run']}: merging into the {closest} is both closest to the adapter (KL "
+                       f"{targets[closest]['kl_mean']:.3g}) and lowest in perplexity ({ppl[closest]:.2f}).")
+        else:
+            out.append(f"- {r['run']}: merging into the {closest} is closest to the adapter that was trained (KL "
+                       f"{targets[closest]['kl_mean']:.3g}, perplexity {ppl[closest]:.2f}), but merging into the "
+                       f"{lowest} has the lower perplexity ({ppl[lowest]:.2f}): fidelity to the adapter is not "
+                       "quality. " + (f"On {rows_n} validation rows, without an interval, this run cannot say "
+                                      "the difference would hold." if rows_n else ""))
+    return out + [""] if out else []
 
 
 def attention_table(rows: list[dict]) -> pd.DataFrame:
@@ -1131,7 +1155,7 @@ def merge_body(cfg: dict, metrics: dict, table) -> list[str]:
             "The QLoRA adapter learned corrections to the 4-bit weights. Merged into the original base it corrects "
             "errors that are not there; merged into the base after the same NF4 quantize→dequantize round trip "
             "it reproduces what was trained; re-quantizing that merge adds fresh rounding. KL is the mean "
-            "KL(adapter ‖ merged) per token.", "", table("merge_targets")]
+            "KL(adapter ‖ merged) per token.", "", table("merge_targets"), "", *merge_route_lines(metrics["merge"])]
 
 
 def attention_body(cfg: dict, metrics: dict, table) -> list[str]:
