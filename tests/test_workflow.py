@@ -231,6 +231,22 @@ def test_snakemake_runs_every_stage(local_pipeline, test_cfg_module):
     assert "Nothing to be done" in again.stdout + again.stderr
 
 
+def test_the_family_matrix_row_of_llama_is_what_the_ci_pipeline_ran(local_pipeline, test_cfg_module):
+    """docs/reference/families.md's Llama row, checked against the CI pipeline's own records (every stage on a
+    tiny Llama-family model), so that the matrix tests need not run Llama again."""
+    from tests.matrix import documented, outcome, summary
+
+    results = local_pipeline.wait()["dir"] / "results"
+    seen = {}
+    for stage in STAGES:
+        for name in stage_names(test_cfg_module, stage) or [None]:
+            if stage == "bench_attention" and name not in ("eager", "sdpa"):
+                continue  # flash_attention_2 is unavailable for want of a GPU, not for the family
+            record = json.loads((results / stage / (name or "") / "metrics.json").read_text())
+            seen[f"{stage}/{name}" if name else stage] = outcome(record)
+    assert summary(seen) == documented()["llama"]
+
+
 def test_snakemake_writes_its_html_report_with_the_plots_by_category(local_pipeline, tmp_path):
     work = local_pipeline.wait()["dir"]
     html = tmp_path / "report.html"
