@@ -65,7 +65,8 @@ def run(cfg: dict, paths: dict) -> dict:
     # GGUF-loaded configs carry a quantization_config that would make the saved folder unloadable.
     if hasattr(model_config, "quantization_config") and kind == "embedded":
         del model_config.quantization_config
-    model_check.check(cfg, paths["params"], config=model_config)  # a hub model's config is in hand only now
+    for note in model_check.check(cfg, paths["params"], config=model_config):  # a hub model's config: only now
+        log.warning("%s", note)
 
     t0 = time.perf_counter()
     if bm["random_init"]:

@@ -179,7 +179,7 @@ def run(cfg: dict, paths: dict) -> dict:
     offers = model_check.attention_offers(skeleton)
     if ("sdpa" if impl.startswith("sdpa") else impl) not in offers:  # recorded as unavailable (cli.not_run)
         raise NotImplementedError(f"{type(skeleton).__name__} does not support {impl} in transformers "
-                                  f"{version('transformers')}: it offers {', '.join(offers)}")
+                                  f"{version('transformers')} (it offers {', '.join(offers)})")
     reason = unavailable_reason(impl, device)
     journal = CellJournal(layout.out("bench_attention") / f".{impl}.cells.jsonl",
                           {"bench_attention": b, "runtime": rt, "base": layout.metrics("base_model").read_text()})

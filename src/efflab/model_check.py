@@ -1,11 +1,12 @@
 """What the chosen model can take, checked before anything runs: the params that depend on the model.
 
-A LoRA target list, a pruning strategy, an attention implementation, a quantization scheme or a QAT group size
-that the model cannot take would otherwise fail minutes into a run. They are checked against the model's config
-and its module tree, built on the meta device (no weights, no memory): at the dry run for a local folder, for the
-embedded model once its metadata is cached and for a hub id once its config.json is in the local cache; and
-again by base_model, which has the config in hand whatever the source. Each problem is one line naming the key,
-the model and what it offers.
+A LoRA target list, a pruning strategy, a quantization scheme or a QAT group size that the model cannot take
+would otherwise fail minutes into a run. They are checked against the model's config and its module tree, built
+on the meta device (no weights, no memory): at the dry run for a local folder, for the embedded model once its
+metadata is cached and for a hub id once its config.json is in the local cache; and again by base_model, which
+has the config in hand whatever the source. Each problem is one line naming the key, the model and what it
+offers. An attention implementation the model's class does not support is a note, not an error: the default
+list must work on any family, so its job records `unavailable` with what the family offers, said at the dry run.
 """
 from __future__ import annotations
 
@@ -125,13 +126,15 @@ def attention_offers(model) -> list[str]:
     return ["eager"] + [impl for impl, flag in ATTENTION_FLAGS.items() if getattr(type(model), flag, False)]
 
 
-def attention_problems(cfg: dict, model, label: str) -> list[str]:
+def attention_notes(cfg: dict, model, label: str) -> list[str]:
+    """Implementations the model's class does not support. Not errors: the default list (eager, sdpa,
+    flash_attention_2) must work on any family, so such a job records `unavailable` naming what the family
+    offers, and the dry run says so first, in one line."""
     offers = attention_offers(model)
-    for impl in cfg["bench_attention"]["implementations"]:
-        if impl.split("_")[0] == "sdpa" and impl != "sdpa" and "sdpa" not in offers or \
-                (impl in ATTENTION_FLAGS and impl not in offers):
-            return [f"bench_attention.implementations: {label} cannot take {impl!r}; it offers {', '.join(offers)}"]
-    return []
+    lacking = [impl for impl in cfg["bench_attention"]["implementations"]
+               if ("sdpa" if impl.startswith("sdpa") else impl) not in offers]
+    return [f"bench_attention.implementations: {label} cannot take {', '.join(map(repr, lacking))} (it offers "
+            f"{', '.join(offers)}): recorded as unavailable"] if lacking else []
 
 
 def quantization_problems(cfg: dict, model, label: str) -> list[str]:
@@ -159,13 +162,14 @@ def qat_problems(cfg: dict, model, label: str) -> list[str]:
     return []
 
 
-def problems(cfg: dict, config) -> list[str]:
-    """Every param of `cfg` that the model of `config` cannot take, one line each."""
+def problems(cfg: dict, config) -> tuple[list[str], list[str]]:
+    """Every param of `cfg` that the model of `config` cannot take, one line each; and notes, one line each,
+    on what will be recorded unavailable instead."""
     model = skeleton(config, cfg["base_model"]["trust_remote_code"])
     label = f"{type(model).__name__} ({config.model_type})"
-    return [*lora_problems(cfg, config, label), *prune_problems(cfg, config, label),
-            *attention_problems(cfg, model, label), *quantization_problems(cfg, model, label),
-            *qat_problems(cfg, model, label)]
+    return ([*lora_problems(cfg, config, label), *prune_problems(cfg, config, label),
+             *quantization_problems(cfg, model, label), *qat_problems(cfg, model, label)],
+            attention_notes(cfg, model, label))
 
 
 # The params sections the checks read: a verdict is reused until one of them, the model's config or this code changes.
@@ -181,25 +185,27 @@ def _verdict_marker(cfg: dict, path: Path) -> Path:
     return cache_root() / "model-check" / key[:32]
 
 
-def check(cfg: dict, source: str | Path = "params", config=None) -> None:
-    """Raise UserError naming the first param the model cannot take. `config`: the model's config in hand
-    (base_model); else the config file at hand, if any, with a verdict already reached for the same params,
-    config and code reused (a Snakemake dry run stays fast); nothing when no config is at hand."""
+def check(cfg: dict, source: str | Path = "params", config=None) -> list[str]:
+    """Raise UserError naming the first param the model cannot take; else return the notes to show. `config`:
+    the model's config in hand (base_model); else the config file at hand, if any, with a verdict already
+    reached for the same params, config and code reused (a Snakemake dry run stays fast); nothing to check when
+    no config is at hand."""
     if config is not None:
-        found = problems(cfg, config)
+        found, notes = problems(cfg, config)
     else:
         path = config_file(cfg)
         if path is None or not path.is_file():
-            return
+            return []
         marker = _verdict_marker(cfg, path)
         if marker.is_file():
-            return
-        found = problems(cfg, load_config(cfg, path))
+            return json.loads(marker.read_text())
+        found, notes = problems(cfg, load_config(cfg, path))
         if not found:
             try:
                 marker.parent.mkdir(parents=True, exist_ok=True)
-                marker.write_text("ok\n")
+                marker.write_text(json.dumps(notes))
             except OSError:
                 pass  # an unwritable cache costs the next dry run the check again
     if found:
         raise UserError(f"{source}: {found[0]}" + (f" (and {len(found) - 1} more)" if len(found) > 1 else ""))
+    return notes

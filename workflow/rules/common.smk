@@ -20,7 +20,8 @@ if len(workflow.overwrite_configfiles) > 1:
 try:
     config.clear()
     config.update(efflab_config.load(PARAMS))
-    model_check.check(config, PARAMS)  # the params that depend on the model, where its config is at hand
+    for note in model_check.check(config, PARAMS):  # the params that depend on the model, where its config is at hand
+        print(f"efflab: note: {PARAMS}: {note}", file=sys.stderr)
 except efflab_config.UserError as err:
     sys.exit(f"efflab: error: {err}")
 
