@@ -247,16 +247,23 @@ def test_metrics_may_return_a_ci_and_finetune_pairs_carry_one(tmp_path, monkeypa
     monkeypatch.undo()
     layout = Layout(tmp_path / "results")
     settings = {"lr": 1e-3, "gradient_checkpointing": False, "method": "lora"}
-    steps = {"lora": [1.0, 1.0, 1.0, 1.0, 1.0], "lora-ckpt": [1.3, 1.35, 1.3, 1.25, 1.3], "qlora": [1.4] * 5}
-    for run, extra in (("lora", {}), ("lora-ckpt", {"gradient_checkpointing": True}), ("qlora", {"method": "qlora"})):
-        _write(layout.metrics("finetune", run), {
-            "run": run, "method": extra.get("method", "lora"), "settings": {**settings, **extra}, "tokens_seen": 500,
-            "step_s": sum(steps[run]) / 5, "tokens_per_s": 100 / (sum(steps[run]) / 5),
-            "step_time": {"n": 5, "samples": steps[run]}})
+    steps = {"lora": [1.0] * 6, "lora-ckpt": [1.3, 1.35, 1.3, 1.25, 1.3, 1.3], "qlora": [1.4] * 6}
+
+    def write(count):
+        for run, extra in (("lora", {}), ("lora-ckpt", {"gradient_checkpointing": True}),
+                           ("qlora", {"method": "qlora"})):
+            _write(layout.metrics("finetune", run), {
+                "run": run, "method": extra.get("method", "lora"), "settings": {**settings, **extra},
+                "tokens_seen": 500, "step_s": sum(steps[run][:count]) / count,
+                "tokens_per_s": 100 / (sum(steps[run][:count]) / count),
+                "step_time": {"n": count, "samples": steps[run][:count]}})
+    write(5)  # 5 paired steps give no 95% interval: the median alone, the range named as such
+    ckpt = claims.evaluate(registry["checkpointing-30pct-slowdown"], layout)
+    assert ckpt["reproduced"] == "30 %" and "5 steps give no 95% interval" in ckpt["reason"]
+    write(6)
     ckpt = claims.evaluate(registry["checkpointing-30pct-slowdown"], layout)  # paired ratios 1.25 .. 1.35
-    assert ckpt["verdict"] == "reproduced" and ckpt["reproduced"].startswith("30 % [")
-    lo, hi = map(float, ckpt["reproduced"].split("[")[1].rstrip("]").split(", "))
-    assert 25 <= lo <= 30 <= hi <= 35 and "5 paired steps" in ckpt["reason"]
+    assert ckpt["verdict"] == "reproduced" and ckpt["reproduced"] == "30 % [25, 35]"
+    assert "6 paired steps" in ckpt["reason"] and "96.9% interval" in ckpt["reason"]
     qlora = claims.evaluate(registry["qlora-throughput-30pct-worse"], layout)  # tokens/s: 1 / 1.4 each step
     assert qlora["reproduced"] == f"{100 * (1 - 1 / 1.4):.4g} % [{100 * (1 - 1 / 1.4):.4g}, {100 * (1 - 1 / 1.4):.4g}]"
     record = json.loads(layout.metrics("finetune", "qlora").read_text())

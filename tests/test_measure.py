@@ -83,13 +83,17 @@ def test_percentiles_on_a_known_list():
     assert measure.summarize([2.0, 4.0])["p99"] == pytest.approx(3.98)
 
 
-def test_bootstrap_interval_of_the_median_brackets_it_and_is_reproducible():
+def test_the_median_s_interval_is_from_order_statistics_and_only_where_n_gives_one():
     samples = [float(x) for x in range(1, 102)]
-    lo, hi = measure.summarize(samples)["ci95_median"]
-    assert 40 < lo < 51 < hi < 62
-    assert measure.summarize(samples)["ci95_median"] == [lo, hi], "seeded: a rerun gives the same interval"
+    stats = measure.summarize(samples)
+    lo, hi = stats["ci95_median"]
+    assert 40 < lo < 51 < hi < 62 and stats["ci_median_coverage"] >= 0.95
     assert measure.summarize([3.0] * 7)["ci95_median"] == [3.0, 3.0]
-    assert measure.summarize([3.0])["ci95_median"] == [3.0, 3.0]
+    six = measure.summarize([1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
+    assert six["ci95_median"] == [1.0, 6.0] and six["ci_median_coverage"] == pytest.approx(0.96875)
+    for n in (1, 3, 5):  # too few values for a 95% interval: none is called one
+        few = measure.summarize([float(x) for x in range(n)])
+        assert few["ci95_median"] is None and few["ci_median_coverage"] is None
 
 
 def test_known_durations_are_timed_exactly_and_warmup_is_not_timed(monkeypatch):

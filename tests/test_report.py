@@ -200,7 +200,7 @@ def test_a_plot_with_nothing_measured_says_so_instead_of_an_empty_legend(tmp_pat
     """Every attention cell failed (or could not run): the plot is still written, with a note and no warning."""
     failed = pd.DataFrame([{"implementation": "flash_attention_2", "mode": "forward", "batch": 1, "seq len": 64,
                             "status": "unavailable: the flash-attn package is not installed",
-                            "median (ms)": None, "95% CI of median (ms)": None, "peak delta (MiB)": None,
+                            "median (ms)": None, "95% CI or range of median (ms)": None, "peak delta (MiB)": None,
                             "memory kind": None}])
     report.plot_attention(failed, tmp_path / "attention.png")
     report.plot_attention_memory(failed, pd.DataFrame(columns=["implementation", "mode", "batch",

@@ -3,7 +3,7 @@
 Each cell (seq_len, batch, mode) runs the model's decoder stack (no LM head, whose logits would swamp
 the attention memory) on random tokens: `forward` without gradients, or `forward_backward` with frozen
 weights and a gradient into the input embeddings (the activation memory that training keeps). It
-records latency (warmup + repeats: median, p90, p99, bootstrap CI), peak memory with its kind, and the
+records latency (warmup + repeats: median, p90, p99, the median's 95% interval where n gives one), peak memory with its kind, and the
 max |difference| of the output (forward) or of the input gradient (forward_backward) vs eager on the same
 inputs. Every cell can run in its own process (runtime.isolation), so an OOM, crash or timeout becomes a
 row with its status and the grid goes on; each cell's result is journalled as it ends (measure.CellJournal),

@@ -395,10 +395,10 @@ def _interleaved_ratio(layout, a: dict, b: dict, key: str) -> tuple[float, float
 
 def _finetune_pair(layout, metric: dict) -> tuple:
     """The claim's statistic of run a's `key` over run b's, for the runs that differ only in `differ`: from
-    bench_finetune's interleaved steps where it measured the pair (median of the per-round ratios, bootstrap 95%
-    CI), else the median of the paired steps' ratios with its CI where the runs can be paired step by step,
-    else the ratio of the two runs' figures (no CI)."""
-    from .measure import bootstrap_median_ci, percentile
+    bench_finetune's interleaved steps where it measured the pair (median of the per-round ratios, its 95%
+    interval from order statistics), else the median of the paired steps' ratios with that interval where the runs
+    can be paired step by step and are 6 or more, else the ratio of the two runs' figures (no interval)."""
+    from .measure import median_ci_order, percentile
 
     key, differ = metric["key"], metric["differ"]
     stat = (lambda r: 100 * (1 - r)) if metric["stat"] == "drop_pct" else (lambda r: 100 * (r - 1))
@@ -412,20 +412,25 @@ def _finetune_pair(layout, metric: dict) -> tuple:
             interleaved = _interleaved_ratio(layout, a, b, key)
             if interleaved:
                 median, lo, hi, pair = interleaved
-                return stat(median), (f"{key} of run {a['run']} over run {b['run']}: {median:.4g}, bootstrap 95% CI "
-                                      f"[{lo:.4g}, {hi:.4g}], from bench_finetune's "
+                return stat(median), (f"{key} of run {a['run']} over run {b['run']}: {median:.4g}, 95% interval "
+                                      f"[{lo:.4g}, {hi:.4g}] from order statistics over bench_finetune's "
                                       f"{pair['step_time_ratio']['rounds']} interleaved rounds of both runs' steps "
                                       f"over the same batches; the runs' own whole-run figures: {whole}"), \
                     sorted([stat(lo), stat(hi)])
             ratios = _paired_step_ratios(a, b, key)
             if ratios is None:
                 return stat(a[key] / b[key]), whole
-            median, (lo, hi) = percentile(ratios, 0.5), bootstrap_median_ci(ratios)
+            median, interval = percentile(ratios, 0.5), median_ci_order(sorted(ratios))
             per_step = ("step time" if key == "step_s"
                         else f"tokens/s (run {b['run']}'s step time over run {a['run']}'s)")
-            return stat(median), (f"{key} of run {a['run']} over run {b['run']}: median of {len(ratios)} paired steps' "
-                                  f"{per_step} ratios {median:.4g}, bootstrap 95% CI [{lo:.4g}, {hi:.4g}] (the same "
-                                  f"{a['tokens_seen']:,} tokens in the same order); over whole runs, {whole}"), \
+            said = (f"{key} of run {a['run']} over run {b['run']}: median of {len(ratios)} paired steps' {per_step} "
+                    f"ratios {median:.4g}")
+            if interval is None:  # no interval: the claim is judged on the median alone, and says so
+                return stat(median), (f"{said}, range [{min(ratios):.4g}, {max(ratios):.4g}] ({len(ratios)} steps give "
+                                      f"no 95% interval; 6 needed); over whole runs, {whole}")
+            (lo, hi), coverage = interval
+            return stat(median), (f"{said}, {coverage:.1%} interval [{lo:.4g}, {hi:.4g}] from order statistics (the "
+                                  f"same {a['tokens_seen']:,} tokens in the same order); over whole runs, {whole}"), \
                 sorted([stat(lo), stat(hi)])
     raise NotHere(f"no pair of finetune runs that differ only in {differ} ({metric['a']} vs {metric['b']}) in "
                   f"{layout.out('finetune')}; add one to finetune.runs")
@@ -451,7 +456,7 @@ def _attention_speedup(layout, metric: dict) -> tuple[float, str]:
         s = max(paired)
         speedup = paired[s]
         return (speedup["median"], f"eager's latency over {name}'s at seq {s}, {speedup['rounds']} interleaved "
-                                   f"rounds in one cell: median {speedup['median']:.3g}, bootstrap 95% CI "
+                                   f"rounds in one cell: median {speedup['median']:.3g}, 95% interval "
                                    f"[{speedup['ci95'][0]:.3g}, {speedup['ci95'][1]:.3g}]", speedup["ci95"])
     b = ok(_read(layout.metrics("bench_attention", metric["baseline"])))
     if not set(a) & set(b):

@@ -61,23 +61,10 @@ def percentile(ordered: list[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
-def bootstrap_median_ci(samples: list[float], level: float = 0.95, resamples: int = 2000,
-                        seed: int = 0) -> list[float]:
-    """Percentile-bootstrap confidence interval of the median (seeded, so reruns agree)."""
-    import numpy as np
-
-    data = np.asarray(samples, dtype=float)
-    if len(data) < 2:
-        return [float(data[0])] * 2
-    rng = np.random.default_rng(seed)
-    medians = np.median(data[rng.integers(0, len(data), size=(resamples, len(data)))], axis=1)
-    tail = 100 * (1 - level) / 2
-    return [float(np.percentile(medians, tail)), float(np.percentile(medians, 100 - tail))]
-
-
 def summarize(samples: list[float], unit: str = "s", keep_samples: bool = True) -> dict:
-    """Median and spread of a list of measurements in `unit`: n, mean, std, p50/p90/p99, min, max and a
-    bootstrap 95% confidence interval of the median."""
+    """Median and spread of a list of measurements in `unit`: n, mean, std, p50/p90/p99, min, max and the
+    distribution-free interval of the median from order statistics with its coverage (at least 95%), None when
+    n is too small to give one (fewer than 6): then only the range [min, max] of the n values is known."""
     ordered = sorted(samples)
     n = len(ordered)
     stats = {
@@ -91,8 +78,9 @@ def summarize(samples: list[float], unit: str = "s", keep_samples: bool = True) 
         "std": statistics.stdev(ordered) if n > 1 else 0.0,
         "min": ordered[0],
         "max": ordered[-1],
-        "ci95_median": bootstrap_median_ci(ordered),
     }
+    interval = median_ci_order(ordered)
+    stats["ci95_median"], stats["ci_median_coverage"] = interval if interval else (None, None)
     if keep_samples:
         stats["samples"] = list(samples)
     return stats

@@ -14,7 +14,7 @@ import pandas as pd  # noqa: E402
 
 from . import cli, config, glance, provenance, records  # noqa: E402
 from .config import UserError  # noqa: E402
-from .measure import (SENTINEL_TOLERANCE, FINGERPRINT_KEYS, bootstrap_median_ci, fingerprint, format_ratio,
+from .measure import (SENTINEL_TOLERANCE, FINGERPRINT_KEYS, fingerprint, format_ratio, median_ci_order,
                       percentile)  # noqa: E402
 
 log = logging.getLogger("efflab")
@@ -343,7 +343,8 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def step_time_ratio(a: dict, b: dict) -> dict | None:
-    """Run b's step time over run a's, with a bootstrap 95% interval of the median and a verdict at that level:
+    """Run b's step time over run a's, with the 95% interval of the median from order statistics (none under 6
+    steps: then no verdict) and a verdict at that level:
     `slower` / `faster` only when the interval lies above / below 1, else `no significant difference`.
 
     Runs that drew the same batches in the same order (same seed and rows, so the same real tokens) are
@@ -355,17 +356,27 @@ def step_time_ratio(a: dict, b: dict) -> dict | None:
         return None
     ratios = records.paired_step_times(a, b)
     if ratios:
-        lo, hi = bootstrap_median_ci(ratios)
+        interval = median_ci_order(ratios)
+        if interval is None:
+            return {"median": percentile(ratios, 0.5), "ci95": None, "paired": True,
+                    "verdict": f"not a verdict: {len(ratios)} paired steps cannot give a 95% interval (6 needed)"}
+        (lo, hi), _ = interval
         verdict = "slower" if lo > 1 else "faster" if hi < 1 else "no significant difference"
         return {"median": percentile(ratios, 0.5), "ci95": [lo, hi], "paired": True, "verdict": verdict}
+    if sa.get("ci95_median") is None or sb.get("ci95_median") is None:
+        return {"median": sb["median"] / sa["median"], "ci95": None, "paired": False,
+                "verdict": "not a verdict: too few steps for a 95% interval of either median (6 needed)"}
     (lo_a, hi_a), (lo_b, hi_b) = sa["ci95_median"], sb["ci95_median"]
     verdict = "slower" if lo_b > hi_a else "faster" if hi_b < lo_a else "no significant difference"
     return {"median": sb["median"] / sa["median"], "ci95": None, "paired": False, "verdict": verdict}
 
 
 def _median_ci(stats: dict | None) -> str:
+    """The median with its 95% interval, or with the range of its n values where n gives no interval."""
     if not stats:
         return "-"
+    if stats.get("ci95_median") is None:
+        return f"{stats['median']:.2f} (range {stats['min']:.2f}–{stats['max']:.2f}, n={stats['n']})"
     lo, hi = stats["ci95_median"]
     return f"{stats['median']:.2f} [{lo:.2f}, {hi:.2f}]"
 
@@ -611,8 +622,13 @@ def _status(row: dict) -> str:
 
 
 def _ci(stats: dict, scale: float = 1.0) -> str:
-    lo, hi = stats.get("ci95_median", [None, None])
-    return "-" if lo is None else f"{scale * lo:.4g}–{scale * hi:.4g}"
+    """The 95% interval of the median as lo–hi; where n gives none, the range of the n values, named so."""
+    if "ci95_median" not in stats:
+        return "-"
+    if stats["ci95_median"] is None:
+        return f"{scale * stats['min']:.4g}–{scale * stats['max']:.4g} (range, n={stats['n']})"
+    lo, hi = stats["ci95_median"]
+    return f"{scale * lo:.4g}–{scale * hi:.4g}"
 
 
 def merge_targets_table(rows: list[dict]) -> pd.DataFrame:
@@ -663,7 +679,7 @@ def attention_table(rows: list[dict]) -> pd.DataFrame:
                 "implementation": row["implementation"], "mode": row.get("mode", "forward"),
                 "seq len": row["seq_len"], "batch": row["batch_size"], "status": _status(row),
                 "median (ms)": 1000 * lat["median"] if ok else None,
-                "95% CI of median (ms)": _ci(lat, 1000) if ok else "-",
+                "95% CI or range of median (ms)": _ci(lat, 1000) if ok else "-",
                 "p90 (ms)": 1000 * lat["p90"] if ok else None,
                 "p99 (ms)": 1000 * lat["p99"] if ok and "p99" in lat else None,
                 "tokens/s": row["tokens_per_s"] if ok else None,
@@ -677,7 +693,7 @@ def attention_table(rows: list[dict]) -> pd.DataFrame:
     return pd.DataFrame(out, columns=ATTENTION_COLUMNS)
 
 
-ATTENTION_COLUMNS = ["implementation", "mode", "seq len", "batch", "status", "median (ms)", "95% CI of median (ms)",
+ATTENTION_COLUMNS = ["implementation", "mode", "seq len", "batch", "status", "median (ms)", "95% CI or range of median (ms)",
                      "p90 (ms)", "p99 (ms)", "tokens/s", "peak delta (MiB)", "memory kind", "max |diff| vs eager",
                      "speedup vs eager [95% CI]", "verdict vs eager", "env"]
 
@@ -713,7 +729,7 @@ def inference_table(rows: list[dict]) -> pd.DataFrame:
                 "TTFT median (ms)": 1000 * c["ttft"]["median"] if ok else None,
                 "TTFT p90 (ms)": 1000 * c["ttft"]["p90"] if ok else None,
                 "decode tokens/s median": c["decode_tokens_per_s"]["median"] if ok else None,
-                "decode tokens/s 95% CI": _ci(c["decode_tokens_per_s"]) if ok else "-",
+                "decode tokens/s 95% CI or range": _ci(c["decode_tokens_per_s"]) if ok else "-",
                 "per-token p50 (ms)": 1000 * c["per_token_latency"]["median"] if ok else None,
                 "per-token p90 (ms)": 1000 * c["per_token_latency"]["p90"] if ok else None,
                 "per-token p99 (ms)": 1000 * c["per_token_latency"]["p99"] if ok else None,
@@ -731,7 +747,7 @@ def inference_table(rows: list[dict]) -> pd.DataFrame:
 
 
 INFERENCE_COLUMNS = ["variant", "kind", "of", "KV cache", "batch", "status", "TTFT median (ms)", "TTFT p90 (ms)",
-                     "decode tokens/s median", "decode tokens/s 95% CI", "per-token p50 (ms)", "per-token p90 (ms)",
+                     "decode tokens/s median", "decode tokens/s 95% CI or range", "per-token p50 (ms)", "per-token p90 (ms)",
                      "per-token p99 (ms)", "per-token p99/p50", "tail cause (p99/p50 > 1.5)", "peak delta (MiB)",
                      "memory kind", "footprint (MiB)", "energy (J/token)", "speedup vs base [95% CI]", "verdict vs base",
                      "env"]
@@ -831,7 +847,7 @@ def _legend(ax, **kwargs) -> None:
 
 
 def _ci_bars(part: pd.DataFrame, median: str, ci: str) -> list[list[float]]:
-    bounds = part[ci].str.split("–", expand=True).astype(float)
+    bounds = part[ci].str.extract(r"^([-+\d.e]+)–([-+\d.e]+)").astype(float)  # an interval, or a range
     return [(part[median] - bounds[0]).clip(lower=0).tolist(), (bounds[1] - part[median]).clip(lower=0).tolist()]
 
 
@@ -849,7 +865,7 @@ def plot_attention(df: pd.DataFrame, path: Path) -> None:
     fig, axes = plt.subplots(1, len(modes), figsize=(6 * len(modes), 4), squeeze=False)
     for ax, mode in zip(axes[0], modes):
         for (impl, batch), part in ok[ok["mode"] == mode].groupby(["implementation", "batch"]):
-            ax.errorbar(part["seq len"], part["median (ms)"], yerr=_ci_bars(part, "median (ms)", "95% CI of median (ms)"),
+            ax.errorbar(part["seq len"], part["median (ms)"], yerr=_ci_bars(part, "median (ms)", "95% CI or range of median (ms)"),
                         marker="o", capsize=3, label=f"{impl} (batch {int(batch)})")
         _seq_axis(ax, ok)
         ax.set_ylabel("latency (ms, median; bars: 95% CI)")
@@ -885,7 +901,7 @@ def plot_inference(df: pd.DataFrame, path: Path) -> None:
     ok["cell"] = ok["variant"] + ok.apply(
         lambda r: "" if r["KV cache"] == "on" and r["batch"] == 1 else f" (KV {r['KV cache']}, b{r['batch']})", axis=1)
     fig, ax = plt.subplots(figsize=(max(7, 0.9 * len(ok)), 4))
-    ax.bar(ok["cell"], ok["decode tokens/s median"], yerr=_ci_bars(ok, "decode tokens/s median", "decode tokens/s 95% CI"),
+    ax.bar(ok["cell"], ok["decode tokens/s median"], yerr=_ci_bars(ok, "decode tokens/s median", "decode tokens/s 95% CI or range"),
            capsize=4, color=["tab:green" if c == "on" else "tab:orange" for c in ok["KV cache"]], alpha=0.8)
     ax.set_ylabel("decode tokens/s (median; bars: 95% CI)")
     ax.set_title("Greedy generation by variant (orange: KV cache off)")
@@ -1076,8 +1092,9 @@ def header_lines(base: dict, data: dict) -> list[str]:
 
 HOW_TO_READ = (
     "**How to read the numbers.** Latencies are medians of repeats after warmup (perf_counter on CPU, CUDA "
-    "events on GPU) with the p90/p99 and a bootstrap 95% confidence interval of the median; plots show that "
-    "interval as error bars. Memory names its kind: `cpu_peak_rss` is the resident-memory high-water mark "
+    "events on GPU) with the p90/p99 and the distribution-free 95% interval of the median from order statistics "
+    "where n gives one (6 values or more); with fewer, the range of the n values, named so. Plots show that "
+    "interval or range as error bars. Memory names its kind: `cpu_peak_rss` is the resident-memory high-water mark "
     "of the measured work (reset at its start; 'delta' is over the resident memory just before it), "
     "`cuda_max_allocated` the allocator's peak of live tensors. Benchmark cells run {isolation} "
     "(`runtime.isolation`); a cell that fails, runs out of memory or times out is a row with its status.")
@@ -1130,7 +1147,8 @@ def finetune_body(cfg: dict, metrics: dict, table) -> list[str]:
         "Every pair of trained runs whose settings differ in exactly one knob, everything else equal (add runs "
         "to `finetune.runs` to sweep a knob). Memory change is of the training memory over the process's "
         "resident memory before training; step time change is of the mean wall time per optimizer step; the median "
-        "step and its bootstrap 95% interval leave out the first (warm-up) step. The step time ratio and its "
+        "step and its 95% interval (or its range, where too few steps give no interval) leave out the first "
+        "(warm-up) step. The step time ratio and its "
         "verdict come from `bench_finetune`, which builds both runs of the pair in one process and times their "
         "training steps interleaved (A B, then B A) over the same batches, "
         f"{cfg['bench_finetune']['rounds']} stable rounds, with a matmul speed probe before and after each round: a "
