@@ -52,6 +52,25 @@ def matmul_shape(module) -> tuple[int, int] | None:
     return None
 
 
+def skeleton(config, trust_remote_code: bool = False):
+    """The model built from its config on the meta device: its module tree, with no weights, instantly."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+
+
+def linear_layers(model) -> dict[str, torch.nn.Linear]:
+    """Every nn.Linear but the output embedding (the LM head), by qualified name: what QAT quantizes."""
+    head = model.get_output_embeddings()
+    return {name: m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m is not head}
+
+
+def undivided_layer(model, group_size: int) -> tuple[str, int] | None:
+    """The first of linear_layers whose input size `group_size` does not divide: (name, input features)."""
+    return next(((n, m.in_features) for n, m in linear_layers(model).items() if m.in_features % group_size), None)
+
+
 def matmul_layers(model) -> dict[str, tuple[int, int]]:
     """Every matrix-multiply layer of the model by its qualified name, with (in, out) features."""
     return {name: s for name, module in model.named_modules() if (s := matmul_shape(module))}
@@ -90,16 +109,13 @@ def restore_conv1d(model) -> int:
     class cannot load. Returns how many layers it restored (0 for a family without Conv1D)."""
     import copy
 
-    from transformers import AutoModelForCausalLM
     from transformers.pytorch_utils import Conv1D
 
     config = copy.deepcopy(model.config)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
     restored = 0
-    for name, module in skeleton.named_modules():
+    for name, module in skeleton(config).named_modules():
         current = model.get_submodule(name) if name else model
         if isinstance(module, Conv1D) and type(current) is torch.nn.Linear:
             layer = Conv1D(current.out_features, current.in_features).to(current.weight.device, current.weight.dtype)

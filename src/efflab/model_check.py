@@ -59,15 +59,6 @@ def load_config(cfg: dict, path: Path):
     return config
 
 
-def skeleton(config, trust_remote_code: bool = False):
-    """The model built from its config on the meta device: its module tree, with no weights."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
-
-
 def _leaf_names(model) -> list[str]:
     from .architecture import matmul_layers
 
@@ -79,7 +70,7 @@ def lora_problems(cfg: dict, config, label: str) -> list[str]:
     wrap what they name (e.g. a mixture of experts' 3-D expert weights take no dropout)."""
     from peft import get_peft_model
 
-    from .architecture import lora_config
+    from .architecture import lora_config, skeleton
 
     wanted = {}
     for run in cfg["finetune"]["runs"]:
@@ -150,21 +141,19 @@ def quantization_problems(cfg: dict, model, label: str) -> list[str]:
 
 
 def qat_problems(cfg: dict, model, label: str) -> list[str]:
-    import torch
+    from .architecture import undivided_layer
 
-    if not_asked(cfg, "qat"):
-        return []
-    head, size = model.get_output_embeddings(), cfg["qat"]["group_size"]
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and module is not head and module.in_features % size:
-            return [f"qat.group_size: {size} does not divide the {module.in_features} input features of {name} in "
-                    f"{label} (expected a divisor of every nn.Linear layer's input size)"]
-    return []
+    size = cfg["qat"]["group_size"]
+    undivided = None if not_asked(cfg, "qat") else undivided_layer(model, size)
+    return [f"qat.group_size: {size} does not divide the {undivided[1]} input features of {undivided[0]} in "
+            f"{label} (expected a divisor of every nn.Linear layer's input size)"] if undivided else []
 
 
 def problems(cfg: dict, config) -> tuple[list[str], list[str]]:
     """Every param of `cfg` that the model of `config` cannot take, one line each; and notes, one line each,
     on what will be recorded unavailable instead."""
+    from .architecture import skeleton
+
     model = skeleton(config, cfg["base_model"]["trust_remote_code"])
     label = f"{type(model).__name__} ({config.model_type})"
     return ([*lora_problems(cfg, config, label), *prune_problems(cfg, config, label),

@@ -256,7 +256,8 @@ def folder_bytes(folder: str | Path) -> int:
 
 def shape_only(folder: Path):
     """The model's layers without their weights (on the meta device): enough to check shapes, instantly."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(require_input(folder)))
+    from .architecture import skeleton
+
+    return skeleton(AutoConfig.from_pretrained(require_input(folder)))

@@ -30,7 +30,7 @@ import torch
 
 from . import cli, records
 from .config import UserError
-from .architecture import matmul_shape
+from .architecture import linear_layers, matmul_shape, undivided_layer
 from .layout import QAT_MODEL, Layout
 from .measure import CellJournal, environment, pick_device, run_cell, set_threads, summarize
 from .modeling import (base_dtype, forward_batches, load_model, load_tokenizer, read_split,
@@ -56,17 +56,14 @@ def int_dtype(bits: int) -> torch.dtype:
     return torch.int8 if bits == 8 else getattr(torch, f"int{bits}")
 
 
-def quantized_layers(model) -> dict[str, torch.nn.Linear]:
-    """The layers quantized: every nn.Linear except the output embedding (the LM head)."""
-    head = model.get_output_embeddings()
-    return {name: m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m is not head}
+quantized_layers = linear_layers  # the layers quantized: every nn.Linear except the LM head
 
 
 def check_group_size(model, group_size: int) -> None:
-    for name, layer in quantized_layers(model).items():
-        if layer.in_features % group_size:
-            raise UserError(f"qat.group_size: {group_size} does not divide the {layer.in_features} input features "
-                            f"of {name} (expected a divisor of every quantized layer's input size)")
+    undivided = undivided_layer(model, group_size)
+    if undivided:
+        raise UserError(f"qat.group_size: {group_size} does not divide the {undivided[1]} input features "
+                        f"of {undivided[0]} (expected a divisor of every quantized layer's input size)")
 
 
 def _only_quantized(model):
