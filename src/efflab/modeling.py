@@ -232,12 +232,16 @@ def loss_summary(total: float, count: int, rows: int) -> dict:
 
 
 def eval_loss(model, rows: list[dict], batch_size: int, tokenizer) -> dict:
-    """Token-weighted mean cross-entropy over the label tokens of `rows`, and its perplexity."""
-    total, count = 0.0, 0
+    """Token-weighted mean cross-entropy over the label tokens of `rows`, its perplexity, and each row's
+    [label tokens, summed NLL] under `per_row` (right-padded batches: a row's real tokens never see the padding
+    after them), so that two models on the same rows compare row by row (quality.paired_change)."""
+    per_row = []
     for batch, logits in forward_batches(model, rows, batch_size, tokenizer):
-        nll, n = summed_nll(logits, batch["labels"])
-        total, count = total + nll, count + n
-    return loss_summary(total, count, len(rows))
+        for i in range(logits.shape[0]):
+            nll, n = summed_nll(logits[i:i + 1], batch["labels"][i:i + 1])
+            per_row.append([n, nll])
+    total, count = sum(r[1] for r in per_row), sum(r[0] for r in per_row)
+    return loss_summary(total, count, len(rows)) | {"per_row": per_row}
 
 
 def read_split(path: str | Path, limit: int | None = None) -> list[dict]:

@@ -1,0 +1,70 @@
+"""Quality on validation rows and the paired change between two models on the same rows.
+
+Every stage that changes a model (quantize, merge, prune, qat, finetune) evaluates it on validation rows. The
+per-row losses of the two models are paired by row, so the change in perplexity gets an interval: a
+token-weighted ratio estimator (the change in mean next-token loss, Σ ΔNLL_i / Σ T_i) with a Student-t interval
+over rows as the units (its standard error by linearization, the usual one for a ratio of sums). It is called
+95% only with at least MIN_ROWS rows; with fewer the change is given with its n and no interval, and nothing
+is decided from it.
+"""
+from __future__ import annotations
+
+import math
+
+# The same floor as a median's order-statistic interval (measure.median_ci_order): below it a t interval leans
+# wholly on normality of a handful of per-row differences.
+MIN_ROWS = 6
+INTERVAL_METHOD = "paired t over validation rows, token-weighted (ratio estimator)"
+
+
+def row_losses(per_row: list) -> list[tuple[int, float]]:
+    """(tokens, summed NLL) of each row, from either [tokens, nll] pairs or {"tokens", "nll_sum"} dicts."""
+    return [(int(r["tokens"]), float(r["nll_sum"])) if isinstance(r, dict) else (int(r[0]), float(r[1]))
+            for r in per_row]
+
+
+def perplexity(per_row: list) -> float:
+    rows = row_losses(per_row)
+    return math.exp(sum(n for _, n in rows) / sum(t for t, _ in rows))
+
+
+def paired_change(reference: list, variant: list, level: float = 0.95) -> dict:
+    """The variant's perplexity over the reference's on the same rows: the ratio, the change in %, and its
+    `level` interval where there are MIN_ROWS rows or more (None below). Rows must match token for token."""
+    ref, var = row_losses(reference), row_losses(variant)
+    if len(ref) != len(var) or any(a[0] != b[0] for a, b in zip(ref, var)):
+        raise ValueError("paired_change: the two evaluations are not over the same rows and tokens")
+    n, tokens = len(ref), sum(t for t, _ in ref)
+    diffs = [v - r for (_, r), (_, v) in zip(ref, var)]
+    mean = sum(diffs) / tokens  # change in mean next-token loss (nats per token)
+    out = {"ratio": math.exp(mean), "change_pct": 100 * math.expm1(mean), "loss_change": mean, "n_rows": n,
+           "tokens": tokens, "ci95_change_pct": None, "ci95_loss_change": None, "method": INTERVAL_METHOD}
+    if n < MIN_ROWS:
+        return out
+    from scipy.stats import t as student_t
+
+    resid = [d - mean * t for d, (t, _) in zip(diffs, ref)]
+    se = math.sqrt(n / (n - 1) * sum(z * z for z in resid)) / tokens
+    half = float(student_t.ppf(0.5 + level / 2, n - 1)) * se
+    out["ci95_loss_change"] = [mean - half, mean + half]
+    out["ci95_change_pct"] = [100 * math.expm1(mean - half), 100 * math.expm1(mean + half)]
+    return out
+
+
+def against_tolerance(change: dict | None, tolerance_pct: float) -> str:
+    """Whether a perplexity change stays within `tolerance_pct` (a rise of at most that much), decided only by
+    its interval: `within` when the whole interval is at or below it, `beyond` when the whole interval is above,
+    `undecided` otherwise (the interval straddles it, or there are too few rows for one)."""
+    if not change or change.get("ci95_change_pct") is None:
+        return "undecided"
+    lo, hi = change["ci95_change_pct"]
+    return "within" if hi <= tolerance_pct else "beyond" if lo > tolerance_pct else "undecided"
+
+
+def direction(change: dict | None) -> str:
+    """`better` / `worse` when the interval of the change excludes zero, else `no difference measured`;
+    `undecided` without an interval."""
+    if not change or change.get("ci95_change_pct") is None:
+        return "undecided"
+    lo, hi = change["ci95_change_pct"]
+    return "worse" if lo > 0 else "better" if hi < 0 else "no difference measured"
