@@ -6,6 +6,7 @@ from efflab.config import finetune_run
 from efflab.layout import Layout
 
 from tests.helpers import TEST_PARAMS, run_stage
+from efflab.report import tables
 
 
 def _lora_param_count(cfg, name):
@@ -274,7 +275,6 @@ def test_gradient_checkpointing_lowers_the_training_memory(results, write_params
 
 
 def test_knobs_a_cpu_cannot_honour_are_unavailable_and_the_grid_goes_on(results, write_params):
-    from efflab import report
 
     def edit(cfg):
         cfg["finetune"]["runs"]["fp16"] = {"method": "lora", "mixed_precision": "fp16"}
@@ -292,7 +292,7 @@ def test_knobs_a_cpu_cannot_honour_are_unavailable_and_the_grid_goes_on(results,
     assert merged["status"] == "skipped" and "finetune fp16 is unavailable" in merged["reason"]
     inference = run_stage("bench_inference", params, results, "adapter-fp16")
     assert inference["status"] == "skipped" and inference["cells"] == []
-    table = report.not_run_table({"finetune": [fp16, both], "merge": [merged]})
+    table = tables.not_run_table({"finetune": [fp16, both], "merge": [merged]})
     assert list(table["status"]) == ["unavailable", "unavailable", "skipped"]
 
 

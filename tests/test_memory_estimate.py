@@ -10,6 +10,7 @@ import torch
 from efflab import memory_estimate as me
 from efflab.measure import MiB, run_cell, track_memory
 from tests.helpers import run_stage
+from efflab.report import sections, tables
 
 # h=64, i=128, 4 heads x 16 (attention width 64), 2 KV heads, vocab 1000
 TINY = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
@@ -213,7 +214,6 @@ def test_stages_record_the_prediction_next_to_the_measurement(results, write_par
 
 
 def test_report_puts_the_prediction_beside_the_measurement():
-    from efflab import report
 
     env = {"fingerprint": "e1"}
     finetune = [{"run": "lora-r8", "environment": env, "memory_prediction": {
@@ -225,12 +225,12 @@ def test_report_puts_the_prediction_beside_the_measurement():
             "total_mib": 2.5, "compares_to": me.GENERATION_COMPARES_TO, "terms_mib": {"kv_cache": 2.5},
             "measured_mib": 5.0, "measured_kind": "cpu_tensor_peak", "ratio": 2.0}},
         {"status": "failed", "kv_cache": True, "batch_size": 3}]}]
-    df = report.memory_prediction_table(finetune, inference)
+    df = tables.memory_prediction_table(finetune, inference)
     assert list(df["run / cell"]) == ["finetune lora-r8 (longest batch 4x151)", "inference baseline (KV on, batch 1)"]
     assert list(df["main terms (MiB)"]) == ["activations 60, loss logits 40", "kv cache 2"]
     assert list(df["within ±15%"]) == ["yes", "no"] and set(df["memory"]) == {"cpu_tensor_peak delta"}
     assert list(df["RSS / predicted"])[0] == 1.5
-    section = "\n".join(report.memory_prediction_section(finetune, inference, {"e1": env}, False))
+    section = "\n".join(sections.memory_prediction_section(finetune, inference, {"e1": env}, False))
     assert "## Predicted vs measured memory" in section and " 1.12 " in section
 
 

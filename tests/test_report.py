@@ -4,7 +4,8 @@ import pytest
 import pandas as pd
 import torch
 
-from efflab import measure, report
+from efflab import measure
+from efflab.report import advice, environments, fmt, knobs, pareto, plots
 
 
 def _envs():
@@ -20,18 +21,18 @@ def test_results_from_different_environments_are_not_put_in_one_table_unless_ask
     envs = {e["fingerprint"]: e for e in (here, there)}
     df = pd.DataFrame([{"variant": "a", "tokens/s": 10.0, "env": here["fingerprint"]},
                        {"variant": "b", "tokens/s": 12.0, "env": there["fingerprint"]}])
-    refused = report.comparison(df, envs, allow_mixed=False)
+    refused = environments.comparison(df, envs, allow_mixed=False)
     assert "Not compared in one table" in refused and "allow_mixed_environments" in refused
     assert f"torch: {here['packages']['torch']} / 2.12.0" in refused and "Other CPU" in refused
     assert refused.count("| variant") == 2, "one table per environment"
-    combined = report.comparison(df, envs, allow_mixed=True)
+    combined = environments.comparison(df, envs, allow_mixed=True)
     assert combined.count("| variant") == 1 and "combined" in combined
-    same = report.comparison(df.assign(env=here["fingerprint"]), envs, allow_mixed=False)
+    same = environments.comparison(df.assign(env=here["fingerprint"]), envs, allow_mixed=False)
     assert same.count("| variant") == 1 and "env" not in same
 
 
 def test_missing_values_print_as_a_dash():
-    table = report._md(pd.DataFrame([{"a": 1.5, "b": None}, {"a": float("nan"), "b": "x"}]))
+    table = fmt.markdown(pd.DataFrame([{"a": 1.5, "b": None}, {"a": float("nan"), "b": "x"}]))
     assert "nan" not in table and "-" in table.splitlines()[-1]
 
 
@@ -46,10 +47,10 @@ def test_runs_that_differ_in_one_knob_become_a_knob_row():
     rows = [_run("lora", 400, 1.0), _run("lora-gc", 250, 1.3, gradient_checkpointing=True),
             _run("lora-r16", 420, 1.0, lora={"r": 16}), _run("lora-eval", 400, 1.0, eval_rows=16),
             {"run": "broken", "status": "failed", "reason": "x", "settings": {}}]
-    table = report.knob_table(rows)
-    knobs = dict(zip(table["knob"], table.to_dict("records")))
-    assert set(knobs) == {"gradient_checkpointing", "lora.r"}, "eval_rows is not a knob; the failed run is left out"
-    gc = knobs["gradient_checkpointing"]
+    table = knobs.knob_table(rows)
+    found = dict(zip(table["knob"], table.to_dict("records")))
+    assert set(found) == {"gradient_checkpointing", "lora.r"}, "eval_rows is not a knob; the failed run is left out"
+    gc = found["gradient_checkpointing"]
     assert gc["from → to"] == "false → true" and gc["runs"] == "lora → lora-gc"
     assert gc["memory change (%)"] == pytest.approx(-37.5) and gc["step time change (%)"] == pytest.approx(30)
     assert gc["tokens/s ratio"] == pytest.approx(1 / 1.3)
@@ -68,14 +69,14 @@ def test_a_step_time_verdict_pairs_the_same_batches_and_needs_the_interval_off_o
         "tokens_seen": 1000}
     # each run's own interval overlaps the other's, but every same-batch step is 1.3x: slower
     assert plain["step_time"]["ci95_median"][1] > recomputed["step_time"]["ci95_median"][0]
-    ratio = report.step_time_ratio(plain, recomputed)
+    ratio = knobs.step_time_ratio(plain, recomputed)
     assert ratio["paired"] and ratio["median"] == pytest.approx(1.3) and ratio["verdict"] == "slower"
-    assert report.step_time_ratio(recomputed, plain)["verdict"] == "faster"
-    assert report.step_time_ratio(plain, noisy)["verdict"] == "no significant difference"
+    assert knobs.step_time_ratio(recomputed, plain)["verdict"] == "faster"
+    assert knobs.step_time_ratio(plain, noisy)["verdict"] == "no significant difference"
     other_batches = recomputed | {"tokens_seen": 2000}  # not the same batches: the runs' intervals decide
-    unpaired = report.step_time_ratio(plain, other_batches)
+    unpaired = knobs.step_time_ratio(plain, other_batches)
     assert not unpaired["paired"] and unpaired["verdict"] == "no significant difference"
-    row = report.knob_table([plain, recomputed]).iloc[0]
+    row = knobs.knob_table([plain, recomputed]).iloc[0]
     assert row["step time verdict"] == "slower" and row["step time ratio [95% CI]"].endswith("(paired steps)")
 
 
@@ -108,10 +109,10 @@ def test_reference_results_keep_the_numbers_and_no_weights_under_the_device_name
 
 def test_a_config_another_beats_on_every_axis_is_dominated_and_greyed():
     points = [{"m": 1, "t": 10}, {"m": 2, "t": 5}, {"m": 2, "t": 20}, {"m": 3, "t": 20}, {"m": 1, "t": 10}]
-    assert report.dominated(points, {"m": "min", "t": "max"}) == [False, True, False, True, False], \
+    assert pareto.dominated(points, {"m": "min", "t": "max"}) == [False, True, False, True, False], \
         "ties dominate nobody; worse memory at the same speed is dominated"
     with_ppl = [{"m": 1, "t": 10, "p": 5.0}, {"m": 2, "t": 12, "p": 0.0}, {"m": 2, "t": 11, "p": None}]
-    assert report.dominated(with_ppl, {"m": "min", "t": "max", "p": "min"}) == [False, False, True], \
+    assert pareto.dominated(with_ppl, {"m": "min", "t": "max", "p": "min"}) == [False, False, True], \
         "a missing perplexity is left out of that comparison only"
 
 
@@ -139,13 +140,13 @@ def test_a_knob_verdict_comes_from_the_interleaved_pair_and_never_from_runs_at_d
     # checkpointing read 2x faster: its run had the machine to itself, the plain run shared it (half speed)
     gc = _run("lora-gc", 250, 0.5, gradient_checkpointing=True) | {
         "step_time": summarize([0.5 * t for t in lengths]), "tokens_seen": 1000} | ceiling(0.140)
-    row = report.knob_table([plain, gc]).iloc[0]
+    row = knobs.knob_table([plain, gc]).iloc[0]
     assert row["step time verdict"].startswith("not a verdict: the machine's speed changed between the runs")
     interleaved = {"status": "ok", "pairs": [{
         "status": "ok", "knob": "gradient_checkpointing", "a": "lora", "b": "lora-gc",
         "step_time_ratio": {"median": 1.31, "ci95": [1.22, 1.40], "rounds": 6, "verdict": "slower"},
         "runs": {"lora": {"tokens_per_s": 200.0}, "lora-gc": {"tokens_per_s": 150.0}}}]}
-    row = report.knob_table([plain, gc], [interleaved]).iloc[0]
+    row = knobs.knob_table([plain, gc], [interleaved]).iloc[0]
     assert row["step time verdict"] == "slower" and row["tokens/s ratio"] == pytest.approx(0.75)
     assert row["step time ratio [95% CI]"] == "1.31 [1.22, 1.40] (interleaved, 6 rounds)"
 
@@ -159,41 +160,38 @@ def _ft_run(name, method, last, peak, delta, live, **settings):
 
 
 def test_the_opening_names_identical_runs_and_explains_qlora_peaking_above_lora():
-    from efflab import glance
 
     runs = [_ft_run("lora-r8", "lora", 1.5, 2400, 1200, 890), _ft_run("lora-r8-gc", "lora", 1.5, 2000, 800, 400,
                                                                   gradient_checkpointing=True),
             _ft_run("qlora-r8", "qlora", 1.6, 2600, 1340, 890)]
-    assert glance.same_updates(runs) == [["lora-r8", "lora-r8-gc"]]
-    (note,) = glance.qlora_above_lora(runs)
+    assert advice.same_updates(runs) == [["lora-r8", "lora-r8-gc"]]
+    (note,) = advice.qlora_above_lora(runs)
     assert "2,600 vs 2,400 MiB" in note and "1,260 vs 1,200 MiB" in note and "890 vs 890 MiB" in note
     assert "Before training QLoRA's process held more: 1,260 vs 1,200 MiB (it reads" in note
     runs[2]["train_memory"]["peak_mib"] = 2300
-    assert glance.qlora_above_lora(runs) == [], "nothing to explain when QLoRA peaks lower"
+    assert advice.qlora_above_lora(runs) == [], "nothing to explain when QLoRA peaks lower"
 
 
 def test_the_qlora_note_says_what_its_numbers_say_when_qlora_held_less_before_training():
     """The reference run's case: QLoRA held less before training (847 vs 932 MiB) and the whole gap came in
     training. The note once said QLoRA 'already held' more; every clause now follows from the two records."""
-    from efflab import glance
 
     runs = [_ft_run("lora-r8", "lora", 1.5, 1100, 168.4, 300), _ft_run("qlora-r8", "qlora", 1.6, 1200, 352.8, 310)]
-    (note,) = glance.qlora_above_lora(runs)
+    (note,) = advice.qlora_above_lora(runs)
     assert "Before training QLoRA's process held less: 847 vs 932 MiB." in note, note
     assert "reads the full-precision checkpoint" not in note
     assert "Training added 353 vs 168 MiB: bitsandbytes dequantizes" in note
 
 
 def test_the_attention_note_computes_where_the_square_law_takes_over_from_the_config():
-    from efflab import glance
 
     jobs = [{"status": "ok", "implementation": "eager", "rows": [{"seq_len": 64}, {"seq_len": 256}],
              "memory_exponents": [{"mode": "forward", "exponent": 1.03}]}]
     config = {"num_attention_heads": 9, "hidden_size": 576, "intermediate_size": 1536}
-    (note,) = glance.attention_law(jobs, config)
+    (note,) = advice.attention_law(jobs, config)
     assert "L ≈ 384 tokens" in note and "64–256 tokens" in note and "linear terms dominate" in note
     jobs[0]["memory_exponents"][0]["exponent"] = 1.9
-    assert glance.attention_law(jobs, config) == []
+    assert advice.attention_law(jobs, config) == []
 
 
 def test_a_plot_with_nothing_measured_says_so_instead_of_an_empty_legend(tmp_path, recwarn):
@@ -202,8 +200,8 @@ def test_a_plot_with_nothing_measured_says_so_instead_of_an_empty_legend(tmp_pat
                             "status": "unavailable: the flash-attn package is not installed",
                             "median (ms)": None, "95% CI or range of median (ms)": None, "peak delta (MiB)": None,
                             "memory kind": None}])
-    report.plot_attention(failed, tmp_path / "attention.png")
-    report.plot_attention_memory(failed, pd.DataFrame(columns=["implementation", "mode", "batch",
+    plots.plot_attention(failed, tmp_path / "attention.png")
+    plots.plot_attention_memory(failed, pd.DataFrame(columns=["implementation", "mode", "batch",
                                                                "memory ~ seq^k: k"]), tmp_path / "memory.png")
     assert (tmp_path / "attention.png").stat().st_size > 0 and (tmp_path / "memory.png").stat().st_size > 0
     assert not [w for w in recwarn if "No artists" in str(w.message)]
@@ -212,7 +210,8 @@ def test_a_plot_with_nothing_measured_says_so_instead_of_an_empty_legend(tmp_pat
 def test_the_merge_route_closest_to_the_adapter_is_not_called_best_when_another_has_lower_perplexity():
     """The reference run's case: the round-trip merge is closest to the QLoRA adapter, the merge into the
     original base has the lower perplexity. The report says both, and which is which."""
-    from efflab.report import merge_route_lines, merge_targets_table
+    from efflab.report.sections import merge_route_lines
+    from efflab.report.tables import merge_targets_table
 
     def target(kl, ppl):
         return {"max_abs_logit_diff": 0.1, "kl_mean": kl, "validation": {"perplexity": ppl, "rows": 8}}
@@ -232,8 +231,6 @@ def test_the_glance_weighs_a_smaller_scheme_and_the_fastest_variant_against_thei
     NF4 decodes fastest but loses 29% perplexity. The opening says both costs, read from the tables."""
     import pandas as pd
 
-    from efflab import glance
-
     quantize = pd.DataFrame([
         {"scheme": "baseline", "footprint (MiB)": 260.0, "x smaller than baseline": 1.0, "perplexity change (%)": 0.0},
         {"scheme": "int8", "footprint (MiB)": 158.0, "x smaller than baseline": 1.65, "perplexity change (%)": 3.4},
@@ -247,8 +244,8 @@ def test_the_glance_weighs_a_smaller_scheme_and_the_fastest_variant_against_thei
                               cell("int8", "quantized", "int8", 14.2, "0.58× [0.55, 0.61]", "slower"),
                               cell("nf4", "quantized", "nf4", 25.0, "1.10× [1.02, 1.19]", "faster")])
     tables = {"quantize": quantize, "bench_inference": inference}
-    (said, *_) = glance.quantize_lines(tables)
+    (said, *_) = advice.quantize_lines(tables)
     assert "**int8**" in said and "decodes at 0.58× [0.55, 0.61] the base model's speed, interleaved (slower)" in said
-    (fast, *_) = glance.inference_lines(tables)
+    (fast, *_) = advice.inference_lines(tables)
     assert "**nf4**" in fast and "validation perplexity +28.9% vs the base model" in fast
     assert "1.10× [1.02, 1.19] (faster)" in fast

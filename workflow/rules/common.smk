@@ -71,7 +71,10 @@ def asked(stage, path):
 
 
 def module(stage):
-    """The stage's own module: an input, so that editing it reruns the stage."""
+    """The stage's own code, its module or its package's files: inputs, so that editing one reruns the stage."""
+    package = SRC / stage
+    if package.is_dir():
+        return sorted(str(p) for p in package.rglob("*") if p.suffix in (".py", ".j2"))
     return str(SRC / f"{stage}.py")
 
 

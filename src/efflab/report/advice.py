@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from . import records
+from .. import records
 
 # A quantization scheme "keeps the quality" when its validation perplexity rises by at most this much.
 QUALITY_KEPT_PCT = 5.0

@@ -1,0 +1,297 @@
+"""One DataFrame per stage, built from its records: what the report's tables and plots show."""
+from __future__ import annotations
+
+import pandas as pd
+
+from .. import records
+from .fmt import (MiB, env_of, interval_text, pct, peak_mib, speedup_text, speedup_verdict, status_text)
+from .knobs import knob_table
+
+
+def quantize_table(rows: list[dict]) -> pd.DataFrame:
+    return pd.DataFrame([{
+        "scheme": r["scheme"], "method": r["method"], "double quant": r["double_quant"],
+        "bnb layers": ", ".join(r["bnb_layer_types"]) or "-",
+        "footprint (MiB)": r["memory_footprint_bytes"] / MiB, "x smaller than baseline": r["footprint_ratio_vs_base"],
+        "on disk (MiB)": r["bytes_on_disk"] / MiB, "load (s)": r["load_s"],
+        "val perplexity": r["validation"]["perplexity"], "perplexity change (%)": r["perplexity_change_pct"],
+        "env": env_of(r),
+    } for r in records.ok(rows)], columns=["scheme", "method", "double quant", "bnb layers", "footprint (MiB)",
+                                           "x smaller than baseline", "on disk (MiB)", "load (s)", "val perplexity",
+                                           "perplexity change (%)", "env"])
+
+
+PRUNE_COLUMNS = ["strategy", "layers", "query heads (kv)", "heads asked", "parameters", "parameters kept (%)",
+                 "footprint (MiB)", "val perplexity", "base perplexity", "perplexity change (%)",
+                 "generation (ms)", "speedup vs base [95% CI]", "verdict vs base", "sample", "healed perplexity",
+                 "healed change (%)", "healed sample", "env"]
+
+
+def prune_table(rows: list[dict]) -> pd.DataFrame:
+    return pd.DataFrame([{
+        "strategy": r["strategy"], "layers": r["kept"]["layers"],
+        "query heads (kv)": f"{r['kept']['heads']} ({r['kept']['kv_heads']})",
+        "heads asked": f"{r['kept']['target_heads']:g}",
+        "parameters": r["pruned"]["parameters"], "parameters kept (%)": 100 * r["parameter_ratio"],
+        "footprint (MiB)": r["pruned"]["memory_footprint_bytes"] / MiB,
+        "val perplexity": r["pruned"]["validation"]["perplexity"],
+        "base perplexity": r["base"]["validation"]["perplexity"],
+        "perplexity change (%)": r["perplexity_change_pct"],
+        "generation (ms)": 1000 * r["pruned"]["generation_s"]["median"],
+        "speedup vs base [95% CI]": speedup_text(r, "generation_speedup"),
+        "verdict vs base": speedup_verdict(r, "generation_speedup"),
+        "sample": " ".join(r["pruned"]["sample"].split())[:80], **healed_columns(r), "env": env_of(r),
+    } for r in records.ok(rows)], columns=PRUNE_COLUMNS)
+
+
+def healed_columns(r: dict) -> dict:
+    h = r.get("healing") or {}
+    if not records.is_ok(h):
+        return {"healed perplexity": None, "healed change (%)": None, "healed sample": h.get("status", "-")}
+    ppl = h["validation"]["perplexity"]
+    return {"healed perplexity": ppl, "healed change (%)": 100 * (ppl / r["base"]["validation"]["perplexity"] - 1),
+            "healed sample": " ".join(h["sample"].split())[:80]}
+
+
+QAT_COLUMNS = ["bits", "PTQ perplexity", "PTQ x full precision", "PTQ passes", "QAT perplexity",
+               "QAT x full precision", "QAT passes", "packed weights (MiB)", "env"]
+
+
+def qat_table(jobs: list[dict]) -> pd.DataFrame:
+    """One row per bit width: PTQ and QAT validation perplexity, over the full-precision fine-tune's, and
+    whether the width passes the precision range test's threshold."""
+    out = []
+    for job in records.ok(jobs):
+        reference, threshold = job["reference_perplexity"], job["threshold"]
+        for bits in job["bits"]:
+            row = {"bits": bits, "env": env_of(job)}
+            for method in ("ptq", "qat"):
+                v = next(v for v in job["variants"] if (v["method"], v["bits"]) == (method, bits))
+                label = method.upper()
+                if records.is_ok(v):
+                    ratio = v["perplexity"] / reference
+                    row |= {f"{label} perplexity": v["perplexity"], f"{label} x full precision": ratio,
+                            f"{label} passes": "yes" if ratio <= threshold else "no",
+                            "packed weights (MiB)": v["weight_bytes"]["packed_bytes"] / MiB}
+                else:
+                    row[f"{label} passes"] = status_text(v)
+            out.append(row)
+    return pd.DataFrame(out, columns=QAT_COLUMNS)
+
+
+SERVING_COLUMNS = ["method", "concurrency", "status", "requests/s", "output tokens/s", "x naive",
+                   "TTFT p50 (s)", "TTFT p90 (s)", "TTFT p99 (s)", "latency p50 (s)", "latency p90 (s)",
+                   "latency p99 (s)", "env"]
+
+
+def serving_table(jobs: list[dict]) -> pd.DataFrame:
+    out = []
+    for job in records.ok(jobs):
+        for c in job["cells"]:
+            ok = records.is_ok(c)
+            ttft, lat = (c.get("ttft_s") or {}), (c.get("latency_s") or {})
+            out.append({"method": c["method"], "concurrency": c["concurrency"], "status": status_text(c),
+                        "requests/s": c.get("requests_per_s"), "output tokens/s": c.get("output_tokens_per_s"),
+                        "x naive": c.get("throughput_vs_naive"),
+                        **{f"TTFT {q} (s)": ttft.get(q) for q in ("p50", "p90", "p99")},
+                        **{f"latency {q} (s)": lat.get(q) for q in ("p50", "p90", "p99")},
+                        "env": env_of(job)} if ok else {"method": c["method"], "concurrency": c["concurrency"],
+                                                     "status": status_text(c), "env": env_of(job)})
+    return pd.DataFrame(out, columns=SERVING_COLUMNS)
+
+
+CAPACITY_COLUMNS = ["subject", "work", "largest", "predicted max", "measured max", "first that fails",
+                    "peak at max (MiB)", "tokens/s at max", "cells", "status", "env"]
+
+
+def capacity_table(jobs: list[dict]) -> pd.DataFrame:
+    out = []
+    for job in records.ok(jobs):
+        fixed = job["fixed"]
+        for s in job["searches"]:
+            work = "training" if s["kind"] == "train" else "generation"
+            if s["dimension"] == "batch_size":
+                largest = f"batch ({fixed['train_seq_len'] if s['kind'] == 'train' else fixed['prompt_len']} tokens)"
+            else:
+                largest = "sequence (batch 1)"
+            measured = s.get("measured_max")
+            out.append({"subject": s["subject"], "work": work, "largest": largest,
+                        "predicted max": s.get("predicted_max"),
+                        "measured max": ("none fits" if measured is None else
+                                         f">= {measured} (whole range)" if s.get("whole_range_fits") else measured)
+                        if records.is_ok(s) else None,
+                        "first that fails": s.get("first_failing"), "peak at max (MiB)": s.get("peak_mib_at_max"),
+                        "tokens/s at max": s.get("tokens_per_s_at_max"), "cells": s.get("cells"),
+                        "status": status_text(s), "env": env_of(job)})
+    return pd.DataFrame(out, columns=CAPACITY_COLUMNS)
+
+
+def tokens_per_s(run: dict) -> float:
+    """A run's real-token throughput over its steady steps, the rate its MFU is computed from (the whole run's,
+    first steps included, for runs recorded before throughput was measured steady)."""
+    return run.get("throughput", {}).get("tokens_per_s", run["tokens_per_s"])
+
+
+def finetune_table(rows: list[dict]) -> pd.DataFrame:
+    return pd.DataFrame([{
+        "run": r["run"], "method": r["method"], "precision": r["mixed_precision"],
+        "effective batch": r.get("effective_batch"),
+        "pad tokens computed (%)": pct(r.get("pad_fraction")),
+        "trainable params": r["parameters"]["trainable"], "trainable (%)": r["parameters"]["trainable_pct"],
+        "total params": r["parameters"]["total"], "steps": r["steps"], "step (s)": r["step_s"],
+        "tokens/s": tokens_per_s(r), "samples/s": r["samples_per_s"],
+        "MFU (% of measured matmul)": pct(r.get("throughput", {}).get("mfu_vs_measured_ceiling")),
+        "matmul ceiling (TFLOP/s)": r.get("throughput", {}).get("matmul_ceiling", {}).get("tflops"),
+        "MFU (% of published peak)": pct(r.get("throughput", {}).get("mfu_vs_published_peak")),
+        f"peak memory (MiB, {r['train_memory']['kind']})": peak_mib(r["train_memory"]),
+        "val loss before": r["validation_before"]["loss"], "val loss after": r["validation_after"]["loss"],
+        "val perplexity after": r["validation_after"]["perplexity"],
+        "energy (J/token)": (r.get("energy") or {}).get("joules_per_token"), "env": env_of(r),
+    } for r in records.ok(rows)])
+
+
+def merge_table(rows: list[dict]) -> pd.DataFrame:
+    rows = records.ok(rows)
+    return pd.DataFrame([{
+        "run": r["run"], "reference": r["reference"], "merged into": r["merge_target"],
+        "max |logit diff| (merge dtype)": r["merged"]["max_abs_logit_diff"],
+        "max |logit diff| (saved folder)": r["merged_saved"]["max_abs_logit_diff"], "saved dtype": r["saved_dtype"],
+        "perplexity adapter": r["adapter_validation"]["perplexity"],
+        "perplexity merged": r["merged"]["validation"]["perplexity"],
+        "perplexity saved": r["merged_saved"]["validation"]["perplexity"], "env": env_of(r),
+    } for r in rows])
+
+
+def merge_targets_table(rows: list[dict]) -> pd.DataFrame:
+    rows = records.ok(rows)
+    return pd.DataFrame([{
+        "run": r["run"], "merged into": target, "max |logit diff| vs adapter on 4-bit base": t["max_abs_logit_diff"],
+        "mean KL vs adapter": t["kl_mean"], "perplexity": t["validation"]["perplexity"],
+        "perplexity adapter": r["adapter_validation"]["perplexity"],
+        "closest to the adapter (lowest KL)": "yes" if target == r.get("closest_target") else "", "env": env_of(r),
+    } for r in rows for target, t in r.get("targets", {}).items()])
+
+
+def attention_table(rows: list[dict]) -> pd.DataFrame:
+    out = []
+    for r in rows:
+        if not records.is_ok(r):  # the whole implementation did not run: one row, not one per cell
+            out.append({"implementation": r.get("implementation") or r.get("name"), "status": status_text(r),
+                        "env": env_of(r) if "environment" in r else None})
+            continue
+        for row in r["rows"]:
+            ok = records.is_ok(row)
+            lat = row.get("latency", {})
+            out.append({
+                "implementation": row["implementation"], "mode": row.get("mode", "forward"),
+                "seq len": row["seq_len"], "batch": row["batch_size"], "status": status_text(row),
+                "median (ms)": 1000 * lat["median"] if ok else None,
+                "95% CI or range of median (ms)": interval_text(lat, 1000) if ok else "-",
+                "p90 (ms)": 1000 * lat["p90"] if ok else None,
+                "p99 (ms)": 1000 * lat["p99"] if ok and "p99" in lat else None,
+                "tokens/s": row["tokens_per_s"] if ok else None,
+                "peak delta (MiB)": row["memory"].get("delta_mib") if ok else None,
+                "memory kind": row["memory"]["kind"] if ok else None,
+                "max |diff| vs eager": row["max_abs_diff_vs_eager"] if ok else None,
+                "speedup vs eager [95% CI]": speedup_text(row.get("vs_eager"), "speedup") if ok else "-",
+                "verdict vs eager": speedup_verdict(row.get("vs_eager"), "speedup") if ok else "-",
+                "env": env_of(r),
+            })
+    return pd.DataFrame(out, columns=ATTENTION_COLUMNS)
+
+
+ATTENTION_COLUMNS = ["implementation", "mode", "seq len", "batch", "status", "median (ms)", "95% CI or range of median (ms)",
+                     "p90 (ms)", "p99 (ms)", "tokens/s", "peak delta (MiB)", "memory kind", "max |diff| vs eager",
+                     "speedup vs eager [95% CI]", "verdict vs eager", "env"]
+
+
+def exponent_table(rows: list[dict]) -> pd.DataFrame:
+    return pd.DataFrame([{
+        "implementation": f["implementation"], "mode": f["mode"], "batch": f["batch_size"],
+        "memory ~ seq^k: k": f["exponent"], "R²": f.get("r2"), "points": f["points"],
+        "memory kind": f["memory_kind"], "env": env_of(r),
+    } for r in rows for f in r.get("memory_exponents", [])])
+
+
+def inference_table(rows: list[dict]) -> pd.DataFrame:
+    out = []
+    for r in rows:
+        for c in r.get("cells", []):  # a job that failed outside its cells has none (table of jobs not run)
+            ok = records.is_ok(c)
+            out.append({
+                "variant": r["variant"], "kind": r["kind"], "of": r["of"] or "-",
+                "KV cache": "on" if c["kv_cache"] else "off", "batch": c["batch_size"], "status": status_text(c),
+                "TTFT median (ms)": 1000 * c["ttft"]["median"] if ok else None,
+                "TTFT p90 (ms)": 1000 * c["ttft"]["p90"] if ok else None,
+                "decode tokens/s median": c["decode_tokens_per_s"]["median"] if ok else None,
+                "decode tokens/s 95% CI or range": interval_text(c["decode_tokens_per_s"]) if ok else "-",
+                "per-token p50 (ms)": 1000 * c["per_token_latency"]["median"] if ok else None,
+                "per-token p90 (ms)": 1000 * c["per_token_latency"]["p90"] if ok else None,
+                "per-token p99 (ms)": 1000 * c["per_token_latency"]["p99"] if ok else None,
+                "per-token p99/p50": c["per_token_latency"].get("p99_over_p50") if ok else None,
+                "tail cause (p99/p50 > 1.5)": (c["per_token_latency"].get("tail_cause") or "") if ok else "",
+                "peak delta (MiB)": c["memory"].get("delta_mib") if ok else None,
+                "memory kind": c["memory"]["kind"] if ok else None,
+                "footprint (MiB)": c["memory_footprint_bytes"] / MiB if ok else None,
+                "energy (J/token)": (c.get("energy") or {}).get("joules_per_token") if ok else None,
+                "speedup vs base [95% CI]": speedup_text(c.get("vs_base"), "generation_speedup") if ok else "-",
+                "verdict vs base": speedup_verdict(c.get("vs_base"), "generation_speedup") if ok else "-",
+                "env": env_of(r),
+            })
+    return pd.DataFrame(out, columns=INFERENCE_COLUMNS)
+
+
+INFERENCE_COLUMNS = ["variant", "kind", "of", "KV cache", "batch", "status", "TTFT median (ms)", "TTFT p90 (ms)",
+                     "decode tokens/s median", "decode tokens/s 95% CI or range", "per-token p50 (ms)", "per-token p90 (ms)",
+                     "per-token p99 (ms)", "per-token p99/p50", "tail cause (p99/p50 > 1.5)", "peak delta (MiB)",
+                     "memory kind", "footprint (MiB)", "energy (J/token)", "speedup vs base [95% CI]", "verdict vs base",
+                     "env"]
+
+
+def not_run_table(metrics: dict[str, list[dict]]) -> pd.DataFrame:
+    """Every job of the grid that did not produce numbers, and why: nothing disappears silently."""
+    return pd.DataFrame(records.not_run(metrics), columns=["stage", "name", "status", "reason"])
+
+
+MEMORY_TARGET = 0.15  # issue 5: the estimator within ±15% of the measurement on the embedded default
+
+
+def _main_terms(terms: dict, top: int = 3) -> str:
+    ranked = sorted(((v, k) for k, v in terms.items() if v >= 0.5), reverse=True)[:top]
+    return ", ".join(f"{k.replace('_', ' ')} {v:.0f}" for v, k in ranked) or "-"
+
+
+def memory_prediction_table(finetune_rows: list[dict], inference_rows: list[dict]) -> pd.DataFrame:
+    """Each run's and cell's predicted peak (made before it ran) next to its measured peak."""
+    def row(what: str, p: dict, env: str) -> dict:
+        ratio, predicted = p.get("ratio"), p.get("total_mib")
+        return {"run / cell": what, "memory": f"{p.get('measured_kind') or '?'} delta", "predicted (MiB)": predicted,
+                "main terms (MiB)": _main_terms(p["terms_mib"]) if predicted else p.get("unavailable"),
+                "measured (MiB)": p.get("measured_mib"), "measured / predicted": ratio,
+                "within ±15%": None if ratio is None else ("yes" if abs(ratio - 1) <= MEMORY_TARGET else "no"),
+                "RSS delta (MiB)": p.get("rss_delta_mib"), "RSS / predicted": p.get("rss_ratio"), "env": env}
+
+    out = [row(f"finetune {r['run']}" + (f" (longest batch {p['batch']['rows']}x{p['batch']['padded_length']})"
+                                         if p.get("batch") else f" ({p['phase']})" if p.get("phase") else ""), p, env_of(r))
+           for r in finetune_rows if (p := r.get("memory_prediction"))]
+    out += [row(f"inference {r['variant']} (KV {'on' if c['kv_cache'] else 'off'}, batch {c['batch_size']})",
+                c["memory_prediction"], env_of(r))
+            for r in inference_rows for c in r.get("cells", []) if records.is_ok(c) and "memory_prediction" in c]
+    return pd.DataFrame(out)
+
+
+def build_tables(metrics: dict) -> dict[str, pd.DataFrame]:
+    return {
+        "quantize": quantize_table(metrics["quantize"]),
+        "prune": prune_table(metrics["prune"]),
+        "qat": qat_table(metrics["qat"]),
+        "finetune": finetune_table(metrics["finetune"]),
+        "finetune_knobs": knob_table(metrics["finetune"], metrics["bench_finetune"]),
+        "merge": merge_table(metrics["merge"]),
+        "merge_targets": merge_targets_table(metrics["merge"]),
+        "bench_attention": attention_table(metrics["bench_attention"]),
+        "attention_memory_exponent": exponent_table(metrics["bench_attention"]),
+        "bench_inference": inference_table(metrics["bench_inference"]),
+        "bench_serving": serving_table(metrics["bench_serving"]),
+        "capacity": capacity_table(metrics["capacity"]),
+    }
