@@ -5,7 +5,7 @@ import pandas as pd
 import torch
 
 from efflab import measure
-from efflab.report import advice, environments, fmt, knobs, pareto, plots
+from efflab.report import notes, environments, fmt, knobs, pareto, plots
 
 
 def _envs():
@@ -164,12 +164,12 @@ def test_the_opening_names_identical_runs_and_explains_qlora_peaking_above_lora(
     runs = [_ft_run("lora-r8", "lora", 1.5, 2400, 1200, 890), _ft_run("lora-r8-gc", "lora", 1.5, 2000, 800, 400,
                                                                   gradient_checkpointing=True),
             _ft_run("qlora-r8", "qlora", 1.6, 2600, 1340, 890)]
-    assert advice.same_updates(runs) == [["lora-r8", "lora-r8-gc"]]
-    (note,) = advice.qlora_above_lora(runs)
+    assert notes.same_updates(runs) == [["lora-r8", "lora-r8-gc"]]
+    (note,) = notes.qlora_above_lora(runs)
     assert "2,600 vs 2,400 MiB" in note and "1,260 vs 1,200 MiB" in note and "890 vs 890 MiB" in note
     assert "Before training QLoRA's process held more: 1,260 vs 1,200 MiB (it reads" in note
     runs[2]["train_memory"]["peak_mib"] = 2300
-    assert advice.qlora_above_lora(runs) == [], "nothing to explain when QLoRA peaks lower"
+    assert notes.qlora_above_lora(runs) == [], "nothing to explain when QLoRA peaks lower"
 
 
 def test_the_qlora_note_says_what_its_numbers_say_when_qlora_held_less_before_training():
@@ -177,7 +177,7 @@ def test_the_qlora_note_says_what_its_numbers_say_when_qlora_held_less_before_tr
     training. The note once said QLoRA 'already held' more; every clause now follows from the two records."""
 
     runs = [_ft_run("lora-r8", "lora", 1.5, 1100, 168.4, 300), _ft_run("qlora-r8", "qlora", 1.6, 1200, 352.8, 310)]
-    (note,) = advice.qlora_above_lora(runs)
+    (note,) = notes.qlora_above_lora(runs)
     assert "Before training QLoRA's process held less: 847 vs 932 MiB." in note, note
     assert "reads the full-precision checkpoint" not in note
     assert "Training added 353 vs 168 MiB: bitsandbytes dequantizes" in note
@@ -188,10 +188,10 @@ def test_the_attention_note_computes_where_the_square_law_takes_over_from_the_co
     jobs = [{"status": "ok", "implementation": "eager", "rows": [{"seq_len": 64}, {"seq_len": 256}],
              "memory_exponents": [{"mode": "forward", "exponent": 1.03}]}]
     config = {"num_attention_heads": 9, "hidden_size": 576, "intermediate_size": 1536}
-    (note,) = advice.attention_law(jobs, config)
+    (note,) = notes.attention_law(jobs, config)
     assert "L ≈ 384 tokens" in note and "64–256 tokens" in note and "linear terms dominate" in note
     jobs[0]["memory_exponents"][0]["exponent"] = 1.9
-    assert advice.attention_law(jobs, config) == []
+    assert notes.attention_law(jobs, config) == []
 
 
 def test_a_plot_with_nothing_measured_says_so_instead_of_an_empty_legend(tmp_path, recwarn):
@@ -224,28 +224,3 @@ def test_the_merge_route_closest_to_the_adapter_is_not_called_best_when_another_
     table = merge_targets_table([record])
     assert "keeps the fine-tune best" not in table.columns
     assert list(table["closest to the adapter (lowest KL)"]) == ["", "yes"]
-
-
-def test_the_glance_weighs_a_smaller_scheme_and_the_fastest_variant_against_their_other_axes():
-    """Planted: INT8 keeps perplexity within the tolerance and is smaller, but decodes slower than the base;
-    NF4 decodes fastest but loses 29% perplexity. The opening says both costs, read from the tables."""
-    import pandas as pd
-
-    quantize = pd.DataFrame([
-        {"scheme": "baseline", "footprint (MiB)": 260.0, "x smaller than baseline": 1.0, "perplexity change (%)": 0.0},
-        {"scheme": "int8", "footprint (MiB)": 158.0, "x smaller than baseline": 1.65, "perplexity change (%)": 3.4},
-        {"scheme": "nf4", "footprint (MiB)": 110.0, "x smaller than baseline": 2.4, "perplexity change (%)": 28.9}])
-
-    def cell(variant, kind, of, rate, speedup, verdict):
-        return {"variant": variant, "kind": kind, "of": of, "KV cache": "on", "batch": 1, "status": "ok",
-                "decode tokens/s median": rate, "footprint (MiB)": 100.0, "speedup vs base [95% CI]": speedup,
-                "verdict vs base": verdict}
-    inference = pd.DataFrame([cell("baseline", "base", "-", 22.7, "-", "-"),
-                              cell("int8", "quantized", "int8", 14.2, "0.58× [0.55, 0.61]", "slower"),
-                              cell("nf4", "quantized", "nf4", 25.0, "1.10× [1.02, 1.19]", "faster")])
-    tables = {"quantize": quantize, "bench_inference": inference}
-    (said, *_) = advice.quantize_lines(tables)
-    assert "**int8**" in said and "decodes at 0.58× [0.55, 0.61] the base model's speed, interleaved (slower)" in said
-    (fast, *_) = advice.inference_lines(tables)
-    assert "**nf4**" in fast and "validation perplexity +28.9% vs the base model" in fast
-    assert "1.10× [1.02, 1.19] (faster)" in fast

@@ -1,211 +1,170 @@
-"""The report's opening: what won on the user's own model and data, at what memory and speed, before any detail.
+"""The report's opening answers, derived from the records and never written by hand.
 
-Each answer is read off the same tables the detailed sections show (report.py builds them), so the two never
-disagree; where a question has no answer in this run (a stage did not run), it says so.
+For each decision (quantization scheme, fine-tuning method, attention implementation, inference variant, merge
+route) the options are read from the records with an interval on every axis (report.options), the frontier is
+what no option beats on one axis without losing on another (report.decide), and a recommendation is named only
+where the intervals separate; it states its cost on the other axes. One baseline and one stated tolerance per
+decision. The words are in templates/advice.md.j2; this module computes the facts they say.
 """
 from __future__ import annotations
 
 import pandas as pd
 
 from .. import records
+from . import options as opts
+from .decide import beats, best_point, frontier, winner
+from .fmt import markdown
+from .render import render, value_text
 
-# A quantization scheme "keeps the quality" when its validation perplexity rises by at most this much.
-QUALITY_KEPT_PCT = 5.0
-
-
-def _mib(x) -> str:
-    return "n/a" if x is None or pd.isna(x) else f"{x:,.0f} MiB"
-
-
-def _md(df: pd.DataFrame) -> str:
-    return df.to_markdown(index=False, floatfmt=".3g")
+SPEED, QUALITY = {"speed": "max"}, {"quality": "min"}
 
 
-def same_updates(finetune: list[dict]) -> list[list[str]]:
-    """Groups of runs whose loss curves are identical: the same math under different memory or speed knobs
-    (checkpointing, packing vs padding), which is why their curves lie on top of each other."""
-    groups: dict[tuple, list[str]] = {}
-    for r in records.ok(finetune):
-        key = (r["method"], round(r["first_loss"], 4), round(r["last_loss"], 4),
-               round(r["validation_after"]["loss"], 4))
-        groups.setdefault(key, []).append(r["run"])
-    return [g for g in groups.values() if len(g) > 1]
+def quality_status(a: dict | None, tolerance_pct: float) -> str:
+    """A perplexity change against the tolerance, by its interval: within / beyond / undecided / not measured."""
+    if not a:
+        return "not measured"
+    if a["lo"] is None:
+        return "undecided"
+    return "within" if a["hi"] <= tolerance_pct else "beyond" if a["lo"] > tolerance_pct else "undecided"
 
 
-def finetune_lines(tables: dict, finetune: list[dict]) -> list[str]:
-    df = tables["finetune"]
-    if df.empty:
-        return ["No fine-tuning run finished in this run (see *Did not run*).", ""]
-    memory = next(c for c in df.columns if c.startswith("peak memory"))
-    view = df.assign(**{"val loss": df["val loss before"].map("{:.3f}".format) + " → "
-                        + df["val loss after"].map("{:.3f}".format)})
-    view = view.sort_values("val loss after")[["run", "method", "val loss", memory, "tokens/s"]]
-    best, lean, fast = (df.loc[df["val loss after"].idxmin()], df.loc[df[memory].idxmin()],
-                        df.loc[df["tokens/s"].idxmax()])
-    lines = [f"**Fine-tuning.** Lowest validation loss after training: **{best['run']}** ({best['method']}, "
-             f"{best['val loss before']:.3f} → {best['val loss after']:.3f}). Least training memory: "
-             f"**{lean['run']}** ({_mib(lean[memory])}). Fastest: **{fast['run']}** ({fast['tokens/s']:,.0f} "
-             "tokens/s).", ""]
-    for group in same_updates(finetune):
-        lines += [f"Runs {', '.join(group)} make the same updates (their knobs change memory and speed, not the "
-                  "math), so their losses are identical by construction.", ""]
-    return lines + [_md(view), ""]
+def speed_word(a: dict | None) -> str:
+    """An interleaved ratio over the baseline: faster / slower only where its interval excludes 1."""
+    if not a:
+        return "not measured"
+    if a["lo"] is None:
+        return "undecided"
+    return "faster" if a["lo"] > 1 else "slower" if a["hi"] < 1 else "no difference measured"
 
 
-def quantize_lines(tables: dict) -> list[str]:
-    df = tables["quantize"]
-    if df.empty:
-        return []
-    kept = df[df["perplexity change (%)"].abs() <= QUALITY_KEPT_PCT]
-    smallest = kept.loc[kept["footprint (MiB)"].idxmin()] if not kept.empty else None
-    said = (f"the smallest that keeps validation perplexity within {QUALITY_KEPT_PCT:g}% is **{smallest['scheme']}** "
-            f"({smallest['footprint (MiB)']:,.0f} MiB, {smallest['x smaller than baseline']:.2f}x smaller, "
-            f"perplexity {smallest['perplexity change (%)']:+.1f}%)" if smallest is not None else
-            f"no scheme keeps validation perplexity within {QUALITY_KEPT_PCT:g}%")
-    speed = _decode_vs_base(tables, "quantized", smallest["scheme"]) if smallest is not None else ""
-    view = df[["scheme", "footprint (MiB)", "x smaller than baseline", "perplexity change (%)"]]
-    return [f"**Quantization (post-training, bitsandbytes):** {said}{speed}.", "", _md(view), ""]
+def _table(options: list[dict], columns: dict[str, tuple[str, str]], front: list[str], extra=None) -> str:
+    """The options as a small table: one column per axis (value [interval]) and whether it is on the frontier."""
+    rows = [{"option": o["name"] + (" (baseline)" if o.get("baseline") else ""),
+             **{title: value_text(o["axes"].get(key), unit, signed=key == "quality") for key, (title, unit) in
+                columns.items()},
+             **(extra(o) if extra else {}), "on the frontier": "yes" if o["name"] in front else "no"}
+            for o in options]
+    return markdown(pd.DataFrame(rows))
 
 
-def _decode_vs_base(tables: dict, kind: str, of: str) -> str:
-    """What a variant costs or buys in decode speed, interleaved with the base model (batch 1, KV cache): the
-    other axis of a memory or quality answer, read from the inference table."""
-    df = records.ok_rows(tables["bench_inference"])
-    cell = df[(df["kind"] == kind) & (df["of"] == of) & (df["KV cache"] == "on") & (df["batch"] == 1)]
-    if cell.empty:
-        return "; its decode speed was not measured here"
-    c = cell.iloc[0]
-    return (f"; it decodes at {c['speedup vs base [95% CI]']} the base model's speed, interleaved "
-            f"({c['verdict vs base']})")
+def quantize_facts(quantize: list[dict], inference: list[dict], baseline: str, tolerance: float) -> dict | None:
+    options = opts.quantize_options(quantize, inference, baseline)
+    if not options:
+        return None
+    status = {o["name"]: "within" if o["baseline"] else quality_status(o["axes"]["quality"], tolerance)
+              for o in options}
+    kept = [o for o in options if status[o["name"]] == "within"]
+    pick = min(kept, key=lambda o: o["axes"]["memory"]["value"]) if kept else None
+    front = frontier(options, {"memory": "min", **SPEED, **QUALITY})
+    base = next((o for o in options if o["baseline"]), None)
+    smaller = base["axes"]["memory"]["value"] / pick["axes"]["memory"]["value"] if pick and base else None
+    return {"options": options, "pick": pick, "status": status, "baseline": baseline, "front": front,
+            "smaller": smaller,
+            "speed": speed_word(pick["axes"]["speed"]) if pick else None,
+            "by_status": {s: [n for n, v in status.items() if v == s and n != baseline]
+                          for s in ("within", "beyond", "undecided", "not measured")},
+            "table": _table(options, {"memory": ("footprint", " MiB"), "quality": ("perplexity change", "%"),
+                                      "speed": ("decode speed × baseline", "")}, front,
+                            lambda o: {"quality vs tolerance": status[o["name"]]})}
 
 
-def _quality_of(tables: dict, variant) -> str:
-    """The quality cost of an inference variant, where this run measured it (a quantized scheme's perplexity)."""
-    q = tables["quantize"]
-    if variant["kind"] == "quantized" and not q[q["scheme"] == variant["of"]].empty:
-        change = q[q["scheme"] == variant["of"]].iloc[0]["perplexity change (%)"]
-        return f", validation perplexity {change:+.1f}% vs the base model"
-    if variant["kind"] == "base":
-        return ""
-    return ", quality not measured against the base model here"
+def inference_facts(inference: list[dict], quantize: list[dict], tolerance: float) -> dict | None:
+    options = opts.inference_options(inference, quantize)
+    if not options:
+        return None
+    status = {o["name"]: "within" if o["baseline"] else quality_status(o["axes"]["quality"], tolerance)
+              for o in options}
+    base = next((o for o in options if o["baseline"]), None)
+    faster = [o for o in options if not o["baseline"] and speed_word(o["axes"]["speed"]) == "faster"]
+    kept = [o for o in faster if status[o["name"]] == "within"]
+    pick = winner(kept, "speed", "max") if len(kept) > 1 else (kept[0]["name"] if kept else None)
+    front = frontier(options, {"memory": "min", **SPEED, **QUALITY})
+    top = best_point([o for o in options if not o["baseline"]], "speed", "max")
+    return {"options": options, "pick": next((o for o in options if o["name"] == pick), None), "base": base,
+            "status": status, "faster": [o["name"] for o in faster], "front": front,
+            "top": next((o for o in options if o["name"] == top), None),
+            "top_word": speed_word(next(o for o in options if o["name"] == top)["axes"]["speed"]) if top else None,
+            "table": _table(options, {"memory": ("footprint", " MiB"), "speed": ("decode speed × base", ""),
+                                      "quality": ("perplexity change", "%")}, front,
+                            lambda o: {"speed verdict": "baseline" if o["baseline"] else speed_word(o["axes"]["speed"]),
+                                       "quality vs tolerance": status[o["name"]]})}
 
 
-def inference_lines(tables: dict) -> list[str]:
-    df = records.ok_rows(tables["bench_inference"])
-    if df.empty:
-        return []
-    one = df[(df["KV cache"] == "on") & (df["batch"] == 1)]
-    one = one if not one.empty else df
-    fast = one.loc[one["decode tokens/s median"].idxmax()]
-    view = one[["variant", "decode tokens/s median", "footprint (MiB)", "speedup vs base [95% CI]",
-                "verdict vs base"]]
-    versus = "" if fast["kind"] == "base" else (f"; vs the base model, interleaved: {fast['speedup vs base [95% CI]']} "
-                                                 f"({fast['verdict vs base']})")
-    return [f"**Inference** (greedy, KV cache, batch 1): highest median decode rate **{fast['variant']}** "
-            f"({fast['decode tokens/s median']:.1f} tokens/s, {fast['footprint (MiB)']:,.0f} MiB"
-            f"{_quality_of(tables, fast)}{versus}).", "", _md(view), ""]
+# Settings that change what a run learns: when runs differ in them, their losses compare settings, not methods.
+LEARNING_SETTINGS = ("learning_rate", "max_steps", "batch_size", "gradient_accumulation_steps", "lr_scheduler",
+                     "warmup_steps", "seed")
 
 
-def qat_lines(qat: list[dict]) -> list[str]:
-    job = next(iter(records.ok(qat)), None)
-    if job is None:
-        return []
-    tests = job["precision_range_test"]
-    said = {m: f"{tests[m]['b_min']} bits" if tests[m]["b_min"] else "none" for m in ("ptq", "qat")}
-    return [f"**Fewest weight bits that keep perplexity within {job['threshold']:g}x** of the full-precision "
-            f"fine-tune: {said['qat']} with quantization-aware training, {said['ptq']} quantized after training "
-            f"(of {', '.join(map(str, job['bits']))}).", ""]
+def finetune_facts(finetune: list[dict]) -> dict | None:
+    options = opts.finetune_options(finetune)
+    if not options:
+        return None
+    confounds = [{"setting": k, "values": {o["name"]: o["settings"].get(k) for o in options}}
+                 for k in LEARNING_SETTINGS if len({repr(o["settings"].get(k)) for o in options}) > 1]
+    axes = {"memory": "min", "step": "min", "quality": "min"}
+    front = frontier(options, axes)
+    return {"options": options, "front": front, "reference": options[0], "confounds": confounds,
+            "kind": options[0]["memory_kind"],
+            "winners": {k: winner(options, k, d) for k, d in axes.items()},
+            "best": {k: best_point(options, k, d) for k, d in axes.items()},
+            "table": _table(options, {"memory": ("peak memory", " MiB"), "step": ("median step", " s"),
+                                      "quality": ("val perplexity change", "%")}, front,
+                            lambda o: {"method": o["method"]})}
 
 
-def capacity_lines(capacity: list[dict]) -> list[str]:
-    job = next(iter(records.ok(capacity)), None)
-    if job is None:
-        return []
-    said = []
-    for s in job["searches"]:
-        if s["kind"] != "train" or not records.is_ok(s):
+def attention_facts(attention: list[dict]) -> dict | None:
+    options, cell = opts.attention_options(attention)
+    if len(options) < 2:
+        return None
+    faster = [o for o in options if not o["baseline"] and speed_word(o["axes"]["speed"]) == "faster"]
+    pick = (winner(faster, "speed", "max") if len(faster) > 1 else faster[0]["name"]) if faster else None
+    front = frontier(options, {"speed": "max", "memory": "min"})
+    return {"options": options, "cell": cell, "front": front, "faster": [o["name"] for o in faster],
+            "pick": next((o for o in options if o["name"] == pick), None),
+            "table": _table(options, {"speed": ("speed × eager (interleaved)", ""),
+                                      "memory": ("peak memory over baseline", " MiB"),
+                                      "agreement": ("max abs difference vs eager", "")}, front,
+                            lambda o: {"verdict": "baseline" if o["baseline"] else speed_word(o["axes"]["speed"])})}
+
+
+def merge_facts(merge: list[dict]) -> list[dict]:
+    out = []
+    for job in records.ok(merge):
+        options = opts.merge_options(job)
+        if len(options) < 2:
             continue
-        what = {"batch_size": f"batch of {job['fixed']['train_seq_len']}-token rows",
-                "seq_len": "sequence at batch 1"}[s["dimension"]]
-        top = s["measured_max"]
-        said.append(f"{s['subject']} {'nothing' if top is None else top}{' (whole range)' if s['whole_range_fits'] else ''}"
-                    f" ({what})")
-    if not said:
-        return []
-    return [f"**What fits in {job['budget']['mib']:,.0f} MiB** ({job['budget']['source']}), training: "
-            + "; ".join(said) + ".", ""]
+        quality_winner = winner(options, "quality", "min")
+        out.append({"run": job["run"], "options": options, "closest": winner(options, "kl", "min"),
+                    "best_quality": quality_winner, "lowest_point": best_point(options, "quality", "min"),
+                    "table": _table(options, {"kl": ("mean KL to the adapter", ""),
+                                              "quality": ("perplexity change vs adapter", "%")},
+                                    frontier(options, {"kl": "min", "quality": "min"}),
+                                    lambda o: {"perplexity": f"{o['perplexity']:.4g}"})})
+    return out
 
 
-def claims_lines(claims: list[dict], link: str) -> list[str]:
-    """The seed-claims check in a few lines, linked: it concerns documents, not the user's data."""
-    job = next(iter(records.ok(claims)), None)
-    if job is None:
-        return []
-    counts = ", ".join(f"{n} {v}" for v, n in job["by_verdict"].items() if n)
-    return ["## Published numbers checked", "",
-            f"efflab also checks {job['claims']} numeric claims of the texts it grew from ({counts}) against its "
-            f"estimator and this run: [the claims page]({link}) lists each with its source.", ""]
+def facts(metrics: dict, cfg: dict) -> dict:
+    tolerance = cfg["report"]["quality_tolerance_pct"]
+    return {"tolerance": tolerance, "baseline": cfg["report"]["baseline_scheme"],
+            "quantize": quantize_facts(metrics["quantize"], metrics["bench_inference"], cfg["report"]["baseline_scheme"],
+                                       tolerance),
+            "finetune": finetune_facts(metrics["finetune"]),
+            "inference": inference_facts(metrics["bench_inference"], metrics["quantize"], tolerance),
+            "attention": attention_facts(metrics["bench_attention"]),
+            "merge": merge_facts(metrics["merge"])}
 
 
-def qlora_above_lora(finetune: list[dict]) -> list[str]:
-    """Why QLoRA's resident peak can top LoRA's on a CPU, from the two runs' own measurements."""
-    ok = {r["method"]: r for r in records.ok(finetune) if r["method"] in ("lora", "qlora")
-          and not r["settings"]["gradient_checkpointing"] and r["settings"]["packing"]}
-    lora, qlora = ok.get("lora"), ok.get("qlora")
-    if not lora or not qlora or lora["train_memory"]["kind"] != "cpu_peak_rss":
-        return []
-    peak = {k: r["train_memory"].get("peak_mib") for k, r in ok.items()}
-    if None in peak.values() or peak["qlora"] <= peak["lora"]:
-        return []
-    before = {k: r["train_memory"]["peak_mib"] - r["train_memory"]["delta_mib"] for k, r in ok.items()}
-    added = {k: r["train_memory"]["delta_mib"] for k, r in ok.items()}
-    live = {k: (r.get("memory_prediction") or {}).get("measured_mib") for k, r in ok.items()}
-    held = "more" if before["qlora"] > before["lora"] else "less"
-    lines = [f"- **QLoRA peaks above LoRA** ({peak['qlora']:,.0f} vs {peak['lora']:,.0f} MiB resident, the process's "
-             f"high-water mark). Before training QLoRA's process held {held}: {before['qlora']:,.0f} vs "
-             f"{before['lora']:,.0f} MiB"
-             + (" (it reads the full-precision checkpoint and bitsandbytes packs it to 4 bits as it loads; memory "
-                "freed after that is not necessarily returned to the system)" if held == "more" else "")
-             + f". Training added {added['qlora']:,.0f} vs {added['lora']:,.0f} MiB"
-             + (": bitsandbytes dequantizes each layer's weight to a full-precision temporary in the forward and "
-                "the backward pass" if added["qlora"] > added["lora"] else "") + "."]
-    if None not in live.values():
-        lines[0] += (f" The live tensors of training peaked at {live['qlora']:,.0f} vs {live['lora']:,.0f} MiB; for "
-                     "a small model, activations and logits dominate and the 4-bit saving on the frozen weights is "
-                     "small next to them. QLoRA's saving shows where the weights dominate: a model of billions of "
-                     "parameters, measured as CUDA allocated memory on a GPU.")
-    return lines
+def run_size(cfg: dict) -> dict:
+    return {"steps": cfg["finetune"]["defaults"]["max_steps"], "quantize_rows": cfg["quantize"]["eval_rows"],
+            "finetune_rows": cfg["finetune"]["defaults"]["eval_rows"],
+            "inference_repeats": cfg["bench_inference"]["repeats"]}
 
 
-def attention_law(bench_attention: list[dict], config: dict) -> list[str]:
-    """Why eager attention's memory can grow about linearly over the measured lengths: compute where the L²
-    scores overtake the activations that grow with L, from the model's config."""
-    fits = [f for r in records.ok(bench_attention) if r.get("implementation", r.get("name")) == "eager"
-            for f in r.get("memory_exponents", []) if f.get("exponent") is not None]
-    heads, hidden, inter = (config.get(k) for k in ("num_attention_heads", "hidden_size", "intermediate_size"))
-    if not fits or not (heads and hidden and inter) or all(f["exponent"] > 1.5 for f in fits):
-        return []
-    lengths = sorted({row["seq_len"] for r in records.ok(bench_attention) for row in r.get("rows", [])})
-    crossover = (4 * hidden + 3 * inter) / (2 * heads)
-    k = ", ".join(f"{f['exponent']:.2f} ({f['mode']})" for f in fits)
-    return [f"- **Eager attention's memory fits seq_len^{k}, not ^2**, over {lengths[0]}–{lengths[-1]} tokens. "
-            f"Its scores and their softmax take 2 × {heads} heads × L² floats per layer, while each layer's hidden "
-            f"states, q/k/v and MLP activations take about (4 × {hidden} + 3 × {inter}) × L floats: the quadratic "
-            f"term overtakes the linear ones only beyond L ≈ {crossover:,.0f} tokens, so "
-            + ("over these lengths the linear terms dominate. " if lengths[-1] < crossover else
-               "a fit over these lengths mixes both. ") + "Lengths up to several times that (the GPU profile goes to 8k) show the square law, and "
-            "SDPA's fused kernels stay linear."]
+def lines(metrics: dict, cfg: dict) -> list[str]:
+    return [render("advice.md.j2", size=run_size(cfg), **facts(metrics, cfg))]
 
 
-def surprise_lines(metrics: dict) -> list[str]:
-    notes = qlora_above_lora(metrics["finetune"]) + attention_law(
-        metrics["bench_attention"], metrics["base_model"][0].get("config", {}))
-    return ["### Results that may surprise", "", *notes, ""] if notes else []
-
-
-def lines(tables: dict, metrics: dict) -> list[str]:
-    return ["## At a glance: your model on your data", "",
-            *finetune_lines(tables, metrics["finetune"]), *quantize_lines(tables), *inference_lines(tables),
-            *qat_lines(metrics["qat"]), *capacity_lines(metrics["capacity"]), *surprise_lines(metrics),
-            "![fine-tuning: memory vs throughput](finetune_pareto.png)", "",
-            "![inference: memory vs decode speed](inference_pareto.png)", ""]
+def beaten_by(options: list[dict], name: str, key: str, better: str) -> list[str]:
+    """The options that beat `name` on `key` (for the template's "but" clauses)."""
+    me = next(o for o in options if o["name"] == name)
+    return [o["name"] for o in options if o is not me and beats(o["axes"].get(key), me["axes"].get(key), better)]

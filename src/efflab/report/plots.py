@@ -11,7 +11,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from .. import cli, records  # noqa: E402
-from .advice import same_updates  # noqa: E402
+from .notes import same_updates  # noqa: E402
 from .fmt import peak_mib  # noqa: E402
 from .results import absent  # noqa: E402
 from .tables import tokens_per_s  # noqa: E402

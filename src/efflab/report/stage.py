@@ -7,7 +7,7 @@ import pandas as pd
 
 from .. import provenance
 from ..config import UserError
-from . import advice
+from . import advice, notes
 from .environments import comparison, environment_table, provenance_table
 from .fmt import env_of, markdown
 from .pareto import finetune_pareto, inference_pareto, write_fronts
@@ -50,8 +50,9 @@ def run(cfg: dict, paths: dict) -> dict:
     not_run = not_run_table(metrics)
     isolation = "each in a fresh process" if cfg["runtime"]["isolation"] == "subprocess" else "in the stage process"
     lines = [
-        *header_lines(base, data), *advice.lines(tables, metrics),
-        *advice.claims_lines(metrics["claims"], "../claims/claims.md"),
+        *header_lines(base, data), *advice.lines(metrics, cfg), *notes.qat_lines(metrics["qat"]),
+        *notes.capacity_lines(metrics["capacity"]), *notes.surprise_lines(metrics),
+        *notes.claims_lines(metrics["claims"], "../claims/claims.md"),
         "## In detail", "", HOW_TO_READ.format(isolation=isolation), "",
         *part("quantize", "## Quantization (post-training, bitsandbytes)", quantize_body),
         *part("prune", "## Structured pruning", prune_body),

@@ -1,0 +1,39 @@
+"""The report's words live in Jinja2 templates (report/templates/); this fills them from facts computed elsewhere."""
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+
+TEMPLATES = Path(__file__).parent / "templates"
+
+
+def value_text(a: dict | None, unit: str = "", digits: int = 3, signed: bool = False) -> str:
+    """An axis as a reader sees it: '+3.4% [+1.2, +5.6]', '1.09 [1.02, 1.15]', '847 MiB' (exact), or the value
+    with its n and 'no interval'; 'not measured' without a value."""
+    if not a:
+        return "not measured"
+    spec = ",.0f" if "MiB" in unit else f"{'+' if signed else ''}.{digits}g"
+    v = f"{a['value']:{spec}}{unit}"
+    if a["lo"] is None:
+        return v + (f" (n={a['n']}, no interval)" if a.get("n") else "")
+    if a["lo"] == a["hi"] == a["value"]:
+        return v
+    return f"{v} [{a['lo']:{spec}}, {a['hi']:{spec}}]"
+
+
+@cache
+def environment():
+    import jinja2
+
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), trim_blocks=True, lstrip_blocks=True,
+                             keep_trailing_newline=True, undefined=jinja2.StrictUndefined, autoescape=False)
+    env.filters["v"] = value_text
+    env.filters["pct"] = lambda a: value_text(a, "%", 3, signed=True)
+    env.filters["mib"] = lambda a: value_text(a, " MiB", 4)
+    env.filters["x"] = lambda a: value_text(a, "×", 3)
+    env.filters["names"] = lambda xs: ", ".join(f"**{x}**" for x in xs)
+    return env
+
+
+def render(template: str, **facts) -> str:
+    return environment().get_template(template).render(**facts)

@@ -1,0 +1,86 @@
+"""The report's opening answers follow from planted records, not from which option is cheapest or named first."""
+from efflab.report import advice
+
+MiB = 2**20
+CFG = {"report": {"quality_tolerance_pct": 5.0, "baseline_scheme": "baseline"},
+       "finetune": {"defaults": {"max_steps": 6, "eval_rows": 8}}, "quantize": {"eval_rows": 16},
+       "bench_inference": {"repeats": 6}}
+
+
+def change(pct, lo, hi, n=16):
+    return {"change_pct": pct, "ci95_change_pct": None if lo is None else [lo, hi], "n_rows": n}
+
+
+def scheme(name, mib, ppl=None):
+    return {"scheme": name, "status": "ok", "memory_footprint_bytes": mib * MiB, "perplexity_change": ppl}
+
+
+def variant(name, kind, of, mib, speed=None):
+    vs = None if speed is None else {"generation_speedup": {"median": speed[0], "ci95": speed[1:], "rounds": 8}}
+    return {"variant": name, "kind": kind, "of": of, "status": "ok", "cells": [
+        {"status": "ok", "kv_cache": True, "batch_size": 1, "memory_footprint_bytes": mib * MiB, "vs_base": vs}]}
+
+
+def metrics(**stages):
+    return {s: [] for s in ("quantize", "bench_inference", "finetune", "bench_attention", "merge")} | stages
+
+
+def render(**stages):
+    return "\n".join(advice.lines(metrics(**stages), CFG))
+
+
+QUANTIZE = [scheme("baseline", 256), scheme("int8", 155, change(3.4, 1.0, 4.5)),
+            scheme("nf4", 105, change(28.9, 20.0, 38.0)), scheme("fp4", 105, change(2.0, -1.0, 9.0))]
+INFERENCE = [variant("baseline", "base", None, 256), variant("int8", "quantized", "int8", 155, (0.58, 0.55, 0.61)),
+             variant("nf4", "quantized", "nf4", 105, (1.20, 1.10, 1.30))]
+
+
+def test_the_smallest_scheme_that_keeps_quality_is_named_with_its_slower_decode_and_nf4_is_not_called_best():
+    facts = advice.quantize_facts(QUANTIZE, INFERENCE, "baseline", 5.0)
+    assert facts["pick"]["name"] == "int8", "nf4 is beyond the tolerance, fp4's interval straddles it"
+    assert facts["speed"] == "slower"
+    assert facts["by_status"] == {"within": ["int8"], "beyond": ["nf4"], "undecided": ["fp4"], "not measured": []}
+    text = render(quantize=QUANTIZE, bench_inference=INFERENCE)
+    assert "**int8**: 155 MiB (1.65× smaller)" in text and "0.58× [0.55, 0.61] the baseline's speed (slower)" in text
+    assert "Beyond the tolerance: **nf4**" in text and "Not decided at this validation size: **fp4**" in text
+
+
+def test_no_scheme_is_recommended_when_none_is_shown_within_the_tolerance():
+    planted = [scheme("baseline", 256), scheme("int8", 155, change(3.4, None, None, n=4))]
+    assert "No scheme is shown to keep perplexity within +5.0%" in render(quantize=planted)
+
+
+def test_the_fastest_variant_is_not_recommended_when_its_quality_is_beyond_the_tolerance():
+    facts = advice.inference_facts(INFERENCE, QUANTIZE, 5.0)
+    assert facts["pick"] is None and facts["top"]["name"] == "nf4"
+    text = render(quantize=QUANTIZE, bench_inference=INFERENCE)
+    assert "No variant is shown to be both faster than the base model and within the quality tolerance" in text
+    assert "**nf4**'s, at 1.2× [1.1, 1.3] (faster), with perplexity +28.9% [+20, +38], beyond the tolerance" in text
+
+
+def test_the_route_closest_to_the_adapter_is_not_called_best_when_another_is_better_in_quality():
+    targets = {"original base": {"kl_mean": 0.54, "validation": {"perplexity": 26.6},
+                                 "perplexity_change": change(-15.0, -20.0, -10.0, 8)},
+               "nf4 round-trip base": {"kl_mean": 0.003, "validation": {"perplexity": 31.4},
+                                       "perplexity_change": change(0.1, -0.5, 0.7, 8)}}
+    text = render(merge=[{"run": "qlora-r8", "status": "ok", "targets": targets}])
+    assert "**nf4 round-trip base** is closest to the adapter" in text
+    assert "**original base** has the lower perplexity" in text and "Fidelity to the adapter is not quality" in text
+
+
+def _run(name, method, rows, step=(1.0, 0.9, 1.1), lr=1e-3, memory=900.0):
+    return {"run": name, "method": method, "status": "ok", "settings": {"learning_rate": lr},
+            "train_memory": {"kind": "cpu_peak_rss", "peak_mib": memory},
+            "step_time": {"median": step[0], "ci95_median": list(step[1:]), "n": 8},
+            "validation_after": {"per_row": rows}}
+
+
+def test_a_lowest_loss_within_noise_is_no_winner_and_a_different_learning_rate_is_said():
+    noisy = [[10, 20.0 + d] for d in (0.5, -0.5, 0.4, -0.4, 0.3, -0.3, 0.2, -0.2)]
+    runs = [_run("full", "full", [[10, 20.0]] * 8, lr=5e-5, memory=3600.0),
+            _run("lora-r8", "lora", noisy, step=(0.5, 0.45, 0.55))]
+    facts = advice.finetune_facts(runs)
+    assert facts["winners"] == {"memory": None, "step": "lora-r8", "quality": None}
+    text = render(finetune=runs)
+    assert "Lowest validation perplexity after training: no difference measured" in text
+    assert "Shortest step: **lora-r8**" in text and "`learning_rate` (full: 5e-05, lora-r8: 0.001)" in text
