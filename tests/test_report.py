@@ -224,3 +224,29 @@ def test_the_merge_route_closest_to_the_adapter_is_not_called_best_when_another_
     table = merge_targets_table([record])
     assert "keeps the fine-tune best" not in table.columns
     assert list(table["closest to the adapter (lowest KL)"]) == ["", "yes"]
+
+
+def test_the_long_results_table_keeps_each_figure_with_its_interval_and_n():
+    from efflab.report import tidy
+
+    record = {"name": "int8", "environment": {"cpu": "x"}, "load_s": 1.5, "settings": {"lr": 1.0},
+              "cells": [{"kv_cache": True, "batch_size": 1, "prompt_tokens": [3, 4],
+                         "ttft": {"median": 0.2, "n": 8, "ci95_median": [0.1, 0.3], "unit": "s"},
+                         "vs_base": {"generation_speedup": {"median": 0.6, "ci95": None, "rounds": 2}}}],
+              "perplexity_change": {"change_pct": 3.4, "ci95_change_pct": [1.0, 5.8], "n_rows": 16}}
+    df = tidy.results_table({"quantize": [record]}).set_index("metric")
+    assert list(df.columns) == ["stage", "job", "value", "lower", "upper", "unit", "n"]
+    assert df.loc["load_s", "unit"] == "s" and df.loc["load_s", "job"] == "int8"
+    ttft = df.loc["cells[batch_size=1,kv_cache=True].ttft"]
+    assert (ttft["value"], ttft["lower"], ttft["upper"], ttft["n"]) == (0.2, 0.1, 0.3, 8)
+    assert pd.isna(df.loc["cells[batch_size=1,kv_cache=True].vs_base.generation_speedup", "lower"])
+    assert df.loc["perplexity_change", "upper"] == 5.8
+    assert not any(m.startswith(("environment", "settings")) or "prompt_tokens" in m for m in df.index)
+
+
+def test_a_wide_table_is_split_into_parts_that_repeat_its_key_columns_and_empty_columns_go():
+    df = pd.DataFrame([{"variant": "a", "batch": 1, **{f"c{i}": float(i) for i in range(14)}, "empty": None}])
+    df.attrs["keys"] = 2
+    parts = fmt.markdown(df).split("\n\n")
+    assert len(parts) == 2 and all(p.startswith("| variant | batch |") for p in parts)
+    assert all(len(p.splitlines()[0].split(" | ")) <= 10 for p in parts) and "empty" not in fmt.markdown(df)

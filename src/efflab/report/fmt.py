@@ -76,7 +76,39 @@ def one_line(text: str | None, limit: int = 240) -> str:
     return (text[:limit] + "…" if len(text) > limit else text).replace("|", "\\|")
 
 
-def markdown(df: pd.DataFrame) -> str:
-    """A markdown table; cells with no value (a failed or unavailable row) print as '-', not 'nan'."""
-    clean = df.astype(object).where(df.notna(), None)
-    return clean.to_markdown(index=False, floatfmt=".4g", missingval="-")
+MAX_COLUMNS = 10  # wider tables are split into parts that repeat the identifying columns
+
+
+def cell_text(value) -> str:
+    """A table cell: numbers to 4 significant digits, no value (a failed or unavailable row) as '-'."""
+    if value is None or (isinstance(value, float) and value != value):
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def _pipe(df: pd.DataFrame) -> str:
+    """GitHub Markdown without padding: a table's bytes are its content, not spaces."""
+    numeric = [pd.api.types.is_numeric_dtype(df[c]) and not pd.api.types.is_bool_dtype(df[c]) for c in df.columns]
+    lines = ["| " + " | ".join(cell_text(c) for c in df.columns) + " |",
+             "|" + "|".join("--:" if n else "---" for n in numeric) + "|"]
+    lines += ["| " + " | ".join(cell_text(v) for v in row) + " |" for row in df.itertuples(index=False)]
+    return "\n".join(lines)
+
+
+def markdown(df: pd.DataFrame, keys: int | None = None) -> str:
+    """A Markdown table of at most MAX_COLUMNS columns: columns with no value in any row are left out, and a wider
+    table is split into parts, each repeating the `keys` leading columns that identify a row (by default its
+    leading text columns, up to 4)."""
+    df = df.loc[:, [c for c in df.columns if df[c].map(cell_text).ne("-").any()]] if len(df) else df
+    if len(df.columns) <= MAX_COLUMNS:
+        return _pipe(df)
+    keys = keys or df.attrs.get("keys")
+    if keys is None:
+        leading = [c for c in df.columns[:4]]
+        keys = next((i for i, c in enumerate(leading) if pd.api.types.is_numeric_dtype(df[c])), len(leading)) or 1
+    ids, rest = list(df.columns[:keys]), list(df.columns[keys:])
+    width = MAX_COLUMNS - len(ids)
+    parts = [rest[i:i + width] for i in range(0, len(rest), width)]
+    return "\n\n".join(_pipe(df[ids + part]) for part in parts)

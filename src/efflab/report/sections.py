@@ -112,23 +112,6 @@ def sample_lines(jobs: list[dict]) -> list[str]:
     return lines
 
 
-# Why a GPU rerun is not bitwise identical by default, and what finetune.deterministic does about it.
-GPU_DETERMINISM = [
-    "cuBLAS picks reduction orders per workspace: bitwise repeats need `CUBLAS_WORKSPACE_CONFIG=:4096:8`, "
-    "which `deterministic: true` sets (transformers' `enable_full_determinism`).",
-    "Atomic adds in backward kernels (index_add/scatter in embedding backward, SDPA's memory-efficient and "
-    "FlashAttention-2 backward) sum in a run-dependent order; `deterministic: true` makes PyTorch use "
-    "deterministic kernels where they exist (`torch.use_deterministic_algorithms`, "
-    "`FLASH_ATTENTION_DETERMINISTIC=1`) and raise an error where none exists, rather than drift silently.",
-    "cuDNN / cuBLAS autotuning (`torch.backends.cudnn.benchmark`) and `torch_compile`'s max-autotune choose "
-    "kernels by timing, so two runs can pick different kernels.",
-    "`tf32: true` and bf16/fp16 mixed precision change the rounding, not the determinism: reruns agree with "
-    "each other but not with an fp32 run.",
-    "bitsandbytes 4-bit/8-bit kernels (QLoRA, 8-bit optimizers) and `dataloader_num_workers > 0` with "
-    "unseeded worker RNGs are further sources; efflab seeds the workers through the Trainer's `seed`/`data_seed`.",
-]
-
-
 def merge_route_lines(rows: list[dict]) -> list[str]:
     """Fidelity and quality of the merge routes, said apart: the route closest to the adapter is not
     necessarily the one with the lowest perplexity, and the reader is told when they differ."""
@@ -292,10 +275,8 @@ def finetune_body(cfg: dict, metrics: dict, table) -> list[str]:
         "batches), and gets no verdict when the matmul ceilings the two runs measured differ by more than "
         f"{SENTINEL_TOLERANCE:.0%}.", "",
         table("finetune_knobs"), "",
-        "### Determinism", "",
-        "On CPU the same params give a bitwise-identical loss curve and adapter weights on a rerun (tested). "
-        "On a GPU these break bitwise reruns:", "",
-        *[f"- {line}" for line in GPU_DETERMINISM]]
+        "Determinism: on CPU a rerun gives a bitwise-identical loss curve (tested); on a GPU see "
+        "docs/concepts/determinism.md."]
 
 
 def merge_body(cfg: dict, metrics: dict, table) -> list[str]:

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import logging
 
-import pandas as pd
 
 from .. import provenance
 from ..config import UserError
@@ -12,17 +11,19 @@ from .environments import comparison, environment_table, provenance_table
 from .fmt import env_of, markdown
 from .pareto import finetune_pareto, inference_pareto, write_fronts
 from .plots import draw_plots
+from .render import render
 from .results import absent, read_results
 from .sections import (HOW_TO_READ, attention_body, capacity_lines, finetune_body, header_lines, inference_body,
                        memory_prediction_section, merge_body, not_run_lines, profile_lines, prune_body, qat_body,
                        quantize_body, run_size_lines, sample_lines, section, serving_body)
 from .tables import build_tables, not_run_table
+from .tidy import results_table
 
 log = logging.getLogger("efflab")
 
 
 def run(cfg: dict, paths: dict) -> dict:
-    """Write summary.csv, report.md and the plots from every stage's metrics."""
+    """Write report.md, the plots and summary.csv (every figure in long format) from every stage's metrics."""
     layout, out = paths["layout"], paths["out"]
     allow_mixed = cfg["report"]["allow_mixed_environments"]
     metrics = read_results(cfg, layout)
@@ -37,8 +38,7 @@ def run(cfg: dict, paths: dict) -> dict:
               "inference": inference_pareto(metrics["bench_inference"], metrics["quantize"])}
     plots = draw_plots(cfg, metrics, tables, fronts, layout, out)
     write_fronts(fronts, out)
-    frames = [df.assign(stage=stage) for stage, df in tables.items()]
-    pd.concat(frames, ignore_index=True).to_csv(out / "summary.csv", index=False)
+    results_table(metrics).to_csv(out / "summary.csv", index=False)
     environments = {env_of(m): m["environment"] for ms in metrics.values() for m in ms if "environment" in m}
 
     def table(key: str) -> str:
@@ -67,14 +67,12 @@ def run(cfg: dict, paths: dict) -> dict:
         *profile_lines(metrics), *sample_lines(metrics["bench_inference"]),
         *not_run_lines(not_run), *run_size_lines(cfg, metrics),
         *memory_prediction_section(metrics["finetune"], metrics["bench_inference"], environments, allow_mixed),
-        "", "## Provenance", "",
-        "What each job wrote (SHA-256 of its model folder or splits) and the chain of artifacts its numbers were "
-        "measured on, nearest first; every link was checked against what the upstream job records now.", "",
-        markdown(provenance_table(jobs)), "",
-        "", "## Environments", "",
-        "Results are compared in one table only when their fingerprints (machine and library versions) agree.",
-        "", markdown(environment_table(environments)), "",
+        "## Provenance and environments", "",
+        "What each job wrote and measured on, and the machines and library versions: [provenance.md](provenance.md).",
+        "",
     ]
+    (out / "provenance.md").write_text(render("provenance.md.j2", provenance=markdown(provenance_table(jobs)),
+                                              environments=markdown(environment_table(environments))))
     (out / "report.md").write_text("\n".join(lines))
     log.info("report: %s", paths["final"] / "report.md")
     return {"tables": {k: len(v) for k, v in tables.items()}, "plots": plots, "not_run": len(not_run),
