@@ -207,25 +207,6 @@ def test_a_plot_with_nothing_measured_says_so_instead_of_an_empty_legend(tmp_pat
     assert not [w for w in recwarn if "No artists" in str(w.message)]
 
 
-def test_the_merge_route_closest_to_the_adapter_is_not_called_best_when_another_has_lower_perplexity():
-    """The reference run's case: the round-trip merge is closest to the QLoRA adapter, the merge into the
-    original base has the lower perplexity. The report says both, and which is which."""
-    from efflab.report.sections import merge_route_lines
-    from efflab.report.tables import merge_targets_table
-
-    def target(kl, ppl):
-        return {"max_abs_logit_diff": 0.1, "kl_mean": kl, "validation": {"perplexity": ppl, "rows": 8}}
-    record = {"run": "qlora-r8", "status": "ok", "adapter_validation": {"perplexity": 31.6},
-              "environment": {"fingerprint": "x"}, "closest_target": "nf4 round-trip base",
-              "targets": {"original base": target(0.05, 26.57), "nf4 round-trip base": target(0.001, 31.39)}}
-    (line,) = [x for x in merge_route_lines([record]) if x]
-    assert "closest to the adapter that was trained (KL 0.001, perplexity 31.39)" in line
-    assert "merging into the original base has the lower perplexity (26.57)" in line and "8 validation rows" in line
-    table = merge_targets_table([record])
-    assert "keeps the fine-tune best" not in table.columns
-    assert list(table["closest to the adapter (lowest KL)"]) == ["", "yes"]
-
-
 def test_the_long_results_table_keeps_each_figure_with_its_interval_and_n():
     from efflab.report import tidy
 

@@ -13,7 +13,7 @@ import shutil
 import sys
 from pathlib import Path
 
-KEPT = ("metrics.json", "loss.csv", "claims.csv", "claims.md", "report.md", "provenance.md", "summary.csv", "*.png")
+KEPT = ("metrics.json", "loss.csv", "claims.csv", "claims.md", "report.md", "details.md", "summary.csv", "*.png")
 
 
 def device_name(results: Path) -> str:

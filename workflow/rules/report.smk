@@ -23,7 +23,7 @@ rule report:
     output:
         report="results/report/report.md",
         summary=report("results/report/summary.csv", caption="../report/summary.rst", category="Tables"),
-        provenance="results/report/provenance.md",
+        details="results/report/details.md",
         plots=[report(f"results/report/{plot}.png", caption=f"../report/{plot}.rst", category=category)
                for plot, category in REPORT_PLOTS.items()],
         pareto=expand("results/report/{kind}_pareto.csv", kind=["finetune", "inference"]),

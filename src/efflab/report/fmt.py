@@ -55,11 +55,21 @@ def speedup_text(pair: dict | None, key: str) -> str:
     ratio = (pair or {}).get(key) or {}
     if ratio.get("median") is None:
         return (pair or {}).get("unavailable", "-")
+    if not ratio.get("ci95"):
+        return f"{ratio['median']:.2f} (n={ratio['rounds']}, no interval)"
     return format_ratio(ratio)
 
 
+def short_verdict(verdict: str | None) -> str:
+    """A verdict as a table cell: 'slower', 'faster', 'no significant difference', or 'undecided' where the
+    comparison could not give one (its reason is in summary.csv and the record)."""
+    if not verdict:
+        return "-"
+    return verdict if verdict in ("slower", "faster", "no significant difference") else "undecided"
+
+
 def speedup_verdict(pair: dict | None, key: str) -> str:
-    return ((pair or {}).get(key) or {}).get("verdict", "-")
+    return short_verdict(((pair or {}).get(key) or {}).get("verdict"))
 
 
 def setting_text(value) -> str:
@@ -98,17 +108,18 @@ def _pipe(df: pd.DataFrame) -> str:
 
 
 def markdown(df: pd.DataFrame, keys: int | None = None) -> str:
-    """A Markdown table of at most MAX_COLUMNS columns: columns with no value in any row are left out, and a wider
-    table is split into parts, each repeating the `keys` leading columns that identify a row (by default its
-    leading text columns, up to 4)."""
-    df = df.loc[:, [c for c in df.columns if df[c].map(cell_text).ne("-").any()]] if len(df) else df
-    if len(df.columns) <= MAX_COLUMNS:
-        return _pipe(df)
+    """A Markdown table of at most MAX_COLUMNS columns. Columns with no value in any row are left out, a column
+    with the same value in every row is said once above the table, and a wider table is split into parts, each
+    repeating the `keys` leading columns that identify a row (by default its leading text columns, up to 4)."""
     keys = keys or df.attrs.get("keys")
     if keys is None:
         leading = [c for c in df.columns[:4]]
         keys = next((i for i, c in enumerate(leading) if pd.api.types.is_numeric_dtype(df[c])), len(leading)) or 1
-    ids, rest = list(df.columns[:keys]), list(df.columns[keys:])
+    texts = {c: df[c].map(cell_text) for c in df.columns}
+    ids = list(df.columns[:keys])
+    same = [c for c in df.columns[keys:] if len(df) > 1 and texts[c].nunique() == 1 and texts[c].iloc[0] != "-"]
+    rest = [c for c in df.columns[keys:] if c not in same and texts[c].ne("-").any()]
+    note = ("Every row: " + "; ".join(f"{c} {texts[c].iloc[0]}" for c in same) + ".\n\n") if same else ""
     width = MAX_COLUMNS - len(ids)
-    parts = [rest[i:i + width] for i in range(0, len(rest), width)]
-    return "\n\n".join(_pipe(df[ids + part]) for part in parts)
+    parts = [rest[i:i + width] for i in range(0, len(rest), width)] or [[]]
+    return note + "\n\n".join(_pipe(df[ids + part]) for part in parts)

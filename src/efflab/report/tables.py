@@ -40,7 +40,7 @@ def prune_table(rows: list[dict]) -> pd.DataFrame:
         "generation (ms)": 1000 * r["pruned"]["generation_s"]["median"],
         "speedup vs base [95% CI]": speedup_text(r, "generation_speedup"),
         "verdict vs base": speedup_verdict(r, "generation_speedup"),
-        "sample": " ".join(r["pruned"]["sample"].split())[:80], **healed_columns(r), "env": env_of(r),
+        "sample": " ".join(r["pruned"]["sample"].split())[:48], **healed_columns(r), "env": env_of(r),
     } for r in records.ok(rows)], columns=PRUNE_COLUMNS)
 
 
@@ -50,7 +50,7 @@ def healed_columns(r: dict) -> dict:
         return {"healed perplexity": None, "healed change (%)": None, "healed sample": h.get("status", "-")}
     ppl = h["validation"]["perplexity"]
     return {"healed perplexity": ppl, "healed change (%)": 100 * (ppl / r["base"]["validation"]["perplexity"] - 1),
-            "healed sample": " ".join(h["sample"].split())[:80]}
+            "healed sample": " ".join(h["sample"].split())[:48]}
 
 
 QAT_COLUMNS = ["bits", "PTQ perplexity", "PTQ x full precision", "PTQ passes", "QAT perplexity",
