@@ -159,17 +159,23 @@ def _ft_run(name, method, last, peak, delta, live, **settings):
             "memory_prediction": {"measured_mib": live}}
 
 
+def _notes(finetune=(), bench_attention=(), config=None) -> str:
+    metrics = {"qat": [], "capacity": [], "finetune": list(finetune), "bench_attention": list(bench_attention),
+               "base_model": [{"config": config or {}}]}
+    return "\n".join(notes.lines(metrics))
+
+
 def test_the_opening_names_identical_runs_and_explains_qlora_peaking_above_lora():
 
     runs = [_ft_run("lora-r8", "lora", 1.5, 2400, 1200, 890), _ft_run("lora-r8-gc", "lora", 1.5, 2000, 800, 400,
                                                                   gradient_checkpointing=True),
             _ft_run("qlora-r8", "qlora", 1.6, 2600, 1340, 890)]
     assert notes.same_updates(runs) == [["lora-r8", "lora-r8-gc"]]
-    (note,) = notes.qlora_above_lora(runs)
+    note = _notes(runs)
     assert "2,600 vs 2,400 MiB" in note and "1,260 vs 1,200 MiB" in note and "890 vs 890 MiB" in note
-    assert "Before training QLoRA's process held more: 1,260 vs 1,200 MiB (it reads" in note
+    assert "Before training, QLoRA's process held more: 1,260 vs 1,200 MiB." in note
     runs[2]["train_memory"]["peak_mib"] = 2300
-    assert notes.qlora_above_lora(runs) == [], "nothing to explain when QLoRA peaks lower"
+    assert notes.qlora_above_lora(runs) is None and "QLoRA" not in _notes(runs), "nothing to explain"
 
 
 def test_the_qlora_note_says_what_its_numbers_say_when_qlora_held_less_before_training():
@@ -177,8 +183,8 @@ def test_the_qlora_note_says_what_its_numbers_say_when_qlora_held_less_before_tr
     training. The note once said QLoRA 'already held' more; every clause now follows from the two records."""
 
     runs = [_ft_run("lora-r8", "lora", 1.5, 1100, 168.4, 300), _ft_run("qlora-r8", "qlora", 1.6, 1200, 352.8, 310)]
-    (note,) = notes.qlora_above_lora(runs)
-    assert "Before training QLoRA's process held less: 847 vs 932 MiB." in note, note
+    note = _notes(runs)
+    assert "Before training, QLoRA's process held less: 847 vs 932 MiB." in note, note
     assert "reads the full-precision checkpoint" not in note
     assert "Training added 353 vs 168 MiB: bitsandbytes dequantizes" in note
 
@@ -188,10 +194,10 @@ def test_the_attention_note_computes_where_the_square_law_takes_over_from_the_co
     jobs = [{"status": "ok", "implementation": "eager", "rows": [{"seq_len": 64}, {"seq_len": 256}],
              "memory_exponents": [{"mode": "forward", "exponent": 1.03}]}]
     config = {"num_attention_heads": 9, "hidden_size": 576, "intermediate_size": 1536}
-    (note,) = notes.attention_law(jobs, config)
+    note = _notes(bench_attention=jobs, config=config)
     assert "L ≈ 384 tokens" in note and "64–256 tokens" in note and "linear terms dominate" in note
     jobs[0]["memory_exponents"][0]["exponent"] = 1.9
-    assert notes.attention_law(jobs, config) == []
+    assert notes.attention_law(jobs, config) is None and "Eager" not in _notes(bench_attention=jobs, config=config)
 
 
 def test_a_plot_with_nothing_measured_says_so_instead_of_an_empty_legend(tmp_path, recwarn):

@@ -45,8 +45,7 @@ def report_text(cfg: dict, metrics: dict, tables: dict, environments: dict) -> s
         return comparison(tables[key], environments, cfg["report"]["allow_mixed_environments"])
 
     parts = [sec.header(metrics["base_model"][0], metrics["prepare_data"][0]), *advice.lines(metrics, cfg),
-             *notes.qat_lines(metrics["qat"]), *notes.capacity_lines(metrics["capacity"]),
-             *notes.surprise_lines(metrics), *notes.claims_lines(metrics["claims"], "../claims/claims.md"),
+             *notes.lines(metrics), *notes.claims_lines(metrics["claims"], "../claims/claims.md"),
              sec.how_to_read(cfg)]
     for stage, title, body in SECTIONS:
         parts += sec.section(cfg, metrics, stage, title, lambda body=body: body(cfg, metrics, table))
