@@ -8,7 +8,10 @@ import pandas as pd
 import pytest
 import yaml
 
-from efflab import claims, estimate
+from efflab import estimate
+from efflab.claims import readings, stage
+from efflab.claims.registry import load_registry
+from efflab.claims.verdict import VERDICTS, judge, verdict_class
 from efflab.config import UserError
 from efflab.layout import Layout
 
@@ -19,14 +22,14 @@ SEEDS = Path("/work/shared/seeds")
 
 @pytest.fixture(scope="module")
 def registry() -> list[dict]:
-    return claims.load_registry()
+    return load_registry()
 
 
 @pytest.fixture(scope="module")
 def empty_run(tmp_path_factory) -> tuple[dict, pd.DataFrame, Path]:
     root = tmp_path_factory.mktemp("claims")
     out = root / "out"
-    metrics = claims.run({}, {"layout": Layout(root / "results"), "name": None, "out": out, "final": out})
+    metrics = stage.run({}, {"layout": Layout(root / "results"), "name": None, "out": out, "final": out})
     return metrics, pd.read_csv(out / "claims.csv"), out
 
 
@@ -54,16 +57,16 @@ def test_bad_registry_is_one_line_user_error(tmp_path, registry):
     path = tmp_path / "claims.yaml"
     path.write_text(yaml.safe_dump({"claims": [bad]}))
     with pytest.raises(UserError, match=r"claims\.0\.kind: 'guessed' is not one of"):
-        claims.load_registry(path)
+        load_registry(path)
     path.write_text(yaml.safe_dump({"claims": [registry[0], registry[0]]}))
     with pytest.raises(UserError, match="appears twice"):
-        claims.load_registry(path)
+        load_registry(path)
 
 
 def test_empty_results_give_a_row_and_a_valid_verdict_per_claim(empty_run, registry):
     metrics, df, out = empty_run
     assert list(df["id"]) == [c["id"] for c in registry]
-    assert df["verdict"].map(claims.verdict_class).isin(claims.VERDICTS).all()
+    assert df["verdict"].map(verdict_class).isin(VERDICTS).all()
     assert sum(metrics["by_verdict"].values()) == metrics["claims"] == len(registry)
     by_id = df.set_index("id")
     for c in registry:
@@ -113,17 +116,17 @@ def test_a_figure_that_fits_only_in_the_other_convention_still_differs(registry)
     by_id = {c["id"]: c for c in registry}
     # decimal by default: the seed's 21 GB without the recorded evidence is 22.65 GB and differs, saying why
     bare = {k: v for k, v in by_id["activations-llama-2-13b-21gb"].items() if k != "units"}
-    row = claims.evaluate(bare, None)
+    row = stage.evaluate(bare, None)
     assert row["verdict"] == "differs" and row["reproduced"] == "22.65 GB" and row["units"] == "decimal (default)"
     assert "fits only in binary: 22.65 GB = 21.09 GiB" in row["reason"] and "nothing in the seed says" in row["reason"]
     # recorded decimal (the slide's own 0.5 bytes * 13B = 6.5GB): 7.20 GB = 6.71 GiB would fit, but differs
-    row = claims.evaluate(by_id["qlora-13b-base-weights"], None)
+    row = stage.evaluate(by_id["qlora-13b-base-weights"], None)
     assert row["verdict"] == "differs" and row["units"] == "decimal (source)"
     assert "block constants" in row["reason"] and "recorded as decimal" in row["reason"]
     # and the other way: a binary record whose figure fits only in decimal
     flipped = dict(by_id["full-13b-weights-26gb"], units={"convention": "binary", "evidence_kind": "arithmetic",
                                                           "evidence": "a test of the reverse case"})
-    row = claims.evaluate(flipped, None)
+    row = stage.evaluate(flipped, None)
     assert row["verdict"] == "differs" and "fits only in decimal" in row["reason"]
     assert "recorded as binary" in row["reason"]
 
@@ -134,11 +137,11 @@ def test_unit_convention_only_for_byte_units(tmp_path, registry):
     units = {"convention": "binary", "evidence_kind": "source", "evidence": "the seed's code divides by 1024"}
     path.write_text(yaml.safe_dump({"claims": [dict(claim, units=units)]}))
     with pytest.raises(UserError, match=r"units: a unit convention applies to KB"):
-        claims.load_registry(path)
+        load_registry(path)
     gb = next(c for c in registry if c["reported"]["unit"] == "GB")
     path.write_text(yaml.safe_dump({"claims": [dict(gb, units=dict(units, convention="guessed"))]}))
     with pytest.raises(UserError, match=r"claims\.0\.units\.convention: 'guessed' is not one of"):
-        claims.load_registry(path)
+        load_registry(path)
 
 
 def test_int8_footprints_get_an_analytic_verdict_without_results(empty_run, registry):
@@ -148,24 +151,24 @@ def test_int8_footprints_get_an_analytic_verdict_without_results(empty_run, regi
     metrics, df, out = empty_run
     by_id = df.set_index("id")
     row = by_id.loc["vram-int8-llama-3.1-8b"]
-    assert row["verdict"] == "reproduced (analytic)" and claims.verdict_class(row["verdict"]) == "reproduced"
+    assert row["verdict"] == "reproduced (analytic)" and verdict_class(row["verdict"]) == "reproduced"
     assert row["reproduced"] == "8,666 MB (binary: MiB)" and "analytic verdict" in row["reason"]
     assert row["ratio"] == pytest.approx(8666 / 8679.11, abs=2e-4)
     int8 = [c["id"] for c in registry if c["id"].startswith("vram-int8-")]
     assert len(int8) == 6 and by_id.loc[int8, "verdict"].str.endswith("(analytic)").all()
     assert by_id.loc["phi3-16-layers-fp16-reserved", "verdict"].startswith("needs GPU: ")
-    assert metrics["by_verdict"]["reproduced"] == (df["verdict"].map(claims.verdict_class) == "reproduced").sum()
+    assert metrics["by_verdict"]["reproduced"] == (df["verdict"].map(verdict_class) == "reproduced").sum()
     assert "| reproduced (analytic) " in (out / "claims.md").read_text()
 
 
 def test_a_gpu_measurement_takes_precedence_over_the_analytic_verdict(tmp_path, registry):
     layout = Layout(tmp_path / "results")
     claim = dict(next(c for c in registry if c["id"] == "vram-int8-llama-3.1-8b"), metric={"kind": "cuda_context"})
-    assert claims.evaluate(claim, layout)["verdict"] == "reproduced (analytic)"  # no results: the estimate decides
+    assert stage.evaluate(claim, layout)["verdict"] == "reproduced (analytic)"  # no results: the estimate decides
     _write(layout.metrics("base_model"), {"environment": {"device": "cuda", "gpu": "NVIDIA H100 80GB HBM3"},
                                           "cuda_context": {"mib": 7000.0, "nvml_process_mib": 8000.0,
                                                            "torch_reserved_mib": 1000.0}})
-    row = claims.evaluate(claim, layout)  # a stand-in metric that reads 7000 MiB from the GPU
+    row = stage.evaluate(claim, layout)  # a stand-in metric that reads 7000 MiB from the GPU
     assert row["verdict"] == "differs" and row["reproduced"] == "7,000 MB (binary: MiB)"
 
 
@@ -191,27 +194,27 @@ def test_measured_claims_read_this_pipelines_results(tmp_path):
         _write(layout.metrics("finetune", run), {"run": run, "method": "lora", "settings": {**settings, **extra},
                                                  "step_s": step_s, "tokens_per_s": 100 / step_s,
                                                  "parameters": {"trainable": 9, "total": 1000, "trainable_pct": 0.9}})
-    registry = {c["id"]: c for c in claims.load_registry()}
-    int8 = claims.evaluate(registry["int8-2x-measured"], layout)
+    registry = {c["id"]: c for c in load_registry()}
+    int8 = stage.evaluate(registry["int8-2x-measured"], layout)
     assert float(int8["reproduced"].split()[0]) == pytest.approx(2 * 134_515_008 / (quantized + 2 * kept), rel=1e-3)
     assert "re-expressed at 16 bits" in int8["reason"] and "134,515,008 params" in int8["reason"]
-    ckpt = claims.evaluate(registry["checkpointing-30pct-slowdown"], layout)
+    ckpt = stage.evaluate(registry["checkpointing-30pct-slowdown"], layout)
     assert ckpt["verdict"] == "reproduced" and ckpt["reproduced"] == "30 %"
-    assert claims.evaluate(registry["lora-over-99pct-measured"], layout)["reproduced"] == "99.1 %"
-    assert claims.evaluate(registry["qlora-throughput-30pct-worse"], layout)["verdict"] == "not reproducible here"
-    assert claims.evaluate(registry["flash-attention-2-4x"], layout)["verdict"].startswith("needs GPU: ")
+    assert stage.evaluate(registry["lora-over-99pct-measured"], layout)["reproduced"] == "99.1 %"
+    assert stage.evaluate(registry["qlora-throughput-30pct-worse"], layout)["verdict"] == "not reproducible here"
+    assert stage.evaluate(registry["flash-attention-2-4x"], layout)["verdict"].startswith("needs GPU: ")
     # bench_finetune timed the pair interleaved: its per-round ratio (checkpointing's step over the plain one's)
     # and interval take precedence over the runs' own figures, in the claim's orientation
     pair = {"status": "ok", "knob": "gradient_checkpointing", "a": "lora", "b": "lora-ckpt",
             "step_time_ratio": {"median": 1.5, "ci95": [1.45, 1.6], "rounds": 6, "verdict": "slower"}}
     _write(layout.metrics("bench_finetune"), {"status": "ok", "pairs": [pair]})
-    ckpt = claims.evaluate(registry["checkpointing-30pct-slowdown"], layout)
+    ckpt = stage.evaluate(registry["checkpointing-30pct-slowdown"], layout)
     assert ckpt["verdict"] == "differs" and ckpt["reproduced"].startswith("50 % [45, 60]")
     assert "6 interleaved rounds" in ckpt["reason"]
     pair["step_time_ratio"] = {"median": None, "ci95": None, "rounds": 1,
                                "verdict": "not a verdict: the machine's speed changed"}
     _write(layout.metrics("bench_finetune"), {"status": "ok", "pairs": [pair]})
-    ckpt = claims.evaluate(registry["checkpointing-30pct-slowdown"], layout)
+    ckpt = stage.evaluate(registry["checkpointing-30pct-slowdown"], layout)
     assert ckpt["verdict"] == "not reproducible here" and "machine's speed changed" in ckpt["reason"]
 
 
@@ -220,28 +223,28 @@ def test_a_measured_figure_with_a_ci_is_judged_by_equivalence_with_the_band():
     CI outside it differs, and a CI across either edge is inconclusive (its own verdict class), wherever the
     median lies."""
     claim = {"id": "synthetic", "reported": {"value": 30, "unit": "%"}, "tolerance": 0.33}  # band 20.1-39.9 %
-    j = claims.judge(30.0, claim, ci=[25.0, 36.0])
+    j = judge(30.0, claim, ci=[25.0, 36.0])
     assert j["verdict"] == "reproduced" and j["reproduced"] == "30 % [25, 36]" and "20.1–39.9 %" in j["why"]
-    j = claims.judge(36.9, claim, ci=[23.2, 52.6])  # the median inside, the interval across the upper edge
+    j = judge(36.9, claim, ci=[23.2, 52.6])  # the median inside, the interval across the upper edge
     assert j["verdict"] == "inconclusive" and "crosses an edge of the tolerance band 20.1–39.9 %" in j["why"]
-    j = claims.judge(55.0, claim, ci=[45.0, 65.0])
+    j = judge(55.0, claim, ci=[45.0, 65.0])
     assert j["verdict"] == "differs" and "the whole 95% CI [45, 65] % lies outside the tolerance band" in j["why"]
-    j = claims.judge(41.2, claim, ci=[47.9, 35.0])  # an interval given high to low reads the same
+    j = judge(41.2, claim, ci=[47.9, 35.0])  # an interval given high to low reads the same
     assert j["verdict"] == "inconclusive" and j["reproduced"] == "41.2 % [35, 47.9]"
     assert "the 95% CI [35, 47.9] % crosses an edge of the tolerance band" in j["why"]
-    assert claims.verdict_class(j["verdict"]) == "inconclusive" and "inconclusive" in claims.VERDICTS
+    assert verdict_class(j["verdict"]) == "inconclusive" and "inconclusive" in VERDICTS
     bound = {"id": "bound", "reported": {"value": 99, "unit": "%"}, "compare": "at_least", "tolerance": 0}
-    assert claims.judge(98.0, bound, ci=[97.0, 99.5])["verdict"] == "inconclusive"
-    assert claims.judge(98.0, bound, ci=[97.0, 98.5])["verdict"] == "differs"
-    assert claims.judge(99.2, bound, ci=[97.0, 99.5])["verdict"] == "inconclusive"
-    assert claims.judge(99.6, bound, ci=[99.2, 99.9])["verdict"] == "reproduced"
-    assert claims.judge(55.0, claim)["verdict"] == "differs"  # without a CI the median alone decides
+    assert judge(98.0, bound, ci=[97.0, 99.5])["verdict"] == "inconclusive"
+    assert judge(98.0, bound, ci=[97.0, 98.5])["verdict"] == "differs"
+    assert judge(99.2, bound, ci=[97.0, 99.5])["verdict"] == "inconclusive"
+    assert judge(99.6, bound, ci=[99.2, 99.9])["verdict"] == "reproduced"
+    assert judge(55.0, claim)["verdict"] == "differs"  # without a CI the median alone decides
 
 
 def test_metrics_may_return_a_ci_and_finetune_pairs_carry_one(tmp_path, monkeypatch):
-    registry = {c["id"]: c for c in claims.load_registry()}
-    monkeypatch.setitem(claims.METRICS, "finetune_pair", lambda layout, metric: (41.2, "a stand-in", [35.0, 47.9]))
-    row = claims.evaluate(registry["checkpointing-30pct-slowdown"], Layout(tmp_path / "results"))
+    registry = {c["id"]: c for c in load_registry()}
+    monkeypatch.setitem(readings.METRICS, "finetune_pair", lambda layout, metric: (41.2, "a stand-in", [35.0, 47.9]))
+    row = stage.evaluate(registry["checkpointing-30pct-slowdown"], Layout(tmp_path / "results"))
     assert row["verdict"] == "inconclusive" and row["reproduced"] == "41.2 % [35, 47.9]"
     assert "crosses an edge of the tolerance band" in row["reason"] and "a stand-in" in row["reason"]
     monkeypatch.undo()
@@ -258,17 +261,17 @@ def test_metrics_may_return_a_ci_and_finetune_pairs_carry_one(tmp_path, monkeypa
                 "tokens_per_s": 100 / (sum(steps[run][:count]) / count),
                 "step_time": {"n": count, "samples": steps[run][:count]}})
     write(5)  # 5 paired steps give no 95% interval: the median alone, the range named as such
-    ckpt = claims.evaluate(registry["checkpointing-30pct-slowdown"], layout)
+    ckpt = stage.evaluate(registry["checkpointing-30pct-slowdown"], layout)
     assert ckpt["reproduced"] == "30 %" and "5 steps give no 95% interval" in ckpt["reason"]
     write(6)
-    ckpt = claims.evaluate(registry["checkpointing-30pct-slowdown"], layout)  # paired ratios 1.25 .. 1.35
+    ckpt = stage.evaluate(registry["checkpointing-30pct-slowdown"], layout)  # paired ratios 1.25 .. 1.35
     assert ckpt["verdict"] == "reproduced" and ckpt["reproduced"] == "30 % [25, 35]"
     assert "6 paired steps" in ckpt["reason"] and "96.9% interval" in ckpt["reason"]
-    qlora = claims.evaluate(registry["qlora-throughput-30pct-worse"], layout)  # tokens/s: 1 / 1.4 each step
+    qlora = stage.evaluate(registry["qlora-throughput-30pct-worse"], layout)  # tokens/s: 1 / 1.4 each step
     assert qlora["reproduced"] == f"{100 * (1 - 1 / 1.4):.4g} % [{100 * (1 - 1 / 1.4):.4g}, {100 * (1 - 1 / 1.4):.4g}]"
     record = json.loads(layout.metrics("finetune", "qlora").read_text())
     _write(layout.metrics("finetune", "qlora"), dict(record, tokens_seen=499))  # other batches: no pairing, no CI
-    qlora = claims.evaluate(registry["qlora-throughput-30pct-worse"], layout)
+    qlora = stage.evaluate(registry["qlora-throughput-30pct-worse"], layout)
     assert qlora["reproduced"] == f"{100 * (1 - 1 / 1.4):.4g} %" and "paired" not in qlora["reason"]
 
 
@@ -288,8 +291,8 @@ def test_hardware_claims_are_evaluated_on_results_from_a_gpu(tmp_path):
                                                                     "environment": env, "rows": []})
     _write(layout.metrics("bench_attention", "sdpa_flash"), {"status": "ok", "environment": env,
                                                              "rows": [row(1024, 0.010), row(8192, 0.30)]})
-    registry = {c["id"]: c for c in claims.load_registry()}
-    verdicts = {i: claims.evaluate(registry[i], layout) for i in
+    registry = {c["id"]: c for c in load_registry()}
+    verdicts = {i: stage.evaluate(registry[i], layout) for i in
                 ("tensor-core-2-4x", "fp16-speedup-2-3x", "fp16-2x-tf32", "cuda-kernels-1gb", "flash-attention-2-4x")}
     assert not any(v["verdict"].startswith("needs GPU") for v in verdicts.values()), verdicts
     flash = verdicts["flash-attention-2-4x"]
@@ -298,7 +301,7 @@ def test_hardware_claims_are_evaluated_on_results_from_a_gpu(tmp_path):
     assert verdicts["fp16-2x-tf32"]["reproduced"] == "1.971 x"  # 745 / 378
     assert verdicts["cuda-kernels-1gb"]["verdict"] == "reproduced"  # 520 MiB = 0.545 GB, at most 1 GB
     _write(layout.metrics("base_model"), {"environment": {"device": "cpu"}})
-    assert claims.evaluate(registry["tensor-core-2-4x"], layout)["verdict"].startswith("needs GPU")
+    assert stage.evaluate(registry["tensor-core-2-4x"], layout)["verdict"].startswith("needs GPU")
 
 
 def test_stage_runs_through_its_cli(tmp_path):
