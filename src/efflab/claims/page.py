@@ -1,50 +1,63 @@
-"""claims.md: the claims page."""
+"""claims.md: the counts by evidence and verdict, then one short section per seed (its unit convention and a
+compact table); every row's arithmetic and reasons are in claims.csv."""
 from __future__ import annotations
 
 import pandas as pd
 
-from .verdict import VERDICTS, verdict_class
+from .verdict import verdict_class
 
-# The texts efflab grew from (the `source` of each claim), by title, so that a reader can look them up.
-SOURCES = {
-    "000_965e890cecb00a0b.txt": "\"Chapter 12: Efficient Training and Inference at Scale\" (a book chapter: LoRA, "
-                                "QLoRA, post-training quantization, FlashAttention, serving)",
-    "001_d5371e57926c34be.txt": "CS 696 Applied Large Language Models, Spring 2025, \"Assignment 2, Performance "
-                                "Issues\" (a course deck: KV cache, quantization, pruning, attention)",
-    "002_80b60e9b2efd77d3.txt": "\"Efficient Finetuning of LLMs\" (Sumanth R Hegde; a talk with the memory arithmetic of "
-                                "full, LoRA and QLoRA fine-tuning)",
-    "003_6740d5587871bfd4.txt": "a blog guide to scaling transformers in production (mixed precision, checkpointing, ZeRO)",
-    "004_a8bbd29d2539a3ab.txt": "Quantization-aware training notes, with a \"GPU RAM usage\" appendix",
-}
+HOW_TO_READ = (
+    "**measured**: measured by this run and judged by equivalence: reproduced only when its whole 95% interval "
+    "lies inside the claim's band, differs only when it lies wholly outside, otherwise inconclusive, as is a "
+    "measurement with no interval (a count of this run's tensors is exact: its value is its interval). "
+    "**computed**: arithmetic on the seed's own inputs (efflab.estimate on the shipped model configs). "
+    "**definition**: a parameter count, a shape, a number format, a library default or another identity. The band "
+    "is the values that reproduce the claim: its tolerance around the seed's figure. A hardware claim needs its GPU "
+    "unless a computation settles it. Each row's arithmetic, assumptions and reasons: claims.csv.")
 
 
-def markdown(df: pd.DataFrame) -> str:
-    counts = df["verdict"].map(verdict_class).value_counts()
-    used = [s for s in SOURCES if s in set(df["source"])]
+def _cell(text) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def _table(header: list[str], rows: list[list]) -> list[str]:
+    """A Markdown table without padding: the page stays small however long a cell is."""
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+            *["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]]
+
+
+def _counts_table(counts: dict) -> list[str]:
+    verdicts, evidence = counts["verdicts"], counts["evidence"]
+    rows = [[e, *[counts["counts"][e][v] for v in verdicts], sum(counts["counts"][e].values())] for e in evidence]
+    rows.append(["all", *[counts["by_verdict"][v] for v in verdicts], counts["claims"]])
+    return _table(["evidence", *verdicts, "all"], rows)
+
+
+def _units_line(seed: dict, fits: dict | None) -> str:
+    if "units" not in seed:
+        return "Units: no byte figures."
+    u = seed["units"]
+    tally = ", ".join(f"{n} {k}" for k, n in (fits or {}).items() if n)
+    return (f"Units: its KB/MB/GB are read as **{u['convention']}** ({u['evidence_kind']} evidence: {u['evidence']})."
+            + (f" Its byte figures with a value here fit: {tally}." if tally else ""))
+
+
+def _seed_section(source: str, seed: dict, rows: pd.DataFrame, fits: dict | None) -> list[str]:
+    table = _table(["claim", "quantity", "seed", "this run", "band", "verdict", "evidence"],
+                   [[r.id, r.quantity.replace("_", " ").replace(":", ": ") or "—", r.reported, r.reproduced or "—",
+                     r.band, verdict_class(r.verdict), r.evidence] for r in rows.itertuples()])
+    open_ = rows[rows["verdict"].map(verdict_class).isin(["differs", "inconclusive"])]
+    notes = [f"- **{r.id}** ({verdict_class(r.verdict)}): {r.finding}" for r in open_.itertuples() if r.finding]
+    return [f"## `{source}`: {seed['title']}", "", _units_line(seed, fits), "", *table, "",
+            *([*notes, ""] if notes else [])]
+
+
+def markdown(df: pd.DataFrame, seeds: dict, counts: dict) -> str:
     lines = ["# Published numbers: reported vs reproduced", "",
-             "The texts these claims come from:", "", *[f"- `{s}`: {SOURCES[s]}" for s in used], "",
-             f"{len(df)} numeric claims from the seed texts (workflow/claims.yaml): "
-             + ", ".join(f"{counts.get(v, 0)} {v}" for v in VERDICTS) + ". Analytic values come from "
-             "efflab.estimate on the shipped model configs (parameter counts from the meta-device model); "
-             "ratio is reproduced / reported. A measured figure shown with its 95% CI [lo, hi] is judged by "
-             "equivalence: reproduced only when the whole CI lies inside the claim's tolerance band, differs only "
-             "when it lies wholly outside, inconclusive when it crosses an edge.", ""]
-    wrong = df[df["verdict"].map(verdict_class) == "differs"]
-    if len(wrong):
-        lines += ["Where the seeds' figures do not reproduce:", ""]
-        lines += [f"- **{r.id}** ({r.source}): reported {r.reported}, reproduced {r.reproduced}"
-                  f"{' (analytic)' if r.verdict.endswith('(analytic)') else ''} — {r.finding}"
-                  for r in wrong.itertuples()]
-        lines.append("")
-    undecided = df[df["verdict"] == "inconclusive"]
-    if len(undecided):
-        lines += ["Where the measurement cannot decide at 95%:", ""]
-        lines += [f"- **{r.id}** ({r.source}): reported {r.reported}, reproduced {r.reproduced} — {r.finding}"
-                  for r in undecided.itertuples()]
-        lines.append("")
-    table = df.assign(claim=df["id"] + ": “" + df["quote"].str.replace("\t", " ") + "”",
-                      ratio=df["ratio"].map(lambda r: "" if r is None or pd.isna(r) else f"{r:.3g}"))
-    table = table[["claim", "source", "reported", "reproduced", "ratio", "verdict", "reason"]]
-    table = table.apply(lambda col: col.astype(str).str.replace("|", "\\|", regex=False))
-    return "\n".join(lines) + table.to_markdown(index=False) + "\n"
-
+             f"{counts['claims']} numeric claims of the seed texts (workflow/claims.yaml), by what decides each "
+             f"(evidence) and its verdict:", "", *_counts_table(counts), "", HOW_TO_READ, ""]
+    for source, seed in seeds.items():
+        rows = df[df["source"] == source]
+        if len(rows):
+            lines += _seed_section(source, seed, rows, counts["units"].get(source, {}).get("byte_figures"))
+    return "\n".join(lines)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import inspect
-import math
 
 from .. import estimate
 from ..config import UserError
@@ -55,6 +54,11 @@ def _linear_features(i):
     if layer is None:
         raise UserError(f"{i['model']}: no linear layer named {i['module']!r}")
     return layer[i["field"]], f"{i['module']} of {i['model']} with {_overrides(i)}: {layer['in']} -> {layer['out']}"
+
+
+def _config_value(i):
+    value = getattr(estimate.hf_config(i["model"]), i["key"])
+    return value, f"{i['model']}'s config: {i['key']} = {value}"
 
 
 def _mean(i):
@@ -115,12 +119,6 @@ def _activation_dtype_ratio(i):
     half = estimate.activation_bytes(i["model"], i["seq_len"], i["batch"], 2)
     full = estimate.activation_bytes(i["model"], i["seq_len"], i["batch"], 4)
     return half / full, f"{_gb(half)} at N_b=2 / {_gb(full)} at N_b=4"
-
-
-def _activation_exponent(i):
-    m, s, flash = i["model"], i["seq_len"], i["flash"]
-    ratio = estimate.activation_bytes(m, 2 * s, 1, 2, flash=flash) / estimate.activation_bytes(m, s, 1, 2, flash=flash)
-    return math.log2(ratio), f"log2(M({2 * s}) / M({s})) = log2({ratio:.3f}) ({'flash' if flash else 'eager'})"
 
 
 def _kv_cache(i):
@@ -216,13 +214,18 @@ QUANTITIES = {
     "linear_features": _linear_features, "mean": _mean, "weights_bytes": _weights_bytes,
     "bytes_per_param": _bytes_per_param, "model_states": _model_states,
     "activations": _activations, "activation_dtype_ratio": _activation_dtype_ratio,
-    "activation_exponent": _activation_exponent, "kv_cache": _kv_cache,
+    "kv_cache": _kv_cache,
     "checkpointing_extra_compute_pct": _checkpointing_extra_compute_pct, "zero_per_device": _zero_per_device,
     "deepspeed_zero3": _deepspeed_zero3, "bnb_bytes": _bnb_bytes, "bnb_ratio": _bnb_ratio, "float_bits": _float_bits,
     "library_default": _library_default, "effective_batch": _effective_batch, "training_memory": _training_memory,
     "mixed_precision_saving_pct": _mixed_precision_saving_pct, "dtype_ratio": _dtype_ratio,
-    "adam_memory_multiple": _adam_memory_multiple,
+    "adam_memory_multiple": _adam_memory_multiple, "config_value": _config_value,
 }
+# Quantities that are a definition (a parameter count, a shape, a format, a library default or another identity)
+# rather than arithmetic on the seed's own inputs: the evidence they give is of that kind.
+DEFINITIONS = frozenset({"dense_matrix", "lora_matrix", "lora_matrix_reduction_pct", "lora_reduction_pct", "parameters",
+                         "largest_layer_parameters", "linear_features", "float_bits", "library_default",
+                         "bytes_per_param", "effective_batch", "dtype_ratio", "adam_memory_multiple", "config_value"})
 
 
 def compute(quantity: str, inputs: dict) -> tuple[float, str]:
