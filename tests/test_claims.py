@@ -369,6 +369,25 @@ def test_int8_speed_claims_read_bench_inference(tmp_path, registry):
     assert row["verdict"] == "differs" and row["band"] == "≥ 1 x" and row["evidence"] == "measured"
 
 
+def test_prune_claims_read_the_prune_records(tmp_path, registry):
+    """A footprint ratio is an exact count, its miss explained by what pruning cannot cut; a speedup of three
+    rounds has no interval and decides nothing."""
+    layout = Layout(tmp_path / "results")
+    _with_base_config(layout)
+    _write(layout.metrics("prune", "layers-half"), {
+        "status": "ok", "kept": {"layers": 15, "heads": 9, "kv_heads": 3}, "new_tokens": 16,
+        "footprint_ratio": 0.6052, "base": {"parameters": 134_515_008, "memory_footprint_bytes": 269_030_016},
+        "pruned": {"parameters": 81_413_568, "memory_footprint_bytes": 162_827_136},
+        "generation_speedup": {"median": 1.658, "ci95": None, "rounds": 3, "verdict": "inconclusive: 3 rounds"}})
+    by_id = {c["id"]: c for c in registry}
+    memory = stage.evaluate(by_id["prune-half-layers-memory"], layout)
+    assert memory["verdict"] == "differs" and memory["ci_low"] == memory["ci_high"] == pytest.approx(0.6052)
+    assert "outside them sit model.embed_tokens.weight (28,311,552 params)" in memory["finding"]
+    assert "21.0% of the base's 134,515,008 parameters" in memory["finding"]
+    time = stage.evaluate(by_id["prune-half-layers-time"], layout)
+    assert time["verdict"] == "inconclusive" and "inconclusive: 3 rounds" in time["reason"]
+
+
 def test_stage_runs_through_its_cli_and_a_failed_job_leaves_a_readable_summary(tmp_path):
     results = tmp_path / "results"
     metrics = run_stage("claims", TEST_PARAMS, results)
