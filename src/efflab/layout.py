@@ -5,6 +5,7 @@ holding metrics.json and, where the stage makes one, model/.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +21,7 @@ QAT_MODEL = "finetuned"  # qat's full-precision fine-tune
 STAGE_OUTPUTS = {"quantize": (MODEL,), "prune": (MODEL, HEALED), "qat": (QAT_MODEL, "evals.csv", "losses.csv"),
                  "finetune": (MODEL, LOSS_CSV), "merge": (MODEL,), "bench_finetune": (), "bench_attention": (),
                  "bench_inference": (), "bench_serving": ("requests.csv",), "capacity": ("cells.csv",),
-                 "claims": ("claims.csv", "claims.md")}
+                 "claims": ("claims.csv", "claims.md", "summary.json")}
 FOLDERS = (MODEL, HEALED, QAT_MODEL)
 NOT_RUN = "NOT_RUN.txt"
 
@@ -60,6 +61,8 @@ class Layout:
                 (out / output / NOT_RUN).write_text(f"{status}: {reason}\n")
             elif output == LOSS_CSV:
                 (out / output).write_text(",".join(LOSS_COLUMNS) + "\n")
+            elif output.endswith(".json"):  # a summary others read: their reader sees the status and why
+                (out / output).write_text(json.dumps({"status": status, "reason": reason}) + "\n")
             else:  # a table or page: empty, or saying why
                 (out / output).write_text(f"{stage} did not run: {status}: {reason}\n" if output.endswith(".md")
                                           else "")

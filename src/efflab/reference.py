@@ -1,8 +1,8 @@
 """Keep a run's numbers as reference results: `python -m efflab.reference [--results results] [--to results/reference]`.
 
-Copies what a person compares against (every stage's metrics.json, the loss curves, the claims table and the
-report's Markdown, CSV and PNG files) into <to>/<device>/, named after the GPU (or CPU) the base_model stage
-ran on, so that users can diff their numbers with ours. Model weights are never copied.
+Copies what a person compares against (every stage's metrics.json, the loss curves, the claims table, page and
+summary, the report's Markdown, CSV and PNG files) into <to>/<device>/, named after the GPU (or CPU) the
+base_model stage ran on, so that users can diff their numbers with ours. Model weights are never copied.
 """
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import shutil
 import sys
 from pathlib import Path
 
-KEPT = ("metrics.json", "loss.csv", "claims.csv", "claims.md", "report.md", "details.md", "summary.csv", "*.png")
+KEPT = ("metrics.json", "loss.csv", "claims.csv", "claims.md", "summary.json", "report.md", "details.md", "summary.csv",
+        "*.png")
 
 
 def device_name(results: Path) -> str:

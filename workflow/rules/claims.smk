@@ -12,9 +12,11 @@ rule claims:
         asked("bench_finetune", "results/bench_finetune/metrics.json"),
         asked("bench_serving", "results/bench_serving/metrics.json"),
         expand("results/bench_attention/{name}/metrics.json", name=names("bench_attention")),
+        expand("results/bench_inference/{name}/metrics.json", name=names("bench_inference")),
     output:
         csv="results/claims/claims.csv",
         md="results/claims/claims.md",
+        summary="results/claims/summary.json",
         metrics="results/claims/metrics.json",
     params:
         file=PARAMS,
