@@ -237,3 +237,12 @@ def test_a_wide_table_is_split_into_parts_that_repeat_its_key_columns_and_empty_
     parts = fmt.markdown(df).split("\n\n")
     assert len(parts) == 2 and all(p.startswith("| variant | batch |") for p in parts)
     assert all(len(p.splitlines()[0].split(" | ")) <= 10 for p in parts) and "empty" not in fmt.markdown(df)
+
+
+def test_the_claims_headline_splits_measured_from_computed_and_definitions():
+    job = {"status": "ok", "claims": 5, "by_verdict": {"reproduced": 4, "inconclusive": 1},
+           "counts": {"measured": {"reproduced": 1, "inconclusive": 1}, "computed": {"reproduced": 2},
+                      "definition": {"reproduced": 1, "differs": 0}}}
+    text = "\n".join(notes.claims_lines([job], "../claims/claims.md"))
+    assert "- measured here, with an interval: 1 reproduced, 1 inconclusive" in text
+    assert "- computed from the seed's own inputs: 2 reproduced" in text and "- definitions and counts: 1 reproduced\n" in text

@@ -41,8 +41,9 @@ def claims_facts(claims: list[dict]) -> dict | None:
     job = next(iter(records.ok(claims)), None)
     if job is None:
         return None
+    counts = {e: {v: n for v, n in by.items() if n} for e, by in (job.get("counts") or {}).items()}
     return {"claims": job["claims"], "by_verdict": {v: n for v, n in job["by_verdict"].items() if n},
-            "by_evidence": job.get("by_evidence")}
+            "counts": {e: by for e, by in counts.items() if by}}
 
 
 def qlora_above_lora(finetune: list[dict]) -> dict | None:
