@@ -107,13 +107,37 @@ def test_reference_results_keep_the_numbers_and_no_weights_under_the_device_name
     assert exit_.value.code == 2
 
 
-def test_a_config_another_beats_on_every_axis_is_dominated_and_greyed():
-    points = [{"m": 1, "t": 10}, {"m": 2, "t": 5}, {"m": 2, "t": 20}, {"m": 3, "t": 20}, {"m": 1, "t": 10}]
-    assert pareto.dominated(points, {"m": "min", "t": "max"}) == [False, True, False, True, False], \
-        "ties dominate nobody; worse memory at the same speed is dominated"
-    with_ppl = [{"m": 1, "t": 10, "p": 5.0}, {"m": 2, "t": 12, "p": 0.0}, {"m": 2, "t": 11, "p": None}]
-    assert pareto.dominated(with_ppl, {"m": "min", "t": "max", "p": "min"}) == [False, False, True], \
-        "a missing perplexity is left out of that comparison only"
+MiB = 2**20
+
+
+def _scheme(name, mib, change=None):
+    pct, lo, hi = change or (None, None, None)
+    return {"scheme": name, "status": "ok", "memory_footprint_bytes": mib * MiB,
+            "perplexity_change": change and {"change_pct": pct, "ci95_change_pct": [lo, hi], "n_rows": 16}}
+
+
+def _variant(name, kind, mib, speed=None):
+    vs = speed and {"generation_speedup": {"median": speed[0], "ci95": list(speed[1:]), "rounds": 8}}
+    return {"variant": name, "kind": kind, "of": None if kind == "base" else name, "status": "ok", "cells": [
+        {"status": "ok", "kv_cache": True, "batch_size": 1, "memory_footprint_bytes": mib * MiB,
+         "decode_tokens_per_s": {"median": 20.0}, "vs_base": vs}]}
+
+
+def test_the_inference_pareto_is_the_advices_frontier_by_intervals():
+    """`close` loses to the baseline on every point value but no interval separates them: it stays on the
+    frontier; `bad` is beaten by separated intervals."""
+    from efflab.report import advice
+
+    quantize = [_scheme("baseline", 256), _scheme("int8", 155, (3.4, 1.0, 4.5)), _scheme("nf4", 105, (28.9, 20, 38)),
+                _scheme("close", 256, (0.5, -1.0, 2.0)), _scheme("bad", 260, (10.0, 8.0, 12.0))]
+    inference = [_variant("baseline", "base", 256), _variant("int8", "quantized", 155, (0.58, 0.55, 0.61)),
+                 _variant("nf4", "quantized", 105, (1.2, 1.1, 1.3)),
+                 _variant("close", "quantized", 256, (0.98, 0.9, 1.05)),
+                 _variant("bad", "quantized", 260, (0.9, 0.85, 0.95))]
+    points = pareto.inference_pareto(inference, quantize)
+    assert {p["name"]: p["dominated"] for p in points} == {"baseline": False, "int8": False, "nf4": False,
+                                                           "close": False, "bad": True}
+    assert [p["name"] for p in points if not p["dominated"]] == advice.inference_facts(inference, quantize, 5.0)["front"]
 
 
 def test_an_artifact_hash_depends_on_its_files_not_on_where_they_are(tmp_path):
