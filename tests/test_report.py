@@ -123,9 +123,23 @@ def _variant(name, kind, mib, speed=None):
          "decode_tokens_per_s": {"median": 20.0}, "vs_base": vs}]}
 
 
-def test_the_inference_pareto_is_the_advices_frontier_by_intervals():
+@pytest.fixture
+def drawn(monkeypatch):
+    """The figures the plots save, laid out and written as they are, then kept open to be read."""
+    import matplotlib.pyplot as plt
+
+    figures, close = [], plt.close
+    monkeypatch.setattr(plt, "close", figures.append)
+    yield figures
+    for fig in figures:
+        close(fig)
+
+
+def test_the_inference_frontier_is_the_advices_by_intervals_drawn_without_a_line_or_overprinted_labels(drawn, tmp_path):
     """`close` loses to the baseline on every point value but no interval separates them: it stays on the
-    frontier; `bad` is beaten by separated intervals."""
+    frontier; `bad` is beaten by separated intervals. The labels of the two coinciding points do not overlap."""
+    from matplotlib.text import Text
+
     from efflab.report import advice
 
     quantize = [_scheme("baseline", 256), _scheme("int8", 155, (3.4, 1.0, 4.5)), _scheme("nf4", 105, (28.9, 20, 38)),
@@ -137,7 +151,55 @@ def test_the_inference_pareto_is_the_advices_frontier_by_intervals():
     points = pareto.inference_pareto(inference, quantize)
     assert {p["name"]: p["dominated"] for p in points} == {"baseline": False, "int8": False, "nf4": False,
                                                            "close": False, "bad": True}
-    assert [p["name"] for p in points if not p["dominated"]] == advice.inference_facts(inference, quantize, 5.0)["front"]
+    front = advice.inference_facts(inference, quantize, 5.0)["front"]
+    assert [p["name"] for p in points if not p["dominated"]] == front
+    plots.plot_inference_pareto(points, tmp_path / "front.png")
+    (fig,) = drawn
+    ax = fig.axes[0]
+    assert not [line for line in ax.get_lines() if line.get_linestyle() not in ("None", "none", "")
+                and len(line.get_xdata()) > 1], "no line joins the frontier"
+    fig.canvas.draw()
+    boxes = {t.get_text(): Text.get_window_extent(t) for t in ax.texts}  # the words, not the leader line
+    assert any(text.startswith("close: on the frontier; perplexity +0.5% [-1.0%, +2.0%]") for text in boxes)
+    assert not [(a, b) for a in boxes for b in boxes if a < b and boxes[a].overlaps(boxes[b])]
+
+
+def test_a_capacity_search_that_fit_its_whole_grid_is_drawn_as_at_least_its_ceiling(drawn, tmp_path):
+    def search(subject, predicted, measured, whole):
+        return {"subject": subject, "kind": "train", "dimension": "batch_size", "status": "ok",
+                "predicted_max": predicted, "measured_max": measured, "whole_range_fits": whole}
+
+    job = {"status": "ok", "budget": {"mib": 2048, "source": "capacity.budget_mib.cpu"},
+           "fixed": {"train_seq_len": 128, "prompt_len": 64, "new_tokens": 8},
+           "searches": [search("lora", 7, 5, False), search("baseline", 32, 32, True)]}
+    plots.plot_capacity([job], tmp_path / "capacity.png")
+    ax = drawn[0].axes[0]
+    assert [t.get_text() for t in ax.texts] == ["≥ 32\n(grid ceiling)"]
+    measured = {round(r.get_x() + r.get_width() / 2, 1): r for r in ax.patches}
+    assert measured[0.2].get_fill() and not measured[0.2].get_hatch(), "a measured maximum is a solid bar"
+    assert not measured[1.2].get_fill() and measured[1.2].get_hatch() == "//", "the ceiling is open and hatched"
+
+
+def test_the_attention_plot_draws_only_the_interleaved_pairs_and_a_range_where_rounds_give_no_interval(drawn, tmp_path):
+    """sdpa's own cell took a tenth of eager's (other processes): the plot ignores that and draws the pairs'
+    speedups, 1.2 with its interval and 0.9 with the range of its 3 stable rounds (dashed)."""
+    eager = {"status": "ok", "implementation": "eager", "rows": [
+        {"implementation": "eager", "mode": "forward", "seq_len": s, "batch_size": 1, "status": "ok",
+         "latency": {"median": 0.010}} for s in (64, 128)]}
+    rounds = [{"seconds": {"sdpa": 1.0, "eager": e}, "stable": e < 2} for e in (0.8, 0.95, 0.9, 3.0)]
+    pairs = {64: {"speedup": {"median": 1.2, "ci95": [1.1, 1.3], "rounds": 8}},
+             128: {"speedup": {"median": 0.9, "ci95": None, "rounds": 3}, "rounds": rounds}}
+    sdpa = {"status": "ok", "implementation": "sdpa", "rows": [
+        {"implementation": "sdpa", "mode": "forward", "seq_len": s, "batch_size": 1, "status": "ok",
+         "latency": {"median": 0.001}, "vs_eager": pairs[s]} for s in (64, 128)]}
+    speedups = plots.attention_speedups([eager, sdpa])
+    assert speedups[["implementation", "speedup", "lo", "hi", "spread", "n"]].values.tolist() == [
+        ["sdpa", 1.2, 1.1, 1.3, "95% CI", 8], ["sdpa", 0.9, 0.8, 0.95, "range", 3]]
+    plots.plot_attention(speedups, tmp_path / "attention.png")
+    ax = drawn[0].axes[0]
+    assert [list(line.get_ydata()) for line in ax.get_lines() if line.get_marker() == "o"] == [[1.2, 0.9]]
+    bars = {tuple(map(tuple, c.get_segments()[0])): c.get_linestyle()[0][1] is not None for c in ax.collections}
+    assert bars == {((64.0, 1.1), (64.0, 1.3)): False, ((128.0, 0.8), (128.0, 0.95)): True}, bars
 
 
 def test_an_artifact_hash_depends_on_its_files_not_on_where_they_are(tmp_path):
