@@ -107,13 +107,99 @@ def test_reference_results_keep_the_numbers_and_no_weights_under_the_device_name
     assert exit_.value.code == 2
 
 
-def test_a_config_another_beats_on_every_axis_is_dominated_and_greyed():
-    points = [{"m": 1, "t": 10}, {"m": 2, "t": 5}, {"m": 2, "t": 20}, {"m": 3, "t": 20}, {"m": 1, "t": 10}]
-    assert pareto.dominated(points, {"m": "min", "t": "max"}) == [False, True, False, True, False], \
-        "ties dominate nobody; worse memory at the same speed is dominated"
-    with_ppl = [{"m": 1, "t": 10, "p": 5.0}, {"m": 2, "t": 12, "p": 0.0}, {"m": 2, "t": 11, "p": None}]
-    assert pareto.dominated(with_ppl, {"m": "min", "t": "max", "p": "min"}) == [False, False, True], \
-        "a missing perplexity is left out of that comparison only"
+MiB = 2**20
+
+
+def _scheme(name, mib, change=None):
+    pct, lo, hi = change or (None, None, None)
+    return {"scheme": name, "status": "ok", "memory_footprint_bytes": mib * MiB,
+            "perplexity_change": change and {"change_pct": pct, "ci95_change_pct": [lo, hi], "n_rows": 16}}
+
+
+def _variant(name, kind, mib, speed=None):
+    vs = speed and {"generation_speedup": {"median": speed[0], "ci95": list(speed[1:]), "rounds": 8}}
+    return {"variant": name, "kind": kind, "of": None if kind == "base" else name, "status": "ok", "cells": [
+        {"status": "ok", "kv_cache": True, "batch_size": 1, "memory_footprint_bytes": mib * MiB,
+         "decode_tokens_per_s": {"median": 20.0}, "vs_base": vs}]}
+
+
+@pytest.fixture
+def drawn(monkeypatch):
+    """The figures the plots save, laid out and written as they are, then kept open to be read."""
+    import matplotlib.pyplot as plt
+
+    figures, close = [], plt.close
+    monkeypatch.setattr(plt, "close", figures.append)
+    yield figures
+    for fig in figures:
+        close(fig)
+
+
+def test_the_inference_frontier_is_the_advices_by_intervals_drawn_without_a_line_or_overprinted_labels(drawn, tmp_path):
+    """`close` loses to the baseline on every point value but no interval separates them: it stays on the
+    frontier; `bad` is beaten by separated intervals. The labels of the two coinciding points do not overlap."""
+    from matplotlib.text import Text
+
+    from efflab.report import advice
+
+    quantize = [_scheme("baseline", 256), _scheme("int8", 155, (3.4, 1.0, 4.5)), _scheme("nf4", 105, (28.9, 20, 38)),
+                _scheme("close", 256, (0.5, -1.0, 2.0)), _scheme("bad", 260, (10.0, 8.0, 12.0))]
+    inference = [_variant("baseline", "base", 256), _variant("int8", "quantized", 155, (0.58, 0.55, 0.61)),
+                 _variant("nf4", "quantized", 105, (1.2, 1.1, 1.3)),
+                 _variant("close", "quantized", 256, (0.98, 0.9, 1.05)),
+                 _variant("bad", "quantized", 260, (0.9, 0.85, 0.95))]
+    points = pareto.inference_pareto(inference, quantize)
+    assert {p["name"]: p["dominated"] for p in points} == {"baseline": False, "int8": False, "nf4": False,
+                                                           "close": False, "bad": True}
+    front = advice.inference_facts(inference, quantize, 5.0)["front"]
+    assert [p["name"] for p in points if not p["dominated"]] == front
+    plots.plot_inference_pareto(points, tmp_path / "front.png")
+    (fig,) = drawn
+    ax = fig.axes[0]
+    assert not [line for line in ax.get_lines() if line.get_linestyle() not in ("None", "none", "")
+                and len(line.get_xdata()) > 1], "no line joins the frontier"
+    fig.canvas.draw()
+    boxes = {t.get_text(): Text.get_window_extent(t) for t in ax.texts}  # the words, not the leader line
+    assert any(text.startswith("close: on the frontier; perplexity +0.5% [-1.0%, +2.0%]") for text in boxes)
+    assert not [(a, b) for a in boxes for b in boxes if a < b and boxes[a].overlaps(boxes[b])]
+
+
+def test_a_capacity_search_that_fit_its_whole_grid_is_drawn_as_at_least_its_ceiling(drawn, tmp_path):
+    def search(subject, predicted, measured, whole):
+        return {"subject": subject, "kind": "train", "dimension": "batch_size", "status": "ok",
+                "predicted_max": predicted, "measured_max": measured, "whole_range_fits": whole}
+
+    job = {"status": "ok", "budget": {"mib": 2048, "source": "capacity.budget_mib.cpu"},
+           "fixed": {"train_seq_len": 128, "prompt_len": 64, "new_tokens": 8},
+           "searches": [search("lora", 7, 5, False), search("baseline", 32, 32, True)]}
+    plots.plot_capacity([job], tmp_path / "capacity.png")
+    ax = drawn[0].axes[0]
+    assert [t.get_text() for t in ax.texts] == ["≥ 32\n(grid ceiling)"]
+    measured = {round(r.get_x() + r.get_width() / 2, 1): r for r in ax.patches}
+    assert measured[0.2].get_fill() and not measured[0.2].get_hatch(), "a measured maximum is a solid bar"
+    assert not measured[1.2].get_fill() and measured[1.2].get_hatch() == "//", "the ceiling is open and hatched"
+
+
+def test_the_attention_plot_draws_only_the_interleaved_pairs_and_a_range_where_rounds_give_no_interval(drawn, tmp_path):
+    """sdpa's own cell took a tenth of eager's (other processes): the plot ignores that and draws the pairs'
+    speedups, 1.2 with its interval and 0.9 with the range of its 3 stable rounds (dashed)."""
+    eager = {"status": "ok", "implementation": "eager", "rows": [
+        {"implementation": "eager", "mode": "forward", "seq_len": s, "batch_size": 1, "status": "ok",
+         "latency": {"median": 0.010}} for s in (64, 128)]}
+    rounds = [{"seconds": {"sdpa": 1.0, "eager": e}, "stable": e < 2} for e in (0.8, 0.95, 0.9, 3.0)]
+    pairs = {64: {"speedup": {"median": 1.2, "ci95": [1.1, 1.3], "rounds": 8}},
+             128: {"speedup": {"median": 0.9, "ci95": None, "rounds": 3}, "rounds": rounds}}
+    sdpa = {"status": "ok", "implementation": "sdpa", "rows": [
+        {"implementation": "sdpa", "mode": "forward", "seq_len": s, "batch_size": 1, "status": "ok",
+         "latency": {"median": 0.001}, "vs_eager": pairs[s]} for s in (64, 128)]}
+    speedups = plots.attention_speedups([eager, sdpa])
+    assert speedups[["implementation", "speedup", "lo", "hi", "spread", "n"]].values.tolist() == [
+        ["sdpa", 1.2, 1.1, 1.3, "95% CI", 8], ["sdpa", 0.9, 0.8, 0.95, "range", 3]]
+    plots.plot_attention(speedups, tmp_path / "attention.png")
+    ax = drawn[0].axes[0]
+    assert [list(line.get_ydata()) for line in ax.get_lines() if line.get_marker() == "o"] == [[1.2, 0.9]]
+    bars = {tuple(map(tuple, c.get_segments()[0])): c.get_linestyle()[0][1] is not None for c in ax.collections}
+    assert bars == {((64.0, 1.1), (64.0, 1.3)): False, ((128.0, 0.8), (128.0, 0.95)): True}, bars
 
 
 def test_an_artifact_hash_depends_on_its_files_not_on_where_they_are(tmp_path):

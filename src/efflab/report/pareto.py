@@ -1,4 +1,9 @@
-"""Pareto frontiers: the configurations no other beats on every axis, and their data for `dvc plots`."""
+"""Pareto frontiers: the options the report's advice finds no other beats, their points as the plots draw them,
+and their data for `dvc plots`.
+
+The frontier is the advice's own (report.decide.frontier over each option's intervals), never one of point
+values: an option is dominated only where another beats it on some axis by separated intervals and loses on none.
+"""
 from __future__ import annotations
 
 from pathlib import Path
@@ -6,55 +11,47 @@ from pathlib import Path
 import pandas as pd
 
 from .. import records
-from .fmt import MiB, peak_mib
+from . import advice, options as opts
+from .spread import of_axis, of_median, of_speedup, spread
 from .tables import tokens_per_s
 
 
-def dominated(points: list[dict], better: dict[str, str]) -> list[bool]:
-    """For each point, whether another is at least as good on every criterion and better on one. `better` maps
-    a key to "min" or "max"; a criterion a point lacks (None) is left out of the comparisons it is in."""
-    def as_good(a: dict, b: dict, key: str) -> bool:
-        return a[key] <= b[key] if better[key] == "min" else a[key] >= b[key]
-
-    out = []
-    for p in points:
-        beaten = False
-        for q in points:
-            keys = [k for k in better if p.get(k) is not None and q.get(k) is not None]
-            if q is p or not keys:
-                continue
-            if all(as_good(q, p, k) for k in keys) and any(q[k] != p[k] for k in keys):
-                beaten = True
-                break
-        out.append(beaten)
-    return out
-
-
 def finetune_pareto(rows: list[dict]) -> list[dict]:
-    points = [{"name": r["run"], "memory": peak_mib(r["train_memory"]), "tokens_per_s": tokens_per_s(r),
-               "kind": r["train_memory"]["kind"]} for r in records.ok(rows) if peak_mib(r["train_memory"]) is not None]
-    for p, beaten in zip(points, dominated(points, {"memory": "min", "tokens_per_s": "max"})):
-        p["dominated"] = beaten
-    return points
+    """Each run: its peak training memory (one measurement), its median step time with its spread, and its
+    validation perplexity change over the first run (paired, where both carry per-row losses)."""
+    facts = advice.finetune_facts(rows)
+    if not facts:
+        return []
+    runs = {r["run"]: r for r in records.ok(rows)}
+    return [{"name": o["name"], "baseline": o["baseline"], "kind": o["memory_kind"],
+             "memory": (o["axes"]["memory"] or {}).get("value"), "tokens_per_s": tokens_per_s(runs[o["name"]]),
+             "x": of_axis(o["axes"]["memory"]), "y": of_median(runs[o["name"]].get("step_time")),
+             "quality": of_axis(o["axes"]["quality"]), "quality_point": None,
+             "dominated": o["name"] not in facts["front"]} for o in facts["options"]]
 
 
 def inference_pareto(inference_rows: list[dict], quantize_rows: list[dict]) -> list[dict]:
-    """One point per inference variant (its KV-cache, batch-1 cell): footprint, decode tokens/s and the
-    perplexity change its quantization costs (quantized variants; 0 for the base model; fine-tuned variants
-    have no comparable figure)."""
-    ppl = {r["scheme"]: r["perplexity_change_pct"] for r in records.ok(quantize_rows)}
+    """Each inference variant's batch-1 KV-cache cell: its footprint, its interleaved decode speedup over the base
+    model (with its interval, or the range of its rounds) and the paired perplexity change its quantization costs
+    (quantized variants; fine-tuned ones have none comparable). An old record's unpaired change is kept as a
+    point (`quality_point`), which decides nothing."""
+    # The frontier does not depend on the tolerance, which only sorts options into within / beyond it.
+    facts = advice.inference_facts(inference_rows, quantize_rows, tolerance=0.0)
+    if not facts:
+        return []
+    unpaired = {r["scheme"]: r.get("perplexity_change_pct") for r in records.ok(quantize_rows)}
+    jobs = {j["variant"]: j for j in records.ok(inference_rows)}
     points = []
-    for r in records.ok(inference_rows):
-        cell = next((c for c in r.get("cells", []) if records.is_ok(c) and c["kv_cache"] and c["batch_size"] == 1),
-                    None)
-        if cell is None:
-            continue
-        delta = 0.0 if r["kind"] == "base" else ppl.get(r["of"]) if r["kind"] == "quantized" else None
-        points.append({"name": r["variant"], "footprint": cell["memory_footprint_bytes"] / MiB,
-                       "decode": cell["decode_tokens_per_s"]["median"], "perplexity_change_pct": delta})
-    for p, beaten in zip(points, dominated(points, {"footprint": "min", "decode": "max",
-                                                   "perplexity_change_pct": "min"})):
-        p["dominated"] = beaten
+    for o in facts["options"]:
+        job, cell = jobs[o["name"]], opts.inference_cell(jobs[o["name"]])
+        quality = of_axis(o["axes"]["quality"])
+        point = 0.0 if o["baseline"] else unpaired.get(job["of"]) if job["kind"] == "quantized" else None
+        speed = spread(1.0) if o["baseline"] else of_speedup(cell.get("vs_base"), "generation_speedup", "base")
+        points.append({"name": o["name"], "baseline": o["baseline"], "footprint": o["axes"]["memory"]["value"],
+                       "decode": cell["decode_tokens_per_s"]["median"],
+                       "perplexity_change_pct": quality["value"] if quality else point,
+                       "x": of_axis(o["axes"]["memory"]), "y": speed, "quality": quality,
+                       "quality_point": None if quality else point, "dominated": o["name"] not in facts["front"]})
     return points
 
 
