@@ -23,7 +23,7 @@ def _ratio_axis(ratio: dict | None) -> dict | None:
 
 def _change_axis(change: dict | None) -> dict | None:
     """A paired perplexity change (quality.paired_change) in %, with its interval where n gives one."""
-    if not change:
+    if not change or change.get("change_pct") is None:  # none, or unavailable (e.g. evaluated on other rows)
         return None
     lo, hi = change.get("ci95_change_pct") or (None, None)
     return axis(change["change_pct"], lo, hi, n=change.get("n_rows"))
