@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 KEPT = ("metrics.json", "loss.csv", "claims.csv", "claims.md", "summary.json", "report.md", "details.md", "summary.csv",
-        "*.png")
+        "*_pareto.csv", "requests.csv", "cells.csv", "evals.csv", "*.png")  # the raw CSVs the report cites too
 
 
 def device_name(results: Path) -> str:
