@@ -1,4 +1,5 @@
 import copy
+import json
 import math
 
 import pandas as pd
@@ -7,9 +8,13 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tests.helpers import TEST_PARAMS, run_stage
-from efflab import qat
+from efflab import qat, quality
 from efflab.config import UserError
 from efflab.modeling import load_model, load_tokenizer, read_split
+
+
+def json_round_trip(value):
+    return json.loads(json.dumps(value))
 
 
 def _tiny(prepared):
@@ -29,9 +34,16 @@ def test_the_stage_s_perplexities_and_b_min_are_recomputed_from_its_per_row_log(
     assert reference < ppl["base"], "the fine-tune the threshold is relative to lowered the validation loss"
     for v in metrics["variants"]:
         assert v["perplexity"] == pytest.approx(ppl[v["variant"]], rel=1e-9)
+    fp_rows = evals[evals.variant == "full precision"].sort_values("row")
+    for v in metrics["variants"]:
+        if v["method"] in ("ptq", "qat"):  # the paired change is recomputed from the per-row log
+            rows = evals[evals.variant == v["variant"]].sort_values("row")
+            again = quality.paired_change(fp_rows[["tokens", "nll_sum"]].values.tolist(),
+                                          rows[["tokens", "nll_sum"]].values.tolist())
+            assert v["perplexity_change"]["change_pct"] == pytest.approx(again["change_pct"], rel=1e-9)
     for method in ("ptq", "qat"):
-        passing = [b for b in sorted(q["bits"]) if ppl[f"{method}-int{b}"] <= q["threshold"] * reference]
-        assert metrics["precision_range_test"][method]["b_min"] == (passing[0] if passing else None)
+        changes = {v["bits"]: v["perplexity_change"] for v in metrics["variants"] if v["method"] == method}
+        assert metrics["precision_range_test"][method] == json_round_trip(qat.range_test(changes, q["threshold"]))
     losses = pd.read_csv(results / "qat" / qat.LOSSES_CSV)
     assert set(losses.variant) == {"full precision"} | {f"qat-int{b}" for b in q["bits"]}
     assert all(len(g) == q["train"]["steps"] for _, g in losses.groupby("variant"))
@@ -77,11 +89,26 @@ def test_quantized_weights_are_b_bit_codes_and_qat_trains_against_that_same_quan
     assert all(g is not None and g.abs().sum() > 0 for g in grads), "gradients pass the rounding (straight through)"
 
 
-def test_the_precision_range_test_scans_from_the_lowest_width_up():
-    ppl = {2: 900.0, 3: 10.5, 4: 12.0, 8: 10.1}
-    test = qat.range_test(ppl, reference=10.0, threshold=1.1)
-    assert test == {"b_min": 3, "passing": [3, 8], "fail_above_b_min": [4]}
-    assert qat.range_test({2: 50.0, 4: 20.0}, 10.0, 1.1)["b_min"] is None
+def _change(lo: float, hi: float) -> dict:
+    return {"change_pct": (lo + hi) / 2, "ci95_change_pct": [lo, hi], "n_rows": 16}
+
+
+def test_the_precision_range_test_scans_from_the_lowest_width_up_deciding_by_intervals():
+    wide_but_below = _change(2.0, 9.0)  # within a 1.1x threshold (+10%) as a whole
+    changes = {2: _change(500, 900), 3: wide_but_below, 4: _change(12.0, 30.0), 8: _change(-1.0, 1.0)}
+    test = qat.range_test(changes, threshold=1.1)
+    assert test["b_min"] == 3 and test["passing"] == [3, 8] and test["fail_above_b_min"] == [4]
+    assert test["verdicts"] == {2: "fails", 3: "passes", 4: "fails", 8: "passes"}
+    assert qat.range_test({2: _change(400, 900), 4: _change(50, 90)}, 1.1)["b_min"] is None
+
+
+def test_a_width_whose_interval_straddles_the_threshold_leaves_b_min_undecided():
+    """A point estimate under the threshold is not a pass when its interval reaches over it."""
+    test = qat.range_test({3: _change(100, 200), 4: _change(4.0, 16.0), 8: _change(-1.0, 1.0)}, threshold=1.1)
+    assert test["b_min"] is None and test["undecided_at"] == 4
+    assert test["verdicts"][4] == "undecided" and test["passing"] == [8]
+    few_rows = {"change_pct": 1.0, "ci95_change_pct": None, "n_rows": 4}
+    assert qat.range_test({8: few_rows}, 1.1)["verdicts"][8] == "undecided", "no interval from 4 rows: no verdict"
 
 
 def test_a_group_size_that_does_not_divide_a_layer_is_one_line_naming_the_key(prepared):

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from . import cli, records
+from . import cli, quality, records
 from .config import UserError
 from .architecture import linear_layers, matmul_shape, undivided_layer
 from .layout import QAT_MODEL, Layout
@@ -182,14 +182,31 @@ def cell(cfg: dict, results: str, method: str, bits: int | None, dtype: str, dev
     return result
 
 
-def range_test(ppl: dict[int, float], reference: float, threshold: float) -> dict:
-    """The precision range test: from the lowest width up, the first whose perplexity is within `threshold`
-    times the full-precision model's. Widths above B_min that fail again are named (the scan is not monotone)."""
-    widths = sorted(ppl)
-    passing = [b for b in widths if ppl[b] is not None and ppl[b] <= threshold * reference]
-    b_min = passing[0] if passing else None
-    return {"b_min": b_min, "passing": passing,
-            "fail_above_b_min": [b for b in widths if b_min is not None and b > b_min and b not in passing]}
+def verdicts(changes: dict[int, dict | None], threshold: float) -> dict[int, str]:
+    """Each width's verdict against the threshold, decided by the interval of its paired perplexity change
+    over the full-precision fine-tune (quality.against_tolerance): `passes` when the whole interval is within
+    `threshold`x, `fails` when it is wholly beyond, `undecided` otherwise (or with too few rows for one)."""
+    said = {"within": "passes", "beyond": "fails", "undecided": "undecided"}
+    return {b: "not run" if c is None else said[quality.against_tolerance(c, 100 * (threshold - 1))]
+            for b, c in changes.items()}
+
+
+def range_test(changes: dict[int, dict | None], threshold: float) -> dict:
+    """The precision range test: from the lowest width up, the first that passes is B_min. A width whose
+    interval straddles the threshold leaves B_min undecided from there (`undecided_at`): the scan cannot say
+    whether it passes. Widths above B_min that fail again are named (the scan is not monotone)."""
+    widths, verdict = sorted(changes), verdicts(changes, threshold)
+    b_min = undecided_at = None
+    for b in widths:
+        if verdict[b] == "passes":
+            b_min = b
+            break
+        if verdict[b] != "fails":
+            undecided_at = b
+            break
+    return {"b_min": b_min, "undecided_at": undecided_at, "verdicts": verdict,
+            "passing": [b for b in widths if verdict[b] == "passes"],
+            "fail_above_b_min": [b for b in widths if b_min is not None and b > b_min and verdict[b] == "fails"]}
 
 
 def _rows(variant: str, method: str, bits, rows: list[dict]) -> list[dict]:
@@ -258,13 +275,18 @@ def run(cfg: dict, paths: dict) -> dict:
         variants.append(entry)
 
     reference = perplexity(fp["rows"]) if records.is_ok(fp) else None
+    for v in variants:
+        if reference and v["method"] in ("ptq", "qat") and records.is_ok(v):
+            v["perplexity_change"] = quality.paired_change(fp["rows"], cells[v["variant"]]["rows"])
     tests = {}
     for method in ("ptq", "qat"):
-        ppl = {v["bits"]: v.get("perplexity") for v in variants if v["method"] == method}
-        tests[method] = range_test(ppl, reference, q["threshold"]) if reference else None
+        changes = {v["bits"]: v.get("perplexity_change") for v in variants if v["method"] == method}
+        tests[method] = range_test(changes, q["threshold"]) if reference else None
         if reference:
-            log.info("precision range test, %s: B_min %s (threshold: perplexity <= %.2f x %.2f)", method,
-                     f"{tests[method]['b_min']} bits" if tests[method]["b_min"] else f"none of {bits}",
+            t = tests[method]
+            log.info("precision range test, %s: B_min %s (threshold: the whole 95%% interval of perplexity "
+                     "within %.2f x %.2f)", method, f"{t['b_min']} bits" if t["b_min"] else
+                     f"undecided at {t['undecided_at']} bits" if t["undecided_at"] else f"none of {bits}",
                      q["threshold"], reference)
     out = paths["out"]
     _write_csv(out / EVALS_CSV, EVAL_COLUMNS, evals)

@@ -23,7 +23,8 @@ def qat_facts(qat: list[dict]) -> dict | None:
         return None
     tests = job["precision_range_test"]
     return {"threshold": job["threshold"], "bits": job["bits"],
-            "b_min": {m: tests[m]["b_min"] for m in ("ptq", "qat")}}
+            "b_min": {m: tests[m]["b_min"] for m in ("ptq", "qat")},
+            "undecided_at": {m: tests[m].get("undecided_at") for m in ("ptq", "qat")}}
 
 
 def capacity_facts(capacity: list[dict]) -> dict | None:

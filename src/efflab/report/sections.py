@@ -56,7 +56,9 @@ def prune_body(cfg: dict, metrics: dict, table) -> str:
 
 def b_min_text(job: dict, method: str) -> str:
     t = job["precision_range_test"][method]
-    said = f"**{t['b_min']} bits**" if t["b_min"] else f"none of {job['bits']} bits"
+    said = (f"**{t['b_min']} bits**" if t["b_min"] else
+            f"undecided (the interval at {t['undecided_at']} bits straddles the threshold)" if t.get("undecided_at")
+            else f"none of {job['bits']} bits")
     return said + (f" (but {', '.join(map(str, t['fail_above_b_min']))} bits fail again)"
                    if t.get("fail_above_b_min") else "")
 

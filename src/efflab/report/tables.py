@@ -4,6 +4,7 @@ from __future__ import annotations
 import pandas as pd
 
 from .. import records
+from . import spread
 from .fmt import (MiB, env_of, interval_text, pct, peak_mib, speedup_text, speedup_verdict, status_text)
 from .knobs import knob_table
 
@@ -53,30 +54,38 @@ def healed_columns(r: dict) -> dict:
             "healed sample": " ".join(h["sample"].split())[:48]}
 
 
-QAT_COLUMNS = ["bits", "PTQ perplexity", "PTQ x full precision", "PTQ passes", "QAT perplexity",
-               "QAT x full precision", "QAT passes", "packed weights (MiB)", "env"]
+QAT_COLUMNS = ["bits", "PTQ perplexity", "PTQ change vs full precision (%)", "PTQ verdict", "QAT perplexity",
+               "QAT change vs full precision (%)", "QAT verdict", "packed weights (MiB)", "env"]
 
 
 def qat_table(jobs: list[dict]) -> pd.DataFrame:
-    """One row per bit width: PTQ and QAT validation perplexity, over the full-precision fine-tune's, and
-    whether the width passes the precision range test's threshold."""
+    """One row per bit width: PTQ and QAT validation perplexity, its change over the full-precision fine-tune
+    paired row by row (95% interval where the rows give one), and the precision range test's verdict at that
+    width, decided by that interval."""
     out = []
     for job in records.ok(jobs):
-        reference, threshold = job["reference_perplexity"], job["threshold"]
+        tests = job["precision_range_test"]
         for bits in job["bits"]:
             row = {"bits": bits, "env": env_of(job)}
             for method in ("ptq", "qat"):
                 v = next(v for v in job["variants"] if (v["method"], v["bits"]) == (method, bits))
                 label = method.upper()
                 if records.is_ok(v):
-                    ratio = v["perplexity"] / reference
-                    row |= {f"{label} perplexity": v["perplexity"], f"{label} x full precision": ratio,
-                            f"{label} passes": "yes" if ratio <= threshold else "no",
+                    row |= {f"{label} perplexity": v["perplexity"],
+                            f"{label} change vs full precision (%)": spread.text(
+                                spread.of_change(v.get("perplexity_change")), "{:+.1f}"),
+                            f"{label} verdict": verdict_of(tests[method], bits),
                             "packed weights (MiB)": v["weight_bytes"]["packed_bytes"] / MiB}
                 else:
-                    row[f"{label} passes"] = status_text(v)
+                    row[f"{label} verdict"] = status_text(v)
             out.append(row)
     return pd.DataFrame(out, columns=QAT_COLUMNS)
+
+
+def verdict_of(test: dict | None, bits: int) -> str:
+    """A width's verdict in the precision range test; a record from before intervals has none to give."""
+    verdicts = (test or {}).get("verdicts") or {}  # JSON keys: the width as a string
+    return verdicts.get(str(bits), verdicts.get(bits, "undecided"))
 
 
 SERVING_COLUMNS = ["method", "concurrency", "status", "requests/s", "output tokens/s", "x naive",
