@@ -44,7 +44,7 @@ GRID = {
     "bench_inference": {"repeats": 2, "variants": {
         "baseline": {"kind": "base"}, "nf4": {"kind": "quantized", "of": "nf4"},
         "merged-qlora": {"kind": "merged", "of": "qlora"}, "adapter-lora": {"kind": "adapter", "of": "lora"}}},
-    "bench_serving": {"requests": 3, "methods": ["naive", "continuous"]},
+    "bench_serving": {"requests": 3, "methods": ["naive", "continuous"], "bursts": 2},
     "capacity": {"runs": ["lora"], "variants": [], "max_batch_size": 1, "max_seq_len": 64},
 }
 

@@ -16,7 +16,7 @@ from efflab.claims.verdict import EVIDENCE, VERDICTS, Reading, judge, verdict_cl
 from efflab.config import UserError
 from efflab.layout import Layout
 
-from tests.helpers import REPO, TEST_PARAMS, run_stage
+from tests.helpers import REPO, TEST_PARAMS, run_stage, serving_record
 
 SEEDS = Path("/work/shared/seeds")
 REFERENCE = REPO / "results" / "reference" / "amd-epyc-avx512-bf16"
@@ -150,8 +150,9 @@ def test_the_reference_results_give_a_row_a_band_and_an_evidence_per_claim(refer
             assert not pd.isna(row["ci_low"]), c["id"]  # reproduced by measurement only with an interval
     assert by_id.loc["lora-over-99pct-measured", "evidence"] == "definition"  # a parameter count
     assert by_id.loc["int8-2x-measured", "verdict"] == "differs"  # an exact byte count outside 1.7-2.3x
-    serving = by_id.loc["continuous-batching-3-24x"]
-    assert serving["verdict"] == "inconclusive" and "static 4.427x at concurrency 12" in serving["finding"]
+    serving = by_id.loc["continuous-batching-3-24x"]  # a record of one burst: no interval, no pairing
+    assert serving["verdict"] == "inconclusive" and "static 4.427x (1 round(s): no 95% interval) at concurrency 12" \
+        in serving["finding"]
     assert "does not tell continuous batching from batching as such" in serving["finding"]
     md = (out / "claims.md").read_text()
     assert md.startswith("# Published numbers: reported vs reproduced") and len(md.encode()) < 50_000
@@ -398,3 +399,35 @@ def test_stage_runs_through_its_cli_and_a_failed_job_leaves_a_readable_summary(t
     failed.mkdir()
     Layout.write_not_run("claims", failed, "failed", "a test")
     assert json.loads((failed / "summary.json").read_text()) == {"status": "failed", "reason": "a test"}
+
+
+def test_the_serving_claim_is_judged_on_the_interval_of_paired_bursts(tmp_path, registry):
+    """Continuous batching's throughput over naive, paired burst round by burst round: inside the 3-24x band
+    with an interval, reproduced; the same median from 5 rounds, inconclusive; the cause says from the paired
+    rounds whether continuous batching beat static batching, and that vLLM, which the seed credits, did not run."""
+    claim = next(c for c in registry if c["id"] == "continuous-batching-3-24x")
+    layout = Layout(tmp_path / "results")
+    drift = [1.0, 1.4, 0.9, 2.0, 1.2, 0.8]
+    naive, static = [10 * d for d in drift], [30 * d for d in drift]
+    continuous = [x * f for x, f in zip(static, (1.2, 1.3, 1.25, 1.3, 1.2, 1.35))]  # 3.6-4.05x naive's
+
+    def judged(rounds: int) -> dict:
+        rates = {("naive", 1): naive, ("static", 4): static, ("continuous", 4): continuous}
+        _write(layout.metrics("bench_serving"), serving_record({k: v[:rounds] for k, v in rates.items()}))
+        return stage.evaluate(claim, layout)
+
+    row = judged(6)
+    assert row["verdict"] == "reproduced" and row["reproduced"].startswith("3.825 x [3.6, 4.05]"), row["reproduced"]
+    assert "6 burst round(s) of 8 requests: continuous at concurrency 4" in row["reason"]
+    row = judged(5)
+    assert row["verdict"] == "inconclusive" and row["ci_low"] is None
+    assert "a measurement without a 95% interval" in row["finding"]
+    continuous[:] = [x * f for x, f in zip(static, (0.9, 1.25, 1.0, 1.15, 0.85, 1.1))]  # 2.55-3.75x naive's
+    row = judged(6)
+    assert row["verdict"] == "inconclusive" and "crosses an edge" in row["finding"]
+    assert "this run cannot tell continuous from static batching at concurrency 4 (1.05x [0.85, 1.25]" in row["finding"]
+    assert "the seed credits vLLM (PagedAttention with continuous batching), which did not run here" in row["finding"]
+    continuous[:] = [x * 0.7 for x in static]  # 2.1x naive's: the whole interval below the band
+    row = judged(6)
+    assert row["verdict"] == "differs" and "static batching beat continuous batching at concurrency 4" in row["finding"]
+    assert "static 3x [3, 3] at concurrency 4" in row["finding"]

@@ -332,3 +332,50 @@ def test_the_claims_headline_splits_measured_from_computed_and_definitions():
     text = "\n".join(notes.claims_lines([job], "../claims/claims.md"))
     assert "- measured here, with an interval: 1 reproduced, 1 inconclusive" in text
     assert "- computed from the seed's own inputs: 2 reproduced" in text and "- definitions and counts: 1 reproduced\n" in text
+
+
+def test_serving_reads_its_bursts_an_interval_from_six_a_range_below_and_an_old_single_burst_as_it_is(drawn, tmp_path):
+    """The table (at most 10 columns), the section, the plot and summary.csv of bench_serving records with 6 and
+    with 3 interleaved bursts, and of the reference run's record of one burst."""
+    from efflab.report import sections, tables, tidy
+    from tests.helpers import REPO, serving_record
+
+    drift = [1.0, 1.4, 0.9, 2.0, 1.2, 0.8]
+    rates = {("naive", 1): [10 * d for d in drift], ("static", 4): [25 * d for d in drift],
+             ("continuous", 4): [32.5 * d for d in drift]}
+    six = serving_record(rates)
+    six["cells"].append({"method": "vllm", "concurrency": 4, "status": "unavailable", "reason": "not installed"})
+    three = serving_record({k: v[:3] for k, v in rates.items()})
+    one = json.loads((REPO / "results/reference/amd-epyc-avx512-bf16/bench_serving/metrics.json").read_text())
+    table = tables.serving_table([six]).set_index("method")
+    assert len(table.columns) + 1 <= fmt.MAX_COLUMNS
+    assert table.loc["continuous", "x static [95% CI]"] == "1.30 [1.30, 1.30]"
+    assert table.loc["continuous", "verdict vs static"] == "faster" == table.loc["static", "verdict vs naive"]
+    assert table.loc["continuous", "x naive [95% CI]"] == "3.25 [3.25, 3.25]" and table.loc["naive", "x naive [95% CI]"] == "-"
+    assert table.loc["static", "output tokens/s"] == "27.5 [20, 50]" and table.loc["vllm", "status"].startswith("unavail")
+    table = tables.serving_table([three]).set_index("method")
+    assert table.loc["static", "output tokens/s"] == "25 (range 22.5–35, n=3)"
+    assert table.loc["continuous", "x static [95% CI]"] == "1.30 (no 95% interval: 3 rounds)"
+    assert table.loc["continuous", "verdict vs static"] == "undecided"
+    table = tables.serving_table([one]).set_index(["method", "concurrency"])
+    assert table.loc[("continuous", 12), "x naive [95% CI]"] == "3.19 (no 95% interval: 1 rounds)"
+    assert table.loc[("continuous", 12), "output tokens/s"] == "74.2"
+    metrics = {"bench_serving": [six]}
+    built = {"bench_serving": tables.serving_table([six]), "bench_serving_latency": tables.serving_latency_table([six])}
+    body = sections.serving_body({}, metrics, lambda key: fmt.markdown(built[key]))
+    assert "The burst is served 6 times" in body and "8 requests arrive at once" in body
+    assert "- Continuous over static batching at concurrency 4: 1.30 [1.30, 1.30], faster." in body
+    assert "TTFT and latency percentiles over the requests of all 6 burst(s), pooled" in body
+    assert "served the burst once" in sections.serving_body({}, {"bench_serving": [one]}, lambda key: "")
+    for record, dashed in ((six, False), (three, True)):
+        plots.plot_serving([record], tmp_path / "serving.png")
+        vs_naive = drawn[-1].axes[1]
+        bars = [c.get_linestyle()[0][1] is not None for c in vs_naive.collections]
+        assert bars == [dashed], "the ratios over naive: a 95% interval from 6 rounds, a dashed range from 3"
+        assert [t.get_text() for t in vs_naive.texts] == [f"× static\n{'1.3 [1.3, 1.3]' if not dashed else '1.3 (range 1.3–1.3, n=3)'}"]
+    plots.plot_serving([one], tmp_path / "serving.png")
+    assert "one burst each: no interval" in drawn[-1].axes[1].get_ylabel()
+    df = tidy.results_table(metrics).set_index("metric")
+    ratio = df.loc["cells[continuous,concurrency=4].continuous_vs_static"]
+    assert (ratio["value"], ratio["lower"], ratio["upper"], ratio["n"]) == (1.3, 1.3, 1.3, 6)
+    assert not any("by_burst" in m for m in df.index)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 
+from .measure import ratio_verdict, said_of_faster_side
+
 # Settings that change what a run costs or buys; the others do not make two runs a knob comparison.
 NOT_KNOBS = {"eval_rows", "checkpoint_every", "timing_warmup_steps", "num_machines", "accelerate_config"}
 
@@ -46,6 +48,16 @@ def interleaved_pair(bench_finetune: list[dict], a: str, b: str) -> dict | None:
     """bench_finetune's measured pair of runs a and b (paired as knob_pairs pairs them: a first), or None."""
     return next((pair for job in ok(bench_finetune) for pair in ok(job.get("pairs", []))
                  if (pair["a"], pair["b"]) == (a, b)), None)
+
+
+def serving_ratio(cell: dict, key: str) -> dict | None:
+    """A bench_serving cell's paired throughput ratio (`throughput_vs_naive`, `continuous_vs_static`): median,
+    95% interval where the burst rounds give one, verdict said of the cell; a record of one burst holds a bare
+    number, read as one round (no interval, no verdict)."""
+    value = cell.get(key)
+    if isinstance(value, (int, float)):
+        return said_of_faster_side(ratio_verdict([value])) | {"ratios": [value]}
+    return value
 
 
 def paired_step_times(a: dict, b: dict) -> list[float] | None:

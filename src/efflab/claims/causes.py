@@ -7,6 +7,7 @@ import math
 import re
 
 from .. import estimate, records
+from ..measure import EQUIVALENCE_MARGIN
 from .verdict import fmt
 
 # A decoder layer's parameters, in the families' module names (model.layers.3., transformer.h.3., ...).
@@ -92,18 +93,46 @@ def attention_exponent_expected(layout, impl: str, seqs: list[int]) -> str:
             f"attention term)")
 
 
+def _ratio_said(ratio: dict) -> str:
+    """'4.427x [4.102, 4.6]', or '3.185x (1 round: no 95% interval)'."""
+    if ratio.get("ci95"):
+        return f"{fmt(ratio['median'])}x [{fmt(ratio['ci95'][0])}, {fmt(ratio['ci95'][1])}]"
+    return f"{fmt(ratio['median'])}x ({ratio['rounds']} round(s): no 95% interval)"
+
+
+def _versus_static(concurrency: int, ratio: dict) -> str:
+    """Whether continuous batching beat static batching at one concurrency, by the interval of their paired ratio."""
+    said, verdict = _ratio_said(ratio), ratio["verdict"]
+    if verdict == "faster":
+        return f"continuous batching beat static batching at concurrency {concurrency}: {said} its output tokens/s"
+    if verdict == "slower":
+        return (f"static batching beat continuous batching at concurrency {concurrency} (continuous reached {said} "
+                f"static's output tokens/s), so the batching, not its continuous scheduling, earned the speedup here")
+    if verdict == "no significant difference":
+        return (f"continuous and static batching were within {EQUIVALENCE_MARGIN:.0%} of each other at concurrency "
+                f"{concurrency} ({said}): the batching, not its continuous scheduling, earned the speedup here")
+    return f"this run cannot tell continuous from static batching at concurrency {concurrency} ({said}: {verdict})"
+
+
 def serving_alternatives(m: dict, method: str, best: dict) -> str:
-    """What the other batching methods of the same burst reached over naive, at their highest concurrency."""
+    """What the other batching methods of the same bursts reached over naive, at their highest concurrency, and
+    whether continuous batching beat static batching at each concurrency, by the interval of their ratio paired
+    burst round by burst round (a record of one burst has none)."""
     others = {}
     for c in m["cells"]:
         if c["method"] not in (method, "naive") and records.is_ok(c):
             if c["method"] not in others or c["concurrency"] > others[c["method"]]["concurrency"]:
                 others[c["method"]] = c
-    said = [f"{k} {fmt(c['throughput_vs_naive'])}x at concurrency {c['concurrency']}" for k, c in others.items()]
-    beaten = [k for k, c in others.items() if c["throughput_vs_naive"] >= best["throughput_vs_naive"]]
+    said = [f"{k} {_ratio_said(records.serving_ratio(c, 'throughput_vs_naive'))} at concurrency {c['concurrency']}"
+            for k, c in others.items() if records.serving_ratio(c, "throughput_vs_naive")]
+    continuous = [c for c in m["cells"] if method == "continuous" == c["method"] and records.is_ok(c)]
+    versus = [_versus_static(c["concurrency"], ratio) for c in continuous
+              if (ratio := records.serving_ratio(c, "continuous_vs_static"))]
+    unpaired = [str(c["concurrency"]) for c in continuous if not records.serving_ratio(c, "continuous_vs_static")]
     return "; ".join(filter(None, [
-        said and "the same burst: " + ", ".join(said),
-        beaten and f"{' and '.join(beaten)} did as well or better, so this run does not tell {method} batching from "
-                   f"batching as such",
+        said and "over naive in the same bursts: " + ", ".join(said), *versus,
+        unpaired and f"continuous batching was not paired with static batching at concurrency {', '.join(unpaired)} "
+                     f"(a record of one burst, or no static cell), so this run does not tell continuous batching "
+                     f"from batching as such",
         "vllm" not in others and method != "vllm" and "the seed credits vLLM (PagedAttention with continuous "
         "batching), which did not run here"]))

@@ -233,17 +233,22 @@ def _prune_ratio(layout, metric: dict) -> Reading:
 
 
 def _serving_ratio(layout, metric: dict) -> Reading:
-    """bench_serving's output tokens/s of `method` over the naive server's, at the highest concurrency it ran:
-    one burst, no interval; what the other batching methods reached beside it is the cause said."""
+    """bench_serving's output tokens/s of `method` over the naive server's, at the highest concurrency it ran,
+    paired burst round by burst round, with its 95% interval where the rounds give one (a record of one burst has
+    none: inconclusive); whether continuous batching beat static batching, and what the other batching methods
+    reached, is the cause said."""
     m = _read(layout.metrics("bench_serving"))
     cells = [c for c in m["cells"] if c["method"] == metric["method"] and records.is_ok(c)]
     if not cells or not any(c["method"] == "naive" and records.is_ok(c) for c in m["cells"]):
         reasons = [c.get("reason", "") for c in m["cells"] if c["method"] in (metric["method"], "naive")]
         raise NotHere(f"bench_serving has no {metric['method']} and naive results to compare: {'; '.join(reasons)}")
     best = max(cells, key=lambda c: c["concurrency"])
-    return Reading(best["throughput_vs_naive"],
-                   f"bench_serving, one burst of {m['requests']} requests: {metric['method']} at concurrency "
-                   f"{best['concurrency']} {best['output_tokens_per_s']:.1f} output tokens/s over naive's",
+    ratio = records.serving_ratio(best, "throughput_vs_naive")
+    spread = "" if ratio.get("ci95") else f": {ratio['verdict']}"
+    return Reading(ratio["median"],
+                   f"bench_serving, {ratio['rounds']} burst round(s) of {m['requests']} requests: {metric['method']} "
+                   f"at concurrency {best['concurrency']}, its output tokens/s over naive's in the same round{spread}",
+                   tuple(ratio["ci95"]) if ratio.get("ci95") else None,
                    cause=serving_alternatives(m, metric["method"], best))
 
 

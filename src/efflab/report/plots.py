@@ -23,7 +23,8 @@ from . import options as opts  # noqa: E402
 from .fmt import MiB  # noqa: E402
 from .notes import same_updates  # noqa: E402
 from .results import absent  # noqa: E402
-from .spread import CI, RANGE, as_ratio, of_axis, of_change, of_median, of_speedup, spread, text  # noqa: E402
+from .spread import (CI, RANGE, as_ratio, of_axis, of_change, of_median, of_ratio, of_speedup, spread,  # noqa: E402
+                     text)
 
 
 def _save(fig, path: Path, bottom: float = 0.0) -> None:
@@ -186,28 +187,49 @@ METHOD_COLOURS = {"naive": "tab:gray", "static": "tab:blue", "continuous": "tab:
 
 
 def plot_serving(jobs: list[dict], path: Path) -> None:
-    """Per method and concurrency: output tokens/s over the whole burst, and each request's latency (p50 bar,
-    p90 and p99 marks); intervals where the record repeats its bursts."""
+    """Per method and concurrency: output tokens/s (median over the bursts), the throughput over naive serving
+    paired burst round by burst round against a line at 1 (continuous batching's over static batching written
+    above its bar), and each request's latency over the pooled bursts (p50 bar, p90 and p99 marks); intervals
+    where the bursts give one, dashed ranges where they are too few."""
     cells = [c for job in records.ok(jobs) for c in records.ok(job["cells"])]
     x, colours = list(range(len(cells))), [METHOD_COLOURS.get(c["method"], "tab:olive") for c in cells]
-    fig, (tps_ax, lat_ax) = plt.subplots(1, 2, figsize=(max(10, 1.8 * len(cells) + 2), 4.2))
+    fig, (tps_ax, vs_ax, lat_ax) = plt.subplots(1, 3, figsize=(max(13, 3 * len(cells) + 3), 4.4))
     rates = [of_median(c.get("output_tokens_per_s")) for c in cells]
     tps_ax.bar(x, _values(rates), color=colours, alpha=0.8)
     kinds = _bars(tps_ax, x, rates)
-    tps_ax.set_ylabel(f"output tokens/s over the burst\n({_spread_words(kinds, 'one burst each: no interval')})")
+    tps_ax.set_ylabel("output tokens/s, median over the bursts\n"
+                      f"({_spread_words(kinds, 'one burst each: no interval')})")
     tps_ax.set_title("Throughput")
+    vs_naive = [spread(1.0) if c["method"] == "naive" else of_ratio(records.serving_ratio(c, "throughput_vs_naive"))
+                for c in cells]
+    vs_ax.bar(x, _values(vs_naive), color=colours, alpha=0.8)
+    kinds = _bars(vs_ax, x, vs_naive)
+    vs_ax.axhline(1, color="black", lw=0.8)
+    for i, c in zip(x, cells):
+        vs_static = of_ratio(records.serving_ratio(c, "continuous_vs_static"))
+        if vs_static:
+            bar = vs_naive[i] or {}
+            top = max(bar.get("hi") or 0.0, bar.get("value") or 0.0)
+            vs_ax.annotate(f"× static\n{text(vs_static)}", (i, top), xytext=(0, 4), textcoords="offset points",
+                           ha="center", va="bottom", fontsize=7)
+    vs_ax.margins(y=0.25)
+    vs_ax.set_ylabel(f"output tokens/s × naive's, paired per burst round\n"
+                     f"({_spread_words(kinds, 'one burst each: no interval')})")
+    vs_ax.set_title("Throughput over naive serving (same rounds)")
     latency = {q: [of_median((c.get("latency_s") or {}).get(q)) for c in cells] for q in ("p50", "p90", "p99")}
     lat_ax.bar(x, _values(latency["p50"]), color=colours, alpha=0.8)
     kinds = _bars(lat_ax, x, latency["p50"])
     lat_ax.scatter(x, _values(latency["p90"]), marker="_", s=500, color="black", zorder=4)
     lat_ax.scatter(x, _values(latency["p99"]), marker="v", color="black", zorder=4)
     lat_ax.set_ylabel(f"request latency (s): bar p50, — p90, ▼ p99\n"
-                      f"({_spread_words(kinds, 'over the requests of one burst')})")
+                      f"({_spread_words(kinds, 'over the requests of all bursts, pooled')})")
     lat_ax.set_title("Latency per request, arrival to completion")
-    for ax in (tps_ax, lat_ax):
+    for ax in (tps_ax, vs_ax, lat_ax):
         ax.set_xticks(x, [f"{c['method']}\n@{c['concurrency']}" for c in cells])
         ax.set_xlabel("method @ concurrency")
-    fig.suptitle("Serving a burst of requests: naive vs static vs continuous batching")
+    bursts = "/".join(map(str, sorted({c.get("bursts", 1) for c in cells})))
+    fig.suptitle(f"Serving a burst of requests ({bursts} burst(s) a cell, interleaved): naive vs static vs continuous "
+                 f"batching")
     _save(fig, path)
 
 

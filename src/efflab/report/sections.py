@@ -4,7 +4,7 @@ from __future__ import annotations
 import pandas as pd
 
 from .. import records
-from ..measure import SENTINEL_TOLERANCE
+from ..measure import SENTINEL_TOLERANCE, format_ratio
 from .environments import comparison
 from .fmt import markdown, one_line
 from .render import render
@@ -93,7 +93,11 @@ def inference_body(cfg: dict, metrics: dict, table) -> str:
 
 
 def serving_body(cfg: dict, metrics: dict, table) -> str:
-    return render("sections/serving.md.j2", s=cfg["bench_serving"], table=table("bench_serving"))
+    job = records.ok(metrics["bench_serving"])[0]
+    versus = [{"concurrency": c["concurrency"], "ratio": format_ratio(ratio), "verdict": ratio["verdict"]}
+              for c in records.ok(job["cells"]) if (ratio := records.serving_ratio(c, "continuous_vs_static"))]
+    return render("sections/serving.md.j2", job=job, bursts=job.get("bursts", 1), versus=versus,
+                  table=table("bench_serving"), latency=table("bench_serving_latency"))
 
 
 def capacity_body(cfg: dict, metrics: dict, table) -> str:
@@ -108,8 +112,8 @@ def memory_section(finetune: list[dict], inference: list[dict], environments: di
 def run_size(cfg: dict, metrics: dict) -> str:
     minutes = sum(m.get("wall_s") or 0 for ms in metrics.values() for m in ms) / 60
     return render("sections/run_size.md.j2", ft=cfg["finetune"]["defaults"], q=cfg["quantize"],
-                  a=cfg["bench_attention"], i=cfg["bench_inference"], prompts=prompt_count(cfg, metrics),
-                  minutes=minutes)
+                  a=cfg["bench_attention"], i=cfg["bench_inference"], sv=cfg["bench_serving"],
+                  prompts=prompt_count(cfg, metrics), minutes=minutes)
 
 
 def not_run(table: pd.DataFrame) -> str:

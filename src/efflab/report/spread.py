@@ -48,6 +48,19 @@ def of_speedup(pair: dict | None, key: str, reference: str) -> dict | None:
     return spread(ratio["median"], min(ratios), max(ratios), kind=RANGE, n=len(ratios))
 
 
+def of_ratio(ratio: dict | None) -> dict | None:
+    """A ratio paired round by round (measure.ratio_verdict, with its rounds' `ratios` beside it): its median with
+    its 95% interval, or, where its rounds give none, the range of the rounds' ratios."""
+    if not ratio or ratio.get("median") is None:
+        return None
+    if ratio.get("ci95"):
+        return spread(ratio["median"], *ratio["ci95"], kind=CI, n=ratio.get("rounds"))
+    ratios = ratio.get("ratios") or []
+    if len(ratios) < 2:
+        return spread(ratio["median"], n=ratio.get("rounds"))
+    return spread(ratio["median"], min(ratios), max(ratios), kind=RANGE, n=len(ratios))
+
+
 def of_change(change: dict | None) -> dict | None:
     """A paired perplexity change (quality.paired_change) in %, with its 95% interval where its rows give one; an
     unavailable comparison (no per-row losses, other rows) is None."""

@@ -4,9 +4,12 @@ from __future__ import annotations
 import pandas as pd
 
 from .. import records
+from ..measure import format_ratio
 from . import spread
-from .fmt import (MiB, env_of, interval_text, pct, peak_mib, speedup_text, speedup_verdict, status_text)
+from .fmt import (MiB, env_of, interval_text, pct, peak_mib, short_verdict, speedup_text, speedup_verdict,
+                  status_text)
 from .knobs import knob_table
+from .spread import of_median, text
 
 
 def quantize_table(rows: list[dict]) -> pd.DataFrame:
@@ -88,25 +91,47 @@ def verdict_of(test: dict | None, bits: int) -> str:
     return verdicts.get(str(bits), verdicts.get(bits, "undecided"))
 
 
-SERVING_COLUMNS = ["method", "concurrency", "status", "requests/s", "output tokens/s", "x naive",
-                   "TTFT p50 (s)", "TTFT p90 (s)", "TTFT p99 (s)", "latency p50 (s)", "latency p90 (s)",
-                   "latency p99 (s)", "env"]
+SERVING_COLUMNS = ["method", "concurrency", "status", "requests/s", "output tokens/s", "x naive [95% CI]",
+                   "verdict vs naive", "x static [95% CI]", "verdict vs static", "env"]
+
+
+def _serving_ratio(cell: dict, key: str) -> tuple[str, str]:
+    ratio = records.serving_ratio(cell, key)
+    return (format_ratio(ratio), short_verdict(ratio["verdict"])) if ratio else ("-", "-")
 
 
 def serving_table(jobs: list[dict]) -> pd.DataFrame:
+    """Per (method, concurrency): the median over the bursts of requests/s and output tokens/s with their 95%
+    interval (or range), and the paired per-round throughput ratios over naive and, for continuous batching,
+    over static batching at the same concurrency, each with its verdict."""
     out = []
     for job in records.ok(jobs):
         for c in job["cells"]:
-            ok = records.is_ok(c)
-            ttft, lat = (c.get("ttft_s") or {}), (c.get("latency_s") or {})
-            out.append({"method": c["method"], "concurrency": c["concurrency"], "status": status_text(c),
-                        "requests/s": c.get("requests_per_s"), "output tokens/s": c.get("output_tokens_per_s"),
-                        "x naive": c.get("throughput_vs_naive"),
-                        **{f"TTFT {q} (s)": ttft.get(q) for q in ("p50", "p90", "p99")},
-                        **{f"latency {q} (s)": lat.get(q) for q in ("p50", "p90", "p99")},
-                        "env": env_of(job)} if ok else {"method": c["method"], "concurrency": c["concurrency"],
-                                                     "status": status_text(c), "env": env_of(job)})
+            row = {"method": c["method"], "concurrency": c["concurrency"], "status": status_text(c), "env": env_of(job)}
+            if records.is_ok(c):
+                naive, static = _serving_ratio(c, "throughput_vs_naive"), _serving_ratio(c, "continuous_vs_static")
+                row |= {"requests/s": text(of_median(c["requests_per_s"])),
+                        "output tokens/s": text(of_median(c["output_tokens_per_s"])),
+                        "x naive [95% CI]": naive[0], "verdict vs naive": naive[1],
+                        "x static [95% CI]": static[0], "verdict vs static": static[1]}
+            out.append(row)
     return pd.DataFrame(out, columns=SERVING_COLUMNS)
+
+
+SERVING_LATENCY_COLUMNS = ["method", "concurrency", "TTFT p50 (s)", "TTFT p90 (s)", "TTFT p99 (s)", "latency p50 (s)",
+                           "latency p90 (s)", "latency p99 (s)", "env"]
+
+
+def serving_latency_table(jobs: list[dict]) -> pd.DataFrame:
+    """Per measured (method, concurrency): TTFT and latency percentiles over the requests of all its bursts."""
+    out = []
+    for job in records.ok(jobs):
+        for c in records.ok(job["cells"]):
+            ttft, lat = (c.get("ttft_s") or {}), (c.get("latency_s") or {})
+            out.append({"method": c["method"], "concurrency": c["concurrency"],
+                        **{f"TTFT {q} (s)": ttft.get(q) for q in ("p50", "p90", "p99")},
+                        **{f"latency {q} (s)": lat.get(q) for q in ("p50", "p90", "p99")}, "env": env_of(job)})
+    return pd.DataFrame(out, columns=SERVING_LATENCY_COLUMNS)
 
 
 CAPACITY_COLUMNS = ["subject", "work", "largest", "predicted max", "measured max", "first that fails",
@@ -293,7 +318,8 @@ def memory_prediction_table(finetune_rows: list[dict], inference_rows: list[dict
 # How many leading columns name a row of each table: a table wider than the report allows is split into parts
 # that repeat them (fmt.markdown).
 KEYS = {"prune": 1, "qat": 1, "finetune": 1, "finetune_knobs": 3, "merge": 1, "merge_targets": 2,
-        "bench_attention": 4, "bench_inference": 5, "bench_serving": 2, "capacity": 3}
+        "bench_attention": 4, "bench_inference": 5, "bench_serving": 2, "bench_serving_latency": 2,
+        "capacity": 3}
 
 
 def build_tables(metrics: dict) -> dict[str, pd.DataFrame]:
@@ -309,6 +335,7 @@ def build_tables(metrics: dict) -> dict[str, pd.DataFrame]:
         "attention_memory_exponent": exponent_table(metrics["bench_attention"]),
         "bench_inference": inference_table(metrics["bench_inference"]),
         "bench_serving": serving_table(metrics["bench_serving"]),
+        "bench_serving_latency": serving_latency_table(metrics["bench_serving"]),
         "capacity": capacity_table(metrics["capacity"]),
     }
     for name, df in tables.items():
