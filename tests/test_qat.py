@@ -41,6 +41,10 @@ def test_the_stage_s_perplexities_and_b_min_are_recomputed_from_its_per_row_log(
             again = quality.paired_change(fp_rows[["tokens", "nll_sum"]].values.tolist(),
                                           rows[["tokens", "nll_sum"]].values.tolist())
             assert v["perplexity_change"]["change_pct"] == pytest.approx(again["change_pct"], rel=1e-9)
+    qat8 = next(v for v in metrics["variants"] if v["variant"] == "qat-int8")
+    assert abs(qat8["perplexity_change"]["change_pct"]) < 1.0, "8-bit QAT ends within noise of full precision"
+    assert qat8["mixed_precision"] == next(v for v in metrics["variants"] if v["variant"] == "full precision")[
+        "mixed_precision"] == "no", "every model of the stage trains at the same precision"
     for method in ("ptq", "qat"):
         changes = {v["bits"]: v["perplexity_change"] for v in metrics["variants"] if v["method"] == method}
         assert metrics["precision_range_test"][method] == json_round_trip(qat.range_test(changes, q["threshold"]))
