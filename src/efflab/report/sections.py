@@ -109,11 +109,16 @@ def memory_section(finetune: list[dict], inference: list[dict], environments: di
                   table=comparison(memory_prediction_table(finetune, inference), environments, allow_mixed))
 
 
+# The default experiment's budget (the product's, not a measurement): `make run` on a 2-core CPU.
+DEFAULT_BUDGET_MIN = 15
+
+
 def run_size(cfg: dict, metrics: dict) -> str:
     minutes = sum(m.get("wall_s") or 0 for ms in metrics.values() for m in ms) / 60
     return render("sections/run_size.md.j2", ft=cfg["finetune"]["defaults"], q=cfg["quantize"],
-                  a=cfg["bench_attention"], i=cfg["bench_inference"], sv=cfg["bench_serving"],
-                  prompts=prompt_count(cfg, metrics), minutes=minutes)
+                  a=cfg["bench_attention"], i=cfg["bench_inference"], sv=cfg["bench_serving"], qt=cfg["qat"],
+                  cap=cfg["capacity"], prompts=prompt_count(cfg, metrics), minutes=minutes,
+                  budget=DEFAULT_BUDGET_MIN)
 
 
 def not_run(table: pd.DataFrame) -> str:
