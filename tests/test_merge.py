@@ -4,6 +4,7 @@ import pytest
 import torch
 from peft import PeftModel
 
+from efflab import quality
 from efflab.layout import Layout
 from efflab.modeling import forward_batches, load_model, load_tokenizer, read_split
 
@@ -15,6 +16,9 @@ def test_merged_logits_equal_adapter_logits(results):
     m = run_stage("merge", TEST_PARAMS, results, "lora-r8")
     assert m["merged"]["max_abs_logit_diff"] < 1e-4
     assert abs(m["merged"]["validation"]["loss"] - m["adapter_validation"]["loss"]) < 1e-5
+    paired = m["merged"]["perplexity_change"]  # row by row against the adapter, on the same rows
+    assert paired["n_rows"] == len(m["adapter_validation"]["per_row"]) and abs(paired["change_pct"]) < 1e-3
+    assert quality.paired_change(m["adapter_validation"]["per_row"], m["merged"]["validation"]["per_row"]) == paired
 
     # Independently of the stage: reload the saved merged folder and the adapter, compare logits.
     layout, cpu = Layout(results), torch.device("cpu")

@@ -1,5 +1,7 @@
+import pytest
 import torch
 
+from efflab import quality
 from efflab.layout import Layout
 from efflab.modeling import load_model
 
@@ -19,6 +21,10 @@ def test_int8_and_4bit_are_bnb_layers_and_shrink_the_footprint(results, write_pa
     assert nf4["memory_footprint_bytes"] < int8["memory_footprint_bytes"] < baseline["memory_footprint_bytes"]
     assert int8["parameters"] == nf4["parameters"] == baseline["parameters"], "4-bit parameters are counted unpacked"
     assert nf4["base_validation"] == baseline["validation"]
+    for scheme in (int8, nf4, fp4):  # the change is paired row by row with the baseline's rows
+        paired = scheme["perplexity_change"]
+        assert paired == quality.paired_change(baseline["validation"]["per_row"], scheme["validation"]["per_row"])
+        assert paired["change_pct"] == pytest.approx(scheme["perplexity_change_pct"], rel=1e-6)
     assert fp4["bnb_layer_types"] == ["Linear4bit"] and fp4["memory_footprint_bytes"] == nf4["memory_footprint_bytes"]
     assert fp4["validation"]["loss"] != nf4["validation"]["loss"], "another 4-bit code book, other rounding"
     reloaded = load_model(Layout(results).model("quantize", "nf4"), "float32", torch.device("cpu"))

@@ -12,12 +12,12 @@ import logging
 
 import torch
 
-from . import cli
+from . import cli, quality
 from .architecture import restore_conv1d
 from .config import finetune_run
 from .measure import environment, pick_device, set_threads
-from .modeling import (base_dtype, forward_batches, load_model, load_tokenizer, loss_summary, read_split,
-                       summed_nll)
+from .modeling import (base_dtype, forward_batches, load_model, load_tokenizer, read_split, row_nll,
+                       rows_summary)
 
 log = logging.getLogger("efflab")
 
@@ -29,25 +29,24 @@ def kl_per_token(ref: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
 
 
 def reference_logits(model, rows, batch_size, tokenizer) -> tuple[list[torch.Tensor], dict]:
-    kept, total, count = [], 0.0, 0
+    kept, per_row = [], []
     for batch, logits in forward_batches(model, rows, batch_size, tokenizer):
-        nll, n = summed_nll(logits, batch["labels"])
-        total, count = total + nll, count + n
+        per_row += row_nll(logits, batch["labels"])
         kept.append(logits[batch["attention_mask"].bool()].float())
-    return kept, loss_summary(total, count, len(rows))
+    return kept, rows_summary(per_row)
 
 
-def compare(model, reference: list[torch.Tensor], rows, batch_size, tokenizer) -> dict:
-    """Max |logit difference| and mean KL vs the reference over every real token, and the perplexity."""
-    worst, total, count, kl_sum, positions = 0.0, 0.0, 0, 0.0, 0
+def compare(model, reference: list[torch.Tensor], reference_eval: dict, rows, batch_size, tokenizer) -> dict:
+    """Max |logit difference| and mean KL vs the reference over every real token, the perplexity, and its change
+    over the reference's paired row by row (quality.paired_change)."""
+    worst, kl_sum, positions, per_row = 0.0, 0.0, 0, []
     for (batch, logits), ref in zip(forward_batches(model, rows, batch_size, tokenizer), reference):
-        nll, n = summed_nll(logits, batch["labels"])
-        total, count = total + nll, count + n
+        per_row += row_nll(logits, batch["labels"])
         mine = logits[batch["attention_mask"].bool()].float()
         worst = max(worst, (mine - ref).abs().max().item())
         kl_sum, positions = kl_sum + kl_per_token(ref, mine).sum().item(), positions + len(ref)
-    return {"max_abs_logit_diff": worst, "kl_mean": kl_sum / positions,
-            "validation": loss_summary(total, count, len(rows))}
+    return {"max_abs_logit_diff": worst, "kl_mean": kl_sum / positions, "validation": rows_summary(per_row),
+            "perplexity_change": quality.paired_change(reference_eval["per_row"], per_row)}
 
 
 def merged_into(layout, adapter, dtype: str, merge_dtype: str, device, quant: dict | None, roundtrip: bool):
@@ -89,22 +88,22 @@ def run(cfg: dict, paths: dict) -> dict:
     del reference, base
 
     merged = merged_into(layout, adapter, dtype, m["dtype"], device, quant, roundtrip=True)
-    in_memory = compare(merged, ref_logits, rows, batch_size, tokenizer)
+    in_memory = compare(merged, ref_logits, ref_eval, rows, batch_size, tokenizer)
 
     folder = paths["out"] / "model"
     merged.to(getattr(torch, dtype)).save_pretrained(folder, safe_serialization=True)
     tokenizer.save_pretrained(folder)
     del merged
-    saved = compare(load_model(folder, dtype, device), ref_logits, rows, batch_size, tokenizer)
+    saved = compare(load_model(folder, dtype, device), ref_logits, ref_eval, rows, batch_size, tokenizer)
     targets = {}
     if quant is not None:  # which merge keeps the fine-tune? (the saved folder is the round-trip merge)
         naive = merged_into(layout, adapter, dtype, m["dtype"], device, quant, roundtrip=False)
-        targets["original base"] = compare(naive, ref_logits, rows, batch_size, tokenizer)
+        targets["original base"] = compare(naive, ref_logits, ref_eval, rows, batch_size, tokenizer)
         del naive
         targets[f"{quant['method']} round-trip base"] = in_memory
         requantized = load_model(folder, dtype, device, quant=quant)
         targets[f"round-trip merge re-quantized to {quant['method']}"] = compare(
-            requantized, ref_logits, rows, batch_size, tokenizer)
+            requantized, ref_logits, ref_eval, rows, batch_size, tokenizer)
         del requantized
         for target, result in targets.items():
             log.info("%s: merged into the %s: max |logit diff| %.3e, KL %.3e, perplexity %.3f", name, target,

@@ -231,17 +231,25 @@ def loss_summary(total: float, count: int, rows: int) -> dict:
     return {"loss": loss, "perplexity": math.exp(loss), "tokens": count, "rows": rows}
 
 
+def row_nll(logits: torch.Tensor, labels: torch.Tensor) -> list[list]:
+    """[label tokens, summed NLL] of each row of one right-padded batch."""
+    return [list(summed_nll(logits[i:i + 1], labels[i:i + 1]))[::-1] for i in range(logits.shape[0])]
+
+
+def rows_summary(per_row: list[list]) -> dict:
+    """loss_summary of [label tokens, summed NLL] rows, keeping them under `per_row`."""
+    total, count = sum(r[1] for r in per_row), sum(r[0] for r in per_row)
+    return loss_summary(total, count, len(per_row)) | {"per_row": per_row}
+
+
 def eval_loss(model, rows: list[dict], batch_size: int, tokenizer) -> dict:
     """Token-weighted mean cross-entropy over the label tokens of `rows`, its perplexity, and each row's
     [label tokens, summed NLL] under `per_row` (right-padded batches: a row's real tokens never see the padding
     after them), so that two models on the same rows compare row by row (quality.paired_change)."""
     per_row = []
     for batch, logits in forward_batches(model, rows, batch_size, tokenizer):
-        for i in range(logits.shape[0]):
-            nll, n = summed_nll(logits[i:i + 1], batch["labels"][i:i + 1])
-            per_row.append([n, nll])
-    total, count = sum(r[1] for r in per_row), sum(r[0] for r in per_row)
-    return loss_summary(total, count, len(rows)) | {"per_row": per_row}
+        per_row += row_nll(logits, batch["labels"])
+    return rows_summary(per_row)
 
 
 def read_split(path: str | Path, limit: int | None = None) -> list[dict]:

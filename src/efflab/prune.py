@@ -26,7 +26,7 @@ import tempfile
 
 import torch
 
-from . import architecture, cli
+from . import architecture, cli, quality
 from .config import UserError
 from .measure import (INTERLEAVE_RECORD, SENTINEL_TOLERANCE, count_parameters, environment, interleave, pick_device,
                       set_threads, speedup)
@@ -312,10 +312,13 @@ def run(cfg: dict, paths: dict) -> dict:
                                                     skip_special_tokens=True)
     if healed is not None:
         healing |= {"status": "ok", "parameters": count_parameters(healed)["total"],
-                    "validation": eval_loss(healed, rows, 4, tokenizer),
+                    "validation": (healed_eval := eval_loss(healed, rows, 4, tokenizer)),
+                    "perplexity_change": quality.paired_change(figures["base"]["validation"]["per_row"],
+                                                               healed_eval["per_row"]),
                     "sample": tokenizer.decode(generate(healed, inputs, n, pad)[0, prompt_len:], skip_special_tokens=True)}
     b, q = figures["base"], figures["pruned"]
     ppl_change = 100 * (q["validation"]["perplexity"] / b["validation"]["perplexity"] - 1)
+    q["perplexity_change"] = quality.paired_change(b["validation"]["per_row"], q["validation"]["per_row"])
     log.info("%s: %d layers x %d heads (%d kv): %s -> %s parameters, perplexity %.2f -> %.2f (%+.0f%%), "
              "generation %.2fx the base's speed", paths["name"], kept["layers"], kept["heads"], kept["kv_heads"],
              f"{b['parameters']:,}", f"{q['parameters']:,}", b["validation"]["perplexity"],

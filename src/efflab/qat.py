@@ -34,7 +34,7 @@ from .architecture import linear_layers, matmul_shape, undivided_layer
 from .layout import QAT_MODEL, Layout
 from .measure import CellJournal, environment, pick_device, run_cell, set_threads, summarize
 from .modeling import (base_dtype, forward_batches, load_model, load_tokenizer, read_split,
-                       shape_only, summed_nll)
+                       row_nll, shape_only)
 
 log = logging.getLogger("efflab")
 
@@ -110,12 +110,9 @@ def weight_bytes(model, bits: int | None, group_size: int) -> dict:
 def per_row_nll(model, rows: list[dict], tokenizer, batch_size: int = 4) -> list[dict]:
     """Summed next-token loss and label-token count of each validation row (right-padded batches: a row's
     real tokens never see the padding after them)."""
-    out = []
-    for batch, logits in forward_batches(model, rows, batch_size, tokenizer):
-        for i in range(logits.shape[0]):
-            nll, n = summed_nll(logits[i:i + 1], batch["labels"][i:i + 1])
-            out.append({"row": len(out), "tokens": n, "nll_sum": nll})
-    return out
+    per_row = [r for batch, logits in forward_batches(model, rows, batch_size, tokenizer)
+               for r in row_nll(logits, batch["labels"])]
+    return [{"row": i, "tokens": n, "nll_sum": nll} for i, (n, nll) in enumerate(per_row)]
 
 
 def perplexity(rows: list[dict]) -> float:

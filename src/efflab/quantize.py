@@ -10,7 +10,7 @@ import json
 import logging
 import time
 
-from . import cli
+from . import cli, quality
 from .measure import count_parameters, environment, pick_device, set_threads, track_memory
 from .modeling import base_dtype, eval_loss, folder_bytes, load_model, load_tokenizer, read_split
 
@@ -66,6 +66,7 @@ def run(cfg: dict, paths: dict) -> dict:
         "quantize_memory": load_mem, "eval_memory": eval_mem,
         "validation": scheme_eval, "base_validation": base_eval,
         "perplexity_change_pct": 100.0 * (scheme_eval["perplexity"] / base_eval["perplexity"] - 1.0),
+        "perplexity_change": quality.paired_change(base_eval["per_row"], scheme_eval["per_row"]),
         "environment": environment(device, q),
     }
 

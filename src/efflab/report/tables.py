@@ -18,17 +18,25 @@ def quantize_table(rows: list[dict]) -> pd.DataFrame:
         "bnb layers": ", ".join(r["bnb_layer_types"]) or "-",
         "footprint (MiB)": r["memory_footprint_bytes"] / MiB, "x smaller than baseline": r["footprint_ratio_vs_base"],
         "on disk (MiB)": r["bytes_on_disk"] / MiB, "load (s)": r["load_s"],
-        "val perplexity": r["validation"]["perplexity"], "perplexity change (%)": r["perplexity_change_pct"],
+        "val perplexity": r["validation"]["perplexity"], "perplexity change (%) [95% CI]": change_text(r),
         "env": env_of(r),
     } for r in records.ok(rows)], columns=["scheme", "method", "double quant", "bnb layers", "footprint (MiB)",
                                            "x smaller than baseline", "on disk (MiB)", "load (s)", "val perplexity",
-                                           "perplexity change (%)", "env"])
+                                           "perplexity change (%) [95% CI]", "env"])
+
+
+def change_text(record: dict | None, point_key: str = "perplexity_change_pct") -> str:
+    """A perplexity change paired row by row, with its 95% interval where its rows give one; a record written
+    before per-row pairing gives its point value alone."""
+    record = record or {}
+    paired = spread.of_change(record.get("perplexity_change"))
+    return spread.text(paired or spread.spread(record.get(point_key)), "{:+.1f}")
 
 
 PRUNE_COLUMNS = ["strategy", "layers", "query heads (kv)", "heads asked", "parameters", "parameters kept (%)",
-                 "footprint (MiB)", "val perplexity", "base perplexity", "perplexity change (%)",
+                 "footprint (MiB)", "val perplexity", "base perplexity", "perplexity change (%) [95% CI]",
                  "generation (ms)", "speedup vs base [95% CI]", "verdict vs base", "sample", "healed perplexity",
-                 "healed change (%)", "healed sample", "env"]
+                 "healed change (%) [95% CI]", "healed sample", "env"]
 
 
 def prune_table(rows: list[dict]) -> pd.DataFrame:
@@ -40,7 +48,7 @@ def prune_table(rows: list[dict]) -> pd.DataFrame:
         "footprint (MiB)": r["pruned"]["memory_footprint_bytes"] / MiB,
         "val perplexity": r["pruned"]["validation"]["perplexity"],
         "base perplexity": r["base"]["validation"]["perplexity"],
-        "perplexity change (%)": r["perplexity_change_pct"],
+        "perplexity change (%) [95% CI]": change_text(r["pruned"] | {k: r[k] for k in ["perplexity_change_pct"]}),
         "generation (ms)": 1000 * r["pruned"]["generation_s"]["median"],
         "speedup vs base [95% CI]": speedup_text(r, "generation_speedup"),
         "verdict vs base": speedup_verdict(r, "generation_speedup"),
@@ -51,9 +59,10 @@ def prune_table(rows: list[dict]) -> pd.DataFrame:
 def healed_columns(r: dict) -> dict:
     h = r.get("healing") or {}
     if not records.is_ok(h):
-        return {"healed perplexity": None, "healed change (%)": None, "healed sample": h.get("status", "-")}
+        return {"healed perplexity": None, "healed change (%) [95% CI]": None, "healed sample": h.get("status", "-")}
     ppl = h["validation"]["perplexity"]
-    return {"healed perplexity": ppl, "healed change (%)": 100 * (ppl / r["base"]["validation"]["perplexity"] - 1),
+    point = 100 * (ppl / r["base"]["validation"]["perplexity"] - 1)
+    return {"healed perplexity": ppl, "healed change (%) [95% CI]": change_text(h | {"perplexity_change_pct": point}),
             "healed sample": " ".join(h["sample"].split())[:48]}
 
 
@@ -191,8 +200,8 @@ def merge_table(rows: list[dict]) -> pd.DataFrame:
         "max |logit diff| (merge dtype)": r["merged"]["max_abs_logit_diff"],
         "max |logit diff| (saved folder)": r["merged_saved"]["max_abs_logit_diff"], "saved dtype": r["saved_dtype"],
         "perplexity adapter": r["adapter_validation"]["perplexity"],
-        "perplexity merged": r["merged"]["validation"]["perplexity"],
-        "perplexity saved": r["merged_saved"]["validation"]["perplexity"], "env": env_of(r),
+        "merged: change vs adapter (%)": change_text(r["merged"], None),
+        "saved: change vs adapter (%)": change_text(r["merged_saved"], None), "env": env_of(r),
     } for r in rows])
 
 
@@ -201,7 +210,7 @@ def merge_targets_table(rows: list[dict]) -> pd.DataFrame:
     return pd.DataFrame([{
         "run": r["run"], "merged into": target, "max |logit diff| vs adapter on 4-bit base": t["max_abs_logit_diff"],
         "mean KL vs adapter": t["kl_mean"], "perplexity": t["validation"]["perplexity"],
-        "perplexity adapter": r["adapter_validation"]["perplexity"],
+        "change vs adapter (%)": change_text(t, None),
         "closest to the adapter (lowest KL)": "yes" if target == r.get("closest_target") else "", "env": env_of(r),
     } for r in rows for target, t in r.get("targets", {}).items()])
 
