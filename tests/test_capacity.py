@@ -90,6 +90,8 @@ def test_the_tensor_peak_sees_the_warm_up_and_not_the_timed_steps():
     assert ran["tensors"]["delta_mib"] == pytest.approx(9.0, abs=0.01)
     assert ran["step_s"]["n"] == 3 and len(calls) == 5
     assert capacity.run_steps(work, torch.device("cpu"), warmup=1, timed=0)["step_s"] is None
+    over = capacity.run_steps(work, torch.device("cpu"), warmup=1, timed=3, fits=lambda tensors: False)
+    assert over["step_s"] is None and len(calls) == 7, "a warm-up past the budget is not timed"
 
 
 def test_the_budget_comes_from_the_params_then_the_cell_memory_cap_and_is_never_guessed(test_cfg):

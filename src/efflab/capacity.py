@@ -139,13 +139,15 @@ def _file_pages_mib() -> float | None:
     return None if kib is None else kib / 1024
 
 
-def run_steps(work, device: torch.device, warmup: int, timed: int) -> dict:
+def run_steps(work, device: torch.device, warmup: int, timed: int, fits=lambda tensors: True) -> dict:
     """`warmup` untimed calls of work() with the live-tensor peak tracked over them (measure.tensor_peak), then
-    `timed` timed calls, untracked: the CPU counter is a profiler and would slow what is timed. `step_s` is
-    None where nothing was timed."""
+    `timed` timed calls, untracked: the CPU counter is a profiler and would slow what is timed. The timed calls
+    run only if `fits(tensors)` after the warm-up: a cell already past its budget is out of memory whatever
+    its speed. `step_s` is None where nothing was timed."""
     with tensor_peak(device) as tensors:
         for _ in range(warmup):
             work()
+    timed = timed if fits(tensors) else 0
     return {"tensors": tensors, "step_s": time_fn(work, device, warmup=0, repeats=timed) if timed else None}
 
 
@@ -217,7 +219,8 @@ def cell(cfg: dict, results: str, kind: str, subject: str, batch_size: int, seq_
     build = _train_work if kind == "train" else _generate_work
     work, tokens, predicted = build(cfg, subject, layout, dtype, device, batch_size, seq_len)
     loaded, files = _memory_now(device, context), _file_pages_mib()
-    ran = run_steps(work, device, c["warmup"][kind], timed)
+    ran = run_steps(work, device, c["warmup"][kind], timed,
+                    fits=lambda tensors: (_memory_peak(device, context, tensors) or 0) <= budget_mib)
     tensors, step_s, files_after = ran["tensors"], ran["step_s"], _file_pages_mib()
     return {"loaded_mib": loaded, "peak_mib": _memory_peak(device, context, tensors), "context_mib": context,
             "tensor_growth_mib": tensors.get("delta_mib"),
