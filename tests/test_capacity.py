@@ -154,6 +154,7 @@ def test_each_maximum_passes_within_the_budget_and_the_next_size_runs_out_of_mem
         assert (m["peak_mib"], m["loaded_mib"], m["tensor_growth_mib"], m["predicted_growth_mib"]) == pytest.approx(
             (at.peak_mib, at.loaded_mib, at.tensor_growth_mib, at.predicted_growth_mib))
         assert m["held_growth_mib"] == pytest.approx(at.peak_mib - at.loaded_mib)
+        assert m["loaded_shift_mib"] == pytest.approx(at.loaded_mib - first.loaded_mib)
         assert m["gap_mib"] == pytest.approx(at.peak_mib - at.loaded_mib - at.tensor_growth_mib)
         assert m["ratio"] == pytest.approx(at.tensor_growth_mib / at.predicted_growth_mib)
         if not s["whole_range_fits"]:

@@ -219,8 +219,8 @@ def cell(cfg: dict, results: str, kind: str, subject: str, batch_size: int, seq_
     build = _train_work if kind == "train" else _generate_work
     work, tokens, predicted = build(cfg, subject, layout, dtype, device, batch_size, seq_len)
     if device.type == "cpu":
-        # The counter's first start imports and maps what it needs: after the load, so the load's own transient
-        # peak does not stand on it (it did, by ~55 MiB, for generation), and before the loaded memory is read.
+        # The counter's first start imports and maps what it needs (~2 MiB resident): after the load, so the
+        # load's own transient cannot stand on it, and before the loaded memory is read.
         CpuTensorPeak.warm_up()
     loaded, files = _memory_now(device, context), _file_pages_mib()
     ran = run_steps(work, device, c["warmup"][kind], timed,
@@ -301,15 +301,18 @@ def boundary_search(n: int, measure, budget_mib: float, timed: int) -> dict:
     return found | {"best": best, "predicted_peak_mib": predicted, "guess": guess, "failure": failure}
 
 
-def at_max(cell_result: dict, predicted_growth: float | None) -> dict:
+def at_max(cell_result: dict, predicted_growth: float | None, loaded_first: float) -> dict:
     """The memory at the measured maximum, like with like: the estimator's predicted tensor growth over the loaded
     model beside the measured live-tensor growth (their ratio is the estimator's error), and the growth of the
     memory the budget holds. Their gap is memory that is not live tensors, which the estimator does not model:
     on a CPU, what glibc malloc keeps after tensors are freed, libraries' own buffers, and file pages read in
-    after loading (`file_growth_mib`: weights memory-mapped from their safetensors file, first read by a step)."""
+    after loading (`file_growth_mib`: weights memory-mapped from their safetensors file, first read by a step).
+    The prediction starts from the first cell's loaded memory; `loaded_shift_mib` is how much more this cell's
+    held. So the measured peak is the predicted one plus the shift, the estimator's miss and the gap."""
     peak, loaded, tensors = (cell_result.get(k) for k in ("peak_mib", "loaded_mib", "tensor_growth_mib"))
     held = None if None in (peak, loaded) else peak - loaded
-    return {"loaded_mib": loaded, "peak_mib": peak, "predicted_growth_mib": predicted_growth,
+    return {"loaded_mib": loaded, "loaded_shift_mib": None if loaded is None else loaded - loaded_first,
+            "peak_mib": peak, "predicted_growth_mib": predicted_growth,
             "tensor_growth_mib": tensors, "ratio": tensors / predicted_growth if tensors is not None and
             predicted_growth else None, "held_growth_mib": held,
             "gap_mib": None if None in (held, tensors) else held - tensors,
@@ -400,7 +403,8 @@ def run(cfg: dict, paths: dict) -> dict:
             if best >= 0:
                 rerun = best in found["timings"]
                 maximum = found["timings"][best] if rerun else found["seen"][best]
-                entry |= {"at_max": at_max(maximum, growth[best]), "timed_in": "a re-run of the maximum" if rerun
+                entry |= {"at_max": at_max(maximum, growth[best], first["loaded_mib"]),
+                          "timed_in": "a re-run of the maximum" if rerun
                           else "the search's cell", **speed(maximum)}
             log.info("capacity %s %s, largest %s: predicted %s, measured %s%s (%d cells)", kind, subject, dimension,
                      entry.get("predicted_max"), entry["measured_max"],

@@ -146,18 +146,27 @@ def _rate_text(stats: dict | None) -> str:
 
 
 def capacity_cause(search: dict) -> str | None:
-    """What the memory at a search's measured maximum says of the prediction, like with like. 'gap': the live
-    tensors there are within ±MEMORY_TARGET of the estimator's prediction, and the memory the budget holds grew
-    beyond them (memory the estimator does not model); 'estimator': the tensors are off the prediction by more,
-    and that miss is larger than the gap; 'both': off, and the gap is larger still; 'none': within, and no gap.
-    None where the maximum's tensors were not measured."""
+    """What the memory at a search's measured maximum says of its prediction, like with like. The peak measured
+    there is the predicted one plus three parts: 'loaded', how much more the loaded model held than in the first
+    cell, where the prediction starts; 'estimator', the live tensors measured minus those predicted; 'gap', the
+    memory the budget holds beyond the live tensors, which the estimator does not model. The cause is the part
+    that moved the peak most in the direction of the whole difference, the estimator's only where its tensors
+    are off by more than ±MEMORY_TARGET (else it is right, and never named); 'none' where no part moved it that
+    way. None where the maximum's tensors were not measured."""
     m = search.get("at_max") or {}
-    ratio, gap = m.get("ratio"), m.get("gap_mib")
-    if ratio is None or gap is None:
+    if m.get("ratio") is None or m.get("gap_mib") is None:
         return None
-    if abs(ratio - 1) <= MEMORY_TARGET:
-        return "gap" if gap > 0 else "none"
-    return "both" if gap > abs(m["tensor_growth_mib"] - m["predicted_growth_mib"]) else "estimator"
+    miss = m["tensor_growth_mib"] - m["predicted_growth_mib"]
+    parts = {"gap": m["gap_mib"], "loaded": m.get("loaded_shift_mib") or 0.0}
+    direction = 1 if sum(parts.values()) + miss >= 0 else -1
+    if capacity_estimator_off(m):
+        parts["estimator"] = miss
+    cause = max(parts, key=lambda k: direction * parts[k])
+    return cause if direction * parts[cause] > 0 else "none"
+
+
+def capacity_estimator_off(at_max: dict) -> bool:
+    return abs(at_max["ratio"] - 1) > MEMORY_TARGET
 
 
 def tokens_per_s(run: dict) -> float:
