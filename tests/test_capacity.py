@@ -32,6 +32,68 @@ def test_a_close_prediction_is_confirmed_by_two_cells():
     assert asked == [11, 12]
 
 
+def injected(n: int, boundary: int, predicted_max: int, creeps_at: int | None = None):
+    """A search's measure(i, role, timed) on injected results: sizes up to `boundary` pass; the estimator predicts
+    `predicted_max` (the first cell's growth crosses a budget of 100 MiB above it); a size `creeps_at` passes
+    without timed steps and fails with them (resident memory growing with each step). No cell runs."""
+    asked = []
+
+    def measure(i, role, timed):
+        asked.append((i, role, timed))
+        fits = i <= boundary and not (i == creeps_at and timed)
+        result = {"status": "ok" if fits else "oom", "loaded_mib": 50.0, "tokens": 10,
+                  "step_s": capacity.summarize([0.5] * timed) if timed and fits else None}
+        if i == 0 and role == "search":
+            result["predicted_growth_mib"] = [40.0 if j <= predicted_max else 60.0 for j in range(n)]
+        return result
+    return measure, asked
+
+
+@pytest.mark.parametrize("boundary, predicted_max", [(5, 5), (5, 9), (5, 2), (19, 19), (0, 3)])
+def test_only_a_cell_that_is_the_maximum_if_it_passes_runs_timed_steps(boundary, predicted_max):
+    measure, asked = injected(20, boundary, predicted_max)
+    found = capacity.boundary_search(20, measure, 100.0, timed=3)
+    assert found["best"] == boundary and found["guess"] == predicted_max and found["failure"] is None
+    ran = {(i, role): timed for i, role, timed in asked}
+    held = found["timings"].get(boundary, found["seen"][boundary])
+    assert held["step_s"]["n"] == 3, "the maximum's tokens/s has the timed repeats"
+    for (i, role), timed in ran.items():
+        if role == "search" and timed:
+            assert i in (19, predicted_max) or found["seen"][i + 1]["status"] == "oom", "no timed step elsewhere"
+    rerun = [i for (i, role) in ran if role == "timing"]
+    assert rerun == ([] if ran[(boundary, "search")] else [boundary]), "a re-run only where the search gave none"
+
+
+def test_a_maximum_whose_timed_steps_do_not_fit_is_not_the_maximum():
+    measure, asked = injected(20, boundary=7, predicted_max=6, creeps_at=7)
+    found = capacity.boundary_search(20, measure, 100.0, timed=2)
+    assert found["seen"][7]["status"] == "ok" and found["timings"][7]["status"] == "oom"
+    assert found["best"] == 6 and found["seen"][6]["step_s"]["n"] == 2
+    assert capacity.speed(found["seen"][6])["tokens_per_s_at_max"]["median"] == pytest.approx(20.0)
+    assert len(asked) == len(set(asked)), "no cell runs twice alike"
+
+
+def test_the_tensor_peak_sees_the_warm_up_and_not_the_timed_steps():
+    """A work function allocating a known tensor: the tracked warm-up sees it (on top of a tensor kept from the
+    first call, as the optimizer states are); the timed calls, untracked, allocate more and are not counted."""
+    kept, calls = [], []
+    mib = 2**20
+
+    def work():
+        calls.append(1)
+        if not kept:
+            kept.append(torch.ones(mib // 4))  # 1 MiB kept, like the optimizer states from step 1
+        size = 8 if len(calls) <= 2 else 32
+        return torch.ones(size * mib // 4).sum()  # 8 MiB live in the warm-up, 32 MiB in a timed step
+    ran = capacity.run_steps(work, torch.device("cpu"), warmup=2, timed=3)
+    assert ran["tensors"]["kind"] == "cpu_tensor_peak"
+    assert ran["tensors"]["delta_mib"] == pytest.approx(9.0, abs=0.01)
+    assert ran["step_s"]["n"] == 3 and len(calls) == 5
+    assert capacity.run_steps(work, torch.device("cpu"), warmup=1, timed=0)["step_s"] is None
+    over = capacity.run_steps(work, torch.device("cpu"), warmup=1, timed=3, fits=lambda tensors: False)
+    assert over["step_s"] is None and len(calls) == 7, "a warm-up past the budget is not timed"
+
+
 def test_the_budget_comes_from_the_params_then_the_cell_memory_cap_and_is_never_guessed(test_cfg):
     cpu = torch.device("cpu")
     c, rt = copy.deepcopy(test_cfg["capacity"]), dict(test_cfg["runtime"])
@@ -54,32 +116,52 @@ def test_grids_stay_within_the_model_s_context(test_cfg):
 
 
 def test_each_maximum_passes_within_the_budget_and_the_next_size_runs_out_of_memory(results, write_params):
-    """The stage on the tiny model, every cell a real subprocess: each maximum in metrics.json is recomputed from
-    cells.csv, where the cell at the maximum passed under the budget and the next size was out of memory."""
+    """The stage on the tiny model, every cell a real subprocess: each maximum in metrics.json, and the memory at it
+    (predicted and measured tensor growth, growth of the memory the budget holds, their gap), is recomputed from
+    cells.csv, where the maximum passed under the budget and the next size was out of memory."""
     metrics = run_stage("capacity", write_params(), results)
     cells = pd.read_csv(results / "capacity" / capacity.CELLS_CSV)
-    budget = metrics["budget"]["mib"]
+    budget, timed = metrics["budget"]["mib"], metrics["steps"]["timed"]
     searches = metrics["searches"]
     assert {(s["kind"], s["subject"], s["dimension"]) for s in searches} == {
         ("train", "lora-r8", "batch_size"), ("train", "lora-r8", "seq_len"),
         ("generate", "baseline", "batch_size"), ("generate", "baseline", "seq_len")}
+    assert metrics["tensors"]["kind"] == "cpu_tensor_peak"
     bounded = 0
     for s in searches:
         assert s["status"] == "ok", s
         mine = cells[(cells.subject == s["subject"]) & (cells.dimension == s["dimension"])]
-        size = mine.batch_size if s["dimension"] == "batch_size" else mine.seq_len
-        assert len(mine) == s["cells"] and size.is_unique
+        mine = mine.assign(size=mine.batch_size if s["dimension"] == "batch_size" else mine.seq_len)
+        search = mine[mine.role == "search"]
+        assert len(search) == s["cells"] and search["size"].is_unique
+        assert (mine[mine.role == "timing"]["size"] == s["measured_max"]).all(), "only the maximum is re-run"
         passed = mine[mine.status == "ok"]
-        assert (passed.peak_mib <= budget).all() and (passed.peak_mib > passed.loaded_mib).all()
+        assert (passed.peak_mib <= budget).all() and (passed.tensor_growth_mib > 0).all()
         assert set(mine.status) <= {"ok", "oom"}
-        assert s["measured_max"] == size[mine.status == "ok"].max()
-        at_max = mine[size == s["measured_max"]].iloc[0]
-        assert at_max.tokens_per_s == pytest.approx(s["tokens_per_s_at_max"])
+        fits = mine.groupby("size").status.agg(lambda st: (st == "ok").all())  # every run of a size passed
+        assert s["measured_max"] == fits[fits].index.max()
+        first = search[search["size"] == search["size"].min()].iloc[0]
+        predicted_fit = mine.drop_duplicates("size").sort_values("size")
+        predicted_fit = predicted_fit[predicted_fit.predicted_peak_mib <= budget]
+        assert s["predicted_max"] == predicted_fit["size"].max() and first.predicted_peak_mib == pytest.approx(
+            first.loaded_mib + first.predicted_growth_mib)
+        at = mine[mine["size"] == s["measured_max"]].sort_values("role").iloc[-1]  # its timing re-run, if any
+        m = s["at_max"]
+        assert at.timed_steps == timed and s["tokens_per_s_at_max"]["n"] == timed
+        assert s["tokens_per_s_at_max"]["median"] == pytest.approx(at.tokens_per_s)
+        timed_elsewhere = passed[(passed.timed_steps > 0) & (passed["size"] != s["measured_max"])]
+        assert set(timed_elsewhere["size"]) <= {s["predicted_max"]}, "timed steps only where a cell may be the maximum"
+        assert (m["peak_mib"], m["loaded_mib"], m["tensor_growth_mib"], m["predicted_growth_mib"]) == pytest.approx(
+            (at.peak_mib, at.loaded_mib, at.tensor_growth_mib, at.predicted_growth_mib))
+        assert m["held_growth_mib"] == pytest.approx(at.peak_mib - at.loaded_mib)
+        assert m["loaded_shift_mib"] == pytest.approx(at.loaded_mib - first.loaded_mib)
+        assert m["gap_mib"] == pytest.approx(at.peak_mib - at.loaded_mib - at.tensor_growth_mib)
+        assert m["ratio"] == pytest.approx(at.tensor_growth_mib / at.predicted_growth_mib)
         if not s["whole_range_fits"]:
             bounded += 1
-            failing = mine[size == s["first_failing"]]
-            assert list(failing.status) == ["oom"], "the next size ran and did not fit"
-            assert (size[mine.status == "oom"] > s["measured_max"]).all()
+            failing = mine[mine["size"] == s["first_failing"]]
+            assert "oom" in set(failing.status), "the next size ran and did not fit"
+            assert (mine["size"][mine.status == "oom"] > s["measured_max"]).all()
         assert s["predicted_max"] is not None and s["predicted_peak_mib"]
     assert bounded >= 2, "the tiny budget bounds the training searches"
 

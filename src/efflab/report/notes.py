@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from .. import records
 from .render import render
+from .tables import capacity_cause
 
 
 def same_updates(finetune: list[dict]) -> list[list[str]]:
@@ -32,7 +33,8 @@ def capacity_facts(capacity: list[dict]) -> dict | None:
     if job is None:
         return None
     found = [{"subject": s["subject"], "dimension": s["dimension"], "max": s["measured_max"],
-              "whole_range": s.get("whole_range_fits")}
+              "whole_range": s.get("whole_range_fits"), "predicted": s.get("predicted_max"),
+              "cause": capacity_cause(s)}
              for s in job["searches"] if s["kind"] == "train" and records.is_ok(s)]
     return {"budget": job["budget"], "seq_len": job["fixed"]["train_seq_len"], "found": found} if found else None
 

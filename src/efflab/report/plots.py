@@ -233,10 +233,17 @@ def plot_serving(jobs: list[dict], path: Path) -> None:
     _save(fig, path)
 
 
-CAPACITY_LEGEND = [Patch(color="tab:gray", label="predicted (estimator)"),
-                   Patch(color="tab:blue", label="measured maximum (passes; the next size fails)"),
+CAPACITY_LEGEND = [Patch(color="tab:gray", label="predicted by the estimator (above: the maximum; below: its live "
+                                                   "tensors)"),
+                   Patch(color="tab:blue", label="measured (above: the maximum, which passes while the next size "
+                                                   "fails; below: live tensors)"),
                    Patch(fill=False, edgecolor="tab:blue", hatch="//",
                          label="the whole grid fits: at least its ceiling, no maximum measured")]
+GROWTH = ("predicted_growth_mib", "tab:gray"), ("tensor_growth_mib", "tab:blue"), ("held_growth_mib", "tab:orange")
+
+
+def _search_label(s: dict) -> str:
+    return f"{s['subject']}\n({'train' if s['kind'] == 'train' else 'generate'})"
 
 
 def _capacity_panel(ax, searches: list[dict]) -> None:
@@ -255,30 +262,49 @@ def _capacity_panel(ax, searches: list[dict]) -> None:
             ax.annotate(f"≥ {top}\n(grid ceiling)", (i + 0.2, top), ha="center", va="bottom", fontsize=7)
         else:
             ax.bar(i + 0.2, top, width=0.4, color="tab:blue")
-    ax.set_xticks(x, [f"{s['subject']}\n({'train' if s['kind'] == 'train' else 'generate'})" for s in searches],
-                  fontsize=8)
+    ax.set_xticks(x, [_search_label(s) for s in searches], fontsize=8)
     ax.margins(y=0.18)
+
+
+def _growth_panel(ax, searches: list[dict]) -> None:
+    """At each measured maximum: the estimator's live-tensor growth, the measured one, and the growth of the
+    memory the budget holds, side by side (all over the loaded model)."""
+    measured = [s for s in searches if s.get("at_max")]
+    x = list(range(len(measured)))
+    for k, (key, colour) in enumerate(GROWTH):
+        ax.bar([i + (k - 1) * 0.27 for i in x], [s["at_max"].get(key) or math.nan for s in measured], width=0.27,
+               color=colour)
+    ax.set_xticks(x, [f"{_search_label(s)}\nat {s['measured_max']}" for s in measured], fontsize=8)
+    ax.set_ylabel("growth over the loaded model (MiB)")
 
 
 def plot_capacity(jobs: list[dict], path: Path) -> None:
     """The largest batch and the longest sequence that fit: prediction beside measurement. A search that fit its
-    whole grid is drawn open and hatched, labelled ≥ its ceiling: a lower bound, not a measured maximum."""
+    whole grid is drawn open and hatched, labelled ≥ its ceiling: a lower bound, not a measured maximum. Below,
+    at each measured maximum, the memory growth the estimator predicts (live tensors) beside the live tensors
+    measured and the memory the budget holds: the estimator's error, like with like, and the gap between them."""
     ok = records.ok(jobs)
     searches = [s for job in ok for s in job["searches"] if records.is_ok(s)]
     fixed = ok[0]["fixed"] if ok else {}
+    held = "reserved memory" if ok and ok[0]["budget"]["memory"].startswith("cuda") else "RSS"
     titles = {"batch_size": f"largest batch (training rows of {fixed.get('train_seq_len')} tokens;\n"
                             f"generation: {fixed.get('prompt_len')}-token prompts, {fixed.get('new_tokens')} new)",
               "seq_len": "longest sequence at batch 1"}
     units = {"batch_size": "batch size (sequences)", "seq_len": "sequence length (tokens)"}
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for ax, dimension in zip(axes, ("batch_size", "seq_len")):
-        _capacity_panel(ax, [s for s in searches if s["dimension"] == dimension])
-        ax.set_ylabel(units[dimension])
-        ax.set_title(titles[dimension], fontsize=10)
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8.5))
+    for column, dimension in enumerate(("batch_size", "seq_len")):
+        mine = [s for s in searches if s["dimension"] == dimension]
+        _capacity_panel(axes[0][column], mine)
+        axes[0][column].set_ylabel(units[dimension])
+        axes[0][column].set_title(titles[dimension], fontsize=10)
+        _growth_panel(axes[1][column], mine)
+        axes[1][column].set_title(f"memory at the measured maximum ({'batch' if column == 0 else 'sequence'})",
+                                  fontsize=10)
     budget = next((j["budget"] for j in ok), None)
     fig.suptitle("What fits" + (f" in {budget['mib']:.0f} MiB ({budget['source']})" if budget else ""))
-    fig.legend(handles=CAPACITY_LEGEND, loc="lower center", ncol=3, fontsize=8)
-    _save(fig, path, bottom=0.07)
+    held = Patch(color="tab:orange", label=f"{held}, measured: above the blue bar, memory the estimator does not model")
+    fig.legend(handles=CAPACITY_LEGEND + [held], loc="lower center", ncol=2, fontsize=8)
+    _save(fig, path, bottom=0.08)
 
 
 def _change_panel(ax, y: list[int], changes: list, reference: str) -> None:

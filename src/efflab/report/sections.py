@@ -9,7 +9,8 @@ from .environments import comparison
 from .fmt import markdown, one_line
 from .render import render
 from .results import absent
-from .tables import MEMORY_TARGET, memory_prediction_table
+from .tables import (MEMORY_TARGET, capacity_cause, capacity_estimator_off, capacity_held, capacity_largest,
+                     capacity_measured, memory_prediction_table)
 
 
 def section(cfg: dict, metrics: dict, stage: str, title: str, body) -> list[str]:
@@ -101,7 +102,12 @@ def serving_body(cfg: dict, metrics: dict, table) -> str:
 
 
 def capacity_body(cfg: dict, metrics: dict, table) -> str:
-    return render("sections/capacity.md.j2", job=records.ok(metrics["capacity"])[0], table=table("capacity"))
+    job = records.ok(metrics["capacity"])[0]
+    explained = [{"search": s, "largest": capacity_largest(s, job["fixed"]), "measured": capacity_measured(s),
+                  "cause": capacity_cause(s), "off": capacity_estimator_off(s["at_max"])}
+                 for s in job["searches"] if records.is_ok(s) and capacity_cause(s) is not None]
+    return render("sections/capacity.md.j2", job=job, table=table("capacity"), explained=explained,
+                  held=capacity_held([job]), target=MEMORY_TARGET)
 
 
 def memory_section(finetune: list[dict], inference: list[dict], environments: dict, allow_mixed: bool) -> str:

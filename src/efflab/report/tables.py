@@ -6,8 +6,8 @@ import pandas as pd
 from .. import records
 from ..measure import format_ratio
 from . import spread
-from .fmt import (MiB, env_of, interval_text, pct, peak_mib, short_verdict, speedup_text, speedup_verdict,
-                  status_text)
+from .fmt import (MiB, env_of, interval_text, median_text, pct, peak_mib, short_verdict, speedup_text,
+                  speedup_verdict, status_text)
 from .knobs import knob_table
 from .spread import of_median, text
 
@@ -143,30 +143,73 @@ def serving_latency_table(jobs: list[dict]) -> pd.DataFrame:
     return pd.DataFrame(out, columns=SERVING_LATENCY_COLUMNS)
 
 
-CAPACITY_COLUMNS = ["subject", "work", "largest", "predicted max", "measured max", "first that fails",
-                    "peak at max (MiB)", "tokens/s at max", "cells", "status", "env"]
+def capacity_held(jobs: list[dict]) -> str:
+    """The memory the capacity budget holds, in two words: the allocator's reservation on a GPU, else RSS."""
+    return "reserved memory" if any(j["budget"]["memory"].startswith("cuda") for j in records.ok(jobs)) else "RSS"
+
+
+def capacity_columns(jobs: list[dict]) -> list[str]:
+    return ["subject", "largest", "predicted max", "measured max", "tensors predicted (MiB)", "tensors measured (MiB)",
+            f"{capacity_held(jobs)} growth (MiB)", "tokens/s at max", "status", "env"]
+
+
+def capacity_largest(search: dict, fixed: dict) -> str:
+    work = "training" if search["kind"] == "train" else "generation"
+    if search["dimension"] == "seq_len":
+        return f"{work} sequence (batch 1)"
+    return f"{work} batch ({fixed['train_seq_len'] if search['kind'] == 'train' else fixed['prompt_len']} tokens)"
+
+
+def capacity_measured(search: dict) -> str | None:
+    if not records.is_ok(search):
+        return None
+    top, failing = search.get("measured_max"), search.get("first_failing")
+    if top is None:
+        return f"none fits ({failing} fails)"
+    return f">= {top} (whole range)" if search.get("whole_range_fits") else f"{top} ({failing} fails)"
 
 
 def capacity_table(jobs: list[dict]) -> pd.DataFrame:
-    out = []
+    """Each search's predicted and measured maximum and, at the measured maximum, the estimator's tensor growth
+    beside the measured one and beside the growth of the memory the budget holds (all over the loaded model)."""
+    columns, out = capacity_columns(jobs), []
     for job in records.ok(jobs):
-        fixed = job["fixed"]
         for s in job["searches"]:
-            work = "training" if s["kind"] == "train" else "generation"
-            if s["dimension"] == "batch_size":
-                largest = f"batch ({fixed['train_seq_len'] if s['kind'] == 'train' else fixed['prompt_len']} tokens)"
-            else:
-                largest = "sequence (batch 1)"
-            measured = s.get("measured_max")
-            out.append({"subject": s["subject"], "work": work, "largest": largest,
-                        "predicted max": s.get("predicted_max"),
-                        "measured max": ("none fits" if measured is None else
-                                         f">= {measured} (whole range)" if s.get("whole_range_fits") else measured)
-                        if records.is_ok(s) else None,
-                        "first that fails": s.get("first_failing"), "peak at max (MiB)": s.get("peak_mib_at_max"),
-                        "tokens/s at max": s.get("tokens_per_s_at_max"), "cells": s.get("cells"),
-                        "status": status_text(s), "env": env_of(job)})
-    return pd.DataFrame(out, columns=CAPACITY_COLUMNS)
+            m = s.get("at_max") or {}
+            out.append(dict(zip(columns, [s["subject"], capacity_largest(s, job["fixed"]), s.get("predicted_max"),
+                                          capacity_measured(s), m.get("predicted_growth_mib"),
+                                          m.get("tensor_growth_mib"), m.get("held_growth_mib"),
+                                          _rate_text(s.get("tokens_per_s_at_max")), status_text(s), env_of(job)])))
+    return pd.DataFrame(out, columns=columns)
+
+
+def _rate_text(stats: dict | None) -> str:
+    """tokens/s at a maximum: one timed step is a value alone; more, the median with their interval or range."""
+    return f"{stats['median']:.2f} (n=1)" if stats and stats["n"] == 1 else median_text(stats)
+
+
+def capacity_cause(search: dict) -> str | None:
+    """What the memory at a search's measured maximum says of its prediction, like with like. The peak measured
+    there is the predicted one plus three parts: 'loaded', how much more the loaded model held than in the first
+    cell, where the prediction starts; 'estimator', the live tensors measured minus those predicted; 'gap', the
+    memory the budget holds beyond the live tensors, which the estimator does not model. The cause is the part
+    that moved the peak most in the direction of the whole difference, the estimator's only where its tensors
+    are off by more than ±MEMORY_TARGET (else it is right, and never named); 'none' where no part moved it that
+    way. None where the maximum's tensors were not measured."""
+    m = search.get("at_max") or {}
+    if m.get("ratio") is None or m.get("gap_mib") is None:
+        return None
+    miss = m["tensor_growth_mib"] - m["predicted_growth_mib"]
+    parts = {"gap": m["gap_mib"], "loaded": m.get("loaded_shift_mib") or 0.0}
+    direction = 1 if sum(parts.values()) + miss >= 0 else -1
+    if capacity_estimator_off(m):
+        parts["estimator"] = miss
+    cause = max(parts, key=lambda k: direction * parts[k])
+    return cause if direction * parts[cause] > 0 else "none"
+
+
+def capacity_estimator_off(at_max: dict) -> bool:
+    return abs(at_max["ratio"] - 1) > MEMORY_TARGET
 
 
 def tokens_per_s(run: dict) -> float:
@@ -328,7 +371,7 @@ def memory_prediction_table(finetune_rows: list[dict], inference_rows: list[dict
 # that repeat them (fmt.markdown).
 KEYS = {"prune": 1, "qat": 1, "finetune": 1, "finetune_knobs": 3, "merge": 1, "merge_targets": 2,
         "bench_attention": 4, "bench_inference": 5, "bench_serving": 2, "bench_serving_latency": 2,
-        "capacity": 3}
+        "capacity": 2}
 
 
 def build_tables(metrics: dict) -> dict[str, pd.DataFrame]:
