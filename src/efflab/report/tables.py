@@ -195,7 +195,8 @@ def capacity_cause(search: dict) -> str | None:
     memory the budget holds beyond the live tensors, which the estimator does not model. The cause is the part
     that moved the peak most in the direction of the whole difference, the estimator's only where its tensors
     are off by more than ±MEMORY_TARGET (else it is right, and never named); 'none' where no part moved it that
-    way. None where the maximum's tensors were not measured."""
+    way; 'gap_short' where the gap moved it down (the held memory grew by less than the live tensors). None where
+    the maximum's tensors were not measured."""
     m = search.get("at_max") or {}
     if m.get("ratio") is None or m.get("gap_mib") is None:
         return None
@@ -205,7 +206,9 @@ def capacity_cause(search: dict) -> str | None:
     if capacity_estimator_off(m):
         parts["estimator"] = miss
     cause = max(parts, key=lambda k: direction * parts[k])
-    return cause if direction * parts[cause] > 0 else "none"
+    if direction * parts[cause] <= 0:
+        return "none"
+    return "gap_short" if cause == "gap" and parts["gap"] < 0 else cause  # held memory grew less than the tensors
 
 
 def capacity_estimator_off(at_max: dict) -> bool:
