@@ -84,3 +84,13 @@ def test_a_lowest_loss_within_noise_is_no_winner_and_a_different_learning_rate_i
     text = render(finetune=runs)
     assert "Lowest validation perplexity after training: no difference measured" in text
     assert "Shortest step: **lora-r8**" in text and "`learning_rate` (full: 5e-05, lora-r8: 0.001)" in text
+
+
+def test_a_figure_measured_once_per_run_is_undecided_not_no_difference():
+    """Peak memory is one measurement per run: 3,600 vs 900 MiB has no interval to separate, and the advice must
+    not call that 'no difference measured' (which reads as measured equal)."""
+    rows = [[10, 20.0]] * 8
+    runs = [_run("full", "full", rows, lr=5e-5, memory=3600.0), _run("lora-r8", "lora", rows)]
+    text = render(finetune=runs)
+    assert "Least training memory: undecided: some runs have one measurement and no interval here (lora-r8" in text
+    assert "Least training memory: no difference measured" not in text

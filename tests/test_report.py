@@ -444,3 +444,13 @@ def test_serving_reads_its_bursts_an_interval_from_six_a_range_below_and_an_old_
     ratio = df.loc["cells[continuous,concurrency=4].continuous_vs_static"]
     assert (ratio["value"], ratio["lower"], ratio["upper"], ratio["n"]) == (1.3, 1.3, 1.3, 6)
     assert not any("by_burst" in m for m in df.index)
+
+
+def test_a_later_part_of_a_split_table_leaves_out_rows_with_nothing_in_it():
+    from efflab.report.fmt import markdown
+
+    wide = pd.DataFrame([{"name": n, **{f"c{i}": i + k for i in range(9)}, "ratio": r}
+                         for k, (n, r) in enumerate((("eager", None), ("sdpa", 1.5)))])
+    first, second = markdown(wide, keys=1).split("\n\n")
+    assert "eager" in first and "sdpa" in first, "the first part names every row"
+    assert "eager" not in second and "| sdpa | 1.5 |" in second

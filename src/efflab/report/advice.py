@@ -107,6 +107,7 @@ def finetune_facts(finetune: list[dict]) -> dict | None:
             "kind": options[0]["memory_kind"],
             "winners": {k: winner(options, k, d) for k, d in axes.items()},
             "best": {k: best_point(options, k, d) for k, d in axes.items()},
+            "without_interval": {k: any((o["axes"].get(k) or {}).get("lo") is None for o in options) for k in axes},
             "table": _table(options, {"memory": ("peak memory", " MiB"), "step": ("median step", " s"),
                                       "quality": ("val perplexity change", "%")}, front,
                             lambda o: {"method": o["method"]})}

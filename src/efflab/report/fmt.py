@@ -122,4 +122,12 @@ def markdown(df: pd.DataFrame, keys: int | None = None) -> str:
     note = ("Every row: " + "; ".join(f"{c} {texts[c].iloc[0]}" for c in same) + ".\n\n") if same else ""
     width = MAX_COLUMNS - len(ids)
     parts = [rest[i:i + width] for i in range(0, len(rest), width)] or [[]]
-    return note + "\n\n".join(_pipe(df[ids + part]) for part in parts)
+    return note + "\n\n".join(_pipe(df[ids + part] if i == 0 else _with_values(df, texts, ids, part))
+                                for i, part in enumerate(parts))
+
+
+def _with_values(df: pd.DataFrame, texts: dict, ids: list, part: list) -> pd.DataFrame:
+    """A later part of a split table keeps only the rows with a value in it (a baseline row of '-' says nothing
+    there); the first part keeps every row, so that every row is named once."""
+    has = pd.concat([texts[c].ne("-") for c in part], axis=1).any(axis=1)
+    return df.loc[has, ids + part]
