@@ -117,9 +117,11 @@ def markdown(df: pd.DataFrame, keys: int | None = None) -> str:
         keys = next((i for i, c in enumerate(leading) if pd.api.types.is_numeric_dtype(df[c])), len(leading)) or 1
     texts = {c: df[c].map(cell_text) for c in df.columns}
     ids = list(df.columns[:keys])
-    same = [c for c in df.columns[keys:] if len(df) > 1 and texts[c].nunique() == 1 and texts[c].iloc[0] != "-"]
+    valued = {c: texts[c][texts[c].ne("-")] for c in df.columns[keys:]}
+    same = [c for c, v in valued.items() if len(df) > 1 and len(v) > 1 and v.nunique() == 1]
     rest = [c for c in df.columns[keys:] if c not in same and texts[c].ne("-").any()]
-    note = ("Every row: " + "; ".join(f"{c} {texts[c].iloc[0]}" for c in same) + ".\n\n") if same else ""
+    every = "Every row" if all(len(valued[c]) == len(df) for c in same) else "Every row with a value"
+    note = (f"{every}: " + "; ".join(f"{c} {valued[c].iloc[0]}" for c in same) + ".\n\n") if same else ""
     width = MAX_COLUMNS - len(ids)
     parts = [rest[i:i + width] for i in range(0, len(rest), width)] or [[]]
     return note + "\n\n".join(_pipe(df[ids + part] if i == 0 else _with_values(df, texts, ids, part))
