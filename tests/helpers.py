@@ -3,6 +3,7 @@ the CI pipeline run in the background, and a simulated clock for timing logic. I
 (tests/ is a package), never from conftest, so that `pytest`, `python -m pytest` and `make test` collect alike."""
 from __future__ import annotations
 
+import importlib
 import json
 import shutil
 import subprocess
@@ -19,7 +20,9 @@ BIN = Path(sys.executable).parent
 
 def run_stage(stage: str, params: Path, results: Path, name: str | None = None) -> dict:
     """Run a stage through its real CLI entry point, in-process, and return its metrics."""
-    module = __import__(f"efflab.{stage}", fromlist=["run"])
+    module = importlib.import_module(f"efflab.{stage}")
+    if not hasattr(module, "run"):  # a stage that is a package (report, claims) runs from its stage module
+        module = importlib.import_module(f"efflab.{stage}.stage")
     argv = ["--params", str(params), "--results", str(results)] + (["--name", name] if name else [])
     cli.main(stage, module.run, argv)
     folder = results / stage / name if name else results / stage

@@ -222,3 +222,12 @@ def test_describe_cli(capsys):
     assert exit_.value.code == 2
     assert stderr.splitlines() == [stderr.strip()]
     assert stderr.startswith("efflab config: error: 'finetune.defaults.rank' is not a params key")
+
+
+def test_a_bare_no_written_back_by_dvc_still_reads_as_the_word(tmp_path):
+    """`dvc exp run -S` rewrites params.yaml in YAML 1.2, where "no" needs no quotes; PyYAML (YAML 1.1) would read
+    the bare word as False and the schema would refuse it."""
+    text = (config.REPO_ROOT / "params.yaml").read_text().replace('mixed_precision: "no"', "mixed_precision: no")
+    assert "mixed_precision: no " in text
+    (tmp_path / "params.yaml").write_text(text)
+    assert config.load(tmp_path / "params.yaml")["qat"]["train"]["mixed_precision"] == "no"

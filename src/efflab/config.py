@@ -226,7 +226,15 @@ def load(path: str | Path) -> dict:
         mark = getattr(err, "problem_mark", None)
         where = f" (line {mark.line + 1})" if mark else ""
         raise UserError(f"{path}: not valid YAML{where}: {getattr(err, 'problem', err)}") from None
-    return validate(cfg, str(path))
+    return validate(_word_no(cfg), str(path))
+
+
+def _word_no(node):
+    """`mixed_precision: no` as the word it is. PyYAML reads YAML 1.1, where a bare `no` is False; DVC writes
+    params.yaml back in YAML 1.2 (`dvc exp run -S`), which leaves the string "no" unquoted."""
+    if isinstance(node, dict):
+        return {k: "no" if k == "mixed_precision" and v is False else _word_no(v) for k, v in node.items()}
+    return node
 
 
 def _deep_merge(base: dict, over: dict) -> dict:

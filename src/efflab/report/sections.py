@@ -17,8 +17,8 @@ def section(cfg: dict, metrics: dict, stage: str, title: str, body) -> list[str]
     """A report section: its body, or one line saying why it has none."""
     why = absent(cfg, metrics, stage)
     if why:
-        return [title, "", f"_{why[0].upper()}{why[1:]}._", ""]
-    return [title, "", body().strip(), ""]
+        return [f"{title}\n\n_{why[0].upper()}{why[1:]}._"]
+    return [f"{title}\n\n{body().strip()}"]
 
 
 def header(base: dict, data: dict) -> str:
