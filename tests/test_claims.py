@@ -368,6 +368,12 @@ def test_int8_speed_claims_read_bench_inference(tmp_path, registry):
     _write(layout.metrics("bench_inference", "int8"), {"status": "ok", "cells": [cell]})
     row = stage.evaluate(claim, layout)
     assert row["verdict"] == "differs" and row["band"] == "≥ 1 x" and row["evidence"] == "measured"
+    # A machine that never settled: the sentinel set aside every round, and the speedup has no median at all.
+    cell["vs_base"]["generation_speedup"] = {"median": None, "ci95": None, "rounds": 0,
+                                             "verdict": "not a verdict: the machine never settled"}
+    _write(layout.metrics("bench_inference", "int8"), {"status": "ok", "cells": [cell]})
+    row = stage.evaluate(claim, layout)
+    assert row["verdict"] == "not reproducible here" and "the machine never settled" in row["reason"]
 
 
 def test_prune_claims_read_the_prune_records(tmp_path, registry):

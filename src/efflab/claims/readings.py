@@ -244,6 +244,9 @@ def _serving_ratio(layout, metric: dict) -> Reading:
         raise NotHere(f"bench_serving has no {metric['method']} and naive results to compare: {'; '.join(reasons)}")
     best = max(cells, key=lambda c: c["concurrency"])
     ratio = records.serving_ratio(best, "throughput_vs_naive")
+    if not ratio or ratio.get("median") is None:
+        raise NotHere(f"bench_serving has no {metric['method']} throughput over naive at concurrency "
+                      f"{best['concurrency']}")
     spread = "" if ratio.get("ci95") else f": {ratio['verdict']}"
     return Reading(ratio["median"],
                    f"bench_serving, {ratio['rounds']} burst round(s) of {m['requests']} requests: {metric['method']} "
@@ -263,6 +266,9 @@ def _inference_speedup(layout, metric: dict) -> Reading:
         raise NotHere(f"bench_inference {metric['variant']} has no cell against the base model at batch 1 with "
                       f"the KV cache")
     s, rounds = cell["vs_base"]["generation_speedup"], cell["vs_base"].get("rounds", [])
+    if s.get("median") is None:  # the speed sentinel set aside every round: a busy machine, no speedup measured
+        raise NotHere(f"bench_inference {metric['variant']} measured no speedup over the base model: "
+                      f"{s.get('verdict') or 'no stable round'}")
     per_round = [r["seconds"]["base"] / r["seconds"][metric["variant"]] for r in rounds
                  if {"base", metric["variant"]} <= set(r.get("seconds", {}))]
     spread = "" if s.get("ci95") else f" ({s['verdict']}; per round: {', '.join(f'{r:.3g}' for r in per_round)})"
