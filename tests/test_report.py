@@ -454,3 +454,14 @@ def test_a_later_part_of_a_split_table_leaves_out_rows_with_nothing_in_it():
     first, second = markdown(wide, keys=1).split("\n\n")
     assert "eager" in first and "sdpa" in first, "the first part names every row"
     assert "eager" not in second and "| sdpa | 1.5 |" in second
+
+
+def test_a_ratio_with_no_median_is_left_out_of_the_long_results_table():
+    """The speed sentinel set every round aside (a busy machine): the record keeps the ratio with no median, and
+    summary.csv, whose every row has a value, leaves it out."""
+    from efflab.report import tidy
+
+    record = {"status": "ok", "vs_base": {"generation_speedup": {"median": None, "ci95": None, "rounds": 0},
+                                          "other": {"median": 1.2, "ci95": [1.1, 1.3], "rounds": 6}}}
+    rows = tidy.flatten(record)
+    assert [r["metric"] for r in rows] == ["vs_base.other"] and rows[0]["value"] == 1.2

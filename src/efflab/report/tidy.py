@@ -41,8 +41,8 @@ def flatten(record, path: str = "") -> list[dict]:
     """The figures under `record`, dotted paths as metric names (list items by their name or index)."""
     if isinstance(record, dict):
         found = figure(path, record) if path else None
-        if found:
-            return [found]
+        if found:  # a ratio with no median (every round set aside on a busy machine) is no figure
+            return [found] if found["value"] is not None else []
         return [row for k, v in record.items() if k not in SKIPPED
                 for row in flatten(v, f"{path}.{k}" if path else str(k))]
     if isinstance(record, list):
