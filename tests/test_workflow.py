@@ -314,7 +314,7 @@ def test_dvc_tracks_the_snakemake_run_and_reruns_what_a_param_change_touches(loc
     from efflab.provenance import written_by_dvc
     assert written_by_dvc(tmp_path / "results") == ["bench_inference/baseline", "capacity", "claims", "report"]
     run = sh([BIN / "snakemake", "--cores", "1", "--forcerun", "report"], tmp_path)
-    assert "3 results here were written by dvc repro / dvc exp run" in run.stderr
+    assert "4 results here were written by dvc repro / dvc exp run" in run.stderr
     # ... and `dvc exp run --temp` runs an experiment without touching the workspace (params.yaml's comments
     # and flow lists included)
     sh(["git", "add", "-A"], tmp_path)

@@ -22,8 +22,8 @@ from importlib.metadata import version
 import torch
 
 from . import cli, model_check, records
-from .measure import (INTERLEAVE_RECORD, SENTINEL_TOLERANCE, CellJournal, environment, interleave, pick_device,
-                      run_cell, set_threads, speedup, synchronize, time_fn, track_memory)
+from .measure import (INTERLEAVE_RECORD, SENTINEL_TOLERANCE, CellJournal, allocated_delta, environment, interleave,
+                      pick_device, run_cell, set_threads, speedup, synchronize, time_fn, track_memory)
 from .modeling import base_dtype, load_model, shape_only
 
 log = logging.getLogger("efflab")
@@ -155,18 +155,22 @@ def attention_cell(folder: str, dtype: str, device: str, impl: str, seq_len: int
 
 
 def fit_exponent(rows: list[dict]) -> dict:
-    """Least-squares slope of log(peak memory delta) vs log(sequence length) over the ok rows."""
-    points = [(math.log(r["seq_len"]), math.log(r["memory"]["delta_mib"])) for r in rows
-              if records.is_ok(r) and (r["memory"].get("delta_mib") or 0) > 0]
+    """Least-squares slope of log(allocated memory delta) vs log(sequence length) over the ok rows, with the
+    kind of memory fitted (measure.allocated_delta: live tensors on CPU, allocated on CUDA)."""
+    measured = [(r["seq_len"], *allocated_delta(r["memory"])) for r in rows if records.is_ok(r)]
+    points = [(math.log(seq), math.log(mib)) for seq, mib, _ in measured if (mib or 0) > 0]
+    kind = next((k for _, mib, k in measured if (mib or 0) > 0), None)
     if len(points) < 2:
-        return {"exponent": None, "points": len(points), "reason": "fewer than two measured sequence lengths"}
+        return {"exponent": None, "points": len(points), "memory_kind": kind,
+                "reason": "fewer than two measured sequence lengths"}
     mx = sum(x for x, _ in points) / len(points)
     my = sum(y for _, y in points) / len(points)
     sxx = sum((x - mx) ** 2 for x, _ in points)
     slope = sum((x - mx) * (y - my) for x, y in points) / sxx
     residual = sum((y - (my + slope * (x - mx))) ** 2 for x, y in points)
     total = sum((y - my) ** 2 for _, y in points)
-    return {"exponent": slope, "points": len(points), "r2": 1 - residual / total if total else 1.0}
+    return {"exponent": slope, "points": len(points), "r2": 1 - residual / total if total else 1.0,
+            "memory_kind": kind}
 
 
 def run(cfg: dict, paths: dict) -> dict:
@@ -209,7 +213,6 @@ def run(cfg: dict, paths: dict) -> dict:
             rows += group
             if not mode_reason:
                 fits.append({"implementation": impl, "mode": mode, "batch_size": batch_size,
-                             "memory_kind": next((r["memory"]["kind"] for r in group if records.is_ok(r)), None),
                              **fit_exponent(group)})
     journal.remove()
     statuses = {r["status"] for r in rows}

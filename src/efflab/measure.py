@@ -444,6 +444,16 @@ def track_memory(device: torch.device, tensors: CpuTensorPeak | None = None):
     result["delta_mib"] = (peak - base) / 1024
 
 
+def allocated_delta(mem: dict) -> tuple[float | None, str | None]:
+    """What a block allocated, from a track_memory record, with its kind: CUDA's allocated peak, or on CPU the
+    live-tensor peak. The resident delta also moves with what the allocator kept from earlier work and reuses,
+    so a law of memory in input size (bench_attention's exponent) is fitted on this, never on RSS."""
+    tensors = mem.get("tensors") or {}
+    if mem.get("kind") == "cpu_peak_rss" and tensors.get("delta_mib") is not None:
+        return tensors["delta_mib"], tensors["kind"]
+    return mem.get("delta_mib"), mem.get("kind")
+
+
 @contextmanager
 def tensor_peak(device: torch.device):
     """The live-tensor peak of the work inside the block over the tensors live at its start (`delta_mib`), the
