@@ -1,6 +1,6 @@
 """Smoke tests of the benchmarks of efflab itself (benchmarks/*.py), on the CI's tiny model with the smallest
 settings: each runs end to end and writes what it says it writes. What they measure is not asserted: they are
-benchmarks, run by hand on a quiet machine (README, "Benchmarks"). verdict_stability.py needs two pipeline
+benchmarks, run by hand on a quiet machine (docs/guides/benchmarks.md). verdict_stability.py needs two pipeline
 runs: tests/test_workflow.py runs it on the session's CI pipeline."""
 from __future__ import annotations
 
