@@ -13,7 +13,7 @@ EXTRAS ?= dev
 CORES ?= all
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: install run gpu report-html test dry-run lint clean-results FORCE
+.PHONY: install run gpu report-html test docs dry-run lint clean-results FORCE
 .DEFAULT_GOAL := run
 
 define INSTALL_MK
@@ -70,6 +70,11 @@ dry-run: install
 
 test: install
 	$(VENV)/bin/pytest -v
+
+# The documentation site (docs/, mkdocs.yml) into site/: --strict makes any warning (a broken link or anchor, a page
+# left out of the nav) an error, as tests/test_docs.py does. Open site/index.html.
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
 lint: install
 	snakemake --lint
