@@ -74,7 +74,8 @@ def type_text(schema: dict, node: dict) -> str:
     kinds = kinds if isinstance(kinds, list) else [kinds]
     text = " or ".join(kinds)
     if kinds == ["array"] and isinstance(node.get("items"), dict):
-        text = f"list of {type_text(schema, node['items'])}"
+        items = type_text(schema, node["items"])
+        text = f"list of {items.replace('one of ', 'any of ', 1) if items.startswith('one of ') else items}"
         sizes = (node.get("minItems"), node.get("maxItems"))
         if sizes[0] is not None and sizes[0] == sizes[1]:
             text += f", exactly {sizes[0]}"
@@ -137,6 +138,11 @@ def _cell(text: str) -> str:
     return " ".join(text.split()).replace("|", "\\|")
 
 
+def _prose(text: str) -> str:
+    """A description as table-cell text: `sdpa_<backend>` must not read as an HTML tag."""
+    return _cell(text).replace("<", "&lt;").replace(">", "&gt;")
+
+
 def render(schema: dict | None = None, params: dict | None = None) -> str:
     """The page's text."""
     schema = config.load_schema() if schema is None else schema
@@ -147,8 +153,8 @@ def render(schema: dict | None = None, params: dict | None = None) -> str:
     parts = [HEADER]
     for section, entries in sections.items():
         (_, _, _, about), *keys = entries
-        parts.append(f"## {section}\n\n{_cell(about)}\n\n| key | type | default | description |\n|---|---|---|---|")
-        parts.extend(f"| `{key}` | {_cell(kind)} | {_cell(default)} | {_cell(description)} |"
+        parts.append(f"## {section}\n\n{_prose(about)}\n\n| key | type | default | description |\n|---|---|---|---|")
+        parts.extend(f"| `{key}` | {_cell(kind)} | {_cell(default)} | {_prose(description)} |"
                      for key, kind, default, description in keys)
         parts.append("")
     return "\n".join(parts)
