@@ -13,9 +13,9 @@ from pathlib import Path
 import torch
 
 from . import cli, model_check
-from .measure import (count_parameters, cuda_context_mib, environment, gpu_matmul_rates, pick_device, resolve_dtype,
-                      set_threads)
-from .modeling import DTYPES, EMBEDDED_MODELS, folder_bytes, gguf_tokenizer_and_config, load_model, package_folder
+from .measure import (DTYPES, count_parameters, cuda_context_mib, environment, gpu_matmul_rates, pick_device,
+                      resolve_dtype, set_threads)
+from .modeling import EMBEDDED_MODELS, folder_bytes, gguf_tokenizer_and_config, load_model, package_folder
 from .config import UserError, classify_source, local_source_files
 
 log = logging.getLogger("efflab")

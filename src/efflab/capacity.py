@@ -45,7 +45,7 @@ import torch
 from . import cli, records
 from .config import UserError, finetune_run
 from .layout import Layout
-from .measure import (MiB, CellJournal, CpuTensorPeak, _proc_status_kib, cuda_context_mib, environment, pick_device,
+from .measure import (MiB, CellJournal, CpuTensorPeak, proc_status_kib, cuda_context_mib, environment, pick_device,
                       run_cell, set_threads, summarize, tensor_peak, time_fn)
 from .memory_estimate import generation_peak, quantized_layer_transient, training_peak, variant_quant
 from .modeling import base_dtype, load_tokenizer, read_split
@@ -123,7 +123,7 @@ def token_rows(layout, batch_size: int, seq_len: int) -> torch.Tensor:
 def _memory_now(device: torch.device, context: float) -> float:
     if device.type == "cuda":
         return torch.cuda.memory_allocated(device) / MiB + context
-    return (_proc_status_kib("VmRSS") or 0) / 1024
+    return (proc_status_kib("VmRSS") or 0) / 1024
 
 
 def _memory_peak(device: torch.device, context: float, tensors: dict) -> float | None:
@@ -132,12 +132,12 @@ def _memory_peak(device: torch.device, context: float, tensors: dict) -> float |
     if device.type == "cuda":
         reserved = max(torch.cuda.max_memory_reserved(device) / MiB, tensors.get("reserved_before_mib", 0.0))
         return reserved + context
-    hwm, before = _proc_status_kib("VmHWM"), tensors.get("hwm_before_stop_mib")
+    hwm, before = proc_status_kib("VmHWM"), tensors.get("hwm_before_stop_mib")
     return None if hwm is None or before is None else max(hwm / 1024, before)
 
 
 def _file_pages_mib() -> float | None:
-    kib = _proc_status_kib("RssFile")
+    kib = proc_status_kib("RssFile")
     return None if kib is None else kib / 1024
 
 

@@ -16,62 +16,11 @@ import time
 from pathlib import Path
 
 from . import config, gpu_slots, provenance
+from .logs import setup_logging
 from .config import UserError
 from .layout import METRICS, STAGE_OUTPUTS, Layout
 
 log = logging.getLogger("efflab")
-
-
-# Libraries whose logged warnings speak to their own developers, not to whoever reads a benchmark: errors only.
-# bitsandbytes logs "MatMul8bitLt: inputs will be cast from ... to float16" on every INT8 matmul whose input is
-# not float16 (tens of thousands of lines per benchmark cell). torchao (imported by peft too) warns at import that
-# a CPU build of torch cannot load its CUDA kernels, which efflab does not use, and torch's pytree module that
-# torchao registers enums the deprecated way.
-QUIET_LIBRARIES = ("transformers", "accelerate", "peft", "bitsandbytes", "torchao", "torch.utils._pytree", "urllib3",
-                   "filelock", "httpx")
-
-
-class WarningOnce(logging.Filter):
-    """A handler filter that lets each distinct logged warning (same logger, same text) through once per
-    process; other levels, errors above all, always pass."""
-
-    def __init__(self):
-        super().__init__()
-        self.seen: set[tuple[str, str]] = set()
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if not logging.WARNING <= record.levelno < logging.ERROR:
-            return True
-        key = (record.name, record.getMessage())
-        if key in self.seen:
-            return False
-        self.seen.add(key)
-        return True
-
-
-def configure_logging(handlers: list[logging.Handler], fmt: str) -> None:
-    """The console policy of every process efflab works in (a stage, a benchmark cell forked from the
-    forkserver, a DDP rank), each of which must set it itself: INFO to `handlers`, QUIET_LIBRARIES at errors
-    only, each distinct logged warning and each Python warning (same text and category) shown once per
-    process. The 'once' action is a last filter, after Python's defaults (DeprecationWarning outside
-    __main__ ignored), -W/PYTHONWARNINGS and a test runner's: those decide first. A warning meant for the
-    user (a deprecated parameter) is a FutureWarning, which Python shows."""
-    import warnings
-
-    for handler in handlers:
-        handler.addFilter(WarningOnce())
-    logging.basicConfig(level=logging.INFO, format=fmt, handlers=handlers, force=True)
-    for noisy in QUIET_LIBRARIES:
-        logging.getLogger(noisy).setLevel(logging.ERROR)
-    warnings.filterwarnings("once", append=True)
-
-
-def _setup_logging(log_file: str | None) -> None:
-    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
-    if log_file:
-        Path(log_file).parent.mkdir(parents=True, exist_ok=True)
-        handlers.append(logging.FileHandler(log_file, mode="w"))
-    configure_logging(handlers, "%(asctime)s %(levelname)s %(message)s")
 
 
 STAGES = ("base_model", "prepare_data", "quantize", "prune", "qat", "finetune", "merge", "bench_finetune", "bench_attention",
@@ -144,7 +93,7 @@ def main(stage: str, run, argv: list[str] | None = None) -> None:
     parser.add_argument("--results", default="results", help="results folder (default: results)")
     parser.add_argument("--log", help="also write the log to this file")
     args = parser.parse_args(argv)
-    _setup_logging(args.log)
+    setup_logging(args.log)
     staging = None
     try:
         cfg = config.load(args.params)

@@ -67,7 +67,7 @@ def _key(path) -> str:
     return ".".join(str(p) for p in path) or "<top level>"
 
 
-def _schema_message(err: jsonschema.ValidationError) -> str:
+def schema_message(err: jsonschema.ValidationError) -> str:
     key = _key(err.absolute_path)
     if err.validator == "additionalProperties" and err.schema.get("additionalProperties") is False:
         extra = sorted(set(err.instance) - set(err.schema.get("properties", {})))
@@ -169,7 +169,7 @@ def validate(cfg: dict, source: str = "params") -> dict:
     validator = jsonschema.Draft202012Validator(load_schema())
     errors = sorted(validator.iter_errors(cfg), key=lambda e: (len(e.absolute_path), list(map(str, e.absolute_path))))
     if errors:
-        raise UserError(f"{source}: {_schema_message(errors[0])}")
+        raise UserError(f"{source}: {schema_message(errors[0])}")
     _cross_check(cfg, source)
     return cfg
 

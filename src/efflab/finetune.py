@@ -21,9 +21,10 @@ import torch
 from . import architecture, cli, profiling
 from .config import UserError, finetune_run
 from .layout import LOSS_COLUMNS, LOSS_CSV
-from .measure import (CpuTensorPeak, EnergyMeter, count_parameters, energy_per_token, environment, log_file_path,
-                      matmul_ceiling, mfu, pick_device, published_peak_tflops, set_threads, setup_child_logging, summarize,
-                      track_memory, training_flops_per_token)
+from .logs import log_file_path, setup_child_logging
+from .measure import (CpuTensorPeak, EnergyMeter, count_parameters, energy_per_token, environment, matmul_ceiling, mfu,
+                      pick_device, published_peak_tflops, set_threads, summarize, track_memory,
+                      training_flops_per_token)
 from .memory_estimate import compared, training_peak
 from .modeling import base_dtype, eval_loss, load_model, load_tokenizer, read_split
 

@@ -24,8 +24,11 @@ from pathlib import Path
 import torch
 
 from . import architecture
+from .config import REPO_ROOT, UserError
+from .logs import log_file_path, setup_child_logging
 
 MiB = 1024 * 1024
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # The host clock of CPU timings (time_fn, interleave). Tests replace it with a simulated clock that the timed
 # work advances by known amounts, so that no test of a verdict or a threshold races the real machine.
@@ -33,8 +36,6 @@ clock = time.perf_counter
 
 
 def pick_device(runtime: dict) -> torch.device:
-    from .config import UserError
-
     want = runtime["device"]
     if want == "cuda" and not torch.cuda.is_available():
         raise UserError("runtime.device: 'cuda' was asked for but no CUDA device is available")
@@ -258,7 +259,7 @@ def paired_ratio(result: dict, a: str, b: str, level: float = 0.95) -> dict:
     return ratio_verdict([r["seconds"][b] / r["seconds"][a] for r in kept], level)
 
 
-def _proc_status_kib(field: str, pid: int | str = "self") -> int | None:
+def proc_status_kib(field: str, pid: int | str = "self") -> int | None:
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             if line.startswith(field + ":"):
@@ -426,12 +427,12 @@ def track_memory(device: torch.device, tensors: CpuTensorPeak | None = None):
     CpuTensorPeak.warm_up()
     _release_freed_memory()
     reset = _reset_cpu_peak()
-    base = _proc_status_kib("VmRSS")
+    base = proc_status_kib("VmRSS")
     tensors = (tensors or CpuTensorPeak()).start()
     try:
         yield result
     finally:
-        peak = _proc_status_kib("VmHWM")
+        peak = proc_status_kib("VmHWM")
         result["tensors"] = tensors.stop()
     result["kind"] = "cpu_peak_rss"
     if not reset or peak is None or base is None:
@@ -479,7 +480,7 @@ def tensor_peak(device: torch.device):
     try:
         yield result
     finally:
-        hwm = _proc_status_kib("VmHWM")
+        hwm = proc_status_kib("VmHWM")
         result |= tensors.stop()
         # The event objects, freed but kept resident by the allocators, would lift the resident peak of any work
         # that follows by ~100 MiB (measured after a LoRA step of the default model). Handed back, they do not.
@@ -626,21 +627,6 @@ def classify_failure(err: BaseException) -> dict:
             "traceback": traceback.format_exception(err)[-3:]}
 
 
-def setup_child_logging(log_file: str | None, tag: str) -> None:
-    """Log a child process (a benchmark cell, a DDP rank) to stderr and append to its stage's log file, with
-    the stage's console policy (cli.configure_logging): a cell forked from the forkserver inherits the
-    forkserver's logging and warnings state, not the stage's."""
-    import logging
-    import sys
-
-    from .cli import configure_logging
-
-    handlers: list = [logging.StreamHandler(sys.stderr)]
-    if log_file:
-        handlers.append(logging.FileHandler(log_file, mode="a"))
-    configure_logging(handlers, f"%(asctime)s %(levelname)s [{tag}] %(message)s")
-
-
 def _cell_child(fn, kwargs: dict, conn, log_file: str | None, threads: int) -> None:
     setup_child_logging(log_file, "cell")
     torch.set_num_threads(threads)
@@ -650,16 +636,6 @@ def _cell_child(fn, kwargs: dict, conn, log_file: str | None, threads: int) -> N
         result = classify_failure(err)
     conn.send(result)
     conn.close()
-
-
-def log_file_path() -> str | None:
-    """The file this process logs to (the stage's --log), for child processes to append to."""
-    import logging
-
-    for handler in logging.getLogger().handlers:
-        if isinstance(handler, logging.FileHandler):
-            return handler.baseFilename
-    return None
 
 
 _CELL_PRELOAD = ["torch", "transformers", "efflab.measure", "efflab.modeling"]
@@ -760,7 +736,7 @@ def run_cell(fn, kwargs: dict, isolation: str = "subprocess", timeout_s: float |
                 break
             if not proc.is_alive() and not receiver.poll(0):
                 break
-            rss = (_proc_status_kib("VmRSS", proc.pid) or 0) / 1024
+            rss = (proc_status_kib("VmRSS", proc.pid) or 0) / 1024
             peak_rss = max(peak_rss, rss)
             if memory_cap_mib is not None and rss > memory_cap_mib:
                 proc.kill()
@@ -876,8 +852,6 @@ def matmul_ceiling(dtype: str, device: torch.device, size: int | None = None) ->
 @functools.lru_cache(maxsize=None)
 def _matmul_ceiling(dtype: str, device: str, size: int, threads: int) -> dict:
     """`dtype` float32 is IEEE fp32 (TF32 off), `tf32` fp32 tensors on TF32 tensor cores (CUDA only)."""
-    from .modeling import DTYPES
-
     device = torch.device(device)
     a = torch.randn(size, size, device=device).to(DTYPES.get(dtype, torch.float32))
     b = torch.randn(size, size, device=device).to(DTYPES.get(dtype, torch.float32))
@@ -929,7 +903,7 @@ def package_versions() -> dict:
     return out
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -957,8 +931,6 @@ def cpu_isa() -> list[str]:
 
 
 def _git_commit() -> str | None:
-    from .config import REPO_ROOT
-
     try:
         out = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "--short", "HEAD"],
                              capture_output=True, text=True, timeout=10)
@@ -992,7 +964,7 @@ def environment(device: torch.device, params_section: dict | None = None) -> dic
     of the comparable part (see FINGERPRINT_KEYS)."""
     env = {
         "device": device.type,
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "cpu_isa": cpu_isa(),
         "cpu_cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),

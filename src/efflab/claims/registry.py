@@ -13,7 +13,7 @@ from pathlib import Path
 import jsonschema
 import yaml
 
-from ..config import REPO_ROOT, UserError, _schema_message
+from ..config import REPO_ROOT, UserError, schema_message
 from .quantities import QUANTITIES
 from .verdict import PREFIX_POWER
 
@@ -33,7 +33,7 @@ def load(path: Path = REGISTRY) -> dict:
     errors = sorted(jsonschema.Draft202012Validator(yaml.safe_load(SCHEMA.read_text())).iter_errors(doc),
                     key=lambda e: list(map(str, e.absolute_path)))
     if errors:
-        raise UserError(f"{path}: {_schema_message(errors[0])}")
+        raise UserError(f"{path}: {schema_message(errors[0])}")
     seeds, seen, claims = doc["seeds"], set(), []
     for claim in doc["claims"]:
         if claim["id"] in seen:
