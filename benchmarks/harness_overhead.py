@@ -23,7 +23,9 @@ from pathlib import Path
 import torch
 
 from efflab.bench_inference import generate_timed, prompt_batches, prompts
-from efflab.measure import environment, set_threads, summarize
+from efflab.measure.device import set_threads
+from efflab.measure.env import environment
+from efflab.measure.stats import summarize
 from efflab.modeling import load_model, load_tokenizer
 
 PROMPTS = ["What is a building permit and when do I need one?",

@@ -9,7 +9,7 @@ claims nothing there, and is listed apart.
 
     python benchmarks/verdict_stability.py /tmp/run1/results /tmp/run2/results [--out results/benchmarks]
 
-Verdicts are recomputed from each record's per-round data with the current rule (measure.ratio_verdict),
+Verdicts are recomputed from each record's per-round data with the current rule (measure.stats.ratio_verdict),
 so results recorded under an earlier rule compare as they would read today; claims are compared as stored.
 Prints a Markdown table and writes verdict_stability.{json,md} to --out; exits 1 if any verdict flipped.
 """
@@ -21,7 +21,7 @@ import json
 import sys
 from pathlib import Path
 
-from efflab.measure import format_ratio, ratio_verdict, said_of_faster_side
+from efflab.measure.stats import format_ratio, ratio_verdict, said_of_faster_side
 
 
 def _load(path: Path) -> dict | None:
@@ -34,7 +34,7 @@ def _fmt(ratio: dict) -> str:
 
 def _recomputed(stored: dict, ratios: list[float] | None, speedup: bool = False) -> dict:
     """The stored ratio, or, from the per-round ratios where the record keeps them, the verdict the current
-    rule (measure.ratio_verdict) gives; without them, the current rule's verdict from the round count alone
+    rule (measure.stats.ratio_verdict) gives; without them, the current rule's verdict from the round count alone
     where that count is too small for any interval."""
     if stored.get("median") is None or str(stored.get("verdict", "")).startswith("not a verdict"):
         return stored

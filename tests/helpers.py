@@ -53,7 +53,7 @@ class BackgroundPipeline:
 
 
 class SimulatedClock:
-    """A stand-in for measure.clock: time moves only when the simulated work says so (`advance`), so a timing
+    """A stand-in for measure.timing.clock: time moves only when the simulated work says so (`advance`), so a timing
     verdict or threshold is tested on known durations, never on a race with the real machine."""
 
     def __init__(self):
@@ -70,7 +70,7 @@ def serving_record(rates: dict[tuple[str, int], list[float]], requests: int = 8)
     """A bench_serving record from injected output tokens/s, one per burst round for each (method, concurrency),
     with its ratios paired round by round as the stage pairs them: verdicts on known numbers, no clock."""
     from efflab import bench_serving
-    from efflab.measure import summarize
+    from efflab.measure.stats import summarize
 
     cells = [{"method": m, "concurrency": c, "status": "ok", "bursts": len(r), "requests": requests,
               "requests_per_s": summarize([x / 10 for x in r], "requests/s"),

@@ -47,7 +47,7 @@ def test_a_token_s_matmul_weights_are_what_torch_counts_in_its_forward(folders, 
     to, not all of them."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from efflab.measure import matmul_params
+    from efflab.measure.flops import matmul_params
 
     model, tokens = tiny(folders, family), 8
     ids = torch.randint(0, model.config.vocab_size, (1, tokens))

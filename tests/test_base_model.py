@@ -29,7 +29,7 @@ def test_tiny_base_model_is_built_from_the_real_config_and_tokenizer(prepared, t
 
 
 def test_auto_dtype_is_the_faster_of_the_measured_matmuls_on_cpu():
-    from efflab.measure import resolve_dtype
+    from efflab.measure.flops import resolve_dtype
 
     chosen, evidence = resolve_dtype("auto", torch.device("cpu"))
     probe = evidence["linear_gflops"]
@@ -94,14 +94,15 @@ def test_a_dtype_chosen_on_another_kind_of_cpu_is_refused_by_the_stages_that_rea
 
     import pytest
 
-    from efflab import measure, modeling
+    from efflab import modeling
+    from efflab.measure import env
     from efflab.config import UserError
     from efflab.layout import Layout
 
     path = results / "base_model" / "metrics.json"
     metrics = json.loads(path.read_text())
-    here = measure.cpu_isa()
-    elsewhere = [f for f in here if f not in measure.FAST_BF16_ISA] if measure.FAST_BF16_ISA & set(here) \
+    here = env.cpu_isa()
+    elsewhere = [f for f in here if f not in env.FAST_BF16_ISA] if env.FAST_BF16_ISA & set(here) \
         else here + ["avx512_bf16"]
     metrics["dtype_choice"] = {"requested": "auto", "reason": "probe"}
     metrics["environment"] |= {"device": "cpu", "cpu_isa": here}

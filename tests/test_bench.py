@@ -7,7 +7,7 @@ import sys
 import pandas as pd
 import yaml
 
-from efflab.measure import allocated_delta
+from efflab.measure.memory import allocated_delta
 from tests.helpers import TEST_PARAMS, run_stage
 
 

@@ -1,4 +1,4 @@
-from efflab import measure
+from efflab.measure import stats
 from tests.helpers import run_stage
 
 
@@ -24,7 +24,7 @@ def test_a_knob_pair_is_timed_interleaved_and_its_verdict_follows_from_its_round
     else:
         kept = [r["seconds"] for r in timed["rounds"] if r["stable"]]
         assert len(kept) == timed["stable_rounds"] >= 6
-        assert ratio == measure.ratio_verdict([s["lora-r8-b16"] / s["lora-r8"] for s in kept])
+        assert ratio == stats.ratio_verdict([s["lora-r8-b16"] / s["lora-r8"] for s in kept])
     runs = big["runs"]
     assert runs["lora-r8-b16"]["tokens_per_s"] > 0 and runs["lora-r8"]["tokens_per_s"] > 0
     assert timed["sentinel_s"] > 0 and timed["probe"]["n"] == 2 * len(timed["rounds"])

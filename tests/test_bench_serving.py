@@ -4,7 +4,7 @@ import pytest
 
 from tests.helpers import TEST_PARAMS, run_stage, serving_record
 from efflab import bench_serving
-from efflab.measure import ratio_verdict, summarize
+from efflab.measure.stats import ratio_verdict, summarize
 
 
 def test_every_serving_figure_is_recomputed_from_the_per_request_log_burst_by_burst(results, test_cfg):

@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from efflab import measure
+from efflab.measure import energy, env, flops, isolation, memory, stats, timing
 from tests.helpers import SimulatedClock
 
 CPU = torch.device("cpu")
@@ -43,7 +43,7 @@ def cell_killed():
 
 def cell_allocates(mib):
     torch.ones(1024).sum()  # torch's one-time start-up (thread pool, allocator) is not the allocation under test
-    with measure.track_memory(CPU) as mem:
+    with memory.track_memory(CPU) as mem:
         block = torch.ones(mib * MiB // 4)
         del block
     return {"memory": mem}
@@ -67,55 +67,56 @@ def cell_warns_repeatedly(stderr_path):
             "MatMul8bitLt: inputs will be cast from %s to float16 during quantization", torch.float32)
     for _ in range(2):
         logging.getLogger("efflab").error("an error")
-    with measure.track_memory(CPU):
+    with memory.track_memory(CPU):
         torch.ones(1024).sum()
     return {"kineto_log_level_after": os.environ.get("KINETO_LOG_LEVEL")}
 
 
 def test_percentiles_on_a_known_list():
-    stats = measure.summarize([float(x) for x in range(1, 11)])
-    assert stats["n"] == 10
-    assert stats["median"] == pytest.approx(5.5)
-    assert stats["p90"] == pytest.approx(9.1)
-    assert stats["min"] == 1 and stats["max"] == 10
-    assert stats["std"] == pytest.approx(3.02765, rel=1e-4)
-    assert stats["p50"] == stats["median"] and stats["p99"] == pytest.approx(9.91)
-    assert measure.summarize([2.0, 4.0])["p99"] == pytest.approx(3.98)
+    summary = stats.summarize([float(x) for x in range(1, 11)])
+    assert summary["n"] == 10
+    assert summary["median"] == pytest.approx(5.5)
+    assert summary["p90"] == pytest.approx(9.1)
+    assert summary["min"] == 1 and summary["max"] == 10
+    assert summary["std"] == pytest.approx(3.02765, rel=1e-4)
+    assert summary["p50"] == summary["median"] and summary["p99"] == pytest.approx(9.91)
+    assert stats.summarize([2.0, 4.0])["p99"] == pytest.approx(3.98)
 
 
 def test_the_median_s_interval_is_from_order_statistics_and_only_where_n_gives_one():
     samples = [float(x) for x in range(1, 102)]
-    stats = measure.summarize(samples)
-    lo, hi = stats["ci95_median"]
-    assert 40 < lo < 51 < hi < 62 and stats["ci_median_coverage"] >= 0.95
-    assert measure.summarize([3.0] * 7)["ci95_median"] == [3.0, 3.0]
-    six = measure.summarize([1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
+    summary = stats.summarize(samples)
+    lo, hi = summary["ci95_median"]
+    assert 40 < lo < 51 < hi < 62 and summary["ci_median_coverage"] >= 0.95
+    assert stats.summarize([3.0] * 7)["ci95_median"] == [3.0, 3.0]
+    six = stats.summarize([1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
     assert six["ci95_median"] == [1.0, 6.0] and six["ci_median_coverage"] == pytest.approx(0.96875)
     for n in (1, 3, 5):  # too few values for a 95% interval: none is called one
-        few = measure.summarize([float(x) for x in range(n)])
+        few = stats.summarize([float(x) for x in range(n)])
         assert few["ci95_median"] is None and few["ci_median_coverage"] is None
 
 
 def test_known_durations_are_timed_exactly_and_warmup_is_not_timed(monkeypatch):
     clock = SimulatedClock()
-    monkeypatch.setattr(measure, "clock", clock)
+    monkeypatch.setattr(timing, "clock", clock)
     durations = iter([9.0, 9.0, 0.05, 0.07, 0.05, 0.06, 0.05])  # the two warmup calls are slow, as first calls are
     calls = []
-    stats = measure.time_fn(lambda: (calls.append(1), clock.advance(next(durations))), CPU, warmup=2, repeats=5)
+    summary = timing.time_fn(lambda: (calls.append(1), clock.advance(next(durations))), CPU, warmup=2, repeats=5)
     assert len(calls) == 7, "warmup runs happen but are not timed"
-    assert stats["n"] == 5 and stats["clock"] == "perf_counter" and stats["warmup"] == 2
-    assert stats["samples"] == pytest.approx([0.05, 0.07, 0.05, 0.06, 0.05]) and stats["median"] == pytest.approx(0.05)
+    assert summary["n"] == 5 and summary["clock"] == "perf_counter" and summary["warmup"] == 2
+    assert summary["samples"] == pytest.approx([0.05, 0.07, 0.05, 0.06, 0.05])
+    assert summary["median"] == pytest.approx(0.05)
 
 
 def test_the_real_clock_times_real_work():
     """The one timing of the real machine: what holds on any machine, busy or idle (a sleep lasts at least as
     long as asked; how much longer depends on the machine, so there is no upper bound)."""
-    stats = measure.time_fn(lambda: time.sleep(0.01), CPU, warmup=0, repeats=2)
-    assert stats["n"] == 2 and min(stats["samples"]) >= 0.01
+    summary = timing.time_fn(lambda: time.sleep(0.01), CPU, warmup=0, repeats=2)
+    assert summary["n"] == 2 and min(summary["samples"]) >= 0.01
 
 
 def test_a_known_allocation_is_seen_by_the_memory_tracker():
-    with measure.track_memory(CPU) as mem:
+    with memory.track_memory(CPU) as mem:
         block = torch.ones(256 * 1024 * 1024 // 4, dtype=torch.float32)  # 256 MiB, touched
         del block
     assert mem["kind"] == "cpu_peak_rss"
@@ -127,8 +128,8 @@ def test_a_known_allocation_is_seen_by_the_memory_tracker():
 
 def test_the_tensor_peak_counts_live_bytes_not_what_malloc_keeps():
     before = torch.ones(32 * MiB // 4)  # allocated before: the allocator does not report its free
-    tensors = measure.CpuTensorPeak()
-    with measure.track_memory(CPU, tensors) as mem:
+    tensors = memory.CpuTensorPeak()
+    with memory.track_memory(CPU, tensors) as mem:
         a = torch.zeros(16 * MiB // 4)
         tensors.flush()  # folding the events so far keeps the running count
         b = torch.zeros(8 * MiB // 4)  # live together with a: the peak, 24 MiB
@@ -142,77 +143,77 @@ def test_the_tensor_peak_counts_live_bytes_not_what_malloc_keeps():
 
 
 def test_auto_dtype_is_chosen_by_measurement_on_cpu():
-    chosen, evidence = measure.resolve_dtype("auto", CPU)
+    chosen, evidence = flops.resolve_dtype("auto", CPU)
     probe = evidence["linear_gflops"]
     assert chosen == max(probe, key=probe.get)
-    assert measure.resolve_dtype("float32", CPU)[0] == "float32"
+    assert flops.resolve_dtype("float32", CPU)[0] == "float32"
 
 
 def test_environment_fingerprint_names_the_machine_and_libraries():
-    env = measure.environment(CPU, {"a": 1})
-    assert env["device"] == "cpu" and env["cpu_cores"] >= 1
-    assert env["packages"]["torch"] and env["packages"]["transformers"]
-    assert env["params_sha256"] == measure.environment(CPU, {"a": 1})["params_sha256"]
+    record = env.environment(CPU, {"a": 1})
+    assert record["device"] == "cpu" and record["cpu_cores"] >= 1
+    assert record["packages"]["torch"] and record["packages"]["transformers"]
+    assert record["params_sha256"] == env.environment(CPU, {"a": 1})["params_sha256"]
 
 
 def test_a_failing_cell_is_recorded_and_the_next_cell_still_runs():
-    first = measure.run_cell(cell_raises, {}, timeout_s=120)
-    second = measure.run_cell(cell_doubles, {"x": 21}, timeout_s=120)
+    first = isolation.run_cell(cell_raises, {}, timeout_s=120)
+    second = isolation.run_cell(cell_doubles, {"x": 21}, timeout_s=120)
     assert first["status"] == "failed" and first["reason"] == "ValueError: bad cell"
     assert second["status"] == "ok" and second["value"] == 42 and second["isolation"] == "subprocess"
 
 
 def test_a_cell_over_its_memory_cap_is_recorded_as_oom():
-    result = measure.run_cell(cell_grows, {}, memory_cap_mib=768, timeout_s=300)
+    result = isolation.run_cell(cell_grows, {}, memory_cap_mib=768, timeout_s=300)
     assert result["status"] == "oom" and "memory cap of 768 MiB" in result["reason"]
     assert 768 < result["cell_process_max_rss_mib"] < 1536 + 1024, "killed for passing the cap, not at the timeout"
-    assert measure.run_cell(cell_doubles, {"x": 1}, memory_cap_mib=768)["status"] == "ok"
+    assert isolation.run_cell(cell_doubles, {"x": 1}, memory_cap_mib=768)["status"] == "ok"
 
 
 def test_a_cell_past_its_timeout_is_killed_and_recorded():
-    result = measure.run_cell(cell_sleeps, {"seconds": 600}, timeout_s=4)
+    result = isolation.run_cell(cell_sleeps, {"seconds": 600}, timeout_s=4)
     assert result["status"] == "timeout" and "4 s" in result["reason"]
     assert 4 < result["cell_wall_s"] < 300, "killed at its timeout, long before its sleep would have ended"
 
 
 def test_a_cell_killed_by_sigkill_is_recorded_as_probable_oom():
-    result = measure.run_cell(cell_killed, {}, timeout_s=120)
+    result = isolation.run_cell(cell_killed, {}, timeout_s=120)
     assert result["status"] == "oom" and "SIGKILL" in result["reason"]
 
 
 def test_inprocess_cells_record_exceptions_too():
-    assert measure.run_cell(cell_raises, {}, isolation="inprocess")["status"] == "failed"
-    assert measure.run_cell(cell_doubles, {"x": 2}, isolation="inprocess")["value"] == 4
+    assert isolation.run_cell(cell_raises, {}, isolation="inprocess")["status"] == "failed"
+    assert isolation.run_cell(cell_doubles, {"x": 2}, isolation="inprocess")["value"] == 4
 
 
 def test_a_fresh_cell_is_not_polluted_by_earlier_work_in_the_parent():
     junk = [torch.ones(64 * MiB // 4) for _ in range(8)]  # 512 MiB freed before the cell
     del junk
-    result = measure.run_cell(cell_allocates, {"mib": 128}, timeout_s=120)
+    result = isolation.run_cell(cell_allocates, {"mib": 128}, timeout_s=120)
     assert result["status"] == "ok" and result["memory"]["kind"] == "cpu_peak_rss"
     assert result["memory"]["delta_mib"] == pytest.approx(128, rel=0.05)
 
 
 def test_matmul_ceiling_and_mfu_are_consistent():
-    ceiling = measure.matmul_ceiling("float32", CPU, size=512)
+    ceiling = flops.matmul_ceiling("float32", CPU, size=512)
     assert ceiling["tflops"] > 0 and ceiling["dtype"] == "float32"
     # a workload doing exactly the ceiling's FLOP rate has MFU 1
-    assert measure.mfu(1000.0, ceiling["tflops"] * 1e9, ceiling["tflops"]) == pytest.approx(1.0)
-    assert measure.mfu(1000.0, 1e9, None) is None
-    assert measure.published_peak_tflops(CPU, "bfloat16")["tflops"] is None
+    assert flops.mfu(1000.0, ceiling["tflops"] * 1e9, ceiling["tflops"]) == pytest.approx(1.0)
+    assert flops.mfu(1000.0, 1e9, None) is None
+    assert flops.published_peak_tflops(CPU, "bfloat16")["tflops"] is None
 
 
 def test_fingerprint_ignores_commit_and_params_but_not_the_stack():
-    env = measure.environment(CPU, {"a": 1})
-    other = measure.environment(CPU, {"a": 2}) | {"git_commit": "0000000"}
-    assert measure.fingerprint(env) == measure.fingerprint(other) == env["fingerprint"]
-    changed = env | {"packages": env["packages"] | {"torch": "0.0.1"}}
-    assert measure.fingerprint(changed) != env["fingerprint"]
+    record = env.environment(CPU, {"a": 1})
+    other = env.environment(CPU, {"a": 2}) | {"git_commit": "0000000"}
+    assert env.fingerprint(record) == env.fingerprint(other) == record["fingerprint"]
+    changed = record | {"packages": record["packages"] | {"torch": "0.0.1"}}
+    assert env.fingerprint(changed) != record["fingerprint"]
 
 
 def test_a_cell_shows_each_warning_once_every_error_and_no_profiler_lines(tmp_path):
     stderr = tmp_path / "cell.err"
-    result = measure.run_cell(cell_warns_repeatedly, {"stderr_path": str(stderr)}, timeout_s=120)
+    result = isolation.run_cell(cell_warns_repeatedly, {"stderr_path": str(stderr)}, timeout_s=120)
     assert result["status"] == "ok"
     text = stderr.read_text()
     assert text.count("FutureWarning: a user-facing warning") == 1 and text.count("a logged warning") == 1
@@ -231,20 +232,20 @@ def _work(clock, seconds_per_round):
 def quiet_machine(monkeypatch):
     """A simulated clock, and a speed probe that reads the same every time."""
     clock = SimulatedClock()
-    monkeypatch.setattr(measure, "clock", clock)
-    monkeypatch.setattr(measure, "speed_probe", lambda device: 100.0)
+    monkeypatch.setattr(timing, "clock", clock)
+    monkeypatch.setattr(timing, "speed_probe", lambda device: 100.0)
     return clock
 
 
 def test_interleaved_rounds_alternate_the_order_and_find_a_known_slowdown(quiet_machine):
     clock = quiet_machine
-    timed = measure.interleave({"a": _work(clock, lambda r: 0.004), "b": _work(clock, lambda r: 0.008)}, 6, CPU)
+    timed = timing.interleave({"a": _work(clock, lambda r: 0.004), "b": _work(clock, lambda r: 0.008)}, 6, CPU)
     assert [r["order"] for r in timed["rounds"]] == [["a", "b"], ["b", "a"]] * 3
     assert timed["stable_rounds"] == 6 and timed["set_aside"] == 0 and "unstable" not in timed
-    ratio = measure.paired_ratio(timed, "a", "b")
+    ratio = stats.paired_ratio(timed, "a", "b")
     assert ratio["median"] == pytest.approx(2) and ratio["verdict"] == "slower"
     assert ratio["ci95"] == pytest.approx([2, 2])
-    assert measure.paired_ratio(timed, "b", "a")["verdict"] == "faster"
+    assert stats.paired_ratio(timed, "b", "a")["verdict"] == "faster"
 
 
 def test_a_drift_that_hits_both_variants_alike_cancels_in_the_paired_ratio(quiet_machine):
@@ -252,10 +253,10 @@ def test_a_drift_that_hits_both_variants_alike_cancels_in_the_paired_ratio(quiet
     twice as slow; the interleaved per-round ratio sees two identical variants."""
     clock = quiet_machine
     drift = lambda r: 0.02 * (1 + 0.5 * r)  # noqa: E731
-    timed = measure.interleave({"a": _work(clock, drift), "b": _work(clock, drift)}, 6, CPU, warmup=0)
+    timed = timing.interleave({"a": _work(clock, drift), "b": _work(clock, drift)}, 6, CPU, warmup=0)
     back_to_back = statistics.median(map(drift, range(6, 12))) / statistics.median(map(drift, range(6)))
     assert back_to_back > 2
-    ratio = measure.paired_ratio(timed, "a", "b")
+    ratio = stats.paired_ratio(timed, "a", "b")
     assert ratio["median"] == pytest.approx(1) and ratio["verdict"] == "no significant difference"
 
 
@@ -264,9 +265,9 @@ def test_the_interleaving_noise_of_real_rounds_gives_the_verdict_its_interval_al
     order-statistic interval of the median, not the mean or the best round."""
     clock = quiet_machine
     b_over_a = [1.10, 1.30, 1.18, 1.22, 1.12, 1.26, 1.15, 1.20, 1.14, 1.24, 1.17, 1.28]
-    timed = measure.interleave({"a": _work(clock, lambda r: 0.1), "b": _work(clock, lambda r: 0.1 * b_over_a[r])},
+    timed = timing.interleave({"a": _work(clock, lambda r: 0.1), "b": _work(clock, lambda r: 0.1 * b_over_a[r])},
                                12, CPU, warmup=0)
-    ratio = measure.paired_ratio(timed, "a", "b")
+    ratio = stats.paired_ratio(timed, "a", "b")
     # of 12 values, the 3rd smallest and the 3rd largest bound the median at 96% coverage
     assert ratio["verdict"] == "slower" and ratio["ci95"] == pytest.approx([1.14, 1.26])
     assert ratio["median"] == pytest.approx(1.19) and ratio["coverage"] == pytest.approx(0.961, abs=1e-3)
@@ -275,24 +276,24 @@ def test_the_interleaving_noise_of_real_rounds_gives_the_verdict_its_interval_al
 def test_a_verdict_needs_enough_rounds_and_no_difference_needs_a_narrow_interval():
     """Order statistics: fewer than 6 values give no 95% interval of a median; an interval that holds 1 but
     also a 10% difference is inconclusive, not 'no significant difference'."""
-    assert measure.ratio_verdict([1.3, 1.4, 1.35, 1.32, 1.38])["verdict"].startswith("inconclusive: 5 rounds")
-    assert measure.ratio_verdict([1.3, 1.4, 1.35, 1.32, 1.38, 1.31])["verdict"] == "slower"
-    assert measure.ratio_verdict([0.99, 1.01, 1.0, 1.02, 0.98, 1.03])["verdict"] == "no significant difference"
-    wide = measure.ratio_verdict([0.85, 1.2, 1.0, 1.1, 0.95, 1.05])
+    assert stats.ratio_verdict([1.3, 1.4, 1.35, 1.32, 1.38])["verdict"].startswith("inconclusive: 5 rounds")
+    assert stats.ratio_verdict([1.3, 1.4, 1.35, 1.32, 1.38, 1.31])["verdict"] == "slower"
+    assert stats.ratio_verdict([0.99, 1.01, 1.0, 1.02, 0.98, 1.03])["verdict"] == "no significant difference"
+    wide = stats.ratio_verdict([0.85, 1.2, 1.0, 1.1, 0.95, 1.05])
     assert wide["verdict"].startswith("inconclusive: the 95% interval [0.85, 1.2] holds 1")
     assert wide["ci95"] == [0.85, 1.2] and wide["coverage"] == pytest.approx(1 - 2 / 64)
 
 
 def _probes(monkeypatch, readings):
     probes = iter(readings)
-    monkeypatch.setattr(measure, "speed_probe", lambda device: next(probes))
+    monkeypatch.setattr(timing, "speed_probe", lambda device: next(probes))
 
 
 def test_rounds_where_the_machine_slowed_are_set_aside_and_measured_again(monkeypatch):
     clock = SimulatedClock()
-    monkeypatch.setattr(measure, "clock", clock)
+    monkeypatch.setattr(timing, "clock", clock)
     _probes(monkeypatch, [100, 101, 50, 99, 100, 102, 100, 100])  # round k sees probes k and k+1
-    timed = measure.interleave({"a": _work(clock, lambda r: 0.001), "b": _work(clock, lambda r: 0.001)}, 3, CPU,
+    timed = timing.interleave({"a": _work(clock, lambda r: 0.001), "b": _work(clock, lambda r: 0.001)}, 3, CPU,
                                warmup=0)
     assert [r["stable"] for r in timed["rounds"]] == [True, False, False, True, True]
     assert timed["stable_rounds"] == 3 and timed["set_aside"] == 2 and "unstable" not in timed
@@ -301,13 +302,13 @@ def test_rounds_where_the_machine_slowed_are_set_aside_and_measured_again(monkey
 
 def test_a_machine_that_never_settles_gives_no_verdict(monkeypatch):
     clock = SimulatedClock()
-    monkeypatch.setattr(measure, "clock", clock)
+    monkeypatch.setattr(timing, "clock", clock)
     _probes(monkeypatch, [100, 50] * 20)
-    timed = measure.interleave({"a": _work(clock, lambda r: 0.001), "b": _work(clock, lambda r: 0.002)}, 3, CPU,
+    timed = timing.interleave({"a": _work(clock, lambda r: 0.001), "b": _work(clock, lambda r: 0.002)}, 3, CPU,
                                warmup=0)
     assert len(timed["rounds"]) == 6 and "machine's speed changed" in timed["unstable"]
     assert timed["variants"]["a"]["n"] == 6, "an unstable comparison's figures are of every round, flagged"
-    assert measure.paired_ratio(timed, "a", "b")["verdict"].startswith("not a verdict: the machine's speed changed")
+    assert stats.paired_ratio(timed, "a", "b")["verdict"].startswith("not a verdict: the machine's speed changed")
 
 
 @pytest.mark.parametrize("busy_rate, set_aside", [(0.5, True), (0.7, True), (0.8, False), (1.2, False)])
@@ -315,22 +316,22 @@ def test_the_sentinel_sets_aside_a_round_run_beside_a_busy_core(monkeypatch, bus
     """Another process taking a core scales the probe by `busy_rate` for one round (a core shared by two
     processes halves it): beyond the tolerance the round is set aside, within it the round counts."""
     clock = SimulatedClock()
-    monkeypatch.setattr(measure, "clock", clock)
+    monkeypatch.setattr(timing, "clock", clock)
     quiet = 100.0
     _probes(monkeypatch, [quiet, quiet, quiet * busy_rate] + [quiet] * 10)  # the second round ends busy
-    timed = measure.interleave({"a": _work(clock, lambda r: 0.01), "b": _work(clock, lambda r: 0.01)}, 4, CPU,
+    timed = timing.interleave({"a": _work(clock, lambda r: 0.01), "b": _work(clock, lambda r: 0.01)}, 4, CPU,
                                warmup=0)
     assert [r["stable"] for r in timed["rounds"][1:3]] == [not set_aside] * 2
     assert timed["set_aside"] == (2 if set_aside else 0) and timed["stable_rounds"] == 4
-    assert measure.SENTINEL_TOLERANCE == 0.25, "the cases above straddle the tolerance"
+    assert timing.SENTINEL_TOLERANCE == 0.25, "the cases above straddle the tolerance"
 
 
 def test_the_speed_probe_is_the_rate_of_its_fastest_matmul(monkeypatch):
     """The probe's arithmetic on known timings, then one real probe: a positive finite rate on any machine."""
-    real = measure.speed_probe(CPU)
+    real = timing.speed_probe(CPU)
     assert 0 < real < float("inf")
-    monkeypatch.setattr(measure, "time_fn", lambda fn, device, warmup, repeats: {"samples": [0.02, 0.01, 0.04]})
-    assert measure.speed_probe(CPU) == pytest.approx(2 * 768**3 / 0.01 / 1e9)
+    monkeypatch.setattr(timing, "time_fn", lambda fn, device, warmup, repeats: {"samples": [0.02, 0.01, 0.04]})
+    assert timing.speed_probe(CPU) == pytest.approx(2 * 768**3 / 0.01 / 1e9)
 
 
 def _zone(root, name, uj, max_uj=2**32):
@@ -342,27 +343,27 @@ def _zone(root, name, uj, max_uj=2**32):
 
 
 def test_rapl_energy_sums_the_packages_and_survives_a_counter_wraparound(tmp_path, monkeypatch):
-    monkeypatch.setenv(measure.POWERCAP_ENV, str(tmp_path))
+    monkeypatch.setenv(energy.POWERCAP_ENV, str(tmp_path))
     p0 = _zone(tmp_path, "intel-rapl:0", 1_000_000)
     p1 = _zone(tmp_path, "intel-rapl:1", 999_000_000, max_uj=1_000_000_000)
     _zone(tmp_path, "intel-rapl:0:0", 5)  # a subzone (core) of package 0: not counted twice
-    meter = measure.EnergyMeter(torch.device("cpu")).start()
+    meter = energy.EnergyMeter(torch.device("cpu")).start()
     (p0 / "energy_uj").write_text(str(3_500_000))  # +2.5 J
     (p1 / "energy_uj").write_text(str(1_000_000))  # wrapped: +1 J to the top, +1 J after
     got = meter.stop()
     assert got["joules"] == pytest.approx(4.5) and "intel-rapl:0, intel-rapl:1" in got["source"]
-    assert measure.energy_per_token(got, 9)["joules_per_token"] == pytest.approx(0.5)
+    assert energy.energy_per_token(got, 9)["joules_per_token"] == pytest.approx(0.5)
 
 
 def test_energy_without_a_counter_is_unavailable_with_the_reason(tmp_path, monkeypatch):
-    monkeypatch.setenv(measure.POWERCAP_ENV, str(tmp_path / "absent"))
-    got, tokens = measure.energy_of(lambda: 1 / 0, torch.device("cpu"))  # nothing runs without a counter
+    monkeypatch.setenv(energy.POWERCAP_ENV, str(tmp_path / "absent"))
+    got, tokens = energy.energy_of(lambda: 1 / 0, torch.device("cpu"))  # nothing runs without a counter
     assert tokens == 0 and got["unavailable"].startswith(f"no {tmp_path / 'absent'}")
-    assert measure.energy_per_token(got, 100) == {"unavailable": got["unavailable"]}
+    assert energy.energy_per_token(got, 100) == {"unavailable": got["unavailable"]}
 
 
 def test_energy_on_this_machine_is_measured_or_says_why_not():
-    got = measure.EnergyMeter(torch.device("cpu")).start().stop()
+    got = energy.EnergyMeter(torch.device("cpu")).start().stop()
     assert got.get("joules", 0) >= 0 and ("joules" in got or got["unavailable"])
 
 
@@ -373,7 +374,7 @@ def test_gpu_energy_reads_nvml_s_board_counter_in_millijoules(monkeypatch):
     readings = iter([1_000, 4_500])  # mJ
     fake = types.SimpleNamespace(nvmlDeviceGetTotalEnergyConsumption=lambda handle: next(readings))
     monkeypatch.setitem(sys.modules, "pynvml", fake)
-    monkeypatch.setattr(measure, "_nvml_handle", lambda device: "handle")
-    monkeypatch.setattr(measure, "synchronize", lambda device: None)
-    got = measure.EnergyMeter(torch.device("cuda", 0)).start().stop()
+    monkeypatch.setattr(energy, "nvml_handle", lambda device: "handle")
+    monkeypatch.setattr(energy, "synchronize", lambda device: None)
+    got = energy.EnergyMeter(torch.device("cuda", 0)).start().stop()
     assert got["joules"] == pytest.approx(3.5) and got["source"] == "NVML total energy of the GPU board"

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from efflab import memory_estimate as me
-from efflab.measure import MiB, run_cell, track_memory
+from efflab.measure.isolation import run_cell
+from efflab.measure.memory import MiB, track_memory
 from tests.helpers import run_stage
 from efflab.report import sections, tables
 
@@ -127,7 +128,7 @@ def test_batch_order_is_the_one_accelerate_draws():
 
 def measured_training_step(config: dict, rows: int, length: int, checkpointing: bool = False) -> dict:
     """One forward + backward of a random model built from `config`, its memory measured after a first,
-    unmeasured step (lazy initialisation). A benchmark cell: run in a fresh process by measure.run_cell, so
+    unmeasured step (lazy initialisation). A benchmark cell: run in a fresh process by measure.isolation.run_cell, so
     what earlier tests freed but the allocator kept cannot hide or inflate the peak."""
     from transformers import AutoConfig, AutoModelForCausalLM
 

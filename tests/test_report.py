@@ -4,14 +4,14 @@ import pytest
 import pandas as pd
 import torch
 
-from efflab import measure
+from efflab.measure import env
 from efflab.report import notes, environments, fmt, knobs, pareto, plots
 
 
 def _envs():
-    here = measure.environment(torch.device("cpu"))
+    here = env.environment(torch.device("cpu"))
     there = here | {"packages": here["packages"] | {"torch": "2.12.0"}, "cpu": "Other CPU"}
-    there["fingerprint"] = measure.fingerprint(there)
+    there["fingerprint"] = env.fingerprint(there)
     return here, there
 
 
@@ -58,7 +58,7 @@ def test_runs_that_differ_in_one_knob_become_a_knob_row():
 
 
 def test_a_step_time_verdict_pairs_the_same_batches_and_needs_the_interval_off_one():
-    from efflab.measure import summarize
+    from efflab.measure.stats import summarize
 
     lengths = [1.0, 1.6, 0.7, 1.3, 0.9, 1.1, 1.4]  # batches of different lengths: a wide spread per run
     plain = _run("lora", 400, 1.0) | {"step_time": summarize(lengths), "tokens_seen": 1000}
@@ -184,7 +184,7 @@ def _capacity_job(*searches):
             "fixed": {"train_seq_len": 128, "prompt_len": 64, "new_tokens": 8},
             "steps": {"warmup": {"train": 2, "generate": 1}, "timed": 2},
             "tensors": {"kind": "cpu_tensor_peak", "over": "the warm-up steps, over the loaded model"},
-            "searches": list(searches), "environment": measure.environment(torch.device("cpu"))}
+            "searches": list(searches), "environment": env.environment(torch.device("cpu"))}
 
 
 def test_a_capacity_search_that_fit_its_whole_grid_is_drawn_as_at_least_its_ceiling(drawn, tmp_path):
@@ -283,7 +283,7 @@ def test_an_artifact_hash_depends_on_its_files_not_on_where_they_are(tmp_path):
 
 
 def test_a_knob_verdict_comes_from_the_interleaved_pair_and_never_from_runs_at_different_speeds():
-    from efflab.measure import summarize
+    from efflab.measure.stats import summarize
 
     lengths = [1.0, 1.6, 0.7, 1.3, 0.9, 1.1, 1.4]
     ceiling = lambda tflops: {"throughput": {"matmul_ceiling": {"tflops": tflops}}}  # noqa: E731

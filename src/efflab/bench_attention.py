@@ -6,7 +6,7 @@ weights and a gradient into the input embeddings (the activation memory that tra
 records latency (warmup + repeats: median, p90, p99, the median's 95% interval where n gives one), peak memory with its kind, and the
 max |difference| of the output (forward) or of the input gradient (forward_backward) vs eager on the same
 inputs. Every cell can run in its own process (runtime.isolation), so an OOM, crash or timeout becomes a
-row with its status and the grid goes on; each cell's result is journalled as it ends (measure.CellJournal),
+row with its status and the grid goes on; each cell's result is journalled as it ends (measure.isolation.CellJournal),
 so a stage killed mid-grid resumes where it stopped. Per (mode, batch) the exponent of memory vs sequence length is
 fitted: ≈2 means quadratic, ≈1 linear. An implementation that cannot run here is `unavailable` with the
 reason, never a crash.
@@ -22,8 +22,12 @@ from importlib.metadata import version
 import torch
 
 from . import cli, model_check, records
-from .measure import (INTERLEAVE_RECORD, SENTINEL_TOLERANCE, CellJournal, allocated_delta, environment, interleave,
-                      pick_device, run_cell, set_threads, speedup, synchronize, time_fn, track_memory)
+from .measure.device import pick_device, set_threads, synchronize
+from .measure.env import environment
+from .measure.isolation import CellJournal, run_cell
+from .measure.memory import allocated_delta, track_memory
+from .measure.stats import speedup
+from .measure.timing import INTERLEAVE_RECORD, SENTINEL_TOLERANCE, interleave, time_fn
 from .modeling import base_dtype, load_model, shape_only
 
 log = logging.getLogger("efflab")
@@ -156,7 +160,7 @@ def attention_cell(folder: str, dtype: str, device: str, impl: str, seq_len: int
 
 def fit_exponent(rows: list[dict]) -> dict:
     """Least-squares slope of log(allocated memory delta) vs log(sequence length) over the ok rows, with the
-    kind of memory fitted (measure.allocated_delta: live tensors on CPU, allocated on CUDA)."""
+    kind of memory fitted (measure.memory.allocated_delta: live tensors on CPU, allocated on CUDA)."""
     measured = [(r["seq_len"], *allocated_delta(r["memory"])) for r in rows if records.is_ok(r)]
     points = [(math.log(seq), math.log(mib)) for seq, mib, _ in measured if (mib or 0) > 0]
     kind = next((k for _, mib, k in measured if (mib or 0) > 0), None)

@@ -5,7 +5,7 @@ times also compares whatever else the machine was doing while each ran (another 
 one of them, and checkpointing read 2x faster). Here, for every pair of configured runs that differ in
 exactly one knob (records.knob_pairs), both runs' models, optimizers, precision and batches are built in
 one process and their training steps (forward, backward, gradient clipping, optimizer step) are timed
-interleaved, A B then B A, over the same batches, with a speed probe between rounds (measure.interleave).
+interleaved, A B then B A, over the same batches, with a speed probe between rounds (measure.timing.interleave).
 Each pair's verdict comes from the per-round ratios: median, its distribution-free 95% interval (order statistics), and `slower`,
 `faster` or `no significant difference`; rounds in which the machine's speed changed are set aside and
 measured again, and a pair that never gets enough stable rounds says so instead of giving a verdict.
@@ -24,8 +24,11 @@ from . import cli, records
 from .config import finetune_run
 from .finetune import build_model, unavailable_knobs
 from .layout import Layout
-from .measure import (CellJournal, environment, format_ratio, interleave, paired_ratio, pick_device, run_cell, set_threads,
-                      synchronize)
+from .measure.device import pick_device, set_threads, synchronize
+from .measure.env import environment
+from .measure.isolation import CellJournal, run_cell
+from .measure.stats import format_ratio, paired_ratio
+from .measure.timing import interleave
 from .modeling import base_dtype, load_tokenizer, read_split
 from .training import batches, real_tokens, training_step
 

@@ -18,8 +18,13 @@ import torch
 from . import cli, profiling, records
 from .config import UserError, finetune_run
 from .layout import Layout
-from .measure import (INTERLEAVE_RECORD, SENTINEL_TOLERANCE, CellJournal, energy_of, energy_per_token, environment,
-                      interleave, percentile, pick_device, run_cell, set_threads, speedup, summarize, track_memory)
+from .measure.device import pick_device, set_threads
+from .measure.energy import energy_of, energy_per_token
+from .measure.env import environment
+from .measure.isolation import CellJournal, run_cell
+from .measure.memory import track_memory
+from .measure.stats import percentile, speedup, summarize
+from .measure.timing import INTERLEAVE_RECORD, SENTINEL_TOLERANCE, interleave
 from .memory_estimate import compared, generation_peak, quantized_layer_transient, variant_quant
 from .modeling import base_dtype, load_model, load_tokenizer, require_input
 

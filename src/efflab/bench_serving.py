@@ -14,7 +14,7 @@ cell, the cells in reverse order every other round (A B C, then C B A), so that 
 hits every cell alike and cancels in the ratios of one round. Every request's burst, times (submitted, first
 token, finished) and lengths go to requests.csv, from which every figure of the metrics is computed: each burst's
 requests/s and output tokens/s, their median over the bursts with its 95% interval where the bursts give one,
-the paired per-round ratios over naive and of continuous over static batching (measure.ratio_verdict), and
+the paired per-round ratios over naive and of continuous over static batching (measure.stats.ratio_verdict), and
 percentiles of TTFT and latency over the pooled requests of all bursts.
 """
 from __future__ import annotations
@@ -29,8 +29,9 @@ from pathlib import Path
 import torch
 
 from . import cli
-from .measure import (environment, format_ratio, percentile, pick_device, ratio_verdict, said_of_faster_side,
-                      set_threads, summarize, synchronize)
+from .measure.device import pick_device, set_threads, synchronize
+from .measure.env import environment
+from .measure.stats import format_ratio, percentile, ratio_verdict, said_of_faster_side, summarize
 from .modeling import base_dtype, load_model, load_tokenizer, read_split
 
 log = logging.getLogger("efflab")

@@ -13,7 +13,8 @@ import time
 import torch
 from transformers import TrainerCallback
 
-from .measure import CpuTensorPeak, synchronize
+from .measure.device import synchronize
+from .measure.memory import CpuTensorPeak
 
 KILL_ENV = "EFFLAB_KILL_AFTER_CHECKPOINT"
 
@@ -31,7 +32,7 @@ class KillAfterCheckpoint(TrainerCallback):
 
 class FlushTensorCount(TrainerCallback):
     """Folds the CPU allocator events recorded so far into the running cpu_tensor_peak every `every` steps,
-    so a long CPU run does not hold millions of events (measure.CpuTensorPeak)."""
+    so a long CPU run does not hold millions of events (measure.memory.CpuTensorPeak)."""
 
     def __init__(self, tensors: CpuTensorPeak, every: int = 25):
         self.tensors, self.every = tensors, every

@@ -26,7 +26,7 @@ steps untracked. An out-of-memory cell is a result.
    tokens/s at the maximum has repeats, and the search's other cells pay for no timed step.
 The estimator predicts live tensors; the budget holds more (on a CPU the resident set, which also holds what
 the allocator keeps and pages read from files). So every cell also measures the live-tensor growth of its
-warm-up (measure.tensor_peak), and each search record sets, at the measured maximum, the predicted tensor
+warm-up (measure.memory.tensor_peak), and each search record sets, at the measured maximum, the predicted tensor
 growth beside the measured one (the estimator's error, like with like) and beside the growth of the memory the
 budget holds (their gap: what the estimator does not model).
 Every cell goes to cells.csv (memory, live tensors, prediction, speed, status and reason), from which every
@@ -45,8 +45,12 @@ import torch
 from . import cli, records
 from .config import UserError, finetune_run
 from .layout import Layout
-from .measure import (MiB, CellJournal, CpuTensorPeak, proc_status_kib, cuda_context_mib, environment, pick_device,
-                      run_cell, set_threads, summarize, tensor_peak, time_fn)
+from .measure.device import pick_device, set_threads
+from .measure.env import environment
+from .measure.isolation import CellJournal, run_cell
+from .measure.memory import MiB, CpuTensorPeak, proc_status_kib, cuda_context_mib, tensor_peak
+from .measure.stats import summarize
+from .measure.timing import time_fn
 from .memory_estimate import generation_peak, quantized_layer_transient, training_peak, variant_quant
 from .modeling import base_dtype, load_tokenizer, read_split
 
@@ -142,7 +146,7 @@ def _file_pages_mib() -> float | None:
 
 
 def run_steps(work, device: torch.device, warmup: int, timed: int, fits=lambda tensors: True) -> dict:
-    """`warmup` untimed calls of work() with the live-tensor peak tracked over them (measure.tensor_peak), then
+    """`warmup` untimed calls of work() with the live-tensor peak tracked over them (measure.memory.tensor_peak), then
     `timed` timed calls, untracked: the CPU counter is a profiler and would slow what is timed. The timed calls
     run only if `fits(tensors)` after the warm-up: a cell already past its budget is out of memory whatever
     its speed. `step_s` is None where nothing was timed."""

@@ -54,7 +54,9 @@ def not_run(stage: str, name: str, cfg: dict, layout: Layout, out: Path, err: Ex
     last lines, with the stage's outputs written empty, so that the DAG goes on, the jobs that build on
     this one record themselves as skipped, and the report renders around it; the run's exit status still says
     it failed (failed_jobs). `snakemake --forcerun <rule>` (or deleting the folder) retries it."""
-    from .measure import classify_failure, environment, pick_device
+    from .measure.device import pick_device
+    from .measure.env import environment
+    from .measure.isolation import classify_failure
 
     failure = classify_failure(err)
     log.exception("%s[%s]: %s: %s", stage, name, failure["status"], failure["reason"])

@@ -22,9 +22,12 @@ from . import architecture, cli, profiling
 from .config import UserError, finetune_run
 from .layout import LOSS_COLUMNS, LOSS_CSV
 from .logs import log_file_path, setup_child_logging
-from .measure import (CpuTensorPeak, EnergyMeter, count_parameters, energy_per_token, environment, matmul_ceiling, mfu,
-                      pick_device, published_peak_tflops, set_threads, summarize, track_memory,
-                      training_flops_per_token)
+from .measure.device import pick_device, set_threads
+from .measure.energy import EnergyMeter, energy_per_token
+from .measure.env import environment
+from .measure.flops import count_parameters, matmul_ceiling, mfu, published_peak_tflops, training_flops_per_token
+from .measure.memory import CpuTensorPeak, track_memory
+from .measure.stats import summarize
 from .memory_estimate import compared, training_peak
 from .modeling import base_dtype, eval_loss, load_model, load_tokenizer, read_split
 

@@ -9,6 +9,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from .records import is_ok, read
+
 METRICS = "metrics.json"
 MODEL = "model"
 HEALED = "healed"  # prune's LoRA-healed model
@@ -70,8 +72,6 @@ class Layout:
     def skipped_because(self, stage: str, name: str) -> dict | None:
         """A 'skipped' result naming why, when the job `stage/name` this one builds on did not succeed
         (a fine-tuning run that failed or was unavailable on this device): the grid goes on without it."""
-        from .records import is_ok, read
-
         upstream = read(self, stage, name)
         if is_ok(upstream):
             return None

@@ -337,7 +337,8 @@ def frozen_head_copies_weight(vocab: int, hidden: int, dtype: str) -> bool:
     Unmeasurable (a profiler already running): False, so the term is left out rather than guessed."""
     import torch
 
-    from .measure import DTYPES, live_tensor_bytes
+    from .measure.device import DTYPES
+    from .measure.memory import live_tensor_bytes
 
     last = torch.zeros(1, 2, hidden, dtype=DTYPES[dtype])[:, -1:, :]
     weight = torch.zeros(vocab, hidden, dtype=DTYPES[dtype])
@@ -352,7 +353,8 @@ def quantized_layer_transient(model, dtype: str) -> int:
     build for each matmul and free after it. 0 for a model without bitsandbytes layers, or when unmeasurable."""
     import torch
 
-    from .measure import DTYPES, live_tensor_bytes
+    from .measure.device import DTYPES
+    from .measure.memory import live_tensor_bytes
 
     try:
         import bitsandbytes as bnb

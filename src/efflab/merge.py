@@ -15,7 +15,8 @@ import torch
 from . import cli, quality
 from .architecture import restore_conv1d
 from .config import finetune_run
-from .measure import environment, pick_device, set_threads
+from .measure.device import pick_device, set_threads
+from .measure.env import environment
 from .modeling import (base_dtype, forward_batches, load_model, load_tokenizer, read_split, row_nll,
                        rows_summary)
 

@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 
 from .config import UserError, missing_input  # noqa: F401 (re-exported)
-from .measure import DTYPES, FAST_BF16_ISA, cpu_isa, cpu_model
+from .measure.device import DTYPES
+from .measure.env import FAST_BF16_ISA, cpu_isa, cpu_model
 
 log = logging.getLogger("efflab")
 

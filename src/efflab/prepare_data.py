@@ -15,7 +15,7 @@ import torch
 
 from . import cli
 from .config import UserError, classify_source, local_source_files
-from .measure import environment
+from .measure.env import environment
 from .modeling import load_tokenizer, package_folder
 
 log = logging.getLogger("efflab")

@@ -10,7 +10,7 @@ shape allows (both are recorded). Which heads and layers go is decided by `prune
 each layer's block influence, 1 - cos(hidden in, hidden out), as in ShortGPT) or `seed` (the seed's order:
 the last heads of every group, the last layers). Each job measures the base and the pruned model in the
 same process: parameters, footprint, validation perplexity, a sample generation, and greedy-generation
-latency timed interleaved (measure.interleave), so the speedup has an interval.
+latency timed interleaved (measure.timing.interleave), so the speedup has an interval.
 
 Healing (`prune.heal`, off with steps: 0): a short LoRA fine-tune of the pruned model on the training rows
 (peft; the step is training.training_step), merged back into its weights and saved as healed/, a folder of the
@@ -28,8 +28,11 @@ import torch
 
 from . import architecture, cli, quality
 from .config import UserError
-from .measure import (INTERLEAVE_RECORD, SENTINEL_TOLERANCE, count_parameters, environment, interleave, pick_device,
-                      set_threads, speedup)
+from .measure.device import pick_device, set_threads
+from .measure.env import environment
+from .measure.flops import count_parameters
+from .measure.stats import speedup
+from .measure.timing import INTERLEAVE_RECORD, SENTINEL_TOLERANCE, interleave
 from .layout import HEALED, NOT_RUN
 from .modeling import base_dtype, eval_loss, folder_bytes, load_model, load_tokenizer, read_split
 

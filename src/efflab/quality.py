@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-# The same floor as a median's order-statistic interval (measure.median_ci_order): below it a t interval leans
+# The same floor as a median's order-statistic interval (measure.stats.median_ci_order): below it a t interval leans
 # wholly on normality of a handful of per-row differences.
 MIN_ROWS = 6
 INTERVAL_METHOD = "paired t over validation rows, token-weighted (ratio estimator)"

@@ -11,7 +11,10 @@ import logging
 import time
 
 from . import cli, quality
-from .measure import count_parameters, environment, pick_device, set_threads, track_memory
+from .measure.device import pick_device, set_threads
+from .measure.env import environment
+from .measure.flops import count_parameters
+from .measure.memory import track_memory
 from .modeling import base_dtype, eval_loss, folder_bytes, load_model, load_tokenizer, read_split
 
 log = logging.getLogger("efflab")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 
-from .measure import ratio_verdict, said_of_faster_side
+from .measure.stats import ratio_verdict, said_of_faster_side
 
 # Settings that change what a run costs or buys; the others do not make two runs a knob comparison.
 NOT_KNOBS = {"eval_rows", "checkpoint_every", "timing_warmup_steps", "num_machines", "accelerate_config"}

@@ -7,7 +7,7 @@ import math
 import re
 
 from .. import estimate, records
-from ..measure import EQUIVALENCE_MARGIN
+from ..measure.stats import EQUIVALENCE_MARGIN
 from .verdict import fmt
 
 # A decoder layer's parameters, in the families' module names (model.layers.3., transformer.h.3., ...).

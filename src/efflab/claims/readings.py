@@ -125,7 +125,7 @@ def _finetune_pair(layout, metric: dict) -> Reading:
 
 
 def _pair_reading(layout, a: dict, b: dict, key: str, stat) -> Reading:
-    from ..measure import median_ci_order, percentile
+    from ..measure.stats import median_ci_order, percentile
 
     whole = f"{key}: run {a['run']} {a[key]:.4g} vs run {b['run']} {b[key]:.4g}"
     interleaved = _interleaved_ratio(layout, a, b, key)

@@ -6,7 +6,7 @@ import json
 import pandas as pd
 
 from .. import provenance
-from ..measure import FINGERPRINT_KEYS
+from ..measure.env import FINGERPRINT_KEYS
 from .fmt import markdown
 
 

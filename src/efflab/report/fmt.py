@@ -6,7 +6,8 @@ import json
 import pandas as pd
 
 from .. import records
-from ..measure import fingerprint, format_ratio
+from ..measure.env import fingerprint
+from ..measure.stats import format_ratio
 
 
 MiB = 2**20

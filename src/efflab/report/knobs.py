@@ -4,7 +4,8 @@ from __future__ import annotations
 import pandas as pd
 
 from .. import records
-from ..measure import SENTINEL_TOLERANCE, format_ratio, median_ci_order, percentile
+from ..measure.stats import format_ratio, median_ci_order, percentile
+from ..measure.timing import SENTINEL_TOLERANCE
 from .fmt import env_of, median_text, pct, peak_mib, ratio_of, setting_text
 
 

@@ -14,7 +14,7 @@ from .fmt import MiB, peak_mib
 
 
 def _ratio_axis(ratio: dict | None) -> dict | None:
-    """An interleaved speedup (measure.speedup) as an axis: its median and 95% interval, or no interval."""
+    """An interleaved speedup (measure.stats.speedup) as an axis: its median and 95% interval, or no interval."""
     if not ratio or ratio.get("median") is None:
         return None
     lo, hi = ratio.get("ci95") or (None, None)

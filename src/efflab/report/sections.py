@@ -4,7 +4,8 @@ from __future__ import annotations
 import pandas as pd
 
 from .. import records
-from ..measure import SENTINEL_TOLERANCE, format_ratio
+from ..measure.stats import format_ratio
+from ..measure.timing import SENTINEL_TOLERANCE
 from .environments import comparison
 from .fmt import markdown, one_line
 from .render import render

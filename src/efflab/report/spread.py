@@ -3,7 +3,7 @@ range of its n values (too few for a 95% interval, named so), else nothing (one 
 """
 from __future__ import annotations
 
-from ..measure import median_ci_order
+from ..measure.stats import median_ci_order
 
 CI, RANGE = "95% CI", "range"
 
@@ -22,7 +22,7 @@ def gives_interval(n: int) -> bool:
 
 
 def of_median(stats) -> dict | None:
-    """A measure.summarize figure: its median with the order-statistic 95% interval, or with the range of its n
+    """A measure.stats.summarize figure: its median with the order-statistic 95% interval, or with the range of its n
     values where n gives none; a bare number has no spread."""
     if isinstance(stats, (int, float)):
         return spread(float(stats))
@@ -34,7 +34,7 @@ def of_median(stats) -> dict | None:
 
 
 def of_speedup(pair: dict | None, key: str, reference: str) -> dict | None:
-    """An interleaved speedup over `reference` (measure.speedup under `key` of an interleave record): its median
+    """An interleaved speedup over `reference` (measure.stats.speedup under `key` of an interleave record): its median
     with its 95% interval, or, where its rounds give none, the range of the stable rounds' ratios."""
     ratio = (pair or {}).get(key) or {}
     if ratio.get("median") is None:
@@ -49,7 +49,7 @@ def of_speedup(pair: dict | None, key: str, reference: str) -> dict | None:
 
 
 def of_ratio(ratio: dict | None) -> dict | None:
-    """A ratio paired round by round (measure.ratio_verdict, with its rounds' `ratios` beside it): its median with
+    """A ratio paired round by round (measure.stats.ratio_verdict, with its rounds' `ratios` beside it): its median with
     its 95% interval, or, where its rounds give none, the range of the rounds' ratios."""
     if not ratio or ratio.get("median") is None:
         return None

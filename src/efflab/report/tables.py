@@ -4,7 +4,8 @@ from __future__ import annotations
 import pandas as pd
 
 from .. import records
-from ..measure import allocated_delta, format_ratio
+from ..measure.memory import allocated_delta
+from ..measure.stats import format_ratio
 from . import spread
 from .fmt import (MiB, env_of, interval_text, median_text, pct, peak_mib, short_verdict, speedup_text,
                   speedup_verdict, status_text)
@@ -278,7 +279,7 @@ def attention_table(rows: list[dict]) -> pd.DataFrame:
                 "p90 (ms)": 1000 * lat["p90"] if ok else None,
                 "p99 (ms)": 1000 * lat["p99"] if ok and "p99" in lat else None,
                 "tokens/s": row["tokens_per_s"] if ok else None,
-                # what the exponent is fitted on (measure.allocated_delta); the resident delta is in the record
+                # what the exponent is fitted on (measure.memory.allocated_delta); the resident delta is in the record
                 "peak delta (MiB)": allocated_delta(row["memory"])[0] if ok else None,
                 "memory kind": allocated_delta(row["memory"])[1] if ok else None,
                 "max |diff| vs eager": row["max_abs_diff_vs_eager"] if ok else None,

@@ -1,7 +1,7 @@
 """Every measured figure of every record in one long table: stage, job, metric, value, lower, upper, unit, n.
 
-A figure with spread keeps its interval: a summary (measure.summarize) is its median and 95% interval of the
-median where n gives one; an interleaved ratio (measure.speedup) its median and interval over rounds; a paired
+A figure with spread keeps its interval: a summary (measure.stats.summarize) is its median and 95% interval of the
+median where n gives one; an interleaved ratio (measure.stats.speedup) its median and interval over rounds; a paired
 quality change (quality.paired_change) its change and interval over rows. Any other number is a value alone.
 What describes the run rather than measures it (environment, provenance, settings, config, samples) is left out.
 """
@@ -24,7 +24,7 @@ def unit_of(path: str) -> str:
 
 def figure(path: str, d: dict) -> dict | None:
     """A dict that is one figure with spread, as a row; None for any other dict."""
-    if "median" in d and "n" in d:  # measure.summarize
+    if "median" in d and "n" in d:  # measure.stats.summarize
         lo, hi = d.get("ci95_median") or (None, None)
         return {"metric": path, "value": d["median"], "lower": lo, "upper": hi, "unit": d.get("unit") or unit_of(path),
                 "n": d["n"]}

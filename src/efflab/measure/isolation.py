@@ -1,0 +1,156 @@
+"""Isolation: one benchmark cell per process, so a crash or OOM becomes a recorded result."""
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import signal
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from ..logs import log_file_path, setup_child_logging
+from .memory import proc_status_kib
+
+
+def classify_failure(err: BaseException) -> dict:
+    text = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    oom = isinstance(err, MemoryError) or isinstance(err, getattr(torch, "OutOfMemoryError", MemoryError)) \
+        or "out of memory" in text.lower() or "can't allocate memory" in text.lower()
+    # NotImplementedError: the library does not do this here (e.g. FlexAttention's backward on CPU).
+    status = "oom" if oom else "unavailable" if isinstance(err, NotImplementedError) else "failed"
+    return {"status": status, "reason": f"{type(err).__name__}: {text}"[:500],
+            "traceback": traceback.format_exception(err)[-3:]}
+
+
+def _cell_child(fn, kwargs: dict, conn, log_file: str | None, threads: int) -> None:
+    setup_child_logging(log_file, "cell")
+    torch.set_num_threads(threads)
+    try:
+        result = {"status": "ok"} | fn(**kwargs)
+    except BaseException as err:  # the whole point: any failure becomes a recorded result
+        result = classify_failure(err)
+    conn.send(result)
+    conn.close()
+
+
+_CELL_PRELOAD = ["torch", "transformers", "efflab.measure.isolation", "efflab.modeling"]
+
+
+def _cell_context():
+    """Cells fork from a forkserver that has imported torch and transformers once but run no work: each
+    cell starts in a clean process (nothing allocated, no threads) without paying the imports again."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(_CELL_PRELOAD)
+    return ctx
+
+
+class CellJournal:
+    """Each benchmark cell's result, appended to a journal file as the cell ends, so that a stage killed
+    mid-grid (a cluster's time limit, an OOM kill of the whole job) loses only the cell it was in: its
+    rerun takes the journalled cells as they are and measures the rest. The journal is a hidden sibling
+    of the job's folder (which the stage writes only at its end, and Snakemake deletes when a job fails);
+    one written with other settings is discarded, and the stage deletes it once its metrics are in place."""
+
+    def __init__(self, path: Path, settings: dict):
+        self.path = Path(path)
+        self.stamp = json.dumps({"settings": settings}, sort_keys=True, default=str)
+        self.cells: dict[str, dict] = {}
+        lines = self.path.read_text().splitlines() if self.path.is_file() else []
+        if lines and lines[0] == self.stamp:
+            for line in lines[1:]:
+                try:
+                    entry = json.loads(line)
+                except json.JSONDecodeError:  # the line being written when the process was killed
+                    break
+                self.cells[entry["key"]] = entry["result"]
+        else:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text(self.stamp + "\n")
+        self.resumed = len(self.cells)
+
+    @staticmethod
+    def key(cell: dict) -> str:
+        return json.dumps(cell, sort_keys=True)
+
+    def result(self, cell: dict, measure) -> dict:
+        """The cell's journalled result, or `measure()`'s, journalled before it is returned."""
+        key = self.key(cell)
+        if key not in self.cells:
+            result = measure()
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"key": key, "result": result}, default=str) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            self.cells[key] = result
+        return self.cells[key]
+
+    def remove(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
+def run_cell(fn, kwargs: dict, isolation: str = "subprocess", timeout_s: float | None = None,
+             memory_cap_mib: float | None = None) -> dict:
+    """Run one benchmark cell `fn(**kwargs) -> dict` and return its result with a `status`.
+
+    With isolation 'subprocess' the cell runs in a fresh process (forked from a clean forkserver): its memory peak cannot
+    be polluted by earlier work, and a crash, an out-of-memory (an allocation failure, the resident
+    set passing `memory_cap_mib`, or a SIGKILL from the kernel's OOM killer) or passing `timeout_s`
+    becomes a recorded result ('failed', 'oom', 'timeout' with the reason) and the grid goes on.
+    With 'inprocess' the cell runs here; exceptions are still recorded, but not crashes or caps.
+    """
+    t0 = time.perf_counter()
+    if isolation == "inprocess":
+        try:
+            result = {"status": "ok"} | fn(**kwargs)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except Exception as err:
+            result = classify_failure(err)
+        return result | {"isolation": "inprocess", "cell_wall_s": time.perf_counter() - t0}
+
+    ctx = _cell_context()
+    receiver, sender = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_cell_child, args=(fn, kwargs, sender, log_file_path(), torch.get_num_threads()))
+    proc.start()
+    sender.close()
+    result, peak_rss = None, 0.0
+    try:
+        while result is None:
+            if receiver.poll(0.02):
+                try:
+                    result = receiver.recv()
+                except EOFError:  # the child died without a word
+                    break
+                break
+            if not proc.is_alive() and not receiver.poll(0):
+                break
+            rss = (proc_status_kib("VmRSS", proc.pid) or 0) / 1024
+            peak_rss = max(peak_rss, rss)
+            if memory_cap_mib is not None and rss > memory_cap_mib:
+                proc.kill()
+                result = {"status": "oom", "reason": f"resident memory {rss:.0f} MiB passed the cell memory cap "
+                                                     f"of {memory_cap_mib:.0f} MiB"}
+            elif timeout_s is not None and time.perf_counter() - t0 > timeout_s:
+                proc.kill()
+                result = {"status": "timeout", "reason": f"the cell ran longer than {timeout_s:g} s"}
+    finally:
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+        receiver.close()
+    if result is None:
+        code = proc.exitcode
+        if code == -signal.SIGKILL:
+            result = {"status": "oom", "reason": "the cell process was killed by SIGKILL (most likely the kernel's "
+                                                 "out-of-memory killer)"}
+        else:
+            what = f"signal {signal.Signals(-code).name}" if code and code < 0 else f"exit code {code}"
+            result = {"status": "failed", "reason": f"the cell process died with {what} before reporting"}
+    return result | {"isolation": "subprocess", "cell_wall_s": time.perf_counter() - t0,
+                     "cell_process_max_rss_mib": peak_rss or None}

@@ -1,0 +1,275 @@
+"""Memory, by named kind.
+
+Memory results always name their kind: `cuda_max_allocated` / `cuda_max_reserved` on GPU,
+`cpu_peak_rss` (the kernel's high-water mark of resident memory, reset before the measured work)
+on CPU, and beside it `cpu_tensor_peak` (the most bytes live CPU tensors held at once, from the CPU
+allocator's own events: the CPU counterpart of cuda_max_allocated). A measurement that cannot be
+taken is None with a reason, never 0."""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import gc
+import os
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from .device import nvml_handle, synchronize
+
+
+MiB = 1024 * 1024
+
+
+def proc_status_kib(field: str, pid: int | str = "self") -> int | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except (OSError, ValueError):  # a process may exit while being read
+        return None
+    return None
+
+
+def _release_freed_memory() -> None:
+    """Collect garbage and hand freed heap pages back to the OS (glibc malloc_trim), so memory that
+    earlier work freed but the allocator kept resident is not silently reused inside a measurement."""
+    gc.collect()
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _reset_cpu_peak() -> bool:
+    """Reset the kernel's resident-memory high-water mark (VmHWM) of this process."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+# Kineto's log severities: VERBOSE 0, INFO 1, WARNING 2, STAGE 3, ERROR 4, USDT 5. Every profiler start and stop
+# logs "USDT:<time> <pid>:<tid> SyncActivityProfilerHandler.cpp:52] profiler_start" (and profiler_stop) at USDT,
+# above the ERROR threshold torch sets, so only a threshold above USDT silences them (Kineto's errors with them).
+KINETO_QUIET_LEVEL = "6"
+
+
+@contextmanager
+def _kineto_quiet():
+    """KINETO_LOG_LEVEL set while the first torch.profiler start in a process initialises Kineto, which reads
+    it then, once, and never again; unset afterwards, so it reaches only efflab's own profiler. A
+    KINETO_LOG_LEVEL the user has set is theirs (e.g. 0 to see every Kineto message)."""
+    if "KINETO_LOG_LEVEL" in os.environ:
+        yield
+        return
+    os.environ["KINETO_LOG_LEVEL"] = KINETO_QUIET_LEVEL
+    try:
+        yield
+    finally:
+        os.environ.pop("KINETO_LOG_LEVEL", None)
+
+
+class CpuTensorPeak:
+    """The most bytes that live CPU tensors held at once while it ran, above those live at its start: the
+    CPU counterpart of torch.cuda.max_memory_allocated, which resident memory is not (RSS also holds what
+    glibc malloc keeps after tensors are freed, and grows with each new largest batch).
+
+    Counted from the allocation and free events that PyTorch's CPU allocator reports to torch.profiler
+    (profile_memory=True) in order. Operator events are switched off on this thread (RecordFunction), so the
+    profiler costs one small event per allocation (a 12-step LoRA run: 375k events, step time within noise).
+    It sees the tensors of this thread and of the threads it hands work to (the autograd engine's), not
+    Python objects, not allocator overhead. Frees of tensors allocated before the block are not reported
+    (the allocator learns a block's size only while the profiler runs), so it counts the tensors allocated
+    inside the block. `flush()` folds the events recorded so far into the running count and restarts, so a
+    long run does not hold millions of events; its time is in `overhead_s`."""
+
+    KIND = "cpu_tensor_peak"
+    _warm = False
+    _kineto_initialised = False  # per process: a forkserver child inherits the forkserver's False
+
+    @classmethod
+    def warm_up(cls) -> None:
+        """Start and stop the profiler once per process: its first start maps ~70 MiB (Kineto), which must
+        be resident before a resident-memory baseline is read, not inside the measurement."""
+        if not cls._warm and not torch.autograd._profiler_enabled():
+            cls().start().stop()
+            cls._warm = True
+
+    def __init__(self, unavailable: str | None = None):
+        """`unavailable`: the reason it is not to run (e.g. another torch.profiler will): start() does nothing."""
+        self.current = self.peak = self.events = 0
+        self.overhead_s = 0.0
+        self._profiler = None
+        self.unavailable: str | None = unavailable
+
+    def start(self) -> "CpuTensorPeak":
+        from torch.profiler import ProfilerActivity, profile
+
+        if self.unavailable:
+            return self
+        if torch.autograd._profiler_enabled():
+            self.unavailable = "torch.profiler is already running in this process"
+            return self
+        self._profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        if CpuTensorPeak._kineto_initialised:
+            self._profiler.start()
+        else:
+            with _kineto_quiet():
+                self._profiler.start()
+            CpuTensorPeak._kineto_initialised = True
+        torch.autograd._enable_record_function(False)
+        return self
+
+    def _fold(self) -> None:
+        torch.autograd._enable_record_function(True)
+        self._profiler.stop()
+        events = [e for e in self._profiler.profiler.kineto_results.events() if e.name() == "[memory]"
+                  and e.device_type() == torch.autograd.DeviceType.CPU]
+        events.sort(key=lambda e: e.start_ns())  # stable: same-time events keep their recorded order
+        for e in events:
+            self.current += e.nbytes()
+            self.peak = max(self.peak, self.current)
+        self.events += len(events)
+        self._profiler = None
+
+    def flush(self) -> None:
+        if self._profiler is not None:
+            t0 = time.perf_counter()
+            self._fold()
+            self.start()
+            self.overhead_s += time.perf_counter() - t0
+
+    def stop(self) -> dict:
+        if self._profiler is not None:
+            self._fold()
+        if self.unavailable:
+            return {"kind": self.KIND, "delta_mib": None, "unavailable": self.unavailable}
+        return {"kind": self.KIND, "delta_mib": self.peak / MiB, "end_delta_mib": self.current / MiB,
+                "allocator_events": self.events, "flush_s": self.overhead_s}
+
+
+def live_tensor_bytes(fn) -> float | None:
+    """The peak bytes of CPU tensors that `fn()` allocates and holds at once (CpuTensorPeak around one call):
+    for probing what an op allocates on this machine. None when it cannot be measured (a profiler running)."""
+    counter = CpuTensorPeak().start()
+    fn()
+    seen = counter.stop()["delta_mib"]
+    return None if seen is None else seen * MiB
+
+
+@contextmanager
+def track_memory(device: torch.device, tensors: CpuTensorPeak | None = None):
+    """Peak memory of the work inside the block, with the kind of memory named.
+
+    On CPU the peak RSS is the process high-water mark after resetting it at entry, so earlier work
+    in the process does not count; `delta_mib` is that peak over the RSS at entry, and `tensors` the
+    `cpu_tensor_peak` of the block (pass a CpuTensorPeak to flush it from inside, e.g. every N steps).
+    """
+    result: dict = {}
+    if device.type == "cuda":
+        synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        yield result
+        synchronize(device)
+        result["kind"] = "cuda_max_allocated"
+        result["peak_mib"] = torch.cuda.max_memory_allocated(device) / MiB
+        result["delta_mib"] = (torch.cuda.max_memory_allocated(device) - base) / MiB
+        result["cuda_max_reserved_mib"] = torch.cuda.max_memory_reserved(device) / MiB
+        result["nvml_process_mib"], reason = nvml_process_mib(device)
+        if reason:
+            result["nvml_unavailable"] = reason
+        return
+    CpuTensorPeak.warm_up()
+    _release_freed_memory()
+    reset = _reset_cpu_peak()
+    base = proc_status_kib("VmRSS")
+    tensors = (tensors or CpuTensorPeak()).start()
+    try:
+        yield result
+    finally:
+        peak = proc_status_kib("VmHWM")
+        result["tensors"] = tensors.stop()
+    result["kind"] = "cpu_peak_rss"
+    if not reset or peak is None or base is None:
+        result["peak_mib"] = None
+        result["delta_mib"] = None
+        result["unavailable"] = "cannot reset or read the RSS high-water mark (/proc/self/clear_refs, VmHWM)"
+        return
+    result["peak_mib"] = peak / 1024
+    result["baseline_mib"] = base / 1024
+    result["delta_mib"] = (peak - base) / 1024
+
+
+def allocated_delta(mem: dict) -> tuple[float | None, str | None]:
+    """What a block allocated, from a track_memory record, with its kind: CUDA's allocated peak, or on CPU the
+    live-tensor peak. The resident delta also moves with what the allocator kept from earlier work and reuses,
+    so a law of memory in input size (bench_attention's exponent) is fitted on this, never on RSS."""
+    tensors = mem.get("tensors") or {}
+    if mem.get("kind") == "cpu_peak_rss" and tensors.get("delta_mib") is not None:
+        return tensors["delta_mib"], tensors["kind"]
+    return mem.get("delta_mib"), mem.get("kind")
+
+
+@contextmanager
+def tensor_peak(device: torch.device):
+    """The live-tensor peak of the work inside the block over the tensors live at its start (`delta_mib`), the
+    kind of memory memory_estimate predicts: `cpu_tensor_peak` on CPU, `cuda_max_allocated` on GPU. Unlike
+    track_memory it leaves the process's resident high-water mark alone, so a caller can still hold the whole
+    process's peak against a budget; on CUDA the allocator's peaks must be reset, so the reserved peak before
+    the block is kept in `reserved_before_mib`. The CPU counter is a profiler: time nothing inside the block.
+    Stopping it reads its events into Python objects, a transient of 60-100 MiB for a step of the default model,
+    and a resident peak of its own: so on CPU the high-water mark is read before it stops (`hwm_before_stop_mib`)
+    and reset after (`hwm_reset`), and the process's peak over the block and what follows is the larger of that
+    figure and the high-water mark at the end. The freed memory is handed back too."""
+    result: dict = {}
+    if device.type == "cuda":
+        synchronize(device)
+        result["reserved_before_mib"] = torch.cuda.max_memory_reserved(device) / MiB
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        yield result
+        synchronize(device)
+        result |= {"kind": "cuda_max_allocated", "delta_mib": (torch.cuda.max_memory_allocated(device) - base) / MiB}
+        return
+    tensors = CpuTensorPeak().start()
+    try:
+        yield result
+    finally:
+        hwm = proc_status_kib("VmHWM")
+        result |= tensors.stop()
+        # The event objects, freed but kept resident by the allocators, would lift the resident peak of any work
+        # that follows by ~100 MiB (measured after a LoRA step of the default model). Handed back, they do not.
+        _release_freed_memory()
+        result |= {"hwm_before_stop_mib": None if hwm is None else hwm / 1024, "hwm_reset": _reset_cpu_peak()}
+
+
+def nvml_process_mib(device: torch.device) -> tuple[float | None, str | None]:
+    """GPU memory NVML attributes to this process (what nvidia-smi shows: allocator reserve, CUDA
+    context, kernels), at the time of the call; None and a reason where NVML cannot say."""
+    try:
+        import pynvml
+    except ImportError:
+        return None, "pynvml (nvidia-ml-py) is not installed"
+    try:
+        handle = nvml_handle(device)
+        for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+            if proc.pid == os.getpid() and proc.usedGpuMemory is not None:
+                return proc.usedGpuMemory / MiB, None
+        return None, "NVML lists no memory for this process (containers often hide PIDs)"
+    except Exception as err:  # NVML errors are not user errors: record, don't crash
+        return None, f"NVML failed: {err}"
+
+
+def cuda_context_mib(device: torch.device) -> dict:
+    """GPU memory this process holds outside PyTorch's caching allocator: the CUDA context, kernel images and
+    library workspaces (NVML's figure for the process minus torch.cuda.memory_reserved)."""
+    process, reason = nvml_process_mib(device)
+    if process is None:
+        return {"mib": None, "unavailable": reason}
+    reserved = torch.cuda.memory_reserved(device) / MiB
+    return {"mib": process - reserved, "nvml_process_mib": process, "torch_reserved_mib": reserved}

@@ -1,0 +1,112 @@
+"""Order-statistic intervals and verdicts: summaries of samples, paired ratios and what they say.
+
+No torch here: records and the report read verdicts without loading it."""
+from __future__ import annotations
+
+import statistics
+from math import comb
+
+
+def percentile(ordered: list[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default) of an already sorted list."""
+    pos = (len(ordered) - 1) * q
+    lo, hi = int(pos), min(int(pos) + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def summarize(samples: list[float], unit: str = "s", keep_samples: bool = True) -> dict:
+    """Median and spread of a list of measurements in `unit`: n, mean, std, p50/p90/p99, min, max and the
+    distribution-free interval of the median from order statistics with its coverage (at least 95%), None when
+    n is too small to give one (fewer than 6): then only the range [min, max] of the n values is known."""
+    ordered = sorted(samples)
+    n = len(ordered)
+    stats = {
+        "n": n,
+        "unit": unit,
+        "median": percentile(ordered, 0.5),
+        "p50": percentile(ordered, 0.5),
+        "p90": percentile(ordered, 0.9),
+        "p99": percentile(ordered, 0.99),
+        "mean": statistics.fmean(ordered),
+        "std": statistics.stdev(ordered) if n > 1 else 0.0,
+        "min": ordered[0],
+        "max": ordered[-1],
+    }
+    interval = median_ci_order(ordered)
+    stats["ci95_median"], stats["ci_median_coverage"] = interval if interval else (None, None)
+    if keep_samples:
+        stats["samples"] = list(samples)
+    return stats
+
+
+def median_ci_order(ordered: list[float], level: float = 0.95) -> tuple[list[float], float] | None:
+    """The distribution-free confidence interval of a median from order statistics, [x(k), x(n+1-k)] with the
+    largest k whose binomial coverage 1 - 2 P(Bin(n, 1/2) < k) is at least `level`, and that coverage; None
+    when n is too small for any (at 95%: fewer than 6 values). A bootstrap of 3 to 5 values gives intervals
+    far narrower than their real coverage: two reruns then disagreed with each other's "significant" ratios."""
+    n = len(ordered)
+    tail, k = 0.0, 0
+    while k < n // 2 and 2 * (tail + comb(n, k) / 2**n) <= 1 - level:
+        tail += comb(n, k) / 2**n
+        k += 1
+    if k == 0:
+        return None
+    return [ordered[k - 1], ordered[n - k]], 1 - 2 * tail
+
+
+# "No significant difference" is itself a claim: that the two sides are within this much of each other.
+EQUIVALENCE_MARGIN = 0.10
+
+
+def ratio_verdict(ratios: list[float], level: float = 0.95) -> dict:
+    """The median of per-round ratios (b's time over a's), its order-statistic interval and a verdict at that
+    level: `slower` / `faster` only when the interval lies above / below 1; `no significant difference` only
+    when it lies within ±EQUIVALENCE_MARGIN of 1; `inconclusive` when it holds 1 but is wider than that (the data
+    cannot tell a 10% difference from none: a rerun may find one), or when there are too few rounds for an
+    interval at that level. Two reruns can then disagree only by one of them being inconclusive."""
+    ordered = sorted(ratios)
+    median = percentile(ordered, 0.5)
+    ci = median_ci_order(ordered, level)
+    if ci is None:
+        return {"median": median, "ci95": None, "level": level, "rounds": len(ordered),
+                "verdict": f"inconclusive: {len(ordered)} rounds cannot give a {level:.0%} interval of the median "
+                           f"(6 needed at 95%)"}
+    (lo, hi), coverage = ci
+    m = EQUIVALENCE_MARGIN
+    verdict = ("slower" if lo > 1 else "faster" if hi < 1 else "no significant difference"
+               if 1 / (1 + m) <= lo and hi <= 1 + m else
+               f"inconclusive: the {level:.0%} interval [{lo:.3g}, {hi:.3g}] holds 1 but also a {m:.0%} difference")
+    return {"median": median, "ci95": [lo, hi], "coverage": coverage, "level": level, "rounds": len(ordered),
+            "interval": "order statistics (distribution-free)", "verdict": verdict}
+
+
+def said_of_faster_side(ratio: dict) -> dict:
+    """A ratio of the reference's time over this side's (a speedup) with its verdict said of this side: the
+    reference `slower` means this side is `faster`; other verdicts read the same."""
+    return ratio | {"verdict": {"slower": "faster", "faster": "slower"}.get(ratio["verdict"], ratio["verdict"])}
+
+
+def speedup(result: dict, mine: str, reference: str) -> dict:
+    """The reference's time over `mine`'s from an interleave() result, with paired_ratio's interval and the
+    verdict said of `mine`."""
+    return said_of_faster_side(paired_ratio(result, mine, reference))
+
+
+def format_ratio(ratio: dict | None, digits: int = 2) -> str:
+    """'1.13 [1.02, 1.30]', '1.13 (no 95% interval: 3 rounds)' or '-'."""
+    if not ratio or ratio.get("median") is None:
+        return "-"
+    if not ratio.get("ci95"):
+        return f"{ratio['median']:.{digits}f} (no 95% interval: {ratio['rounds']} rounds)"
+    lo, hi = ratio["ci95"]
+    return f"{ratio['median']:.{digits}f} [{lo:.{digits}f}, {hi:.{digits}f}]"
+
+
+def paired_ratio(result: dict, a: str, b: str, level: float = 0.95) -> dict:
+    """b's time over a's from an interleave() result: the ratio within each stable round (so drift between
+    rounds cancels), with ratio_verdict's interval and verdict. An unstable comparison gets no verdict."""
+    kept = [r for r in result["rounds"] if r["stable"]]
+    if "unstable" in result or len(kept) < 2:
+        why = result.get("unstable") or f"only {len(kept)} stable round(s)"
+        return {"median": None, "ci95": None, "rounds": len(kept), "verdict": f"not a verdict: {why}"}
+    return ratio_verdict([r["seconds"][b] / r["seconds"][a] for r in kept], level)

@@ -1,0 +1,110 @@
+"""Timing: one timed function, and interleaved comparisons with a speed sentinel."""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from .device import synchronize
+from .stats import summarize
+
+
+# The host clock of CPU timings (time_fn, interleave). Tests replace it with a simulated clock that the timed
+# work advances by known amounts, so that no test of a verdict or a threshold races the real machine.
+clock = time.perf_counter
+
+
+def time_fn(fn, device: torch.device, warmup: int, repeats: int) -> dict:
+    """Run fn `warmup` times untimed, then `repeats` timed times; CUDA events on GPU."""
+    for _ in range(warmup):
+        fn()
+    synchronize(device)
+    samples = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize(device)
+            samples.append(start.elapsed_time(end) / 1000.0)
+        else:
+            t0 = clock()
+            fn()
+            samples.append(clock() - t0)
+    return summarize(samples) | {"warmup": warmup, "clock": "cuda_events" if device.type == "cuda" else "perf_counter"}
+
+
+# How far a speed probe may stray from the median probe before its round is set aside. Probes on a quiet
+# shared 2-core VM spread about ±15%; a core taken by another process halves them.
+SENTINEL_TOLERANCE = 0.25
+
+
+def speed_probe(device: torch.device) -> float:
+    """The machine's speed right now: the best of three short fixed fp32 matmuls, in GFLOP/s (about 30 ms on
+    two CPU cores). Another process taking a core, a clock change or thermal throttling shows as a drop.
+    Sized so that on a quiet 2-core machine 30 probes in a row stay within ±10% of their median (384 or
+    512 were too short for that: 72-153 GFLOP/s around 125)."""
+    size = 4096 if device.type == "cuda" else 768
+    a = torch.randn(size, size, device=device)
+    best = min(time_fn(lambda: torch.mm(a, a), device, warmup=1, repeats=3)["samples"])
+    return 2 * size**3 / best / 1e9
+
+
+def interleave(variants: dict, rounds: int, device: torch.device, warmup: int = 1,
+               tolerance: float = SENTINEL_TOLERANCE, extra_rounds: int | None = None) -> dict:
+    """Time each variant's `fn(round)` once per round, the variants interleaved (A B, then B A, ...) so that a
+    drift of the machine's speed hits every variant alike, with a speed probe before and after each round.
+
+    A round whose probes fall outside ±tolerance of the median probe is set aside, and another round is run
+    in its place (at most `extra_rounds` more, default `rounds`); if fewer than `rounds` stable rounds are
+    left, the result is `unstable`, with the probes that say so, and must not be read as a verdict (its
+    figures are then of every round). The probes run outside the timed calls; `sentinel_s` is what they
+    cost. Returns the per-round record and, per variant, the summary of its stable rounds."""
+    names = list(variants)
+    for r in range(warmup):
+        for name in names:
+            variants[name](r)
+    synchronize(device)
+    extra = rounds if extra_rounds is None else extra_rounds
+    log, sentinel_s, probe_before = [], 0.0, None
+    while True:
+        t0 = clock()
+        probe_before = probe_before or speed_probe(device)
+        order = names if len(log) % 2 == 0 else names[::-1]
+        times = {}
+        sentinel_s += clock() - t0
+        for name in order:
+            times[name] = time_fn(lambda: variants[name](warmup + len(log)), device, 0, 1)["samples"][0]
+        t0 = clock()
+        probe_after = speed_probe(device)
+        sentinel_s += clock() - t0
+        log.append({"order": order, "seconds": times, "probe_gflops": [probe_before, probe_after]})
+        probe_before = probe_after  # the probe after one round is the probe before the next
+        stable = _mark_stable(log, tolerance)
+        if stable >= rounds or len(log) >= rounds + extra:
+            break
+    kept = [r for r in log if r["stable"]]
+    figures = kept if len(kept) >= rounds else log  # unstable: every round, flagged as such
+    probes = [p for r in log for p in r["probe_gflops"]]
+    out = {"rounds": log, "stable_rounds": len(kept), "set_aside": len(log) - len(kept), "warmup_rounds": warmup,
+           "probe": summarize(probes, unit="GFLOP/s", keep_samples=False) | {"tolerance": tolerance},
+           "sentinel_s": sentinel_s, "clock": "cuda_events" if device.type == "cuda" else "perf_counter",
+           "variants": {n: summarize([r["seconds"][n] for r in figures]) for n in names}}
+    if len(kept) < rounds:
+        out["unstable"] = (f"the machine's speed changed: {len(log) - len(kept)} of {len(log)} rounds had a speed "
+                           f"probe outside ±{tolerance:.0%} of the median {out['probe']['median']:.1f} GFLOP/s "
+                           f"(range {out['probe']['min']:.1f}–{out['probe']['max']:.1f})")
+    return out
+
+
+def _mark_stable(log: list[dict], tolerance: float) -> int:
+    median = statistics.median(p for r in log for p in r["probe_gflops"])
+    for r in log:
+        r["stable"] = all(abs(p / median - 1) <= tolerance for p in r["probe_gflops"])
+    return sum(r["stable"] for r in log)
+
+
+# What an interleave() result keeps beside its figures: the rounds, the sentinel's probes and cost.
+INTERLEAVE_RECORD = ("rounds", "stable_rounds", "set_aside", "probe", "sentinel_s")
