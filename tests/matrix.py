@@ -13,7 +13,7 @@ import os
 import pytest
 import yaml
 
-from efflab import cli, config, model_check
+from efflab import config, model_check, registry
 from tests.families import FAMILIES, family_folder
 from tests.helpers import REPO, TEST_PARAMS, run_stage
 
@@ -85,8 +85,8 @@ def run_family(family: str, work, tokenizer) -> dict[str, str]:
     params.write_text(yaml.safe_dump(cfg, sort_keys=False))
     model_check.check(config.load(params), params)  # the dry-run check passes with the defaults
     results, seen = work / "results", {}
-    for stage in cli.STAGES:
-        for name in cli.stage_names(cfg, stage) or [None]:
+    for stage in registry.STAGES:
+        for name in registry.names(cfg, stage) or [None]:
             record = run_stage(stage, params, results, name)
             seen[f"{stage}/{name}" if name else stage] = outcome(record)
     seen["report"] = "ok" if (results / "report" / "report.md").read_text().startswith("# efflab report") else "?"
@@ -152,7 +152,7 @@ def documented() -> dict[str, dict[str, str]]:
 def write_doc(family: str, seen: dict[str, str]) -> None:
     data = documented() | {family: summary(seen)}
     data = {f: data[f] for f in FAMILIES if f in data}
-    stages = [s for s in cli.STAGES]
+    stages = list(registry.STAGES)
     notes, rows = [], []
     for f, cells in data.items():
         row = []

@@ -72,7 +72,7 @@ def test_a_run_shorter_than_the_profile_says_how_many_steps_it_profiled(results,
 
 @pytest.mark.parametrize("stage", ["finetune", "bench_inference"])
 def test_the_profile_switch_reruns_only_the_profiled_stages(test_cfg, stage):
-    from efflab.config import STAGE_PARAMS
+    from efflab.registry import STAGES
 
-    assert "profile" in STAGE_PARAMS[stage]
-    assert all("profile" not in keys for s, keys in STAGE_PARAMS.items() if s not in profiling.PROFILED_STAGES)
+    assert STAGES[stage].profiled and "profile" in STAGES[stage].params
+    assert all("profile" not in s.params for s in STAGES.values() if not s.profiled)

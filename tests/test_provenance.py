@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from efflab.cli import stage_names
+from efflab.registry import names as stage_names
 from efflab.provenance import upstream_jobs
 
 RULES = Path(__file__).resolve().parents[1] / "workflow" / "rules"

@@ -9,7 +9,9 @@ import subprocess
 import pytest
 import yaml
 
-from efflab.gpu_slots import GPU_STAGES
+from efflab.registry import STAGES
+
+GPU_STAGES = [s.name for s in STAGES.values() if s.gpu]
 
 from tests.helpers import BIN, REPO, TEST_PARAMS
 

@@ -26,7 +26,7 @@ import pandas as pd
 import pytest
 
 from efflab import dvcgen
-from efflab.cli import STAGES, stage_names
+from efflab.registry import STAGES, names as stage_names
 from efflab.config import adapter_runs
 
 from tests.helpers import BIN, REPO, TEST_PARAMS, run_stage

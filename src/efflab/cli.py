@@ -16,27 +16,12 @@ import time
 from pathlib import Path
 
 from . import config, gpu_slots, provenance
+from .registry import STAGES, names, not_asked
 from .logs import setup_logging
 from .config import UserError
-from .layout import METRICS, STAGE_OUTPUTS, Layout
+from .layout import METRICS, Layout
 
 log = logging.getLogger("efflab")
-
-
-STAGES = ("base_model", "prepare_data", "quantize", "prune", "qat", "finetune", "merge", "bench_finetune", "bench_attention",
-          "bench_inference", "bench_serving", "capacity", "claims", "report")
-
-
-def stage_names(cfg: dict, stage: str) -> list[str] | None:
-    """The names a stage's jobs run over, or None for a single-job stage."""
-    return {
-        "quantize": lambda: list(cfg["quantize"]["schemes"]),
-        "prune": lambda: list(cfg["prune"]["strategies"]),
-        "finetune": lambda: list(cfg["finetune"]["runs"]),
-        "merge": lambda: config.merge_runs(cfg),
-        "bench_attention": lambda: list(cfg["bench_attention"]["implementations"]),
-        "bench_inference": lambda: list(cfg["bench_inference"]["variants"]),
-    }.get(stage, lambda: None)()
 
 
 def write_json(path: Path, data: dict) -> None:
@@ -77,9 +62,9 @@ def failed_jobs(cfg: dict, results: Path) -> list[str]:
     record and the report rendered."""
     out = []
     for stage in STAGES:
-        if config.not_asked(cfg, stage):
+        if not_asked(cfg, stage):
             continue
-        for name in stage_names(cfg, stage) or [None]:
+        for name in names(cfg, stage) or [None]:
             path = Layout(results).metrics(stage, name)
             record = json.loads(path.read_text()) if path.is_file() else {}
             if record.get("status") in FAILED:
@@ -99,13 +84,13 @@ def main(stage: str, run, argv: list[str] | None = None) -> None:
     staging = None
     try:
         cfg = config.load(args.params)
-        names = stage_names(cfg, stage)
-        if names is not None and args.name not in names:
+        grid = names(cfg, stage)
+        if grid is not None and args.name not in grid:
             raise UserError(f"--name: {args.name!r} is not one of the {stage} jobs in {args.params} "
-                            f"({', '.join(names) or 'none'})")
-        if names is None and args.name:
+                            f"({', '.join(grid) or 'none'})")
+        if grid is None and args.name:
             raise UserError(f"--name: stage {stage} has a single job and takes no name")
-        left_out = config.not_asked(cfg, stage)
+        left_out = not_asked(cfg, stage)
         if left_out:
             raise UserError(f"{stage} is not asked for in {args.params}: {left_out}")
         gpu_slots.assign(stage, cfg["runtime"])
@@ -122,7 +107,7 @@ def main(stage: str, run, argv: list[str] | None = None) -> None:
             metrics = run(cfg, {"layout": layout, "name": args.name, "out": staging, "final": final,
                                 "params": args.params})
         except Exception as err:  # recorded, so that the DAG and the report go on around it (stages_failed)
-            if stage not in STAGE_OUTPUTS or _missing_result(err, args.results):
+            if STAGES[stage].outputs is None or _missing_result(err, args.results):
                 raise
             if isinstance(err, UserError):
                 print(f"efflab {stage}: error: {err}", file=sys.stderr)

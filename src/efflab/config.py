@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
-import json
 import re
 import sys
 from pathlib import Path
@@ -26,31 +25,6 @@ HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 # version (Qwen/Qwen2.5-0.5B, meta-llama/Llama-3.2-1B).
 FILE_SUFFIX = re.compile(r"\.[A-Za-z]+$")
 DATA_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
-
-
-# The params.yaml keys each stage reads ({name} is the job's name); Snakemake
-# and DVC rerun a job when they change.
-STAGE_PARAMS = {
-    "base_model": ["runtime", "base_model"],
-    "prepare_data": ["prepare_data"],
-    "quantize": ["runtime", "quantize.eval_rows", "quantize.batch_size", "quantize.schemes.{name}",
-                 "report.baseline_scheme"],
-    "prune": ["runtime", "prune.importance", "prune.calibration_rows", "prune.eval_rows", "prune.prompt",
-              "prune.max_new_tokens", "prune.repeats", "prune.heal", "prune.strategies.{name}"],
-    "qat": ["runtime", "qat"],
-    "finetune": ["runtime", "finetune.defaults", "finetune.runs.{name}", "profile"],
-    "merge": ["runtime", "merge", "finetune.defaults", "finetune.runs.{name}"],
-    "bench_finetune": ["runtime", "bench_finetune", "finetune.defaults", "finetune.runs"],
-    "bench_attention": ["runtime", "bench_attention.seq_lens", "bench_attention.batch_sizes",
-                        "bench_attention.modes", "bench_attention.warmup", "bench_attention.repeats"],
-    "bench_inference": ["runtime", "bench_inference.max_new_tokens", "bench_inference.warmup",
-                        "bench_inference.repeats", "bench_inference.kv_cache", "bench_inference.batch_sizes",
-                        "bench_inference.prompts", "bench_inference.variants.{name}", "profile"],
-    "bench_serving": ["runtime", "bench_serving"],
-    "capacity": ["runtime", "capacity", "finetune.defaults", "finetune.runs", "bench_inference.variants"],
-    "claims": ["claims"],
-    "report": ["report"],
-}
 
 
 class UserError(Exception):
@@ -260,40 +234,11 @@ def merge_runs(cfg: dict) -> list[str]:
     return adapter_runs(cfg) if chosen is None else list(chosen)
 
 
-# The optional stages, and what leaves each out: an empty grid plans no job, and the report says "not asked for".
-OPTIONAL_STAGES = {
-    "prune": ("prune.strategies is empty", lambda cfg: not cfg["prune"]["strategies"]),
-    "qat": ("qat.bits is empty", lambda cfg: not cfg["qat"]["bits"]),
-    "finetune": ("finetune.runs is empty", lambda cfg: not cfg["finetune"]["runs"]),
-    "merge": ("no adapter run to merge (merge.runs, finetune.runs)", lambda cfg: not merge_runs(cfg)),
-    "bench_finetune": ("finetune.runs has fewer than two runs to compare",
-                       lambda cfg: len(cfg["finetune"]["runs"]) < 2),
-    "bench_attention": ("bench_attention.implementations is empty",
-                        lambda cfg: not cfg["bench_attention"]["implementations"]),
-    "bench_inference": ("bench_inference.variants is empty", lambda cfg: not cfg["bench_inference"]["variants"]),
-    "bench_serving": ("bench_serving.methods is empty", lambda cfg: not cfg["bench_serving"]["methods"]),
-    "capacity": ("capacity.runs and capacity.variants are empty",
-                 lambda cfg: not cfg["capacity"]["runs"] and not cfg["capacity"]["variants"]),
-}
-
-
-def not_asked(cfg: dict, stage: str) -> str | None:
-    """Why `stage` is left out of this experiment (its grid is empty), or None when it runs."""
-    reason, left_out = OPTIONAL_STAGES.get(stage, (None, lambda cfg: False))
-    return reason if left_out(cfg) else None
-
-
 def lookup(cfg: dict, dotted: str):
     node = cfg
     for part in dotted.split("."):
         node = node[part]
     return node
-
-
-def stage_settings(cfg: dict, stage: str, name: str | None = None) -> str:
-    """The params a job reads, as canonical JSON: a Snakemake rule param, so edits rerun the job."""
-    keys = [k.format(name=name) for k in STAGE_PARAMS[stage]]
-    return json.dumps({k: lookup(cfg, k) for k in keys}, sort_keys=True)
 
 
 def classify_source(source: str, key: str) -> str:

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import yaml
 
-from .config import REPO_ROOT, STAGE_PARAMS
+from .config import REPO_ROOT
+from .registry import STAGES
 
 def snakemake_jobs(params: str = "params.yaml", workdir: Path | None = None) -> list[dict]:
     """Every job Snakemake would run for `params`: rule, name, inputs, outputs, log and command."""
@@ -39,8 +40,8 @@ def snakemake_jobs(params: str = "params.yaml", workdir: Path | None = None) -> 
                 job["wildcards"] = dict(kv.split("=", 1) for kv in value.split(", "))
         elif job is not None and line.startswith("Shell command: "):
             job["cmd"] = line[len("Shell command: "):]
-    jobs = [j for j in jobs if j["rule"] in STAGE_PARAMS]
-    return sorted(jobs, key=lambda j: (list(STAGE_PARAMS).index(j["rule"]), j["wildcards"].get("name", "")))
+    jobs = [j for j in jobs if j["rule"] in STAGES]
+    return sorted(jobs, key=lambda j: (list(STAGES).index(j["rule"]), j["wildcards"].get("name", "")))
 
 
 def _relative(path: str) -> str:
@@ -59,7 +60,7 @@ def dvc_stages(jobs: list[dict]) -> dict:
     for job in jobs:
         name = job["wildcards"].get("name")
         stage = {"cmd": job["cmd"], "deps": [_relative(d) for d in job["input"]],
-                 "params": [p.format(name=name) for p in STAGE_PARAMS[job["rule"]]]}
+                 "params": [p.format(name=name) for p in STAGES[job["rule"]].params]}
         for out in job["output"]:
             if out.endswith("metrics.json"):
                 stage.setdefault("metrics", []).append(out)

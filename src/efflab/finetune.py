@@ -20,7 +20,7 @@ import torch
 
 from . import architecture, cli, profiling
 from .config import UserError, finetune_run
-from .layout import LOSS_COLUMNS, LOSS_CSV
+from .layout import LOSS_COLUMNS
 from .logs import log_file_path, setup_child_logging
 from .measure.device import pick_device, set_threads
 from .measure.energy import EnergyMeter, energy_per_token
@@ -30,6 +30,7 @@ from .measure.memory import CpuTensorPeak, track_memory
 from .measure.stats import summarize
 from .memory_estimate import compared, training_peak
 from .modeling import base_dtype, eval_loss, load_model, load_tokenizer, read_split
+from .registry import LOSS_CSV
 
 log = logging.getLogger("efflab")
 

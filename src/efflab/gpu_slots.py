@@ -24,9 +24,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from .registry import STAGES
+
 log = logging.getLogger("efflab")
 
-GPU_STAGES = ("quantize", "prune", "qat", "finetune", "merge", "bench_finetune", "bench_attention", "bench_inference", "bench_serving", "capacity")
 NVIDIA_PROC = Path("/proc/driver/nvidia/gpus")
 
 
@@ -97,7 +98,7 @@ def claim(devices: list[str], lock_dir: Path, jobs_per_gpu: int = 1, timeout_s: 
 def assign(stage: str, runtime: dict, environ: dict | None = None, gpu_count: int | None = None) -> Slot | None:
     """Give this process its own GPU: set CUDA_VISIBLE_DEVICES in `environ` to a claimed device."""
     environ = os.environ if environ is None else environ
-    if stage not in GPU_STAGES or runtime["device"] == "cpu" or "SLURM_JOB_ID" in environ:
+    if not STAGES[stage].gpu or runtime["device"] == "cpu" or "SLURM_JOB_ID" in environ:
         return None
     devices = visible_gpus(environ, driver_gpu_count() if gpu_count is None else gpu_count)
     if not devices:

@@ -10,20 +10,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .records import is_ok, read
+from .registry import HEALED, LOSS_CSV, MODEL, QAT_MODEL, STAGES
 
 METRICS = "metrics.json"
-MODEL = "model"
-HEALED = "healed"  # prune's LoRA-healed model
-LOSS_CSV, LOSS_COLUMNS = "loss.csv", ("step", "loss", "learning_rate", "grad_norm")  # finetune's loss curve
-QAT_MODEL = "finetuned"  # qat's full-precision fine-tune
-# What a job of each stage writes besides metrics.json: a job that did not run writes them too (a model folder
-# holding only NOT_RUN.txt, an empty loss curve, empty tables), so that the jobs after it run and record
-# "skipped", and the report renders around it. base_model and prepare_data are not here: without them nothing
-# can run, so their failure stops the run; nor is the report, which nothing reads.
-STAGE_OUTPUTS = {"quantize": (MODEL,), "prune": (MODEL, HEALED), "qat": (QAT_MODEL, "evals.csv", "losses.csv"),
-                 "finetune": (MODEL, LOSS_CSV), "merge": (MODEL,), "bench_finetune": (), "bench_attention": (),
-                 "bench_inference": (), "bench_serving": ("requests.csv",), "capacity": ("cells.csv",),
-                 "claims": ("claims.csv", "claims.md", "summary.json")}
+LOSS_COLUMNS = ("step", "loss", "learning_rate", "grad_norm")  # finetune's loss curve (LOSS_CSV)
 FOLDERS = (MODEL, HEALED, QAT_MODEL)
 NOT_RUN = "NOT_RUN.txt"
 
@@ -57,7 +47,7 @@ class Layout:
 
         for leftover in out.iterdir():
             shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
-        for output in STAGE_OUTPUTS.get(stage, ()):
+        for output in STAGES[stage].outputs or ():
             if output in FOLDERS:
                 (out / output).mkdir()
                 (out / output / NOT_RUN).write_text(f"{status}: {reason}\n")

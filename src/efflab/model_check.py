@@ -15,7 +15,8 @@ import json
 from importlib.metadata import version
 from pathlib import Path
 
-from .config import ADAPTER_METHODS, UserError, classify_source, finetune_run, not_asked
+from .config import ADAPTER_METHODS, UserError, classify_source, finetune_run
+from .registry import not_asked
 
 ATTENTION_FLAGS = {"sdpa": "_supports_sdpa", "flash_attention_2": "_supports_flash_attn",
                    "flex_attention": "_supports_flex_attn"}

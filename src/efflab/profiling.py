@@ -20,14 +20,15 @@ from pathlib import Path
 
 import torch
 
+from .registry import STAGES
+
 FOLDER, TRACE, TOP_OPS = "profile", "trace.json", "top_ops.csv"
 TOP_COLUMNS = ("operator", "calls", "self_cpu_ms", "cpu_total_ms", "self_device_ms", "device_total_ms")
-PROFILED_STAGES = ("finetune", "bench_inference")
 REPLACES_TENSOR_PEAK = "unavailable: this run was profiled (profile.stages): torch.profiler recorded its trace"
 
 
 def wanted(cfg: dict, stage: str) -> bool:
-    return stage in cfg["profile"]["stages"]
+    return STAGES[stage].profiled and stage in cfg["profile"]["stages"]
 
 
 class Profiler:

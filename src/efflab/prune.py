@@ -33,8 +33,9 @@ from .measure.env import environment
 from .measure.flops import count_parameters
 from .measure.stats import speedup
 from .measure.timing import INTERLEAVE_RECORD, SENTINEL_TOLERANCE, interleave
-from .layout import HEALED, NOT_RUN
+from .layout import NOT_RUN
 from .modeling import base_dtype, eval_loss, folder_bytes, load_model, load_tokenizer, read_split
+from .registry import HEALED
 
 log = logging.getLogger("efflab")
 

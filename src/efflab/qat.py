@@ -31,13 +31,14 @@ import torch
 from . import cli, quality, records
 from .config import UserError
 from .architecture import linear_layers, matmul_shape, undivided_layer
-from .layout import QAT_MODEL, Layout
+from .layout import Layout
 from .measure.device import pick_device, set_threads
 from .measure.env import environment
 from .measure.isolation import CellJournal, run_cell
 from .measure.stats import summarize
 from .modeling import (base_dtype, forward_batches, load_model, load_tokenizer, read_split,
                        row_nll, shape_only)
+from .registry import QAT_MODEL
 
 log = logging.getLogger("efflab")
 

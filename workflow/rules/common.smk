@@ -4,8 +4,7 @@ import sys
 from pathlib import Path
 
 from efflab import config as efflab_config
-from efflab import gpu_slots, model_check
-from efflab.cli import stage_names
+from efflab import gpu_slots, model_check, registry
 
 # The stage CLIs read the params file themselves, so the DAG must be built from that same file alone:
 # --configfile FILE names a whole experiment, which replaces params.yaml (Snakemake would otherwise merge it
@@ -67,7 +66,7 @@ def fail_if_jobs_failed():
 
 def asked(stage, path):
     """`path` as an input, or nothing when the experiment leaves `stage` out (its grid is empty)."""
-    return [] if efflab_config.not_asked(config, stage) else [path]
+    return [] if registry.not_asked(config, stage) else [path]
 
 
 def module(stage):
@@ -100,11 +99,11 @@ def model_configs():
 
 def settings(stage):
     """The params a stage's job reads; Snakemake reruns the job when they change."""
-    return lambda wildcards: efflab_config.stage_settings(config, stage, wildcards.get("name"))
+    return lambda wildcards: registry.settings(config, stage, wildcards.get("name"))
 
 
 def names(stage):
-    return stage_names(config, stage)
+    return registry.names(config, stage)
 
 
 def quantize_reference(wildcards):
@@ -150,18 +149,10 @@ _gpu_limit = workflow.global_resources.get("gpu")
 GPU_JOBS = max(1, (_gpu_limit.value if _gpu_limit is not None else None) or len(_GPUS))
 GPU_THREADS = max(1, HEAVY // GPU_JOBS)
 
-# Host memory in units of the base model's in-memory size (weights in the compute dtype), on top of
-# MEM_BASE_MB for Python, torch and the data: full fine-tuning holds weights, gradients and two Adam
-# moments in fp32; LoRA and QLoRA hold the frozen base plus small adapters; quantize and merge hold a
-# second copy of the model; the benchmarks hold one model and its activations.
+# Host memory: MEM_BASE_MB for Python, torch and the data, plus the stage's registry.Stage.mem_factor times the
+# base model's in-memory size (weights in the compute dtype). Wall time: the stage's runtime_min for a model of up
+# to 1 GB, linear in size above.
 MEM_BASE_MB = 2000
-MEM_MODEL_FACTOR = {"base_model": 3, "quantize": 3, "prune": 3, "qat": 6, "full": 5, "lora": 2, "qlora": 2, "merge": 3,
-                    "bench_finetune": 7, "bench_attention": 2, "bench_inference": 2,
-                    "bench_serving": 3, "capacity": 6}
-# Wall-time limit in minutes for a CPU-sized run on a model of up to 1 GB; linear in size above.
-RUNTIME_MIN = {"base_model": 15, "prepare_data": 10, "quantize": 20, "prune": 20, "qat": 40, "finetune": 60, "merge": 20,
-               "bench_finetune": 30, "bench_attention": 20, "bench_inference": 20, "bench_serving": 20,
-               "capacity": 40, "claims": 10, "report": 10}
 # Before base_model has run (dry runs, DAG planning) its size is not known yet; Snakemake evaluates
 # resources again when a job's inputs exist, and then the measured size is used.
 MODEL_MB_UNKNOWN = 1000
@@ -176,23 +167,21 @@ def model_mb(input):
 
 
 def threads_for(stage):
-    return GPU_THREADS if USE_GPU and stage in gpu_slots.GPU_STAGES else HEAVY
+    return GPU_THREADS if USE_GPU and registry.STAGES[stage].gpu else HEAVY
 
 
 def mem_mb(stage):
     """Host memory that scales with the model and doubles on each retry (an OOM kill is the usual cause)."""
     def estimate(wildcards, input, attempt):
-        kind = stage
-        if stage == "finetune":
-            kind = efflab_config.finetune_run(config, wildcards.name)["method"]
-        return int((MEM_BASE_MB + MEM_MODEL_FACTOR.get(kind, 0) * model_mb(input)) * 2 ** (attempt - 1))
+        factor = registry.mem_factor(config, stage, wildcards.get("name"))
+        return int((MEM_BASE_MB + factor * model_mb(input)) * 2 ** (attempt - 1))
     return estimate
 
 
 def runtime(stage):
     """Wall-time limit in minutes: scales with the model and, for fine-tuning, max_steps; doubles on each retry."""
     def estimate(wildcards, input, attempt):
-        minutes = RUNTIME_MIN[stage] * max(1.0, model_mb(input) / 1000)
+        minutes = registry.STAGES[stage].runtime_min * max(1.0, model_mb(input) / 1000)
         if stage == "finetune":
             minutes *= max(1.0, efflab_config.finetune_run(config, wildcards.name)["max_steps"] / 100)
         return int(minutes * 2 ** (attempt - 1))
@@ -201,6 +190,6 @@ def runtime(stage):
 
 def gpu_resources(stage):
     """gpu and cpus_per_gpu for a GPU stage on a GPU run; nothing otherwise."""
-    if USE_GPU and stage in gpu_slots.GPU_STAGES:
+    if USE_GPU and registry.STAGES[stage].gpu:
         return {"gpu": 1, "cpus_per_gpu": GPU_THREADS}
     return {}

@@ -18,7 +18,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
-from .. import cli, records  # noqa: E402
+from .. import records, registry  # noqa: E402
 from . import options as opts  # noqa: E402
 from .fmt import MiB  # noqa: E402
 from .notes import same_updates  # noqa: E402
@@ -535,7 +535,7 @@ PLOT_STAGES = {"quantize.png": "quantize", "prune.png": "prune", "qat.png": "qat
 
 
 def draw_plots(cfg: dict, metrics: dict, tables: dict, fronts: dict, layout, out: Path) -> list[str]:
-    names = cli.stage_names(cfg, "finetune") or []
+    names = registry.names(cfg, "finetune") or []
     plots = {"quantize.png": lambda p: plot_quantize(metrics["quantize"], p),
              "prune.png": lambda p: plot_prune(metrics["prune"], p),
              "qat.png": lambda p: plot_qat(tables["qat"], next(iter(records.ok(metrics["qat"])), None), p),

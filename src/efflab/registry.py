@@ -1,0 +1,123 @@
+"""The stage registry: what each stage is, in one table. The Snakemake rules (common.smk), dvcgen, cli, layout,
+gpu_slots, profiling and the report read it; tests/test_registry.py fails when a stage is missing from any of them.
+
+No torch here: Snakemake reads this while it plans the DAG.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Callable
+
+from .config import finetune_run, lookup, merge_runs
+
+# What stages write besides metrics.json, by name (layout says where).
+MODEL = "model"
+HEALED = "healed"  # prune's LoRA-healed model
+QAT_MODEL = "finetuned"  # qat's full-precision fine-tune
+LOSS_CSV = "loss.csv"  # finetune's loss curve
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    # The params keys its jobs read ({name}: the job's grid entry): Snakemake and DVC rerun a job when they change.
+    params: tuple[str, ...]
+    # Wall-time limit in minutes for a CPU-sized run on a model of up to 1 GB; linear in size above.
+    runtime_min: int
+    # Host memory in units of the base model's in-memory size (weights in the compute dtype), on top of
+    # common.smk's MEM_BASE_MB for Python, torch and the data; per method for finetune.
+    mem_factor: float | dict = 0
+    # The names its jobs run over; None for a single-job stage.
+    grid: Callable[[dict], list[str]] | None = None
+    # Why an experiment leaves the stage out, and the test of that (its grid is empty).
+    left_out: tuple[str, Callable[[dict], bool]] | None = None
+    # What a job writes besides metrics.json: a job that did not run writes them too (a model folder holding only
+    # NOT_RUN.txt, an empty loss curve, empty tables), so that the jobs after it run and record "skipped", and the
+    # report renders around it. None: without this stage nothing can run (base_model, prepare_data), or nothing
+    # reads it (report), so its failure stops the run.
+    outputs: tuple[str, ...] | None = None
+    gpu: bool = False  # claims a GPU slot, and gets `gpu: 1` and `cpus_per_gpu` on GPU runs
+    profiled: bool = False  # can run under torch.profiler (profile.stages)
+
+
+def _stages(*stages: Stage) -> dict[str, Stage]:
+    return {s.name: s for s in stages}
+
+
+# In DAG order. Full fine-tuning holds weights, gradients and two Adam moments in fp32; LoRA and QLoRA hold the
+# frozen base plus small adapters; quantize and merge hold a second copy of the model; the benchmarks hold one
+# model and its activations.
+STAGES = _stages(
+    Stage("base_model", ("runtime", "base_model"), runtime_min=15, mem_factor=3),
+    Stage("prepare_data", ("prepare_data",), runtime_min=10),
+    Stage("quantize", ("runtime", "quantize.eval_rows", "quantize.batch_size", "quantize.schemes.{name}",
+                       "report.baseline_scheme"), runtime_min=20, mem_factor=3,
+          grid=lambda cfg: list(cfg["quantize"]["schemes"]), outputs=(MODEL,), gpu=True),
+    Stage("prune", ("runtime", "prune.importance", "prune.calibration_rows", "prune.eval_rows", "prune.prompt",
+                    "prune.max_new_tokens", "prune.repeats", "prune.heal", "prune.strategies.{name}"),
+          runtime_min=20, mem_factor=3, grid=lambda cfg: list(cfg["prune"]["strategies"]),
+          left_out=("prune.strategies is empty", lambda cfg: not cfg["prune"]["strategies"]),
+          outputs=(MODEL, HEALED), gpu=True),
+    Stage("qat", ("runtime", "qat"), runtime_min=40, mem_factor=6,
+          left_out=("qat.bits is empty", lambda cfg: not cfg["qat"]["bits"]),
+          outputs=(QAT_MODEL, "evals.csv", "losses.csv"), gpu=True),
+    Stage("finetune", ("runtime", "finetune.defaults", "finetune.runs.{name}", "profile"), runtime_min=60,
+          mem_factor={"full": 5, "lora": 2, "qlora": 2}, grid=lambda cfg: list(cfg["finetune"]["runs"]),
+          left_out=("finetune.runs is empty", lambda cfg: not cfg["finetune"]["runs"]),
+          outputs=(MODEL, LOSS_CSV), gpu=True, profiled=True),
+    Stage("merge", ("runtime", "merge", "finetune.defaults", "finetune.runs.{name}"), runtime_min=20, mem_factor=3,
+          grid=merge_runs,
+          left_out=("no adapter run to merge (merge.runs, finetune.runs)", lambda cfg: not merge_runs(cfg)),
+          outputs=(MODEL,), gpu=True),
+    Stage("bench_finetune", ("runtime", "bench_finetune", "finetune.defaults", "finetune.runs"), runtime_min=30,
+          mem_factor=7,
+          left_out=("finetune.runs has fewer than two runs to compare", lambda cfg: len(cfg["finetune"]["runs"]) < 2),
+          outputs=(), gpu=True),
+    Stage("bench_attention", ("runtime", "bench_attention.seq_lens", "bench_attention.batch_sizes",
+                              "bench_attention.modes", "bench_attention.warmup", "bench_attention.repeats"),
+          runtime_min=20, mem_factor=2, grid=lambda cfg: list(cfg["bench_attention"]["implementations"]),
+          left_out=("bench_attention.implementations is empty",
+                    lambda cfg: not cfg["bench_attention"]["implementations"]),
+          outputs=(), gpu=True),
+    Stage("bench_inference", ("runtime", "bench_inference.max_new_tokens", "bench_inference.warmup",
+                              "bench_inference.repeats", "bench_inference.kv_cache", "bench_inference.batch_sizes",
+                              "bench_inference.prompts", "bench_inference.variants.{name}", "profile"),
+          runtime_min=20, mem_factor=2, grid=lambda cfg: list(cfg["bench_inference"]["variants"]),
+          left_out=("bench_inference.variants is empty", lambda cfg: not cfg["bench_inference"]["variants"]),
+          outputs=(), gpu=True, profiled=True),
+    Stage("bench_serving", ("runtime", "bench_serving"), runtime_min=20, mem_factor=3,
+          left_out=("bench_serving.methods is empty", lambda cfg: not cfg["bench_serving"]["methods"]),
+          outputs=("requests.csv",), gpu=True),
+    Stage("capacity", ("runtime", "capacity", "finetune.defaults", "finetune.runs", "bench_inference.variants"),
+          runtime_min=40, mem_factor=6,
+          left_out=("capacity.runs and capacity.variants are empty",
+                    lambda cfg: not cfg["capacity"]["runs"] and not cfg["capacity"]["variants"]),
+          outputs=("cells.csv",), gpu=True),
+    Stage("claims", ("claims",), runtime_min=10, outputs=("claims.csv", "claims.md", "summary.json")),
+    Stage("report", ("report",), runtime_min=10),
+)
+
+
+def names(cfg: dict, stage: str) -> list[str] | None:
+    """The names a stage's jobs run over, or None for a single-job stage."""
+    grid = STAGES[stage].grid
+    return None if grid is None else grid(cfg)
+
+
+def not_asked(cfg: dict, stage: str) -> str | None:
+    """Why `stage` is left out of this experiment (its grid is empty), or None when it runs."""
+    left_out = STAGES[stage].left_out
+    return left_out[0] if left_out and left_out[1](cfg) else None
+
+
+def settings(cfg: dict, stage: str, name: str | None = None) -> str:
+    """The params a job reads, as canonical JSON: a Snakemake rule param, so edits rerun the job."""
+    keys = [k.format(name=name) for k in STAGES[stage].params]
+    return json.dumps({k: lookup(cfg, k) for k in keys}, sort_keys=True)
+
+
+def mem_factor(cfg: dict, stage: str, name: str | None = None) -> float:
+    """The stage's host memory in units of the base model's size (for finetune, its run's method's)."""
+    factor = STAGES[stage].mem_factor
+    return factor.get(finetune_run(cfg, name)["method"], 0) if isinstance(factor, dict) else factor
