@@ -53,7 +53,7 @@ def test_qlora_gradients_do_not_depend_on_an_earlier_validation_pass(results, te
     the layers kept on the differentiable path, a QLoRA gradient is the same with or without that pass."""
     import warnings
 
-    from efflab.finetune import build_model
+    from efflab.training import build_model
 
     run = finetune_run(test_cfg, "qlora-r8")
     run["lora"] = run["lora"] | {"dropout": 0.0}
@@ -204,7 +204,7 @@ def test_the_same_params_train_bitwise_identically_on_cpu(results, write_params)
 def test_packed_rows_see_only_themselves_and_keep_the_loss(results, write_params, test_cfg):
     """Padding-free batches: the logits of rows laid end to end equal those of each row alone (no attention
     across rows), and a packed run trains on the same real tokens with the same loss as a padded one."""
-    from efflab.finetune import collator
+    from efflab.training import collator
     from efflab.modeling import load_model, load_tokenizer, read_split
 
     layout = Layout(results)

@@ -22,7 +22,6 @@ import torch
 
 from . import cli, records
 from .config import finetune_run
-from .finetune import build_model, unavailable_knobs
 from .layout import Layout
 from .measure.device import pick_device, set_threads, synchronize
 from .measure.env import environment
@@ -30,7 +29,7 @@ from .measure.isolation import CellJournal, run_cell
 from .measure.stats import format_ratio, paired_ratio
 from .measure.timing import interleave
 from .modeling import base_dtype, load_tokenizer, read_split
-from .training import batches, real_tokens, training_step
+from .training import batches, build_model, real_tokens, training_step, unavailable_knobs
 
 log = logging.getLogger("efflab")
 

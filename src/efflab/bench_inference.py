@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from . import cli, profiling, records
-from .config import UserError, finetune_run
+from .config import UserError
 from .layout import Layout
 from .measure.device import pick_device, set_threads
 from .measure.energy import energy_of, energy_per_token
@@ -26,7 +26,7 @@ from .measure.memory import track_memory
 from .measure.stats import percentile, speedup, summarize
 from .measure.timing import INTERLEAVE_RECORD, SENTINEL_TOLERANCE, interleave
 from .memory_estimate import compared, generation_peak, quantized_layer_transient, variant_quant
-from .modeling import base_dtype, load_model, load_tokenizer, require_input
+from .modeling import base_dtype, load_model, load_tokenizer, load_variant, require_input
 
 log = logging.getLogger("efflab")
 
@@ -85,26 +85,6 @@ def explain_tail(runs: list[dict], kv_cache: bool) -> str | None:
     slow = sum(g > TAIL_RATIO * p50 for g in gaps)
     return (f"isolated slow tokens ({slow} of {len(gaps)} above {TAIL_RATIO}x the median) spread over the "
             "generations: interference (other processes, clock changes) or the garbage collector")
-
-
-def variant_folders(variant: dict, layout) -> list:
-    """The earlier stages' folders a variant loads."""
-    kind, of = variant["kind"], variant.get("of")
-    return {"base": [layout.base_model()], "quantized": [layout.model("quantize", of)],
-            "merged": [layout.model("merge", of)],
-            "adapter": [layout.base_model(), layout.model("finetune", of)]}[kind]
-
-
-def load_variant(cfg: dict, variant: dict, layout, dtype: str, device: torch.device):
-    from peft import PeftModel
-
-    kind, of = variant["kind"], variant.get("of")
-    if kind != "adapter":
-        return load_model(variant_folders(variant, layout)[0], dtype, device)
-    run_cfg = finetune_run(cfg, of)
-    quant = run_cfg["quant"] if run_cfg["method"] == "qlora" else None
-    base = load_model(layout.base_model(), dtype, device, quant=quant)
-    return PeftModel.from_pretrained(base, layout.model("finetune", of)).eval()
 
 
 def prompts(b: dict, layout, tokenizer) -> list[dict]:
@@ -239,7 +219,7 @@ def run(cfg: dict, paths: dict) -> dict:
     if skipped:
         return {**skipped, "variant": name, "kind": variant["kind"], "of": variant.get("of"), "cells": [],
                 "environment": environment(device, b)}
-    for folder in variant_folders(variant, layout):  # a missing input is the user's error, not a failed cell
+    for folder in layout.variant_folders(variant):  # a missing input is the user's error, not a failed cell
         require_input(folder)
     built_on = layout.metrics(upstream, variant["of"]) if upstream else layout.metrics("base_model")
     journal = CellJournal(layout.out("bench_inference") / f".{name}.cells.jsonl",

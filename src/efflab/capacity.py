@@ -52,7 +52,8 @@ from .measure.memory import MiB, CpuTensorPeak, proc_status_kib, cuda_context_mi
 from .measure.stats import summarize
 from .measure.timing import time_fn
 from .memory_estimate import generation_peak, quantized_layer_transient, training_peak, variant_quant
-from .modeling import base_dtype, load_tokenizer, read_split
+from .modeling import base_dtype, load_tokenizer, load_variant, read_split
+from .training import build_model, mixed_precision, training_step
 
 log = logging.getLogger("efflab")
 
@@ -158,9 +159,6 @@ def run_steps(work, device: torch.device, warmup: int, timed: int, fits=lambda t
 
 
 def _train_work(cfg: dict, subject: str, layout, dtype: str, device: torch.device, batch_size: int, seq_len: int):
-    from .finetune import build_model, mixed_precision
-    from .training import training_step
-
     run_cfg = finetune_run(cfg, subject)
     model = build_model(run_cfg, layout, dtype, device)
     ids = token_rows(layout, batch_size, seq_len).to(device)
@@ -178,8 +176,6 @@ def _train_work(cfg: dict, subject: str, layout, dtype: str, device: torch.devic
 
 def _generate_work(cfg: dict, subject: str, layout, dtype: str, device: torch.device, batch_size: int,
                    seq_len: int):
-    from .bench_inference import load_variant
-
     variant = cfg["bench_inference"]["variants"][subject]
     new_tokens = cfg["capacity"]["generate"]["new_tokens"]
     tokenizer = load_tokenizer(layout.base_model())

@@ -223,6 +223,12 @@ def finetune_run(cfg: dict, name: str) -> dict:
     return _deep_merge(cfg["finetune"]["defaults"], cfg["finetune"]["runs"][name])
 
 
+def base_quant(run: dict) -> dict | None:
+    """The bitsandbytes scheme a fine-tuning run's frozen base is loaded with: QLoRA's 4-bit scheme, else None
+    (full precision). Training, merging, inference and the memory estimates all load that same base."""
+    return run["quant"] if run["method"] == "qlora" else None
+
+
 def adapter_runs(cfg: dict) -> list[str]:
     """Finetune runs that produce an adapter, so that merge has work to do."""
     return [n for n, r in cfg["finetune"]["runs"].items() if r["method"] in ADAPTER_METHODS]

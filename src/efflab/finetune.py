@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from . import architecture, cli, profiling
+from . import cli, profiling
 from .config import UserError, finetune_run
 from .layout import LOSS_COLUMNS
 from .logs import log_file_path, setup_child_logging
@@ -29,90 +29,11 @@ from .measure.flops import count_parameters, matmul_ceiling, mfu, published_peak
 from .measure.memory import CpuTensorPeak, track_memory
 from .measure.stats import summarize
 from .memory_estimate import compared, training_peak
-from .modeling import base_dtype, eval_loss, load_model, load_tokenizer, read_split
+from .modeling import base_dtype, eval_loss, load_tokenizer, read_split
 from .registry import LOSS_CSV
+from .training import build_model, collator, mixed_precision, unavailable_knobs
 
 log = logging.getLogger("efflab")
-
-
-def mixed_precision(run: dict, dtype: str, device: torch.device) -> str:
-    """'bf16', 'fp16' or 'no'; 'auto' follows what the base_model stage measured to be fast."""
-    want = run["mixed_precision"]
-    if want == "auto":
-        if device.type == "cuda":
-            return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
-        return "bf16" if dtype == "bfloat16" else "no"
-    return want
-
-
-def unavailable_knobs(run: dict, device: torch.device) -> list[str]:
-    """The knobs of a run that this device cannot honour. Such a run is recorded as unavailable with these
-    reasons rather than trained without them: a row labelled tf32 that ran without TF32 would be a lie."""
-    reasons = []
-    if device.type != "cuda":
-        if run["mixed_precision"] == "fp16":
-            reasons.append("mixed_precision fp16 (with gradient scaling) needs a CUDA GPU")
-        if run["tf32"]:
-            reasons.append("tf32 needs an NVIDIA GPU of compute capability 8.0 (Ampere) or newer")
-        if run["pin_memory"] is True:
-            reasons.append("pin_memory: page-locked host memory only speeds up copies to a CUDA GPU")
-    elif run["tf32"] and torch.cuda.get_device_capability(device)[0] < 8:
-        reasons.append(f"tf32 needs compute capability 8.0 or newer; {torch.cuda.get_device_name(device)} has "
-                       f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}")
-    return reasons
-
-
-def collator(run: dict, tokenizer):
-    """Padding-free batches when packing: the batch's rows laid end to end in one row with position ids
-    restarting at every row, which transformers turns into a block-diagonal causal mask (eager, sdpa) or
-    variable-length kernels (flash_attention_2). Same rows and label tokens per step as padded batches,
-    so the loss is the same; only the pad tokens' compute is gone."""
-    from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening
-
-    if run["packing"]:
-        return DataCollatorWithFlattening(return_position_ids=True, separator_id=-100)
-    return DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
-
-
-def build_model(run: dict, layout, dtype: str, device: torch.device):
-    """The model to train: full weights in fp32, or the frozen base (4-bit for QLoRA) with LoRA."""
-    from peft import get_peft_model, prepare_model_for_kbit_training
-
-    if run["method"] == "full":
-        model = load_model(layout.base_model(), "float32", device)
-        if run["gradient_checkpointing"]:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        return model
-    quant = run["quant"] if run["method"] == "qlora" else None
-    model = load_model(layout.base_model(), dtype, device, quant=quant)
-    if quant:
-        keep_4bit_layers_differentiable(model)
-        model = prepare_model_for_kbit_training(
-            model, use_gradient_checkpointing=run["gradient_checkpointing"],
-            gradient_checkpointing_kwargs={"use_reentrant": False})
-    elif run["gradient_checkpointing"]:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.enable_input_require_grads()
-    try:
-        return get_peft_model(model, architecture.lora_config(model.config, run["lora"]))
-    except ValueError as err:
-        raise UserError(f"finetune.lora.target_modules: {str(err).splitlines()[0]}") from None
-
-
-def keep_4bit_layers_differentiable(model) -> int:
-    """Keep every bitsandbytes 4-bit layer of a model that will train on its differentiable path.
-
-    bitsandbytes (0.50) repacks a Linear4bit weight for its AVX512-BF16 CPU inference kernel the first time
-    the layer runs in eval mode without gradients (here: the validation loss before training) and from then
-    on calls that kernel in training too. The kernel has no backward, so the gradient through every frozen
-    4-bit layer would be silently dropped (torch only warns: "an autograd kernel was not registered") and
-    QLoRA's adapters would train on wrong gradients. Returns the number of layers kept."""
-    import bitsandbytes as bnb
-
-    layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
-    for layer in layers:
-        layer.support_avx512bf16_for_cpu = False
-    return len(layers)
 
 
 def write_loss_curve(history: list[dict], path) -> list[dict]:

@@ -37,6 +37,13 @@ class Layout:
     def model(self, stage: str, name: str) -> Path:
         return self.out(stage, name) / MODEL
 
+    def variant_folders(self, variant: dict) -> list[Path]:
+        """The earlier stages' folders a bench_inference variant loads: an adapter's base, then its own folder."""
+        kind, of = variant["kind"], variant.get("of")
+        return {"base": [self.base_model()], "quantized": [self.model("quantize", of)],
+                "merged": [self.model("merge", of)],
+                "adapter": [self.base_model(), self.model("finetune", of)]}[kind]
+
     def metrics(self, stage: str, name: str | None = None) -> Path:
         return self.out(stage, name) / METRICS
 

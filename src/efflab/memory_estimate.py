@@ -21,6 +21,7 @@ import functools
 import math
 
 from . import architecture, estimate
+from .config import base_quant, finetune_run
 
 MiB = 2**20
 ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -373,13 +374,10 @@ def quantized_layer_transient(model, dtype: str) -> int:
 
 def variant_quant(cfg: dict, variant: dict) -> dict | None:
     """The bitsandbytes scheme an inference variant's weights are loaded with (None: full precision)."""
-    from .config import finetune_run
-
     if variant["kind"] == "quantized":
         return cfg["quantize"]["schemes"][variant["of"]]
     if variant["kind"] == "adapter":
-        run = finetune_run(cfg, variant["of"])
-        return run["quant"] if run["method"] == "qlora" else None
+        return base_quant(finetune_run(cfg, variant["of"]))
     return None
 
 

@@ -14,7 +14,7 @@ import torch
 
 from . import cli, quality
 from .architecture import restore_conv1d
-from .config import finetune_run
+from .config import base_quant, finetune_run
 from .measure.device import pick_device, set_threads
 from .measure.env import environment
 from .modeling import (base_dtype, forward_batches, load_model, load_tokenizer, read_split, row_nll,
@@ -82,7 +82,7 @@ def run(cfg: dict, paths: dict) -> dict:
     batch_size = run_cfg["batch_size"]
     adapter = layout.model("finetune", name)
 
-    quant = run_cfg["quant"] if run_cfg["method"] == "qlora" else None
+    quant = base_quant(run_cfg)
     base = load_model(layout.base_model(), m["dtype"] if quant is None else dtype, device, quant=quant)
     reference = PeftModel.from_pretrained(base, adapter).eval()
     ref_logits, ref_eval = reference_logits(reference, rows, batch_size, tokenizer)

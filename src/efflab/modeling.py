@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from .config import UserError, missing_input  # noqa: F401 (re-exported)
+from .config import UserError, base_quant, finetune_run, missing_input  # noqa: F401 (re-exported)
 from .measure.device import DTYPES
 from .measure.env import FAST_BF16_ISA, cpu_isa, cpu_model
 
@@ -266,3 +266,14 @@ def shape_only(folder: Path):
     from .architecture import skeleton
 
     return skeleton(AutoConfig.from_pretrained(require_input(folder)))
+
+
+def load_variant(cfg: dict, variant: dict, layout, dtype: str, device: torch.device):
+    """An inference variant's model: a saved folder, or a fine-tuning run's adapter on the base it trained on."""
+    from peft import PeftModel
+
+    kind, of = variant["kind"], variant.get("of")
+    if kind != "adapter":
+        return load_model(layout.variant_folders(variant)[0], dtype, device)
+    base = load_model(layout.base_model(), dtype, device, quant=base_quant(finetune_run(cfg, of)))
+    return PeftModel.from_pretrained(base, layout.model("finetune", of)).eval()

@@ -5,6 +5,7 @@ from pathlib import Path
 
 from efflab import config as efflab_config
 from efflab import gpu_slots, model_check, registry
+from efflab.layout import Layout
 
 # The stage CLIs read the params file themselves, so the DAG must be built from that same file alone:
 # --configfile FILE names a whole experiment, which replaces params.yaml (Snakemake would otherwise merge it
@@ -113,15 +114,8 @@ def quantize_reference(wildcards):
 
 
 def variant_folder(name):
-    """The model folder a bench_inference variant loads."""
-    variant = config["bench_inference"]["variants"][name]
-    kind, of = variant["kind"], variant.get("of")
-    return {
-        "base": "results/base_model/model",
-        "quantized": f"results/quantize/{of}/model",
-        "merged": f"results/merge/{of}/model",
-        "adapter": f"results/finetune/{of}/model",
-    }[kind]
+    """The model folder a bench_inference variant loads (an adapter's own; the layout also lists its base)."""
+    return str(Layout(Path("results")).variant_folders(config["bench_inference"]["variants"][name])[-1])
 
 
 def inference_inputs(wildcards):
