@@ -1,4 +1,4 @@
-# efflab: the experiment DAG. Wiring only; every stage's work is `python -m efflab.<stage>`.
+# efflab: the experiment DAG. Wiring only; every stage's work is `python -m efflab.stages.<stage>`.
 # Run: snakemake --cores all            (params.yaml)
 #      snakemake --cores 2 --configfile tests/config/params.test.yaml
 #      snakemake --cores 1 --report results/report/report.html   (after a run: plots and tables by stage)

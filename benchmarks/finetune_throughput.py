@@ -5,7 +5,7 @@ Cells (each a fresh process, interleaved over the repeats so drift hits every ce
   baseline       benchmarks/trainer_baseline.py: dynamic padding, the Trainer's defaults, the model in the
                  dtype transformers 5 loads by default (the saved one: what efflab's base_model chose)
   baseline-fp32  the same script loading the model in float32 (transformers 4's default)
-  efflab         `python -m efflab.finetune` with the run's settings as shipped (padding-free packing,
+  efflab         `python -m efflab.stages.finetune` with the run's settings as shipped (padding-free packing,
                  the precision the base_model probe found fastest here, step checkpoints on)
   efflab-padded  the same with packing off: what packing alone buys, and efflab's overhead otherwise
   efflab-bf16    the same with bf16 mixed precision forced on (the seeds' other speed-up)
@@ -58,7 +58,7 @@ def efflab_cell(params: dict, run: str, overrides: dict, results: Path, work: Pa
     cfg["finetune"]["runs"][BENCH_RUN] = {**cfg["finetune"]["runs"][run], **overrides}
     path = work / "params.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    _run([sys.executable, "-m", "efflab.finetune", "--params", str(path), "--results", str(scratch),
+    _run([sys.executable, "-m", "efflab.stages.finetune", "--params", str(path), "--results", str(scratch),
           "--name", BENCH_RUN])
     m = json.loads((scratch / "finetune" / BENCH_RUN / "metrics.json").read_text())
     t = m["throughput"]

@@ -1,4 +1,4 @@
-"""How much does efflab's inference harness cost? Decode tokens/s through efflab.bench_inference's timed
+"""How much does efflab's inference harness cost? Decode tokens/s through efflab.stages.bench_inference's timed
 generation (token streamer, per-token timestamps) vs bare generation loops on the same model, same prompts,
 same length, interleaved in one process so drift hits both alike.
 
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from efflab.bench_inference import generate_timed, prompt_batches, prompts
+from efflab.stages.bench_inference import generate_timed, prompt_batches, prompts
 from efflab.measure.device import set_threads
 from efflab.measure.env import environment
 from efflab.measure.stats import summarize

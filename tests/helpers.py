@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from efflab import cli
+from efflab import cli, registry
 
 REPO = Path(__file__).resolve().parents[1]
 TEST_PARAMS = REPO / "tests" / "config" / "params.test.yaml"
@@ -20,9 +20,9 @@ BIN = Path(sys.executable).parent
 
 def run_stage(stage: str, params: Path, results: Path, name: str | None = None) -> dict:
     """Run a stage through its real CLI entry point, in-process, and return its metrics."""
-    module = importlib.import_module(f"efflab.{stage}")
+    module = importlib.import_module(registry.module(stage))
     if not hasattr(module, "run"):  # a stage that is a package (report, claims) runs from its stage module
-        module = importlib.import_module(f"efflab.{stage}.stage")
+        module = importlib.import_module(f"{registry.module(stage)}.stage")
     argv = ["--params", str(params), "--results", str(results)] + (["--name", name] if name else [])
     cli.main(stage, module.run, argv)
     folder = results / stage / name if name else results / stage
@@ -69,7 +69,7 @@ class SimulatedClock:
 def serving_record(rates: dict[tuple[str, int], list[float]], requests: int = 8) -> dict:
     """A bench_serving record from injected output tokens/s, one per burst round for each (method, concurrency),
     with its ratios paired round by round as the stage pairs them: verdicts on known numbers, no clock."""
-    from efflab import bench_serving
+    from efflab.stages import bench_serving
     from efflab.measure.stats import summarize
 
     cells = [{"method": m, "concurrency": c, "status": "ok", "bursts": len(r), "requests": requests,

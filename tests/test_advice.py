@@ -1,5 +1,5 @@
 """The report's opening answers follow from planted records, not from which option is cheapest or named first."""
-from efflab.report import advice
+from efflab.stages.report import advice
 
 MiB = 2**20
 CFG = {"report": {"quality_tolerance_pct": 5.0, "baseline_scheme": "baseline"},

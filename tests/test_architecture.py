@@ -9,7 +9,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from efflab import architecture, prune
+from efflab import architecture
+from efflab.stages import prune
 from tests.families import FAMILIES, family_folder
 
 

@@ -80,7 +80,7 @@ def test_inference_separates_prefill_from_decode_per_kv_cache_and_batch_cell(res
 
 
 def test_explicit_prompts_are_chat_templated_and_the_default_draw_is_seeded(results, test_cfg):
-    from efflab.bench_inference import prompts
+    from efflab.stages.bench_inference import prompts
     from efflab.layout import Layout
     from efflab.modeling import load_tokenizer
 
@@ -115,7 +115,7 @@ def test_int8_cells_show_each_warning_at_most_once_and_no_profiler_lines(results
     run_stage("quantize", params, results, "int8")
     in_stage = capfd.readouterr().err
     env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}  # efflab's default, not the caller's
-    proc = subprocess.run([sys.executable, "-m", "efflab.bench_inference", "--params", str(params), "--results",
+    proc = subprocess.run([sys.executable, "-m", "efflab.stages.bench_inference", "--params", str(params), "--results",
                            str(results), "--name", "int8"], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (cell,) = json.loads((results / "bench_inference" / "int8" / "metrics.json").read_text())["cells"]
@@ -140,7 +140,7 @@ def test_a_stage_killed_mid_grid_keeps_its_finished_cells_and_its_rerun_measures
     leaves no outputs but two journalled cells, and its rerun measures the other cells only."""
     import pytest
 
-    from efflab import bench_attention
+    from efflab.stages import bench_attention
 
     measured = []
     real_cell = bench_attention.attention_cell
@@ -167,7 +167,7 @@ def test_a_stage_killed_mid_grid_keeps_its_finished_cells_and_its_rerun_measures
 
 
 def test_a_per_token_tail_above_one_and_a_half_medians_is_named():
-    from efflab.bench_inference import explain_tail
+    from efflab.stages.bench_inference import explain_tail
 
     steady = [{"token_gaps_s": [0.010, 0.011, 0.010, 0.010]} for _ in range(5)]
     assert explain_tail(steady, kv_cache=True) is None

@@ -3,7 +3,7 @@ import csv
 import pytest
 
 from tests.helpers import TEST_PARAMS, run_stage, serving_record
-from efflab import bench_serving
+from efflab.stages import bench_serving
 from efflab.measure.stats import ratio_verdict, summarize
 
 

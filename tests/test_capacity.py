@@ -6,7 +6,7 @@ import torch
 import yaml
 
 from tests.helpers import run_stage
-from efflab import capacity
+from efflab.stages import capacity
 from efflab.config import UserError
 
 

@@ -10,9 +10,9 @@ import pytest
 import yaml
 
 from efflab import estimate
-from efflab.claims import readings, stage
-from efflab.claims.registry import REGISTRY, load, load_registry, passages, uncovered
-from efflab.claims.verdict import EVIDENCE, VERDICTS, Reading, judge, verdict_class
+from efflab.stages.claims import readings, stage
+from efflab.stages.claims.registry import REGISTRY, load, load_registry, passages, uncovered
+from efflab.stages.claims.verdict import EVIDENCE, VERDICTS, Reading, judge, verdict_class
 from efflab.config import UserError
 from efflab.layout import Layout
 

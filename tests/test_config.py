@@ -5,7 +5,7 @@ import sys
 import pytest
 import yaml
 
-from efflab import config
+from efflab import config, registry
 from efflab.config import UserError
 
 REPO_PARAMS = "params.yaml"
@@ -66,8 +66,9 @@ def test_malformed_params_name_the_key(write_params, edit, expected):
     assert "\n" not in message
 
 
-# Each case runs the stage's real CLI, efflab.cli.main, in this process; the first also as `python -m efflab.<stage>`,
-# the command the Snakemake rules run (a subprocess pays 4-10 s of imports, the rest need not).
+# Each case runs the stage's real CLI, efflab.cli.main, in this process; the first also as
+# `python -m efflab.stages.<stage>`, the command the Snakemake rules run (a subprocess pays 4-10 s of imports, the
+# rest need not).
 CLI_ERRORS = [
     (MALFORMED[0][0], MALFORMED[0][1], "quantize", "int8"),
     (MALFORMED[3][0], MALFORMED[3][1], "finetune", "lora-r8"),
@@ -90,11 +91,11 @@ def test_cli_user_errors_are_one_line_exit_2_and_leave_no_outputs(write_params, 
     results = tmp_path / "out"
     args = ["--params", str(params), "--results", str(results)]
     if name == "subprocess":
-        proc = subprocess.run([sys.executable, "-m", f"efflab.{stage}", *args, "--name", CLI_ERRORS[0][3]],
+        proc = subprocess.run([sys.executable, "-m", registry.module(stage), *args, "--name", CLI_ERRORS[0][3]],
                               capture_output=True, text=True, timeout=300)
         code, stderr = proc.returncode, proc.stderr
     else:
-        module = __import__(f"efflab.{stage}", fromlist=["run"])
+        module = __import__(registry.module(stage), fromlist=["run"])
         with pytest.raises(SystemExit) as exit_:
             cli.main(stage, module.run, args + (["--name", name] if name else []))
         code, stderr = exit_.value.code, capsys.readouterr().err

@@ -6,7 +6,7 @@ from efflab.config import finetune_run
 from efflab.layout import Layout
 
 from tests.helpers import TEST_PARAMS, run_stage
-from efflab.report import tables
+from efflab.stages.report import tables
 
 
 def _lora_param_count(cfg, name):
@@ -173,7 +173,7 @@ def test_a_killed_run_resumes_from_its_last_checkpoint_and_ends_where_an_uninter
             cfg["finetune"]["runs"][name] = {"method": "lora", "max_steps": 8, "checkpoint_every": 2}
     params = write_params(edit)
     whole = run_stage("finetune", params, results, "whole")
-    cmd = [sys.executable, "-m", "efflab.finetune", "--params", str(params), "--results", str(results),
+    cmd = [sys.executable, "-m", "efflab.stages.finetune", "--params", str(params), "--results", str(results),
            "--name", "killed"]
     killed = subprocess.run(cmd, env=os.environ | {"EFFLAB_KILL_AFTER_CHECKPOINT": "4"}, capture_output=True)
     assert killed.returncode == -9, "kill -9 after the step-4 checkpoint"
@@ -299,7 +299,7 @@ def test_knobs_a_cpu_cannot_honour_are_unavailable_and_the_grid_goes_on(results,
 @pytest.mark.parametrize("error, status", [("CUDA out of memory. Tried to allocate 2.00 GiB", "oom"),
                                            ("this combination is not supported", "failed")])
 def test_a_run_that_fails_is_recorded_with_its_reason(results, monkeypatch, error, status):
-    from efflab import finetune
+    from efflab.stages import finetune
 
     def fail(cfg, paths):
         (paths["out"] / "half-written.bin").write_bytes(b"x")

@@ -98,7 +98,7 @@ def test_gpu_count_falls_back_to_nvidia_smi(tmp_path, monkeypatch):
 PROBE = textwrap.dedent("""
     import json, runpy, sys, traceback
     import torch
-    from efflab import gpu_slots
+    from efflab import gpu_slots, registry
 
     calls = []
 
@@ -123,9 +123,9 @@ PROBE = textwrap.dedent("""
     before = {}
     for job in jobs:
         stage, name = job.split("/")
-        sys.argv = ["efflab." + stage, "--params", params, "--name", name, "--results", results]
+        sys.argv = [registry.module(stage), "--params", params, "--name", name, "--results", results]
         try:
-            runpy.run_module("efflab." + stage, run_name="__main__", alter_sys=True)
+            runpy.run_module(registry.module(stage), run_name="__main__", alter_sys=True)
         except Assigned:
             before[job] = list(calls)
     print(json.dumps(before))

@@ -1,5 +1,6 @@
-"""The package's dependency direction, read from the source: the module import graph (imports inside functions
-included) has no cycle, and no module takes another's private names."""
+"""The package's dependency direction, read from the source: stages -> shared core -> libraries. The module import
+graph (imports inside functions included) has no cycle, the core never imports a stage, no stage imports another
+stage, and no module takes another's private names."""
 import ast
 from pathlib import Path
 
@@ -66,3 +67,31 @@ def test_no_module_imports_another_modules_private_names():
     private = [f"{name} imports {target}.{n}" for name in MODULES for target, names in imports(name)
                for n in names if n.startswith("_") and not n.startswith("__")]
     assert not private, private
+
+
+STAGE_PACKAGE = "efflab.stages"
+
+
+def stage_of(module: str) -> str | None:
+    """The stage a module belongs to (efflab.stages.report.fmt -> report), or None for the shared core."""
+    parts = module.split(".")
+    return parts[2] if module.startswith(STAGE_PACKAGE + ".") else None
+
+
+def test_the_core_never_imports_a_stage():
+    up = [f"{name} imports {target}" for name, targets in GRAPH.items() if not name.startswith(STAGE_PACKAGE)
+          for target in targets if target.startswith(STAGE_PACKAGE)]
+    assert not up, up
+
+
+def test_no_stage_imports_another_stage():
+    across = [f"{name} imports {target}" for name, targets in GRAPH.items() if stage_of(name)
+              for target in targets if stage_of(target) and stage_of(target) != stage_of(name)]
+    assert not across, across
+
+
+def test_every_registered_stage_is_a_module_under_stages():
+    from efflab.registry import STAGES, module
+
+    assert {stage_of(name) for name in MODULES if stage_of(name)} == set(STAGES)
+    assert all(module(stage) in MODULES for stage in STAGES)

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from efflab.config import DATA_SUFFIXES, UserError, classify_source, local_source_files
-from efflab.prepare_data import READERS
+from efflab.stages.prepare_data import READERS
 
 from tests.helpers import BIN, REPO, TEST_PARAMS, run_stage
 

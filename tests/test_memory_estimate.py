@@ -11,7 +11,7 @@ from efflab import memory_estimate as me
 from efflab.measure.isolation import run_cell
 from efflab.measure.memory import MiB, track_memory
 from tests.helpers import run_stage
-from efflab.report import sections, tables
+from efflab.stages.report import sections, tables
 
 # h=64, i=128, 4 heads x 16 (attention width 64), 2 KV heads, vocab 1000
 TINY = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,

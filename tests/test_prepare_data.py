@@ -5,7 +5,7 @@ import pytest
 
 from efflab.layout import Layout
 from efflab.modeling import load_tokenizer
-from efflab.prepare_data import split_rows
+from efflab.stages.prepare_data import split_rows
 
 from tests.helpers import TEST_PARAMS, run_stage
 

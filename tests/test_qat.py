@@ -8,7 +8,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tests.helpers import TEST_PARAMS, run_stage
-from efflab import qat, quality
+from efflab import quality
+from efflab.stages import qat
 from efflab.config import UserError
 from efflab.modeling import load_model, load_tokenizer, read_split
 

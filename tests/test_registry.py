@@ -33,8 +33,8 @@ def test_each_stage_s_rule_reads_the_registry_and_runs_its_module(stage):
     for helper in ("module", "settings", "mem_mb", "runtime"):
         assert f'{helper}("{stage}")' in text, f"rule {stage} does not call {helper}(\"{stage}\")"
     assert ('**gpu_resources("%s")' % stage in text) == STAGES[stage].gpu
-    assert f"python -m efflab.{stage} " in text
-    assert importlib.util.find_spec(f"efflab.{stage}") is not None
+    assert f"python -m {registry.module(stage)} " in text
+    assert importlib.util.find_spec(registry.module(stage)) is not None
 
 
 @pytest.mark.parametrize("stage", STAGES)

@@ -5,7 +5,7 @@ import pandas as pd
 import torch
 
 from efflab.measure import env
-from efflab.report import notes, environments, fmt, knobs, pareto, plots
+from efflab.stages.report import notes, environments, fmt, knobs, pareto, plots
 
 
 def _envs():
@@ -140,7 +140,7 @@ def test_the_inference_frontier_is_the_advices_by_intervals_drawn_without_a_line
     frontier; `bad` is beaten by separated intervals. The labels of the two coinciding points do not overlap."""
     from matplotlib.text import Text
 
-    from efflab.report import advice
+    from efflab.stages.report import advice
 
     quantize = [_scheme("baseline", 256), _scheme("int8", 155, (3.4, 1.0, 4.5)), _scheme("nf4", 105, (28.9, 20, 38)),
                 _scheme("close", 256, (0.5, -1.0, 2.0)), _scheme("bad", 260, (10.0, 8.0, 12.0))]
@@ -200,7 +200,7 @@ def test_a_capacity_search_that_fit_its_whole_grid_is_drawn_as_at_least_its_ceil
 
 
 def _capacity_report(job) -> tuple[str, str, pd.DataFrame]:
-    from efflab.report import sections, tables
+    from efflab.stages.report import sections, tables
 
     metrics = {"qat": [], "capacity": [job], "finetune": [], "bench_attention": [], "base_model": [{"config": {}}]}
     return (sections.capacity_body({}, metrics, lambda key: "TABLE"), "\n".join(notes.lines(metrics)),
@@ -365,7 +365,7 @@ def test_a_plot_with_nothing_measured_says_so_instead_of_an_empty_legend(tmp_pat
 
 
 def test_the_long_results_table_keeps_each_figure_with_its_interval_and_n():
-    from efflab.report import tidy
+    from efflab.stages.report import tidy
 
     record = {"name": "int8", "environment": {"cpu": "x"}, "load_s": 1.5, "settings": {"lr": 1.0},
               "cells": [{"kv_cache": True, "batch_size": 1, "prompt_tokens": [3, 4],
@@ -402,7 +402,7 @@ def test_the_claims_headline_splits_measured_from_computed_and_definitions():
 def test_serving_reads_its_bursts_an_interval_from_six_a_range_below_and_an_old_single_burst_as_it_is(drawn, tmp_path):
     """The table (at most 10 columns), the section, the plot and summary.csv of bench_serving records with 6 and
     with 3 interleaved bursts, and of the reference run's record of one burst."""
-    from efflab.report import sections, tables, tidy
+    from efflab.stages.report import sections, tables, tidy
     from tests.helpers import REPO, serving_record
 
     drift = [1.0, 1.4, 0.9, 2.0, 1.2, 0.8]
@@ -447,7 +447,7 @@ def test_serving_reads_its_bursts_an_interval_from_six_a_range_below_and_an_old_
 
 
 def test_a_later_part_of_a_split_table_leaves_out_rows_with_nothing_in_it():
-    from efflab.report.fmt import markdown
+    from efflab.stages.report.fmt import markdown
 
     wide = pd.DataFrame([{"name": n, **{f"c{i}": i + k for i in range(9)}, "ratio": r}
                          for k, (n, r) in enumerate((("eager", None), ("sdpa", 1.5)))])
@@ -459,7 +459,7 @@ def test_a_later_part_of_a_split_table_leaves_out_rows_with_nothing_in_it():
 def test_a_ratio_with_no_median_is_left_out_of_the_long_results_table():
     """The speed sentinel set every round aside (a busy machine): the record keeps the ratio with no median, and
     summary.csv, whose every row has a value, leaves it out."""
-    from efflab.report import tidy
+    from efflab.stages.report import tidy
 
     record = {"status": "ok", "vs_base": {"generation_speedup": {"median": None, "ci95": None, "rounds": 0},
                                           "other": {"median": 1.2, "ci95": [1.1, 1.3], "rounds": 6}}}

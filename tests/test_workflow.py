@@ -357,7 +357,7 @@ def test_failed_jobs_are_results_the_jobs_after_them_skip_and_the_report_still_r
     jobs that did not run."""
     import torch
 
-    from efflab import bench_attention, finetune, quantize
+    from efflab.stages import bench_attention, finetune, quantize
 
     results = tmp_path / "results"
     shutil.copytree(local_pipeline.wait()["dir"] / "results", results)
@@ -393,7 +393,7 @@ def test_a_single_job_stage_that_raises_is_a_result_and_snakemake_still_exits_no
     """Any stage job that raises (a bug, or a user error that slipped past the checks) writes its record, failed
     with the reason, and its outputs empty; the report renders around it; and the run's exit status still says
     that a job failed, naming it."""
-    from efflab import bench_serving
+    from efflab.stages import bench_serving
     from efflab.config import UserError
 
     work = tmp_path / "run"

@@ -1,6 +1,6 @@
 """The thin command line every stage shares: validate, stage outputs atomically, record metrics.
 
-`python -m efflab.<stage> --params params.yaml [--name NAME] [--log FILE]`. User errors are one
+`python -m efflab.stages.<stage> --params params.yaml [--name NAME] [--log FILE]`. User errors are one
 line on stderr and exit code 2; the stage's folder is written under a temporary name and only
 renamed into place when the stage succeeded, so a failure leaves no partial outputs.
 """
@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from . import config, gpu_slots, provenance
+from . import registry
 from .registry import STAGES, names, not_asked
 from .logs import setup_logging
 from .config import UserError
@@ -74,7 +75,7 @@ def failed_jobs(cfg: dict, results: Path) -> list[str]:
 
 
 def main(stage: str, run, argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog=f"python -m efflab.{stage}", description=run.__doc__)
+    parser = argparse.ArgumentParser(prog=f"python -m {registry.module(stage)}", description=run.__doc__)
     parser.add_argument("--params", default="params.yaml", help="the experiment file (default: params.yaml)")
     parser.add_argument("--name", help="which run/scheme/variant of the stage's grid")
     parser.add_argument("--results", default="results", help="results folder (default: results)")

@@ -99,6 +99,11 @@ STAGES = _stages(
 )
 
 
+def module(stage: str) -> str:
+    """The stage's module, run as `python -m <module>`."""
+    return f"efflab.stages.{stage}"
+
+
 def names(cfg: dict, stage: str) -> list[str] | None:
     """The names a stage's jobs run over, or None for a single-job stage."""
     grid = STAGES[stage].grid

@@ -17,4 +17,4 @@ rule base_model:
     conda:
         "../envs/efflab.yaml"
     shell:
-        "python -m efflab.base_model --params {params.file:q} --log {log:q}"
+        "python -m efflab.stages.base_model --params {params.file:q} --log {log:q}"

@@ -17,4 +17,4 @@ rule bench_attention:
     conda:
         "../envs/efflab.yaml"
     shell:
-        "python -m efflab.bench_attention --params {params.file:q} --name {wildcards.name:q} --log {log:q}"
+        "python -m efflab.stages.bench_attention --params {params.file:q} --name {wildcards.name:q} --log {log:q}"

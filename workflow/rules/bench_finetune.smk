@@ -19,4 +19,4 @@ rule bench_finetune:
     conda:
         "../envs/efflab.yaml"
     shell:
-        "python -m efflab.bench_finetune --params {params.file:q} --log {log:q}"
+        "python -m efflab.stages.bench_finetune --params {params.file:q} --log {log:q}"

@@ -19,4 +19,4 @@ rule bench_inference:
     conda:
         "../envs/efflab.yaml"
     shell:
-        "python -m efflab.bench_inference --params {params.file:q} --name {wildcards.name:q} --log {log:q}"
+        "python -m efflab.stages.bench_inference --params {params.file:q} --name {wildcards.name:q} --log {log:q}"

@@ -20,4 +20,4 @@ rule bench_serving:
     conda:
         "../envs/efflab.yaml"
     shell:
-        "python -m efflab.bench_serving --params {params.file:q} --log {log:q}"
+        "python -m efflab.stages.bench_serving --params {params.file:q} --log {log:q}"

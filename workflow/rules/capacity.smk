@@ -20,4 +20,4 @@ rule capacity:
     conda:
         "../envs/efflab.yaml"
     shell:
-        "python -m efflab.capacity --params {params.file:q} --log {log:q}"
+        "python -m efflab.stages.capacity --params {params.file:q} --log {log:q}"

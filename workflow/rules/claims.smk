@@ -1,7 +1,7 @@
 rule claims:
     input:
         module("claims"),
-        module("estimate"),
+        repo_file("src/efflab/estimate.py"),
         repo_file("workflow/claims.yaml"),
         repo_file("workflow/schemas/claims.schema.yaml"),
         model_configs(),
@@ -30,4 +30,4 @@ rule claims:
     conda:
         "../envs/efflab.yaml"
     shell:
-        "python -m efflab.claims --params {params.file:q} --log {log:q}"
+        "python -m efflab.stages.claims --params {params.file:q} --log {log:q}"

@@ -72,10 +72,10 @@ def asked(stage, path):
 
 def module(stage):
     """The stage's own code, its module or its package's files: inputs, so that editing one reruns the stage."""
-    package = SRC / stage
+    package = SRC / "stages" / stage
     if package.is_dir():
         return sorted(str(p) for p in package.rglob("*") if p.suffix in (".py", ".j2"))
-    return str(SRC / f"{stage}.py")
+    return str(SRC / "stages" / f"{stage}.py")
 
 
 def local_source(stage):

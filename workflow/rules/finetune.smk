@@ -21,4 +21,4 @@ rule finetune:
     conda:
         "../envs/efflab.yaml"
     shell:
-        "python -m efflab.finetune --params {params.file:q} --name {wildcards.name:q} --log {log:q}"
+        "python -m efflab.stages.finetune --params {params.file:q} --name {wildcards.name:q} --log {log:q}"

@@ -20,4 +20,4 @@ rule merge:
     conda:
         "../envs/efflab.yaml"
     shell:
-        "python -m efflab.merge --params {params.file:q} --name {wildcards.name:q} --log {log:q}"
+        "python -m efflab.stages.merge --params {params.file:q} --name {wildcards.name:q} --log {log:q}"

@@ -19,4 +19,4 @@ rule prepare_data:
     conda:
         "../envs/efflab.yaml"
     shell:
-        "python -m efflab.prepare_data --params {params.file:q} --log {log:q}"
+        "python -m efflab.stages.prepare_data --params {params.file:q} --log {log:q}"

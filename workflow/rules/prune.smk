@@ -21,4 +21,4 @@ rule prune:
     conda:
         "../envs/efflab.yaml"
     shell:
-        "python -m efflab.prune --params {params.file:q} --name {wildcards.name:q} --log {log:q}"
+        "python -m efflab.stages.prune --params {params.file:q} --name {wildcards.name:q} --log {log:q}"

@@ -22,4 +22,4 @@ rule qat:
     conda:
         "../envs/efflab.yaml"
     shell:
-        "python -m efflab.qat --params {params.file:q} --log {log:q}"
+        "python -m efflab.stages.qat --params {params.file:q} --log {log:q}"

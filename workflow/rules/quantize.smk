@@ -20,4 +20,4 @@ rule quantize:
     conda:
         "../envs/efflab.yaml"
     shell:
-        "python -m efflab.quantize --params {params.file:q} --name {wildcards.name:q} --log {log:q}"
+        "python -m efflab.stages.quantize --params {params.file:q} --name {wildcards.name:q} --log {log:q}"

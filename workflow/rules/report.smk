@@ -40,4 +40,4 @@ rule report:
     conda:
         "../envs/efflab.yaml"
     shell:
-        "python -m efflab.report --params {params.file:q} --log {log:q}"
+        "python -m efflab.stages.report --params {params.file:q} --log {log:q}"

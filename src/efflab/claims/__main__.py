@@ -1,4 +1,0 @@
-from .. import cli
-from .stage import run
-
-cli.main("claims", run)

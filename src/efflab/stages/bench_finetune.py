@@ -1,0 +1,119 @@
+"""Stage bench_finetune: what each fine-tuning knob costs in step time, measured so that the verdict holds.
+
+The finetune stage trains each run in its own process, at its own time: a comparison of two runs' step
+times also compares whatever else the machine was doing while each ran (another job took a core during
+one of them, and checkpointing read 2x faster). Here, for every pair of configured runs that differ in
+exactly one knob (records.knob_pairs), both runs' models, optimizers, precision and batches are built in
+one process and their training steps (forward, backward, gradient clipping, optimizer step) are timed
+interleaved, A B then B A, over the same batches, with a speed probe between rounds (measure.timing.interleave).
+Each pair's verdict comes from the per-round ratios: median, its distribution-free 95% interval (order statistics), and `slower`,
+`faster` or `no significant difference`; rounds in which the machine's speed changed are set aside and
+measured again, and a pair that never gets enough stable rounds says so instead of giving a verdict.
+Every pair is a cell (runtime.isolation), journalled as it ends.
+
+The step is training.training_step, written out rather than run by a Trainer (see training.py).
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from .. import cli, records
+from ..config import finetune_run
+from ..layout import Layout
+from ..measure.device import pick_device, set_threads, synchronize
+from ..measure.env import environment
+from ..measure.isolation import CellJournal, run_cell
+from ..measure.stats import format_ratio, paired_ratio
+from ..measure.timing import interleave
+from ..modeling import base_dtype, load_tokenizer, read_split
+from ..training import batches, build_model, real_tokens, training_step, unavailable_knobs
+
+log = logging.getLogger("efflab")
+
+# Knobs whose effect a pair of models in one process cannot show: they are process-wide (deterministic
+# kernels), belong to the data loader this benchmark does not use (it feeds pre-built batches), or spread
+# the step over processes.
+NOT_INTERLEAVED = {
+    "deterministic": "deterministic algorithms are a process-wide torch setting",
+    "dataloader_num_workers": "a data-loader knob: this benchmark feeds pre-built batches",
+    "pin_memory": "a data-loader knob: this benchmark feeds pre-built batches",
+    "num_processes": "a multi-process (DDP) knob: one process cannot run both sides",
+}
+
+
+def _knob_reason(knob: str) -> str | None:
+    return NOT_INTERLEAVED.get(knob.split(".")[0])
+
+
+def pair_cell(cfg: dict, results: str, a: str, b: str, dtype: str, device: str) -> dict:
+    """Time runs a and b's training steps interleaved; b's step time over a's with its interval and verdict."""
+    from transformers import set_seed
+
+    bf, layout, device = cfg["bench_finetune"], Layout(Path(results)), torch.device(device)
+    tokenizer = load_tokenizer(layout.base_model())
+    rows = read_split(layout.split("train"))
+    count = bf["warmup_rounds"] + 2 * bf["rounds"]  # enough batches for every round, set-aside ones included
+    variants, tokens, precision = {}, {}, {}
+    for name in (a, b):
+        run_cfg = finetune_run(cfg, name)
+        set_seed(run_cfg["seed"])
+        steps = batches(run_cfg, tokenizer, rows, count, device)
+        model = build_model(run_cfg, layout, dtype, device)
+        variants[name], precision[name] = training_step(run_cfg, model, dtype, device, steps,
+                                                        str(layout.out("bench_finetune")))
+        tokens[name] = [real_tokens(s) for s in steps]
+    synchronize(device)
+    timed = interleave(variants, bf["rounds"], device, warmup=bf["warmup_rounds"],
+                       tolerance=bf["sentinel_tolerance"])
+    ratio = paired_ratio(timed, a, b)
+    per_run = {}
+    for name in (a, b):
+        kept = [(r["seconds"][name], tokens[name][i % count]) for i, r in enumerate(timed["rounds"], bf["warmup_rounds"])
+                if r["stable"]]
+        seconds = sum(s for s, _ in kept)
+        per_run[name] = {"step_time": timed["variants"][name], "mixed_precision": precision[name],
+                         "tokens_per_s": sum(t for _, t in kept) / seconds if seconds else None}
+    log.info("%s vs %s: step time ratio %s %s (%d stable rounds, %d set aside)", b, a,
+             format_ratio(ratio, 3),
+             ratio["verdict"], timed["stable_rounds"], timed["set_aside"])
+    return {"runs": per_run, "step_time_ratio": ratio, "interleaved": timed}
+
+
+def run(cfg: dict, paths: dict) -> dict:
+    """Every knob pair of finetune.runs, timed interleaved."""
+    bf, rt, layout = cfg["bench_finetune"], cfg["runtime"], paths["layout"]
+    set_threads(rt)
+    device = pick_device(rt)
+    dtype = base_dtype(layout)
+    configured = [{"run": name, "settings": finetune_run(cfg, name)} for name in cfg["finetune"]["runs"]]
+    journal = CellJournal(layout.out("bench_finetune") / ".pairs.jsonl",
+                          {"bench_finetune": bf, "finetune": cfg["finetune"], "runtime": rt,
+                           "base": layout.metrics("base_model").read_text()})
+    pairs = []
+    for knob, value_a, value_b, a, b in records.knob_pairs(configured):
+        cell = {"knob": knob, "from": value_a, "to": value_b, "a": a["run"], "b": b["run"]}
+        reason = _knob_reason(knob) or "; ".join(unavailable_knobs(a["settings"], device)
+                                                 + unavailable_knobs(b["settings"], device)) or None
+        if reason:
+            pairs.append(cell | {"status": "unavailable", "reason": reason})
+            continue
+        result = journal.result(cell, lambda: run_cell(
+            pair_cell, dict(cfg=cfg, results=str(layout.root), a=a["run"], b=b["run"], dtype=dtype,
+                            device=str(device)),
+            isolation=rt["isolation"], timeout_s=rt["cell_timeout_s"], memory_cap_mib=rt["cell_memory_cap_mib"]))
+        if not records.is_ok(result):
+            log.warning("%s vs %s: %s: %s", b["run"], a["run"], result["status"], result.get("reason"))
+        pairs.append(cell | result)
+    journal.remove()
+    return {"status": "ok", "dtype": dtype, "rounds": bf["rounds"], "warmup_rounds": bf["warmup_rounds"],
+            "sentinel_tolerance": bf["sentinel_tolerance"],
+            "measured": "training steps (forward, backward, clipping, optimizer step) of both runs of a pair in "
+                        "one process, interleaved over the same batches",
+            "pairs": pairs, "environment": environment(device, bf)}
+
+
+if __name__ == "__main__":
+    cli.main("bench_finetune", run)

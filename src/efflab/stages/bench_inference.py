@@ -1,0 +1,258 @@
+"""Stage bench_inference: greedy generation of a fixed length over a fixed prompt set, per variant.
+
+Variants: the base model, a quantized scheme, a merged run, or an adapter on its base; each over its
+cells of KV cache on/off × batch size, every cell in its own process (runtime.isolation). A streamer
+timestamps every token as generate() emits it, so one call gives the prefill (time to first token)
+and the decode (time per output token) apart; the generation length is forced so runs compare.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from .. import cli, profiling, records
+from ..config import UserError
+from ..layout import Layout
+from ..measure.device import pick_device, set_threads
+from ..measure.energy import energy_of, energy_per_token
+from ..measure.env import environment
+from ..measure.isolation import CellJournal, run_cell
+from ..measure.memory import track_memory
+from ..measure.stats import percentile, speedup, summarize
+from ..measure.timing import INTERLEAVE_RECORD, SENTINEL_TOLERANCE, interleave
+from ..memory_estimate import compared, generation_peak, quantized_layer_transient, variant_quant
+from ..modeling import base_dtype, load_model, load_tokenizer, load_variant, require_input
+
+log = logging.getLogger("efflab")
+
+
+class TokenClock:
+    """A generate() streamer that stamps each put(): first the prompt, then each new token. On a GPU the
+    stamps are CUDA events recorded in the stream, read after the generation, so they time the kernels
+    rather than their asynchronous launch and add no synchronisation to the loop; on a CPU, perf_counter."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self._stamps: list = []
+        self.start()
+
+    def _stamp(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def start(self):
+        self._origin = self._stamp()
+
+    def put(self, value):
+        self._stamps.append(self._stamp())
+
+    def end(self):
+        pass
+
+    def seconds(self) -> list[float]:
+        """Each put()'s time since start(), in seconds."""
+        if self.cuda:
+            torch.cuda.synchronize()
+            return [self._origin.elapsed_time(e) / 1000 for e in self._stamps]
+        return [t - self._origin for t in self._stamps]
+
+
+TAIL_RATIO = 1.5
+
+
+def explain_tail(runs: list[dict], kv_cache: bool) -> str | None:
+    """Why the per-token latency's p99 is more than TAIL_RATIO x its median, from the gaps themselves."""
+    gaps = [g for r in runs for g in r["token_gaps_s"]]
+    if len(gaps) < 2:
+        return None
+    ordered = sorted(gaps)
+    p50, p99 = percentile(ordered, 0.5), percentile(ordered, 0.99)
+    if p99 <= TAIL_RATIO * p50:
+        return None
+    if not kv_cache and all(r["token_gaps_s"][-1] > r["token_gaps_s"][0] for r in runs if len(r["token_gaps_s"]) > 1):
+        return "no KV cache: every token recomputes the whole prefix, so later tokens take longer"
+    later = sorted(g for r in runs for g in r["token_gaps_s"][1:])
+    if later and percentile(later, 0.99) <= TAIL_RATIO * percentile(later, 0.5):
+        return "the first decode step of each generation (the KV cache's first growth, first-call kernels)"
+    slow = sum(g > TAIL_RATIO * p50 for g in gaps)
+    return (f"isolated slow tokens ({slow} of {len(gaps)} above {TAIL_RATIO}x the median) spread over the "
+            "generations: interference (other processes, clock changes) or the garbage collector")
+
+
+def prompts(b: dict, layout, tokenizer) -> list[dict]:
+    """What the models are asked: by default `validation_rows` rows of the user's validation split, drawn with
+    `seed`, as fine-tuning templated them, each with its reference answer; or the configured texts, each
+    chat-templated. Each: {question, text (what the model reads), reference}."""
+    import random
+
+    import pandas as pd
+
+    chosen = b["prompts"]
+    if isinstance(chosen, list):
+        return [{"question": p, "reference": None,
+                 "text": tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                                       tokenize=False)} for p in chosen]
+    path = require_input(layout.split("validation"))
+    frame = pd.read_parquet(path)
+    if "prompt" not in frame.columns:
+        raise UserError(f"{path}: no prompt column (written by an older prepare_data): rerun prepare_data")
+    picked = sorted(random.Random(chosen["seed"]).sample(range(len(frame)), min(chosen["validation_rows"], len(frame))))
+    return [{"question": r.question, "text": r.prompt, "reference": r.answer} for r in frame.iloc[picked].itertuples()]
+
+
+def prompt_batches(tokenizer, texts: list[str], batch_size: int, device: torch.device) -> list[dict]:
+    """The templated prompts, left-padded into batches of `batch_size` (cycling through the prompt set so that
+    every batch is full and each prompt appears at least once)."""
+    count = math.ceil(len(texts) / batch_size) * batch_size
+    cycled = [texts[i % len(texts)] for i in range(count)]
+    tokenizer.padding_side = "left"
+    return [tokenizer(cycled[i:i + batch_size], return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+            for i in range(0, count, batch_size)]
+
+
+def generate_timed(model, tokenizer, batch: dict, new_tokens: int, kv_cache: bool = True) -> dict:
+    """One greedy generation of exactly `new_tokens` tokens per sequence, timestamped per token."""
+    prompt_len = batch["input_ids"].shape[1]
+    clock = TokenClock(batch["input_ids"].device)
+    with torch.no_grad():
+        out = model.generate(**batch, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                             num_beams=1, use_cache=kv_cache, streamer=clock, pad_token_id=tokenizer.pad_token_id)
+    token_times = clock.seconds()[1:]  # the first put() is the prompt itself
+    return {"ttft_s": token_times[0], "token_gaps_s": [b - a for a, b in zip(token_times, token_times[1:])],
+            "decode_s": token_times[-1] - token_times[0], "new_tokens": out.shape[1] - prompt_len,
+            "batch_size": int(out.shape[0]), "prompt_tokens": int(batch["attention_mask"].sum()),
+            "texts": tokenizer.batch_decode(out[:, prompt_len:], skip_special_tokens=True)}
+
+
+def inference_cell(cfg: dict, results: str, name: str, dtype: str, device: str, kv_cache: bool,
+                   batch_size: int, profile_dir: str | None = None) -> dict:
+    """Measure one (variant, KV cache, batch size) cell: prefill and decode, apart, at a fixed length."""
+    b, layout, device = cfg["bench_inference"], Layout(Path(results)), torch.device(device)
+    tokenizer = load_tokenizer(layout.base_model())
+    model = load_variant(cfg, b["variants"][name], layout, dtype, device)
+    asked = prompts(b, layout, tokenizer)
+    batches = prompt_batches(tokenizer, [a["text"] for a in asked], batch_size, device)
+    n = b["max_new_tokens"]
+    for _ in range(b["warmup"]):  # one-time work (lazy init, first allocations) is paid by any batch
+        generate_timed(model, tokenizer, batches[0], n, kv_cache)
+    transient = quantized_layer_transient(model, dtype) if device.type == "cpu" else 0
+    prediction = generation_peak(layout.base_model(), dtype, variant_quant(cfg, b["variants"][name]), batch_size,
+                                 max(x["input_ids"].shape[1] for x in batches), n, kv_cache,
+                                 frozen=not any(p.requires_grad for p in model.get_output_embeddings().parameters()),
+                                 device=device.type, quantized_transient_bytes=transient)
+    # Time and memory in separate passes: on a CPU the memory tracker records every allocation through
+    # torch.profiler (tens of thousands of events per generation), which would slow the timed decode.
+    with track_memory(device) as mem:
+        for batch in batches:
+            generate_timed(model, tokenizer, batch, n, kv_cache)
+    # And energy in a pass of its own (this variant alone: the timed rounds interleave the base model)
+    energy = energy_per_token(*energy_of(lambda: sum(generate_timed(model, tokenizer, x, n, kv_cache)["batch_size"] * n
+                                                     for x in batches), device))
+    by_round, vs_base = {}, None
+
+    def mine(round_):
+        by_round[round_] = [generate_timed(model, tokenizer, batch, n, kv_cache) for batch in batches]
+    if b["variants"][name]["kind"] == "base":
+        for r in range(b["repeats"]):
+            mine(r)
+        runs = [g for r in range(b["repeats"]) for g in by_round[r]]
+    else:
+        # The base model on the same prompts, interleaved round by round: the variant's speed against the
+        # base's with an interval, free of the machine's drift between jobs.
+        base = load_model(layout.base_model(), dtype, device)
+        timed = interleave({name: mine, "base": lambda r: [generate_timed(base, tokenizer, x, n, kv_cache)
+                                                            for x in batches]},
+                           b["repeats"], device, warmup=b["warmup"], tolerance=SENTINEL_TOLERANCE)
+        kept = [b["warmup"] + i for i, r in enumerate(timed["rounds"]) if r["stable"] or "unstable" in timed]
+        runs = [g for r in kept for g in by_round[r]]  # the rounds the figures are of (warmup rounds are not)
+        vs_base = {"generation_speedup": speedup(timed, name, "base"),
+                   "measured": "whole generations of every prompt batch per round; speedup = the base model's "
+                               "time over this variant's; the verdict is said of this variant",
+                   "base_generation_s": timed["variants"]["base"],
+                   **{k: timed[k] for k in INTERLEAVE_RECORD}}
+        if "unstable" in timed:
+            vs_base["unstable"] = timed["unstable"]
+    profile = None
+    if profile_dir:  # after every timed pass: the profiler's cost lands in none of them
+        folder = Path(profile_dir)
+        profile = profiling.profile_generation(cfg["profile"], folder, f"{profiling.FOLDER}/{folder.name}", device,
+                                               lambda: generate_timed(model, tokenizer, batches[0], n, kv_cache))
+    if any(r["new_tokens"] != n for r in runs):
+        raise RuntimeError(f"generation length differs from max_new_tokens={n}")
+    ttft = summarize([r["ttft_s"] for r in runs])
+    decode_tps = summarize([r["batch_size"] * (n - 1) / r["decode_s"] for r in runs], unit="tokens/s")
+    per_token = summarize([g for r in runs for g in r["token_gaps_s"]], keep_samples=False)
+    per_token |= {"p99_over_p50": per_token["p99"] / per_token["p50"] if per_token["p50"] else None,
+                  "tail_cause": explain_tail(runs, kv_cache)}
+    log.info("%s kv_cache=%s batch %d: TTFT median %.3f s, decode %.1f tokens/s (per token p50 %.1f / p99 %.1f ms), "
+             "peak delta %s MiB (%s)", name, kv_cache, batch_size, ttft["median"], decode_tps["median"],
+             1000 * per_token["median"], 1000 * per_token["p99"], _fmt(mem.get("delta_mib")), mem["kind"])
+    return {"ttft": ttft, "decode_tokens_per_s": decode_tps, "per_token_latency": per_token, "memory": mem,
+            "generations": len(runs), "prompt_tokens": [r["prompt_tokens"] for r in runs[:len(batches)]],
+            "memory_footprint_bytes": model.get_memory_footprint(),
+            "memory_prediction": compared(prediction, mem), "vs_base": vs_base, "energy": energy, "profile": profile,
+            "samples": [{"prompt": a["question"], "answer": t, "reference": a["reference"]}
+                        for a, t in zip(asked, runs[0]["texts"])]}
+
+
+def _fmt(value) -> str:
+    return "n/a" if value is None else f"{value:.0f}"
+
+
+def run(cfg: dict, paths: dict) -> dict:
+    """Benchmark greedy generation of one variant over its KV-cache and batch-size cells."""
+    b, rt, name, layout = cfg["bench_inference"], cfg["runtime"], paths["name"], paths["layout"]
+    variant = b["variants"][name]
+    set_threads(rt)
+    device = pick_device(rt)
+    dtype = base_dtype(layout)
+    upstream = {"quantized": "quantize", "merged": "merge", "adapter": "finetune"}.get(variant["kind"])
+    skipped = upstream and layout.skipped_because(upstream, variant["of"])
+    if skipped:
+        return {**skipped, "variant": name, "kind": variant["kind"], "of": variant.get("of"), "cells": [],
+                "environment": environment(device, b)}
+    for folder in layout.variant_folders(variant):  # a missing input is the user's error, not a failed cell
+        require_input(folder)
+    built_on = layout.metrics(upstream, variant["of"]) if upstream else layout.metrics("base_model")
+    journal = CellJournal(layout.out("bench_inference") / f".{name}.cells.jsonl",
+                          {"bench_inference": b, "runtime": rt, "built_on": built_on.read_text()})
+    cells = []
+    profiles = layout.out("bench_inference") / f".{name}.{profiling.FOLDER}"  # beside the journal, until the end
+    if journal.resumed == 0:
+        shutil.rmtree(profiles, ignore_errors=True)  # a killed earlier run's
+    for kv_cache in variant.get("kv_cache", b["kv_cache"]):
+        for batch_size in variant.get("batch_sizes", b["batch_sizes"]):
+            cell = {"kv_cache": kv_cache, "batch_size": batch_size}
+            profile_dir = (str(profiles / f"kv-cache-{str(kv_cache).lower()}-batch-{batch_size}")
+                           if profiling.wanted(cfg, "bench_inference") else None)
+            result = journal.result(cell, lambda: run_cell(
+                inference_cell, dict(cfg=cfg, results=str(layout.root), name=name, dtype=dtype, device=str(device),
+                                     kv_cache=kv_cache, batch_size=batch_size, profile_dir=profile_dir),
+                isolation=rt["isolation"], timeout_s=rt["cell_timeout_s"], memory_cap_mib=rt["cell_memory_cap_mib"]))
+            if not records.is_ok(result):
+                log.warning("%s kv_cache=%s batch %d: %s: %s", name, kv_cache, batch_size, result["status"],
+                            result.get("reason"))
+            cells.append(cell | result)
+    journal.remove()
+    if profiles.is_dir():
+        shutil.move(str(profiles), str(paths["out"] / profiling.FOLDER))
+    return {
+        "status": "ok" if records.ok(cells) else "failed",
+        "variant": name, "kind": variant["kind"], "of": variant.get("of"), "dtype": dtype,
+        "prompts": len(prompts(b, layout, load_tokenizer(layout.base_model()))),
+        "prompts_from": "configured" if isinstance(b["prompts"], list) else "validation rows",
+        "new_tokens": b["max_new_tokens"], "repeats": b["repeats"],
+        "warmup": b["warmup"], "cells": cells, "environment": environment(device, b),
+    }
+
+
+if __name__ == "__main__":
+    cli.main("bench_inference", run)

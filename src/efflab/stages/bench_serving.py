@@ -1,0 +1,277 @@
+"""Stage bench_serving: a burst of N requests of varied lengths served three ways, at each concurrency level,
+the burst repeated and the ways interleaved so that their throughputs carry an interval.
+
+All N requests arrive at once (an offline burst: latency includes the wait in the queue). `concurrency` is
+how many the server works on at a time:
+  naive       one request at a time, `generate()` each (concurrency does not apply: it is the floor);
+  static      batches of `concurrency` requests, left-padded, each batch generated until its longest request
+              is done and returned as a whole (a request's latency is its batch's end);
+  continuous  transformers' continuous batching (paged KV cache; `max_requests_per_batch` = concurrency): a
+              finished request leaves the batch at once and a waiting one takes its place;
+  vllm        vLLM's engine where it is installed, else `unavailable`.
+After one untimed warm-up pass, each of `bursts` rounds serves the burst once with every (method, concurrency)
+cell, the cells in reverse order every other round (A B C, then C B A), so that a drift of the machine's speed
+hits every cell alike and cancels in the ratios of one round. Every request's burst, times (submitted, first
+token, finished) and lengths go to requests.csv, from which every figure of the metrics is computed: each burst's
+requests/s and output tokens/s, their median over the bursts with its 95% interval where the bursts give one,
+the paired per-round ratios over naive and of continuous over static batching (measure.stats.ratio_verdict), and
+percentiles of TTFT and latency over the pooled requests of all bursts.
+"""
+from __future__ import annotations
+
+import csv
+import importlib.util
+import logging
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from .. import cli
+from ..measure.device import pick_device, set_threads, synchronize
+from ..measure.env import environment
+from ..measure.stats import format_ratio, percentile, ratio_verdict, said_of_faster_side, summarize
+from ..modeling import base_dtype, load_model, load_tokenizer, read_split
+
+log = logging.getLogger("efflab")
+
+REQUEST_COLUMNS = ("method", "concurrency", "burst", "request", "prompt_tokens", "output_tokens", "submitted_s",
+                   "first_token_s", "finished_s")
+
+
+def requests(cfg: dict, layout) -> list[dict]:
+    """N prompts from the validation rows (their prompt part: varied lengths) with seeded output lengths."""
+    s = cfg["bench_serving"]
+    rows = read_split(layout.split("validation")) + read_split(layout.split("train"))
+    rng = random.Random(s["seed"])
+    lo, hi = s["max_new_tokens"]
+    out = []
+    for i in range(s["requests"]):
+        row = rows[i % len(rows)]
+        prompt = [t for t, label in zip(row["input_ids"], row["labels"]) if label == -100] or row["input_ids"][:8]
+        out.append({"request": i, "prompt": prompt, "new_tokens": rng.randint(lo, hi)})
+    return out
+
+
+class FirstToken:
+    """A generate() streamer that notes when the first new token of a batch appears (the second put())."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.puts, self.first = device, 0, None
+
+    def put(self, value):
+        self.puts += 1
+        if self.puts == 2:
+            synchronize(self.device)
+            self.first = time.perf_counter()
+
+    def end(self):
+        pass
+
+
+def _generate(model, tokenizer, prompts: list[list[int]], new_tokens: int, device) -> tuple[float, torch.Tensor]:
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    clock = FirstToken(device)
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                             do_sample=False, num_beams=1, pad_token_id=pad, streamer=clock)
+    synchronize(device)
+    return clock.first, out
+
+
+def serve_naive(model, tokenizer, reqs: list[dict], concurrency: int, device) -> list[dict]:
+    t0, log_ = time.perf_counter(), []
+    for r in reqs:
+        first, _ = _generate(model, tokenizer, [r["prompt"]], r["new_tokens"], device)
+        log_.append(_row(r, t0, first, time.perf_counter()))
+    return log_
+
+
+def serve_static(model, tokenizer, reqs: list[dict], concurrency: int, device) -> list[dict]:
+    t0, log_ = time.perf_counter(), []
+    for i in range(0, len(reqs), concurrency):
+        batch = reqs[i:i + concurrency]
+        first, _ = _generate(model, tokenizer, [r["prompt"] for r in batch], max(r["new_tokens"] for r in batch), device)
+        done = time.perf_counter()
+        log_ += [_row(r, t0, first, done) for r in batch]
+    return log_
+
+
+def serve_continuous(model, tokenizer, reqs: list[dict], concurrency: int, device) -> list[dict]:
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    gen = GenerationConfig(do_sample=False, max_new_tokens=max(r["new_tokens"] for r in reqs),
+                           eos_token_id=-1, pad_token_id=tokenizer.pad_token_id)  # forced lengths: no early stop
+    # A paged cache sized to this burst (every request's prompt and output, in 256-token pages, twice over):
+    # left to itself it takes most of the free memory, 14 GB here, which a CPU spends seconds zeroing.
+    page = 256
+    pages = sum(-(-(len(r["prompt"]) + r["new_tokens"]) // page) for r in reqs)
+    cb = ContinuousBatchingConfig(max_requests_per_batch=concurrency, page_size=page, num_blocks=2 * pages + 2,
+                                  max_batch_tokens=max(page, concurrency * max(len(r["prompt"]) for r in reqs)))
+    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.WARNING)
+    results = {}
+    with model.continuous_batching_context_manager(generation_config=gen, continuous_batching_config=cb,
+                                                   warmup=False) as manager:
+        t0 = time.perf_counter()
+        for r in reqs:
+            manager.add_request(r["prompt"], request_id=f"r{r['request']}", max_new_tokens=r["new_tokens"],
+                                record_timestamps=True)
+        while len(results) < len(reqs):
+            out = manager.get_result(timeout=60)
+            if out is None:
+                raise RuntimeError("continuous batching stopped before every request finished")
+            if out.is_finished():
+                if out.error:
+                    raise RuntimeError(f"continuous batching: {out.error}")
+                results[out.request_id] = (out, time.perf_counter())
+    rows = []
+    for r in reqs:
+        out, seen = results[f"r{r['request']}"]
+        stamps = out.timestamps or []
+        finished = out.lifespan[1] if out.lifespan[1] > 0 else seen
+        rows.append(_row(r, t0, stamps[0] if stamps else None, finished, len(out.generated_tokens)))
+    return rows
+
+
+def _row(r: dict, t0: float, first: float | None, finished: float, output_tokens: int | None = None) -> dict:
+    return {"request": r["request"], "prompt_tokens": len(r["prompt"]),
+            "output_tokens": r["new_tokens"] if output_tokens is None else output_tokens, "submitted_s": 0.0,
+            "first_token_s": None if first is None else first - t0, "finished_s": finished - t0}
+
+
+SERVERS = {"naive": serve_naive, "static": serve_static, "continuous": serve_continuous}
+
+
+def unavailable_reason(method: str, model) -> str | None:
+    if method == "vllm":
+        return None if importlib.util.find_spec("vllm") else "vllm is not installed (pip install vllm; CUDA only)"
+    if method == "continuous" and not hasattr(model, "continuous_batching_context_manager"):
+        import transformers
+
+        return f"transformers {transformers.__version__} has no continuous batching (generate_batch)"
+    return None
+
+
+def percentiles(rows: list[dict]) -> dict:
+    """TTFT and latency percentiles of requests (of one burst, or pooled over bursts)."""
+    ttft = sorted(r["first_token_s"] for r in rows if r["first_token_s"] is not None)
+    latency = sorted(r["finished_s"] - r["submitted_s"] for r in rows)
+    pct = lambda xs: {f"p{q}": percentile(xs, q / 100) for q in (50, 90, 99)} if xs else None  # noqa: E731
+    return {"ttft_s": pct(ttft), "latency_s": pct(latency)}
+
+
+def figures(rows: list[dict]) -> dict:
+    """Throughput and latency percentiles of one burst of one (method, concurrency) from its per-request rows."""
+    makespan = max(r["finished_s"] for r in rows)
+    tokens = sum(r["output_tokens"] for r in rows)
+    return {"requests": len(rows), "output_tokens": tokens, "makespan_s": makespan,
+            "requests_per_s": len(rows) / makespan, "output_tokens_per_s": tokens / makespan} | percentiles(rows)
+
+
+def cell_figures(rows: list[dict]) -> dict:
+    """A cell's figures over its bursts: each burst's, the median requests/s and output tokens/s over them (with
+    the 95% interval of the median where there are 6 bursts or more), and percentiles over the pooled requests."""
+    by_burst = [figures([r for r in rows if r["burst"] == b]) for b in sorted({r["burst"] for r in rows})]
+    rate = lambda key, unit: summarize([f[key] for f in by_burst], unit)  # noqa: E731
+    return {"requests": by_burst[0]["requests"], "output_tokens": by_burst[0]["output_tokens"],
+            "bursts": len(by_burst), "makespan_s": rate("makespan_s", "s"),
+            "requests_per_s": rate("requests_per_s", "requests/s"),
+            "output_tokens_per_s": rate("output_tokens_per_s", "tokens/s"),
+            **percentiles(rows), "percentiles_of": f"the {len(rows)} requests of {len(by_burst)} bursts, pooled",
+            "by_burst": by_burst}
+
+
+def paired_throughput(mine: dict, reference: dict) -> dict:
+    """`mine`'s output tokens/s over `reference`'s, burst round by burst round (served in the same round, so a
+    drift between rounds cancels): ratio_verdict's median, 95% interval and verdict, said of `mine` (`faster`:
+    more tokens/s), and each round's ratio."""
+    ratios = [a["output_tokens_per_s"] / b["output_tokens_per_s"]
+              for a, b in zip(mine["by_burst"], reference["by_burst"])]
+    return said_of_faster_side(ratio_verdict(ratios)) | {"ratios": ratios}
+
+
+def compare(cells: list[dict]) -> None:
+    """Each measured batching cell's paired throughput over naive serving (`throughput_vs_naive`), and each
+    continuous batching cell's over static batching at its concurrency (`continuous_vs_static`)."""
+    ok = {(c["method"], c["concurrency"]): c for c in cells if c["status"] == "ok"}
+    naive = ok.get(("naive", 1))
+    for (method, concurrency), c in ok.items():
+        if naive and method != "naive":
+            c["throughput_vs_naive"] = paired_throughput(c, naive)
+        if method == "continuous" and ("static", concurrency) in ok:
+            c["continuous_vs_static"] = paired_throughput(c, ok["static", concurrency])
+
+
+def serve_rounds(serve, cells: list[dict], bursts: int) -> tuple[list[dict], list[list[str]]]:
+    """One warm-up pass (`serve(cell, warm=True)`: first-call work stays out), then `bursts` rounds, each serving
+    the burst once with every cell (`serve(cell, warm=False)`: the burst's per-request rows), in reverse order every
+    other round. A cell whose serving raises is marked failed and leaves the rounds: a serving path this stack
+    cannot run is a row, not a crash. Returns the rows, each with its burst, and each round's order."""
+    def attempt(cell, warm: bool):
+        try:
+            return serve(cell, warm)
+        except Exception as err:
+            cell |= {"status": "failed", "reason": f"{type(err).__name__}: {str(err).splitlines()[0]}"}
+            log.warning("%s at concurrency %d: %s", cell["method"], cell["concurrency"], cell["reason"])
+            return None
+
+    live = [c for c in cells if attempt(c, True) is not None]
+    rows, orders = {id(c): [] for c in live}, []
+    for burst in range(bursts):
+        order = [c for c in (live if burst % 2 == 0 else live[::-1]) if c.get("status") != "failed"]
+        orders.append([f"{c['method']}@{c['concurrency']}" for c in order])
+        for c in order:
+            served = attempt(c, False)
+            if served is not None:
+                rows[id(c)] += [{"method": c["method"], "concurrency": c["concurrency"], "burst": burst, **r}
+                                for r in served]
+    return [r for c in live if c.get("status") != "failed" for r in rows[id(c)]], orders
+
+
+def run(cfg: dict, paths: dict) -> dict:
+    """Serve the same burst of requests every way, at every concurrency level, `bursts` interleaved times; write
+    the per-request log."""
+    s, layout = cfg["bench_serving"], paths["layout"]
+    set_threads(cfg["runtime"])
+    device = pick_device(cfg["runtime"])
+    dtype = base_dtype(layout)
+    tokenizer = load_tokenizer(layout.base_model())
+    model = load_model(layout.base_model(), dtype, device).eval()
+    reqs = requests(cfg, layout)
+    cells = []
+    for method in s["methods"]:
+        reason = unavailable_reason(method, model) or ("vllm serving is not wired in yet" if method == "vllm" else None)
+        for concurrency in [1] if method == "naive" else s["concurrency"]:
+            cells.append({"method": method, "concurrency": concurrency}
+                         | ({"status": "unavailable", "reason": reason} if reason else {}))
+    serve = lambda c, warm: SERVERS[c["method"]](model, tokenizer, reqs[:2] if warm else reqs,  # noqa: E731
+                                                 c["concurrency"], device)
+    log_rows, orders = serve_rounds(serve, [c for c in cells if "status" not in c], s["bursts"])
+    for c in cells:
+        if "status" not in c:
+            c |= {"status": "ok"} | cell_figures([r for r in log_rows if (r["method"], r["concurrency"])
+                                                  == (c["method"], c["concurrency"])])
+    compare(cells)
+    for c in (c for c in cells if c["status"] == "ok"):
+        log.info("%s at concurrency %d: median over %d bursts %.2f requests/s, %.1f output tokens/s; %s; "
+                 "TTFT p50 %.3f s, latency p90 %.3f s", c["method"], c["concurrency"], c["bursts"],
+                 c["requests_per_s"]["median"], c["output_tokens_per_s"]["median"],
+                 f"x naive {format_ratio(c['throughput_vs_naive'])}" if "throughput_vs_naive" in c else "naive",
+                 (c["ttft_s"] or {}).get("p50", float("nan")), c["latency_s"]["p90"])
+    out = Path(paths["out"])
+    with open(out / "requests.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=REQUEST_COLUMNS)
+        writer.writeheader()
+        writer.writerows(log_rows)
+    return {"dtype": dtype, "requests": len(reqs), "prompt_tokens": [len(r["prompt"]) for r in reqs],
+            "new_tokens": [r["new_tokens"] for r in reqs], "arrival": "all requests at once (offline burst)",
+            "bursts": s["bursts"], "round_orders": orders, "cells": cells, "environment": environment(device, s)}
+
+
+if __name__ == "__main__":
+    cli.main("bench_serving", run)

@@ -1,0 +1,4 @@
+from ... import cli
+from .stage import run
+
+cli.main("claims", run)

@@ -1,0 +1,138 @@
+"""Why a measured figure is what it is, computed from the records and the base model's shapes, never guessed:
+which parameters bitsandbytes left in 16 bits, which parameters pruning cannot cut, what the activation formula
+predicts at the lengths bench_attention measured, what the other batching methods reached."""
+from __future__ import annotations
+
+import math
+import re
+
+from ... import estimate, records
+from ...measure.stats import EQUIVALENCE_MARGIN
+from .verdict import fmt
+
+# A decoder layer's parameters, in the families' module names (model.layers.3., transformer.h.3., ...).
+IN_LAYER = re.compile(r"\.(layers|h|blocks|layer)\.\d+\.")
+
+
+NO_SHAPES = "no cause computed: the base model's config.json is not in this results folder"
+
+
+def _named(layout) -> tuple[str, list[tuple[str, int]]] | None:
+    """The base model's parameters by name (tied tensors once), from its config on the meta device; None where
+    the results folder holds no model (a reference run keeps no weights or configs)."""
+    name = str(layout.base_model())
+    if not (layout.base_model() / "config.json").is_file():
+        return None
+    return name, [(n, p.numel()) for n, p in estimate.meta_model(name).named_parameters()]
+
+
+def _listed(params: list[tuple[str, int]], total: int) -> str:
+    """The large tensors by name (1% of the model or more), the rest counted with their kinds."""
+    big = [(n, k) for n, k in params if k >= total / 100]
+    rest = [(n, k) for n, k in params if k < total / 100]
+    kinds = sorted({"norms" if "norm" in n else "biases" if n.endswith("bias") else "others" for n, _ in rest})
+    said = [f"{n} ({k:,} params)" for n, k in big]
+    if rest:
+        said.append(f"{len(rest)} smaller tensor{'s' if len(rest) > 1 else ''} ({sum(k for _, k in rest):,} params: "
+                    f"{', '.join(kinds)})")
+    return ", ".join(said)
+
+
+def kept_in_16_bits(layout, m: dict) -> str:
+    """Which parameters a bitsandbytes scheme left unquantized, their bytes and share of the quantized model's
+    footprint, and the ratio of the quantized layers alone; the computed footprint is set beside the measured
+    one, so that the decomposition is checked, not assumed."""
+    if m.get("method") not in ("int8", "nf4", "fp4"):
+        return ""
+    if _named(layout) is None:
+        return NO_SHAPES
+    name, params = _named(layout)
+    quantized = {f"{lay['name']}.weight" for lay in estimate.linear_layers(name) if not lay["head"]}
+    kept = [(n, k) for n, k in params if n not in quantized]
+    fp = estimate.bnb_footprint(name, m["method"], double_quant=m.get("double_quant", False),
+                                compute_dtype=m["compute_dtype"])
+    computed, measured = fp["weight_bytes"] + fp["kept_bytes"], m["memory_footprint_bytes"]
+    layers16 = 2 * fp["quantized_params"]
+    tied = getattr(estimate.meta_model(name).config, "tie_word_embeddings", False)
+    return (f"bitsandbytes kept in {m['compute_dtype']}: {_listed(kept, sum(k for _, k in params))}"
+            f"{' (the embedding is tied with lm_head, which stays unquantized)' if tied else ''}, "
+            f"{fp['kept_bytes']:,.0f} B = {fp['kept_bytes'] / measured:.1%} of the quantized footprint; the "
+            f"{len(quantized)} quantized linear layers alone shrink {layers16 / fp['weight_bytes']:.2f}x from 16 bits "
+            f"({layers16:,} B to {fp['weight_bytes']:,} B); computed from the base model's shapes, their weights and "
+            f"the kept tensors come to {computed:,.0f} B against the measured {measured:,} B (get_memory_footprint "
+            f"leaves out the quantization constants)")
+
+
+def prune_shares(layout, m: dict) -> str:
+    """What a pruning strategy can cut: the parameters inside the decoder layers against those outside them
+    (embeddings, final norm), from the base model's shapes, beside the parameters the record says it kept."""
+    if _named(layout) is None:
+        return NO_SHAPES
+    _, params = _named(layout)
+    total = sum(k for _, k in params)
+    outside = [(n, k) for n, k in params if not IN_LAYER.search(n)]
+    cut_off = sum(k for _, k in outside)
+    base, pruned = m["base"]["parameters"], m["pruned"]["parameters"]
+    return (f"pruning cuts only inside the decoder layers: outside them sit {_listed(outside, total)}, "
+            f"{cut_off / total:.1%} of the base's {total:,} parameters, which every strategy keeps; this one kept "
+            f"{pruned:,} of {base:,} parameters ({pruned / base:.3f})")
+
+
+def attention_exponent_expected(layout, impl: str, seqs: list[int]) -> str:
+    """The exponent the activation formula (efflab.estimate, Korthikanti et al.) gives this model between the
+    shortest and longest sequence bench_attention measured: the asymptote is not reached at short lengths."""
+    if len(seqs) < 2 or seqs[0] == seqs[-1]:
+        return ""
+    if _named(layout) is None:
+        return NO_SHAPES
+    name, flash = str(layout.base_model()), impl != "eager"
+    ratio = (estimate.activation_bytes(name, seqs[-1], 1, 2, flash=flash)
+             / estimate.activation_bytes(name, seqs[0], 1, 2, flash=flash))
+    return (f"by the activation formula, this model's exponent between {seqs[0]} and {seqs[-1]} tokens is "
+            f"{math.log(ratio) / math.log(seqs[-1] / seqs[0]):.3f} ({'without' if flash else 'with'} the s² "
+            f"attention term)")
+
+
+def _ratio_said(ratio: dict) -> str:
+    """'4.427x [4.102, 4.6]', or '3.185x (1 round: no 95% interval)'."""
+    if ratio.get("ci95"):
+        return f"{fmt(ratio['median'])}x [{fmt(ratio['ci95'][0])}, {fmt(ratio['ci95'][1])}]"
+    return f"{fmt(ratio['median'])}x ({ratio['rounds']} round(s): no 95% interval)"
+
+
+def _versus_static(concurrency: int, ratio: dict) -> str:
+    """Whether continuous batching beat static batching at one concurrency, by the interval of their paired ratio."""
+    said, verdict = _ratio_said(ratio), ratio["verdict"]
+    if verdict == "faster":
+        return f"continuous batching beat static batching at concurrency {concurrency}: {said} its output tokens/s"
+    if verdict == "slower":
+        return (f"static batching beat continuous batching at concurrency {concurrency} (continuous reached {said} "
+                f"static's output tokens/s), so the batching, not its continuous scheduling, earned the speedup here")
+    if verdict == "no significant difference":
+        return (f"continuous and static batching were within {EQUIVALENCE_MARGIN:.0%} of each other at concurrency "
+                f"{concurrency} ({said}): the batching, not its continuous scheduling, earned the speedup here")
+    return f"this run cannot tell continuous from static batching at concurrency {concurrency} ({said}: {verdict})"
+
+
+def serving_alternatives(m: dict, method: str, best: dict) -> str:
+    """What the other batching methods of the same bursts reached over naive, at their highest concurrency, and
+    whether continuous batching beat static batching at each concurrency, by the interval of their ratio paired
+    burst round by burst round (a record of one burst has none)."""
+    others = {}
+    for c in m["cells"]:
+        if c["method"] not in (method, "naive") and records.is_ok(c):
+            if c["method"] not in others or c["concurrency"] > others[c["method"]]["concurrency"]:
+                others[c["method"]] = c
+    said = [f"{k} {_ratio_said(records.serving_ratio(c, 'throughput_vs_naive'))} at concurrency {c['concurrency']}"
+            for k, c in others.items() if records.serving_ratio(c, "throughput_vs_naive")]
+    continuous = [c for c in m["cells"] if method == "continuous" == c["method"] and records.is_ok(c)]
+    versus = [_versus_static(c["concurrency"], ratio) for c in continuous
+              if (ratio := records.serving_ratio(c, "continuous_vs_static"))]
+    unpaired = [str(c["concurrency"]) for c in continuous if not records.serving_ratio(c, "continuous_vs_static")]
+    return "; ".join(filter(None, [
+        said and "over naive in the same bursts: " + ", ".join(said), *versus,
+        unpaired and f"continuous batching was not paired with static batching at concurrency {', '.join(unpaired)} "
+                     f"(a record of one burst, or no static cell), so this run does not tell continuous batching "
+                     f"from batching as such",
+        "vllm" not in others and method != "vllm" and "the seed credits vLLM (PagedAttention with continuous "
+        "batching), which did not run here"]))

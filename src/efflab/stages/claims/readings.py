@@ -1,0 +1,319 @@
+"""Measured claims: figures read from this pipeline's own results, each a Reading (verdict.Reading) with its
+95% interval where the record gives one, marked exact where it is a count of this run's tensors, and with the
+cause of its value computed from the records (causes.py) where one is.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ... import estimate, records
+from .causes import attention_exponent_expected, kept_in_16_bits, prune_shares, serving_alternatives
+from .verdict import UNIT_SCALE, Reading
+
+
+class NotHere(Exception):
+    """The results a measured claim needs are not in this results folder."""
+
+
+def _read(path: Path) -> dict:
+    if not path.is_file():
+        raise NotHere(f"no {path} (run the stage that writes it)")
+    metrics = json.loads(path.read_text())
+    if not records.is_ok(metrics):  # a job that failed or was skipped measured nothing
+        raise NotHere(f"{path.parent.name} is {metrics['status']}: {metrics.get('reason', 'no reason given')}")
+    return metrics
+
+
+def scale_note(layout) -> str:
+    path = layout.metrics("base_model")
+    if not path.is_file():
+        return ""
+    base = json.loads(path.read_text())
+    env = base.get("environment", {})
+    return (f"measured here on {base.get('source')} ({base.get('parameters', 0):,} params, {base.get('dtype')}) "
+            f"on {env.get('device', '?')}{', ' + env['gpu'] if env.get('gpu') else ''}; the seed's figure is for "
+            f"billion-parameter models on GPUs")
+
+
+def _quantize_ratio(layout, metric: dict) -> Reading:
+    """The base model's get_memory_footprint over the quantized one's: a count of bytes (exact), with which
+    parameters bitsandbytes kept in 16 bits as the cause."""
+    m = _read(layout.metrics("quantize", metric["scheme"]))
+    dtype, cause = m["compute_dtype"], kept_in_16_bits(layout, m)
+    if dtype in ("bfloat16", "float16"):
+        return Reading(m["footprint_ratio_vs_base"],
+                       f"get_memory_footprint: {m['base_memory_footprint_bytes']:,} B {dtype} / "
+                       f"{m['memory_footprint_bytes']:,} B {metric['scheme']}", exact=True, cause=cause)
+    # A float32 baseline (CPU without fast bf16): re-express the parts bitsandbytes leaves unquantized at
+    # 16 bits on both sides, so the ratio answers the seed's question (quantized vs 16-bit weights).
+    fp = estimate.bnb_footprint(str(layout.base_model()), "int8")
+    width = estimate.bytes_per_element(dtype)
+    base16 = m["base_memory_footprint_bytes"] * 2 / width
+    quant16 = m["memory_footprint_bytes"] - fp["kept_params"] * (width - 2)
+    return Reading(base16 / quant16, f"baseline ran in {dtype}: footprints re-expressed at 16 bits ({base16:,.0f} B / "
+                                     f"{quant16:,.0f} B; measured vs {dtype}: {m['footprint_ratio_vs_base']:.2f}×)",
+                   exact=True, cause=cause)
+
+
+def _finetune_runs(layout) -> list[dict]:
+    folder = layout.out("finetune")
+    runs = [json.loads(p.read_text()) for p in sorted(folder.glob("*/metrics.json"))] if folder.is_dir() else []
+    return records.ok(runs)  # runs that did not train measured nothing
+
+
+def _finetune_trainable(layout, metric: dict) -> Reading:
+    runs = [r for r in _finetune_runs(layout) if r.get("method") == metric["method"]]
+    if not runs:
+        raise NotHere(f"no {metric['method']} run in {layout.out('finetune')}")
+    r = runs[0]
+    p = r["parameters"]
+    return Reading(100 - p["trainable_pct"], f"run {r['run']}: {p['trainable']:,} trainable of {p['total']:,} "
+                                             f"parameters", exact=True)
+
+
+def _paired_step_ratios(a: dict, b: dict, key: str) -> list[float] | None:
+    """Run a's `key` over run b's, step by step, sorted (records.paired_step_times: the same batches in the same
+    order). A step's tokens/s ratio is the other run's step time over this one's (the same tokens)."""
+    if key not in ("step_s", "tokens_per_s"):
+        return None
+    ratios = records.paired_step_times(a, b)  # b's step time over a's: a's tokens/s over b's
+    if ratios is None or key == "tokens_per_s":
+        return ratios
+    return sorted(1 / r for r in ratios)
+
+
+def _interleaved_ratio(layout, a: dict, b: dict, key: str) -> tuple[float, list | None, dict] | None:
+    """Run a's `key` over run b's from bench_finetune's interleaved steps of the pair: (median, its 95% interval
+    or None where the rounds give none, the pair), or None where bench_finetune did not measure the pair. NotHere
+    when it measured the pair on a machine whose speed kept changing (no median at all)."""
+    path = layout.metrics("bench_finetune")
+    if key not in ("step_s", "tokens_per_s") or not path.is_file():
+        return None
+    bench = [json.loads(path.read_text())]
+    for x, y in ((a, b), (b, a)):
+        pair = records.interleaved_pair(bench, x["run"], y["run"])
+        if pair is None:
+            continue
+        ratio = pair["step_time_ratio"]  # step time of y over x
+        if ratio.get("median") is None:
+            raise NotHere(f"bench_finetune measured {y['run']} vs {x['run']} but gave {ratio['verdict']}")
+        med, ci = ratio["median"], ratio.get("ci95")
+        if (x is a) == (key == "step_s"):  # a's step time over b's is 1/ratio when x is a; tokens/s inverts it
+            med, ci = 1 / med, ci and [1 / ci[1], 1 / ci[0]]
+        return med, ci, pair
+    return None
+
+
+def _finetune_pair(layout, metric: dict) -> Reading:
+    """The claim's statistic of run a's `key` over run b's, for the runs that differ only in `differ`: from
+    bench_finetune's interleaved steps where it measured the pair (median of the per-round ratios, its 95%
+    interval from order statistics where the rounds give one), else the median of the paired steps' ratios with
+    that interval where the runs can be paired step by step and are 6 or more, else the ratio of the two runs'
+    figures (no interval)."""
+    key, differ = metric["key"], metric["differ"]
+    stat = (lambda r: 100 * (1 - r)) if metric["stat"] == "drop_pct" else (lambda r: 100 * (r - 1))
+    for knob, value_a, value_b, a, b in records.knob_pairs(_finetune_runs(layout)):
+        if knob != differ:
+            continue
+        if (value_a, value_b) == (metric["b"], metric["a"]):  # the pair in the claim's order
+            value_a, value_b, a, b = value_b, value_a, b, a
+        if (value_a, value_b) == (metric["a"], metric["b"]):
+            return _pair_reading(layout, a, b, key, stat)
+    raise NotHere(f"no pair of finetune runs that differ only in {differ} ({metric['a']} vs {metric['b']}) in "
+                  f"{layout.out('finetune')}; add one to finetune.runs")
+
+
+def _pair_reading(layout, a: dict, b: dict, key: str, stat) -> Reading:
+    from ...measure.stats import median_ci_order, percentile
+
+    whole = f"{key}: run {a['run']} {a[key]:.4g} vs run {b['run']} {b[key]:.4g}"
+    interleaved = _interleaved_ratio(layout, a, b, key)
+    if interleaved:
+        median, ci, pair = interleaved
+        rounds = pair["step_time_ratio"]["rounds"]
+        spread = f"95% interval [{ci[0]:.4g}, {ci[1]:.4g}] from order statistics" if ci else \
+            f"no 95% interval ({pair['step_time_ratio']['verdict']})"
+        return Reading(stat(median), f"{key} of run {a['run']} over run {b['run']}: {median:.4g}, {spread} over "
+                                     f"bench_finetune's {rounds} interleaved rounds of both runs' steps over the same "
+                                     f"batches; the runs' own whole-run figures: {whole}",
+                       ci and tuple(sorted([stat(ci[0]), stat(ci[1])])))
+    ratios = _paired_step_ratios(a, b, key)
+    if ratios is None:
+        return Reading(stat(a[key] / b[key]), f"the two runs' whole-run figures, {whole}")
+    median, interval = percentile(ratios, 0.5), median_ci_order(sorted(ratios))
+    per_step = "step time" if key == "step_s" else f"tokens/s (run {b['run']}'s step time over run {a['run']}'s)"
+    said = (f"{key} of run {a['run']} over run {b['run']}: median of {len(ratios)} paired steps' {per_step} ratios "
+            f"{median:.4g}")
+    if interval is None:
+        return Reading(stat(median), f"{said}, range [{min(ratios):.4g}, {max(ratios):.4g}] ({len(ratios)} steps give "
+                                     f"no 95% interval; 6 needed); over whole runs, {whole}")
+    (lo, hi), coverage = interval
+    return Reading(stat(median), f"{said}, {coverage:.1%} interval [{lo:.4g}, {hi:.4g}] from order statistics (the "
+                                 f"same {a['tokens_seen']:,} tokens in the same order); over whole runs, {whole}",
+                   tuple(sorted([stat(lo), stat(hi)])))
+
+
+def _first_ran(layout, impls, ran) -> tuple[str, dict]:
+    """The first attention implementation of `impls` (one name or a list, in order of preference) whose
+    bench_attention record passes `ran`; NotHere naming why each did not."""
+    reasons = []
+    for name in [impls] if isinstance(impls, str) else impls:
+        path = layout.metrics("bench_attention", name)
+        impl = json.loads(path.read_text()) if path.is_file() else {"reason": f"no {path}"}
+        why = ran(impl) if records.is_ok(impl) and "status" in impl else impl.get("reason") or impl.get("status")
+        if why is None:
+            return name, impl
+        reasons.append(f"{name}: {why}")
+    raise NotHere("; ".join(reasons))
+
+
+def _attention_speedup(layout, metric: dict) -> Reading:
+    """The baseline's median latency over the first implementation of `impl` that ran on a CUDA GPU, at the
+    longest sequence both measured: timed interleaved with eager in one cell (a median and its interval), else
+    the ratio of the two cells' medians (no interval)."""
+    name, impl = _first_ran(layout, metric["impl"], lambda m: None if m.get("environment", {}).get("device") == "cuda"
+                            else "not run on a CUDA GPU")
+    ok = lambda m: {r["seq_len"]: r for r in m["rows"] if records.is_ok(r)}  # noqa: E731
+    a = ok(impl)
+    paired = {s: r["vs_eager"]["speedup"] for s, r in a.items()
+              if metric["baseline"] == "eager" and ((r.get("vs_eager") or {}).get("speedup") or {}).get("ci95")}
+    if paired:
+        s = max(paired)
+        speedup = paired[s]
+        return Reading(speedup["median"], f"eager's latency over {name}'s at seq {s}, {speedup['rounds']} interleaved "
+                                          f"rounds in one cell: median {speedup['median']:.3g}, 95% interval "
+                                          f"[{speedup['ci95'][0]:.3g}, {speedup['ci95'][1]:.3g}]",
+                       tuple(speedup["ci95"]))
+    b = ok(_read(layout.metrics("bench_attention", metric["baseline"])))
+    if not set(a) & set(b):
+        raise NotHere(f"{name} and {metric['baseline']} have no sequence length measured by both")
+    s = max(set(a) & set(b))
+    return Reading(b[s]["latency"]["median"] / a[s]["latency"]["median"],
+                   f"median latency at seq {s}: {metric['baseline']} / {name}, timed in separate cells")
+
+
+def _attention_memory_exponent(layout, metric: dict) -> Reading:
+    """bench_attention's fitted exponent of peak memory in sequence length (batch 1, `mode`) for the first
+    implementation of `impl` that measured one: a least-squares slope through a few lengths, no interval."""
+    def fit_of(m):
+        return next((f for f in m.get("memory_exponents", []) if f["mode"] == metric["mode"]
+                     and f["batch_size"] == 1 and f.get("exponent") is not None), None)
+    name, impl = _first_ran(layout, metric["impl"], lambda m: None if fit_of(m) else
+                            f"no {metric['mode']} memory exponent at batch 1")
+    fit = fit_of(impl)
+    seqs = sorted(r["seq_len"] for r in impl["rows"] if r["mode"] == metric["mode"] and r["batch_size"] == 1
+                  and records.is_ok(r))
+    stand_in = (" (sdpa stands in for FlashAttention: torch picks its fused kernel, and the record does not say "
+                "which)") if name == "sdpa" else ""
+    return Reading(fit["exponent"], f"bench_attention {name}{stand_in}, {metric['mode']}: slope of log peak memory "
+                                    f"({fit['memory_kind']}) on log sequence length through {fit['points']} lengths "
+                                    f"{seqs[0]}-{seqs[-1]}: {fit['exponent']:.3f} (r² {fit['r2']:.4f})",
+                   cause=attention_exponent_expected(layout, name, seqs))
+
+
+def _prune_ratio(layout, metric: dict) -> Reading:
+    """A pruning strategy's figure against the base model it was cut from, measured in the same job:
+    `footprint_ratio` (pruned / base get_memory_footprint, exact) or `generation_speedup` (base time / pruned
+    time over interleaved rounds, with its interval where the rounds give one)."""
+    m = _read(layout.metrics("prune", metric["strategy"]))
+    kept = f"{m['kept']['layers']} layers x {m['kept']['heads']} query heads ({m['kept']['kv_heads']} kv)"
+    if metric["key"] == "generation_speedup":
+        s = m["generation_speedup"]
+        if s.get("median") is None:
+            raise NotHere(f"prune {metric['strategy']}: {s['verdict']}")
+        spread = "" if s.get("ci95") else f": {s['verdict']}"
+        return Reading(s["median"], f"prune {metric['strategy']} ({kept}): base generation time over the pruned "
+                                    f"model's, {s['rounds']} interleaved rounds of {m['new_tokens']} tokens{spread}",
+                       tuple(s["ci95"]) if s.get("ci95") else None)
+    return Reading(m["footprint_ratio"], f"prune {metric['strategy']} ({kept}): get_memory_footprint "
+                                         f"{m['pruned']['memory_footprint_bytes']:,} B / base "
+                                         f"{m['base']['memory_footprint_bytes']:,} B", exact=True,
+                   cause=prune_shares(layout, m))
+
+
+def _serving_ratio(layout, metric: dict) -> Reading:
+    """bench_serving's output tokens/s of `method` over the naive server's, at the highest concurrency it ran,
+    paired burst round by burst round, with its 95% interval where the rounds give one (a record of one burst has
+    none: inconclusive); whether continuous batching beat static batching, and what the other batching methods
+    reached, is the cause said."""
+    m = _read(layout.metrics("bench_serving"))
+    cells = [c for c in m["cells"] if c["method"] == metric["method"] and records.is_ok(c)]
+    if not cells or not any(c["method"] == "naive" and records.is_ok(c) for c in m["cells"]):
+        reasons = [c.get("reason", "") for c in m["cells"] if c["method"] in (metric["method"], "naive")]
+        raise NotHere(f"bench_serving has no {metric['method']} and naive results to compare: {'; '.join(reasons)}")
+    best = max(cells, key=lambda c: c["concurrency"])
+    ratio = records.serving_ratio(best, "throughput_vs_naive")
+    if not ratio or ratio.get("median") is None:
+        raise NotHere(f"bench_serving has no {metric['method']} throughput over naive at concurrency "
+                      f"{best['concurrency']}")
+    spread = "" if ratio.get("ci95") else f": {ratio['verdict']}"
+    return Reading(ratio["median"],
+                   f"bench_serving, {ratio['rounds']} burst round(s) of {m['requests']} requests: {metric['method']} "
+                   f"at concurrency {best['concurrency']}, its output tokens/s over naive's in the same round{spread}",
+                   tuple(ratio["ci95"]) if ratio.get("ci95") else None,
+                   cause=serving_alternatives(m, metric["method"], best))
+
+
+def _inference_speedup(layout, metric: dict) -> Reading:
+    """bench_inference's generation speedup of `variant` over the base model (the base's time over the
+    variant's, interleaved rounds), in its cell with the KV cache at batch 1, with its interval where the
+    rounds give one."""
+    m = _read(layout.metrics("bench_inference", metric["variant"]))
+    cell = next((c for c in m["cells"] if records.is_ok(c) and c.get("kv_cache") and c.get("batch_size") == 1
+                 and (c.get("vs_base") or {}).get("generation_speedup")), None)
+    if cell is None:
+        raise NotHere(f"bench_inference {metric['variant']} has no cell against the base model at batch 1 with "
+                      f"the KV cache")
+    s, rounds = cell["vs_base"]["generation_speedup"], cell["vs_base"].get("rounds", [])
+    if s.get("median") is None:  # the speed sentinel set aside every round: a busy machine, no speedup measured
+        raise NotHere(f"bench_inference {metric['variant']} measured no speedup over the base model: "
+                      f"{s.get('verdict') or 'no stable round'}")
+    per_round = [r["seconds"]["base"] / r["seconds"][metric["variant"]] for r in rounds
+                 if {"base", metric["variant"]} <= set(r.get("seconds", {}))]
+    spread = "" if s.get("ci95") else f" ({s['verdict']}; per round: {', '.join(f'{r:.3g}' for r in per_round)})"
+    return Reading(s["median"], f"bench_inference {metric['variant']} ({m.get('dtype')} base, batch 1, KV cache, "
+                                f"{m.get('new_tokens')} new tokens): the base model's generation time over "
+                                f"{metric['variant']}'s, median of {s['rounds']} interleaved rounds {s['median']:.3g}"
+                                f"{spread}", tuple(s["ci95"]) if s.get("ci95") else None)
+
+
+def _gpu_base_model(layout) -> dict:
+    base = _read(layout.metrics("base_model"))
+    if base.get("environment", {}).get("device") != "cuda":
+        raise NotHere("the results are from a CPU run (base_model measures the GPU's matmul rates and CUDA "
+                      "context on CUDA runs)")
+    return base
+
+
+def _matmul_ratio(layout, metric: dict) -> Reading:
+    """The ratio of two precisions' matmul ceilings (the best of base_model's timed repeats each): no interval."""
+    base = _gpu_base_model(layout)
+    rates = base["gpu_matmul_tflops"]
+    fast, slow = rates[metric["fast"]], rates[metric["slow"]]
+    return Reading(fast["tflops"] / slow["tflops"],
+                   f"{base['environment'].get('gpu')}: {fast['size']}^3 matmul ceiling {metric['fast']} "
+                   f"{fast['tflops']:.1f} vs {metric['slow']} {slow['tflops']:.1f} TFLOP/s (measured by base_model; a "
+                   f"matmul, not a training step)")
+
+
+def _cuda_context(layout, metric: dict) -> Reading:
+    """What the process holds on the GPU outside torch's allocator, read once: no interval."""
+    base = _gpu_base_model(layout)
+    context = base["cuda_context"]
+    if context.get("mib") is None:
+        raise NotHere(f"NVML could not say: {context.get('unavailable')}")
+    return Reading(context["mib"] * UNIT_SCALE["MiB"],
+                   f"{base['environment'].get('gpu')}: NVML process {context['nvml_process_mib']:.0f} MiB - torch "
+                   f"reserved {context['torch_reserved_mib']:.0f} MiB = {context['mib']:.0f} MiB")
+
+
+# Metrics whose figure is a definition (a parameter count of this run's model), not a measurement.
+DEFINITION_METRICS = frozenset({"finetune_trainable"})
+# Each takes the results layout and the claim's metric and returns a Reading (value in the claim's base unit), or
+# raises NotHere.
+METRICS = {"quantize_ratio": _quantize_ratio, "finetune_trainable": _finetune_trainable,
+           "finetune_pair": _finetune_pair, "attention_speedup": _attention_speedup,
+           "attention_memory_exponent": _attention_memory_exponent, "matmul_ratio": _matmul_ratio,
+           "cuda_context": _cuda_context, "prune_ratio": _prune_ratio, "serving_ratio": _serving_ratio,
+           "inference_speedup": _inference_speedup}

@@ -1,0 +1,351 @@
+"""Stage finetune: full fine-tuning, LoRA or QLoRA with the HF Trainer and peft, one job per named run.
+
+Records trainable/total parameters (4-bit aware), peak memory of training, real-token throughput,
+the loss curve and validation loss before and after. Saves the peft adapter or the full model.
+"""
+from __future__ import annotations
+
+import csv
+import hashlib
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from .. import cli, profiling
+from ..config import UserError, finetune_run
+from ..layout import LOSS_COLUMNS
+from ..logs import log_file_path, setup_child_logging
+from ..measure.device import pick_device, set_threads
+from ..measure.energy import EnergyMeter, energy_per_token
+from ..measure.env import environment
+from ..measure.flops import count_parameters, matmul_ceiling, mfu, published_peak_tflops, training_flops_per_token
+from ..measure.memory import CpuTensorPeak, track_memory
+from ..measure.stats import summarize
+from ..memory_estimate import compared, training_peak
+from ..modeling import base_dtype, eval_loss, load_tokenizer, read_split
+from ..registry import LOSS_CSV
+from ..training import build_model, collator, mixed_precision, unavailable_knobs
+
+log = logging.getLogger("efflab")
+
+
+def write_loss_curve(history: list[dict], path) -> list[dict]:
+    rows = [{"step": h["step"], "loss": h["loss"], "learning_rate": h.get("learning_rate"),
+             "grad_norm": h.get("grad_norm")} for h in history if "loss" in h]
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=LOSS_COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    return rows
+
+
+def run(cfg: dict, paths: dict) -> dict:
+    """Fine-tune one named run and measure what it cost and bought (DDP when num_processes > 1).
+    A run the device cannot do is recorded as unavailable with the reason; one that fails or runs out of
+    memory is recorded by cli.main (the grid goes on); bad params still stop with an error."""
+    run_cfg = finetune_run(cfg, paths["name"])
+    device = pick_device(cfg["runtime"])
+    missing = unavailable_knobs(run_cfg, device)
+    if missing:
+        reason = "; ".join(missing)
+        paths["layout"].write_not_run("finetune", paths["out"], "unavailable", reason)
+        log.warning("%s: unavailable: %s", paths["name"], reason)
+        return {"status": "unavailable", "reason": reason, "run": paths["name"], "method": run_cfg["method"],
+                "settings": run_cfg, "environment": environment(device, run_cfg)}
+    if run_cfg["num_processes"] * run_cfg["num_machines"] > 1 or run_cfg["accelerate_config"]:
+        if "LOCAL_RANK" not in os.environ:
+            return launch_distributed(run_cfg, paths)
+    return train(cfg, paths)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch_distributed(run_cfg: dict, paths: dict) -> dict:
+    """Run this stage's training as `accelerate launch` DDP workers (gloo on CPU, NCCL on GPU); rank 0
+    writes the outputs into this job's folder and hands its metrics back through a file."""
+    import json
+
+    log_file = log_file_path()
+    config = run_cfg["accelerate_config"]
+    if config and not Path(config).is_file():
+        raise UserError(f"finetune.accelerate_config: {config!r} does not exist (expected an accelerate config file)")
+    kind = ["--config_file", config] if config else ["--multi_gpu"]  # multi_gpu: gloo DDP on a CPU-only machine
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", *kind,
+           "--num_processes", str(run_cfg["num_processes"] * run_cfg["num_machines"]),
+           "--num_machines", str(run_cfg["num_machines"]), "--main_process_port", str(_free_port()),
+           "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "efflab.stages.finetune", WORKER_FLAG,
+           "--params", str(paths["params"]), "--name", paths["name"], "--results", str(paths["layout"].root),
+           "--out", str(paths["out"])] + (["--log", log_file] if log_file else [])
+    log.info("%s: launching %d DDP processes: %s", paths["name"], run_cfg["num_processes"], " ".join(cmd))
+    proc = subprocess.run(cmd)
+    handoff = paths["out"] / "rank0_metrics.json"
+    if proc.returncode != 0 or not handoff.is_file():
+        raise RuntimeError(f"accelerate launch exited with code {proc.returncode}; see the log above")
+    metrics = json.loads(handoff.read_text())
+    handoff.unlink()
+    return metrics
+
+
+def checkpoints(layout, name: str, run_cfg: dict, rank: int) -> tuple[Path, str | None]:
+    """The run's step-checkpoint folder (a hidden sibling of its outputs, which Snakemake does not own and
+    so does not delete when a killed job's outputs are cleaned up) and the checkpoint to resume from.
+    Checkpoints written with different settings are discarded, never resumed."""
+    import json
+
+    from transformers.trainer_utils import get_last_checkpoint
+
+    folder = layout.out("finetune").joinpath(f".{name}.checkpoints")
+    stamp = folder / "settings.json"
+    wanted = json.dumps({"settings": run_cfg, "base": layout.metrics("base_model").read_text(),
+                         "train": layout.split("train").stat().st_size}, sort_keys=True)
+    if rank == 0:
+        if folder.is_dir() and (not stamp.is_file() or stamp.read_text() != wanted):
+            log.info("%s: discarding checkpoints written with other settings: %s", name, folder)
+            shutil.rmtree(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        stamp.write_text(wanted)
+    last = get_last_checkpoint(str(folder)) if folder.is_dir() and run_cfg["checkpoint_every"] else None
+    return folder, last
+
+
+def _checkpoint_state(checkpoint: str | None) -> dict:
+    import json
+
+    if not checkpoint:
+        return {"global_step": 0, "num_input_tokens_seen": 0}
+    state = json.loads((Path(checkpoint) / "trainer_state.json").read_text())
+    return {"global_step": state["global_step"], "num_input_tokens_seen": state.get("num_input_tokens_seen", 0)}
+
+
+def steady_steps(step_times, warmup: int) -> dict:
+    """Step time (median and spread) and throughput of the steady steps: the first `warmup` steps (lazy
+    initialisation, allocator warm-up, kernel autotuning) are left out while later steps remain."""
+    durations, tokens = step_times.durations, step_times.tokens
+    skip = warmup if len(durations) > warmup else 0
+    steady_s, steady_tokens = durations[skip:], tokens[skip:]
+    return {"step_time": summarize(steady_s) | {
+                "first_step_s": durations[0] if durations else None,
+                "excluded": f"the first {skip} step(s) (timing_warmup_steps)" if skip else None},
+            "steps": len(steady_s), "excluded_steps": skip, "tokens": sum(steady_tokens),
+            "seconds": sum(steady_s),
+            "tokens_per_s": sum(steady_tokens) / sum(steady_s) if sum(steady_s) > 0 else None}
+
+
+def _lora_scaling(model) -> float | None:
+    """The scale peft applies to B·A (alpha/r, or alpha/sqrt(r) with rsLoRA), read from a LoRA layer."""
+    for module in model.modules():
+        scaling = getattr(module, "scaling", None)
+        if isinstance(scaling, dict) and scaling:
+            return float(next(iter(scaling.values())))
+    return None
+
+
+def _weights_sha256(model) -> str:
+    digest = hashlib.sha256()
+    for name, p in sorted(model.named_parameters()):
+        if p.requires_grad:
+            digest.update(name.encode())
+            digest.update(p.detach().float().cpu().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def train(cfg: dict, paths: dict) -> dict:
+    """The training itself, in this process (one DDP rank when launched by accelerate)."""
+    from datasets import Dataset
+    from transformers import Trainer, TrainingArguments, set_seed
+
+    from ..callbacks import KILL_ENV, FlushTensorCount, KillAfterCheckpoint, SequenceLengths, StepTimes
+
+    name, layout = paths["name"], paths["layout"]
+    run_cfg = finetune_run(cfg, name)
+    world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+    threads = set_threads(cfg["runtime"])
+    if world > 1:  # the job's threads are shared by the ranks on this machine
+        threads = max(1, threads // int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+        torch.set_num_threads(threads)
+    device = pick_device(cfg["runtime"])
+    dtype = base_dtype(layout)
+    precision = mixed_precision(run_cfg, dtype, device)
+    set_seed(run_cfg["seed"], deterministic=run_cfg["deterministic"])
+    tokenizer = load_tokenizer(layout.base_model())
+    train_rows = read_split(layout.split("train"))
+    val_rows = read_split(layout.split("validation"), run_cfg["eval_rows"])
+
+    model = build_model(run_cfg, layout, dtype, device)
+    # Training needs no KV cache, and with one transformers would not see packed rows' boundaries (it reads
+    # them from the position ids only when there is no cache) and would let them attend to each other.
+    model.config.use_cache = False
+    params = count_parameters(model)
+    log.info("%s: %s trainable of %s parameters (%.3f%%), precision %s", name, f"{params['trainable']:,}",
+             f"{params['total']:,}", params["trainable_pct"], precision)
+    matmul_dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(
+        precision, "float32" if run_cfg["method"] == "full" else dtype)
+    if rank == 0:  # only rank 0 reports: the other ranks need neither the start loss nor the ceiling
+        before = eval_loss(model, val_rows, run_cfg["batch_size"], tokenizer)
+        ceiling = matmul_ceiling(matmul_dtype, device)
+        log.info("%s: matmul ceiling %.3f TFLOP/s (%s, measured in this process)", name, ceiling["tflops"], matmul_dtype)
+
+    scratch, resume = checkpoints(layout, name, run_cfg, rank)
+    every = run_cfg["checkpoint_every"]
+    args = TrainingArguments(
+        output_dir=str(scratch), max_steps=run_cfg["max_steps"],
+        save_strategy="steps" if every else "no", save_steps=every or 500, save_total_limit=2,
+        per_device_train_batch_size=run_cfg["batch_size"],
+        gradient_accumulation_steps=run_cfg["gradient_accumulation_steps"],
+        learning_rate=run_cfg["learning_rate"], lr_scheduler_type=run_cfg["lr_scheduler"],
+        warmup_steps=run_cfg["warmup_steps"], weight_decay=run_cfg["weight_decay"],
+        max_grad_norm=run_cfg["max_grad_norm"], optim=run_cfg["optimizer"], bf16=precision == "bf16", fp16=precision == "fp16",
+        tf32=run_cfg["tf32"] if device.type == "cuda" else None, torch_compile=run_cfg["torch_compile"],
+        full_determinism=run_cfg["deterministic"],
+        logging_steps=1, eval_strategy="no", report_to=[], seed=run_cfg["seed"],
+        data_seed=run_cfg["seed"], use_cpu=device.type == "cpu",
+        dataloader_num_workers=run_cfg["dataloader_num_workers"],
+        dataloader_pin_memory=device.type == "cuda" and run_cfg["pin_memory"] in ("auto", True),
+        include_num_input_tokens_seen="non_padding", remove_unused_columns=False,
+        ddp_find_unused_parameters=False, disable_tqdm=rank != 0,
+    )
+    profiled = rank == 0 and profiling.wanted(cfg, "finetune")
+    tensors = CpuTensorPeak(unavailable=profiling.REPLACES_TENSOR_PEAK if profiled else None)
+    step_times = StepTimes(device)
+    callbacks = [step_times, FlushTensorCount(tensors)] + ([KillAfterCheckpoint()] if os.environ.get(KILL_ENV) else [])
+    trainer = Trainer(model=model, args=args, train_dataset=Dataset.from_list(train_rows),
+                      data_collator=collator(run_cfg, tokenizer), callbacks=callbacks)
+    resumed = _checkpoint_state(resume)
+    if resume:
+        log.info("%s: resuming from %s (step %d)", name, resume, resumed["global_step"])
+    processed = SequenceLengths(model)
+    prediction = training_peak(layout.base_model(), run_cfg, dtype, precision,  # from config and data only
+                               [len(r["input_ids"]) for r in train_rows], device.type)
+    with track_memory(device, tensors) as train_mem:
+        profiler = None
+        if profiled:
+            profiler = profiling.Profiler(cfg["profile"], paths["out"] / profiling.FOLDER, device)
+            profiling.trainer_hooks(trainer, profiler)
+        meter = EnergyMeter(device).start()  # two counter reads, at the ends: nothing in between
+        t0 = time.perf_counter()
+        result = trainer.train(resume_from_checkpoint=resume)
+        train_s = time.perf_counter() - t0 - tensors.overhead_s  # the tensor count's flushes are not training
+        energy = meter.stop()
+        profile = profiler.close() if profiler else None
+    processed.remove()
+    optimizer_state_bytes = sum(t.numel() * t.element_size() for state in trainer.optimizer.state.values()
+                                for t in state.values() if torch.is_tensor(t))
+    model.eval()
+    after = eval_loss(model, val_rows, run_cfg["batch_size"], tokenizer)
+    ranks = [{"rank": rank, "weights_sha256": _weights_sha256(model), "validation_after": after["loss"]}]
+    if world > 1:
+        gathered = [None] * world
+        torch.distributed.all_gather_object(gathered, ranks[0])
+        ranks = gathered
+        if rank != 0:  # only rank 0 writes outputs and metrics
+            return {}
+    curve = write_loss_curve(trainer.state.log_history, paths["out"] / LOSS_CSV)
+
+    folder = paths["out"] / "model"
+    if run_cfg["method"] == "full":
+        model.to(getattr(torch, dtype)).save_pretrained(folder, safe_serialization=True)
+    else:
+        model.save_pretrained(folder, safe_serialization=True)
+        _sort_target_modules(folder / "adapter_config.json")
+    tokenizer.save_pretrained(folder)
+    shutil.rmtree(scratch, ignore_errors=True)  # the run is complete: its step checkpoints are not needed
+    steps = result.global_step - resumed["global_step"]  # what this process trained (and timed)
+    tokens = trainer.state.num_input_tokens_seen - resumed["num_input_tokens_seen"]
+    samples = steps * run_cfg["batch_size"] * run_cfg["gradient_accumulation_steps"] * world
+    # Attention FLOPs per token over each sequence's own length (token-weighted), as the model computed them.
+    attention_len = processed.attention_length() or tokens / samples
+    flops = training_flops_per_token(model, attention_len, run_cfg["gradient_checkpointing"])
+    published = published_peak_tflops(device, matmul_dtype)
+    steady = steady_steps(step_times, run_cfg["timing_warmup_steps"])
+    rate = steady["tokens_per_s"] or tokens / train_s
+    throughput = {
+        "tokens_per_s": rate, "samples_per_s": samples / train_s, "whole_run_tokens_per_s": tokens / train_s,
+        "measured_over": f"{steady['steps']} steady steps ({steady['excluded_steps']} warm-up step(s) left out)",
+        "tokens": "real (non-padding) input tokens", "flops": flops, "matmul_ceiling": ceiling,
+        "mfu_vs_measured_ceiling": mfu(rate, flops["model_flops_per_token"], ceiling["tflops"]),
+        "published_peak": published,
+        "mfu_vs_published_peak": mfu(rate, flops["model_flops_per_token"], published["tflops"]),
+    }
+    log.info("%s: validation loss %.3f -> %.3f in %d steps, %.0f tokens/s (steady), MFU %.1f%% of the measured "
+             "ceiling, peak %s MiB (%s)", name, before["loss"], after["loss"], steps, rate,
+             100 * throughput["mfu_vs_measured_ceiling"], _fmt(train_mem["peak_mib"]), train_mem["kind"])
+    return {
+        "run": name, "method": run_cfg["method"], "settings": run_cfg, "compute_dtype": dtype,
+        "mixed_precision": precision, "threads": threads, "parameters": params,
+        "processes": world, "ranks": ranks, "total_steps": result.global_step,
+        "effective_batch": run_cfg["batch_size"] * run_cfg["gradient_accumulation_steps"] * world,
+        "padding_free": run_cfg["packing"], "tokens_processed": processed.positions,
+        "pad_fraction": 1 - tokens / processed.positions if processed.positions else None,
+        "resumed_from": resumed["global_step"] or None, "optimizer": run_cfg["optimizer"],
+        "optimizer_state_bytes": optimizer_state_bytes, "lora_scaling": _lora_scaling(model),
+        "steps": steps, "train_s": train_s, "step_s": train_s / steps,
+        "step_time": steady["step_time"], "steady": {k: v for k, v in steady.items() if k != "step_time"},
+        "tokens_seen": tokens, "tokens_per_s": tokens / train_s, "samples_per_s": samples / train_s,
+        "throughput": throughput,
+        "memory_prediction": compared(prediction, train_mem),
+        "train_memory": train_mem,
+        "energy": energy_per_token(energy, tokens) | {"counts": "the whole training loop, warm-up steps included"},
+        "profile": profile,
+        "first_loss": curve[0]["loss"], "last_loss": curve[-1]["loss"],
+        "validation_before": before, "validation_after": after,
+        "validation_loss_drop": before["loss"] - after["loss"],
+        "environment": environment(device, run_cfg),
+    }
+
+
+def _sort_target_modules(path: Path) -> None:
+    """peft keeps target_modules as a set and writes it in the set's order, which changes with Python's hash
+    seed: sorted, two identical runs write identical adapter folders (and their provenance hashes agree)."""
+    import json
+
+    config = json.loads(path.read_text())
+    if isinstance(config.get("target_modules"), list):
+        config["target_modules"] = sorted(config["target_modules"])
+        path.write_text(json.dumps(config, indent=2, sort_keys=True))
+
+
+def _fmt(value) -> str:
+    return "n/a" if value is None else f"{value:.0f}"
+
+
+WORKER_FLAG = "--ddp-worker"
+
+
+def worker_main(argv: list[str]) -> None:
+    """Entry point of one `accelerate launch` rank: train, and on rank 0 hand the metrics back."""
+    import argparse
+    import json
+
+    from .. import config
+    from ..layout import Layout
+
+    parser = argparse.ArgumentParser()
+    for flag in ("--params", "--name", "--results", "--out", "--log"):
+        parser.add_argument(flag)
+    args = parser.parse_args(argv)
+    rank = int(os.environ.get("RANK", 0))
+    setup_child_logging(args.log, f"rank {rank}")
+    cfg = config.load(args.params)
+    out = Path(args.out)
+    metrics = train(cfg, {"layout": Layout(Path(args.results)), "name": args.name, "out": out, "final": out,
+                          "params": args.params})
+    if rank == 0:
+        (out / "rank0_metrics.json").write_text(json.dumps(metrics, default=str))
+
+
+if __name__ == "__main__":
+    if WORKER_FLAG in sys.argv:
+        worker_main([a for a in sys.argv[1:] if a != WORKER_FLAG])
+    else:
+        cli.main("finetune", run)

@@ -1,0 +1,127 @@
+"""Stage merge: fold a LoRA/QLoRA adapter into its base and check that the merge keeps the fine-tune.
+
+The reference is the adapter on the base it was trained against: the full-precision base for LoRA,
+the 4-bit base for QLoRA. The merge target is the base in merge.dtype; for QLoRA it is the
+dequantized 4-bit base (the weights the adapter actually saw), not the original weights.
+Fidelity: max |logit difference| between reference and merged on validation rows, and both
+validation perplexities; the same again for the merged folder as saved (in the base dtype).
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .. import cli, quality
+from ..architecture import restore_conv1d
+from ..config import base_quant, finetune_run
+from ..measure.device import pick_device, set_threads
+from ..measure.env import environment
+from ..modeling import (base_dtype, forward_batches, load_model, load_tokenizer, read_split, row_nll,
+                       rows_summary)
+
+log = logging.getLogger("efflab")
+
+
+def kl_per_token(ref: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """KL(reference || model) of the next-token distributions, one value per position."""
+    ref_logp, logp = torch.log_softmax(ref.float(), -1), torch.log_softmax(logits.float(), -1)
+    return (ref_logp.exp() * (ref_logp - logp)).sum(-1)
+
+
+def reference_logits(model, rows, batch_size, tokenizer) -> tuple[list[torch.Tensor], dict]:
+    kept, per_row = [], []
+    for batch, logits in forward_batches(model, rows, batch_size, tokenizer):
+        per_row += row_nll(logits, batch["labels"])
+        kept.append(logits[batch["attention_mask"].bool()].float())
+    return kept, rows_summary(per_row)
+
+
+def compare(model, reference: list[torch.Tensor], reference_eval: dict, rows, batch_size, tokenizer) -> dict:
+    """Max |logit difference| and mean KL vs the reference over every real token, the perplexity, and its change
+    over the reference's paired row by row (quality.paired_change)."""
+    worst, kl_sum, positions, per_row = 0.0, 0.0, 0, []
+    for (batch, logits), ref in zip(forward_batches(model, rows, batch_size, tokenizer), reference):
+        per_row += row_nll(logits, batch["labels"])
+        mine = logits[batch["attention_mask"].bool()].float()
+        worst = max(worst, (mine - ref).abs().max().item())
+        kl_sum, positions = kl_sum + kl_per_token(ref, mine).sum().item(), positions + len(ref)
+    return {"max_abs_logit_diff": worst, "kl_mean": kl_sum / positions, "validation": rows_summary(per_row),
+            "perplexity_change": quality.paired_change(reference_eval["per_row"], per_row)}
+
+
+def merged_into(layout, adapter, dtype: str, merge_dtype: str, device, quant: dict | None, roundtrip: bool):
+    """The adapter merged into the base: the base as loaded in full precision, or (roundtrip) after the
+    same 4-bit quantize→dequantize round trip the QLoRA adapter was trained against."""
+    from peft import PeftModel
+
+    target = load_model(layout.base_model(), merge_dtype if quant is None else dtype, device,
+                        quant=quant if roundtrip else None)
+    if quant is not None and roundtrip:
+        target = target.dequantize()
+        restore_conv1d(target)  # GPT-2-style families: dequantize() leaves nn.Linear where the class has Conv1D
+    target = target.to(getattr(torch, merge_dtype))
+    return PeftModel.from_pretrained(target, adapter).merge_and_unload().eval()
+
+
+def run(cfg: dict, paths: dict) -> dict:
+    """Merge one adapter run and measure the fidelity of the merged model."""
+    from peft import PeftModel
+
+    name, layout, m = paths["name"], paths["layout"], cfg["merge"]
+    run_cfg = finetune_run(cfg, name)
+    set_threads(cfg["runtime"])
+    device = pick_device(cfg["runtime"])
+    skipped = layout.skipped_because("finetune", name)
+    if skipped:
+        layout.write_not_run("merge", paths["out"], skipped["status"], skipped["reason"])
+        return {**skipped, "run": name, "method": run_cfg["method"], "environment": environment(device, m)}
+    dtype = base_dtype(layout)
+    tokenizer = load_tokenizer(layout.base_model())
+    rows = read_split(layout.split("validation"), m["eval_rows"])
+    batch_size = run_cfg["batch_size"]
+    adapter = layout.model("finetune", name)
+
+    quant = base_quant(run_cfg)
+    base = load_model(layout.base_model(), m["dtype"] if quant is None else dtype, device, quant=quant)
+    reference = PeftModel.from_pretrained(base, adapter).eval()
+    ref_logits, ref_eval = reference_logits(reference, rows, batch_size, tokenizer)
+    del reference, base
+
+    merged = merged_into(layout, adapter, dtype, m["dtype"], device, quant, roundtrip=True)
+    in_memory = compare(merged, ref_logits, ref_eval, rows, batch_size, tokenizer)
+
+    folder = paths["out"] / "model"
+    merged.to(getattr(torch, dtype)).save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+    del merged
+    saved = compare(load_model(folder, dtype, device), ref_logits, ref_eval, rows, batch_size, tokenizer)
+    targets = {}
+    if quant is not None:  # which merge keeps the fine-tune? (the saved folder is the round-trip merge)
+        naive = merged_into(layout, adapter, dtype, m["dtype"], device, quant, roundtrip=False)
+        targets["original base"] = compare(naive, ref_logits, ref_eval, rows, batch_size, tokenizer)
+        del naive
+        targets[f"{quant['method']} round-trip base"] = in_memory
+        requantized = load_model(folder, dtype, device, quant=quant)
+        targets[f"round-trip merge re-quantized to {quant['method']}"] = compare(
+            requantized, ref_logits, ref_eval, rows, batch_size, tokenizer)
+        del requantized
+        for target, result in targets.items():
+            log.info("%s: merged into the %s: max |logit diff| %.3e, KL %.3e, perplexity %.3f", name, target,
+                     result["max_abs_logit_diff"], result["kl_mean"], result["validation"]["perplexity"])
+    log.info("%s: merged max |logit diff| %.2e (%s), saved in %s %.2e; perplexity %.3f adapter vs %.3f merged",
+             name, in_memory["max_abs_logit_diff"], m["dtype"], dtype, saved["max_abs_logit_diff"],
+             ref_eval["perplexity"], in_memory["validation"]["perplexity"])
+    return {
+        "run": name, "method": run_cfg["method"],
+        "reference": "adapter on the 4-bit base it was trained on" if quant else "adapter on the base",
+        "merge_target": f"dequantized {quant['method']} base" if quant else "full-precision base",
+        "merge_dtype": m["dtype"], "saved_dtype": dtype,
+        "adapter_validation": ref_eval, "merged": in_memory, "merged_saved": saved,
+        "targets": targets, "closest_target": min(targets, key=lambda t: targets[t]["kl_mean"]) if targets else None,
+        "environment": environment(device, m),
+    }
+
+
+if __name__ == "__main__":
+    cli.main("merge", run)

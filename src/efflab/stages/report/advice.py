@@ -1,0 +1,171 @@
+"""The report's opening answers, derived from the records and never written by hand.
+
+For each decision (quantization scheme, fine-tuning method, attention implementation, inference variant, merge
+route) the options are read from the records with an interval on every axis (report.options), the frontier is
+what no option beats on one axis without losing on another (report.decide), and a recommendation is named only
+where the intervals separate; it states its cost on the other axes. One baseline and one stated tolerance per
+decision. The words are in templates/advice.md.j2; this module computes the facts they say.
+"""
+from __future__ import annotations
+
+import pandas as pd
+
+from ... import records
+from . import options as opts
+from .decide import beats, best_point, frontier, winner
+from .fmt import markdown
+from .render import render, value_text
+
+SPEED, QUALITY = {"speed": "max"}, {"quality": "min"}
+
+
+def quality_status(a: dict | None, tolerance_pct: float) -> str:
+    """A perplexity change against the tolerance, by its interval: within / beyond / undecided / not measured."""
+    if not a:
+        return "not measured"
+    if a["lo"] is None:
+        return "undecided"
+    return "within" if a["hi"] <= tolerance_pct else "beyond" if a["lo"] > tolerance_pct else "undecided"
+
+
+def speed_word(a: dict | None) -> str:
+    """An interleaved ratio over the baseline: faster / slower only where its interval excludes 1."""
+    if not a:
+        return "not measured"
+    if a["lo"] is None:
+        return "undecided"
+    return "faster" if a["lo"] > 1 else "slower" if a["hi"] < 1 else "no difference measured"
+
+
+def _table(options: list[dict], columns: dict[str, tuple[str, str]], front: list[str], extra=None) -> str:
+    """The options as a small table: one column per axis (value [interval]) and whether it is on the frontier."""
+    rows = [{"option": o["name"] + (" (baseline)" if o.get("baseline") else ""),
+             **{title: value_text(o["axes"].get(key), unit, signed=key == "quality") for key, (title, unit) in
+                columns.items()},
+             **(extra(o) if extra else {}), "on the frontier": "yes" if o["name"] in front else "no"}
+            for o in options]
+    return markdown(pd.DataFrame(rows))
+
+
+def quantize_facts(quantize: list[dict], inference: list[dict], baseline: str, tolerance: float) -> dict | None:
+    options = opts.quantize_options(quantize, inference, baseline)
+    if not options:
+        return None
+    status = {o["name"]: "within" if o["baseline"] else quality_status(o["axes"]["quality"], tolerance)
+              for o in options}
+    kept = [o for o in options if status[o["name"]] == "within"]
+    pick = min(kept, key=lambda o: o["axes"]["memory"]["value"]) if kept else None
+    front = frontier(options, {"memory": "min", **SPEED, **QUALITY})
+    base = next((o for o in options if o["baseline"]), None)
+    smaller = base["axes"]["memory"]["value"] / pick["axes"]["memory"]["value"] if pick and base else None
+    return {"options": options, "pick": pick, "status": status, "baseline": baseline, "front": front,
+            "smaller": smaller,
+            "speed": speed_word(pick["axes"]["speed"]) if pick else None,
+            "by_status": {s: [n for n, v in status.items() if v == s and n != baseline]
+                          for s in ("within", "beyond", "undecided", "not measured")},
+            "table": _table(options, {"memory": ("footprint", " MiB"), "quality": ("perplexity change", "%"),
+                                      "speed": ("decode speed × baseline", "")}, front,
+                            lambda o: {"quality vs tolerance": status[o["name"]]})}
+
+
+def inference_facts(inference: list[dict], quantize: list[dict], tolerance: float) -> dict | None:
+    options = opts.inference_options(inference, quantize)
+    if not options:
+        return None
+    status = {o["name"]: "within" if o["baseline"] else quality_status(o["axes"]["quality"], tolerance)
+              for o in options}
+    base = next((o for o in options if o["baseline"]), None)
+    faster = [o for o in options if not o["baseline"] and speed_word(o["axes"]["speed"]) == "faster"]
+    kept = [o for o in faster if status[o["name"]] == "within"]
+    pick = winner(kept, "speed", "max") if len(kept) > 1 else (kept[0]["name"] if kept else None)
+    front = frontier(options, {"memory": "min", **SPEED, **QUALITY})
+    top = best_point([o for o in options if not o["baseline"]], "speed", "max")
+    return {"options": options, "pick": next((o for o in options if o["name"] == pick), None), "base": base,
+            "status": status, "faster": [o["name"] for o in faster], "front": front,
+            "top": next((o for o in options if o["name"] == top), None),
+            "top_word": speed_word(next(o for o in options if o["name"] == top)["axes"]["speed"]) if top else None,
+            "table": _table(options, {"memory": ("footprint", " MiB"), "speed": ("decode speed × base", ""),
+                                      "quality": ("perplexity change", "%")}, front,
+                            lambda o: {"speed verdict": "baseline" if o["baseline"] else speed_word(o["axes"]["speed"]),
+                                       "quality vs tolerance": status[o["name"]]})}
+
+
+# Settings that change what a run learns: when runs differ in them, their losses compare settings, not methods.
+LEARNING_SETTINGS = ("learning_rate", "max_steps", "batch_size", "gradient_accumulation_steps", "lr_scheduler",
+                     "warmup_steps", "seed")
+
+
+def finetune_facts(finetune: list[dict]) -> dict | None:
+    options = opts.finetune_options(finetune)
+    if not options:
+        return None
+    confounds = [{"setting": k, "values": {o["name"]: o["settings"].get(k) for o in options}}
+                 for k in LEARNING_SETTINGS if len({repr(o["settings"].get(k)) for o in options}) > 1]
+    axes = {"memory": "min", "step": "min", "quality": "min"}
+    front = frontier(options, axes)
+    return {"options": options, "front": front, "reference": options[0], "confounds": confounds,
+            "kind": options[0]["memory_kind"],
+            "winners": {k: winner(options, k, d) for k, d in axes.items()},
+            "best": {k: best_point(options, k, d) for k, d in axes.items()},
+            "without_interval": {k: any((o["axes"].get(k) or {}).get("lo") is None for o in options) for k in axes},
+            "table": _table(options, {"memory": ("peak memory", " MiB"), "step": ("median step", " s"),
+                                      "quality": ("val perplexity change", "%")}, front,
+                            lambda o: {"method": o["method"]})}
+
+
+def attention_facts(attention: list[dict]) -> dict | None:
+    options, cell = opts.attention_options(attention)
+    if len(options) < 2:
+        return None
+    faster = [o for o in options if not o["baseline"] and speed_word(o["axes"]["speed"]) == "faster"]
+    pick = (winner(faster, "speed", "max") if len(faster) > 1 else faster[0]["name"]) if faster else None
+    front = frontier(options, {"speed": "max", "memory": "min"})
+    return {"options": options, "cell": cell, "front": front, "faster": [o["name"] for o in faster],
+            "pick": next((o for o in options if o["name"] == pick), None),
+            "table": _table(options, {"speed": ("speed × eager (interleaved)", ""),
+                                      "memory": ("peak memory over baseline", " MiB"),
+                                      "agreement": ("max abs difference vs eager", "")}, front,
+                            lambda o: {"verdict": "baseline" if o["baseline"] else speed_word(o["axes"]["speed"])})}
+
+
+def merge_facts(merge: list[dict]) -> list[dict]:
+    out = []
+    for job in records.ok(merge):
+        options = opts.merge_options(job)
+        if len(options) < 2:
+            continue
+        quality_winner = winner(options, "quality", "min")
+        out.append({"run": job["run"], "options": options, "closest": winner(options, "kl", "min"),
+                    "best_quality": quality_winner, "lowest_point": best_point(options, "quality", "min"),
+                    "table": _table(options, {"kl": ("mean KL to the adapter", ""),
+                                              "quality": ("perplexity change vs adapter", "%")},
+                                    frontier(options, {"kl": "min", "quality": "min"}),
+                                    lambda o: {"perplexity": f"{o['perplexity']:.4g}"})})
+    return out
+
+
+def facts(metrics: dict, cfg: dict) -> dict:
+    tolerance = cfg["report"]["quality_tolerance_pct"]
+    return {"tolerance": tolerance, "baseline": cfg["report"]["baseline_scheme"],
+            "quantize": quantize_facts(metrics["quantize"], metrics["bench_inference"], cfg["report"]["baseline_scheme"],
+                                       tolerance),
+            "finetune": finetune_facts(metrics["finetune"]),
+            "inference": inference_facts(metrics["bench_inference"], metrics["quantize"], tolerance),
+            "attention": attention_facts(metrics["bench_attention"]),
+            "merge": merge_facts(metrics["merge"])}
+
+
+def run_size(cfg: dict) -> dict:
+    return {"steps": cfg["finetune"]["defaults"]["max_steps"], "quantize_rows": cfg["quantize"]["eval_rows"],
+            "finetune_rows": cfg["finetune"]["defaults"]["eval_rows"],
+            "inference_repeats": cfg["bench_inference"]["repeats"]}
+
+
+def lines(metrics: dict, cfg: dict) -> list[str]:
+    return [render("advice.md.j2", size=run_size(cfg), **facts(metrics, cfg))]
+
+
+def beaten_by(options: list[dict], name: str, key: str, better: str) -> list[str]:
+    """The options that beat `name` on `key` (for the template's "but" clauses)."""
+    me = next(o for o in options if o["name"] == name)
+    return [o["name"] for o in options if o is not me and beats(o["axes"].get(key), me["axes"].get(key), better)]

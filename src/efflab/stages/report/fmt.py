@@ -1,0 +1,136 @@
+"""How the report writes a value: units, intervals, ratios, statuses and Markdown tables."""
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+
+from ... import records
+from ...measure.env import fingerprint
+from ...measure.stats import format_ratio
+
+
+MiB = 2**20
+
+
+def env_of(metrics: dict) -> str:
+    """The environment fingerprint of a result (computed for results written before it was stored)."""
+    env = metrics["environment"]
+    return env.get("fingerprint") or fingerprint(env)
+
+
+def pct(x: float | None) -> float | None:
+    return None if x is None else 100 * x
+
+
+def peak_mib(m: dict | None) -> float | None:
+    return None if not m else m.get("peak_mib")
+
+
+def status_text(row: dict) -> str:
+    return "ok" if records.is_ok(row) else f"{row['status']}: {row.get('reason', '')}"
+
+
+def interval_text(stats: dict, scale: float = 1.0) -> str:
+    """The 95% interval of the median as lo–hi; where n gives none, the range of the n values, named so."""
+    if "ci95_median" not in stats:
+        return "-"
+    if stats["ci95_median"] is None:
+        return f"{scale * stats['min']:.4g}–{scale * stats['max']:.4g} (range, n={stats['n']})"
+    lo, hi = stats["ci95_median"]
+    return f"{scale * lo:.4g}–{scale * hi:.4g}"
+
+
+def median_text(stats: dict | None) -> str:
+    """The median with its 95% interval, or with the range of its n values where n gives no interval."""
+    if not stats:
+        return "-"
+    if stats.get("ci95_median") is None:
+        return f"{stats['median']:.2f} (range {stats['min']:.2f}–{stats['max']:.2f}, n={stats['n']})"
+    lo, hi = stats["ci95_median"]
+    return f"{stats['median']:.2f} [{lo:.2f}, {hi:.2f}]"
+
+
+def speedup_text(pair: dict | None, key: str) -> str:
+    """An interleaved comparison's speedup with its interval: '1.31 [1.22, 1.40]'."""
+    ratio = (pair or {}).get(key) or {}
+    if ratio.get("median") is None:
+        return (pair or {}).get("unavailable", "-")
+    if not ratio.get("ci95"):
+        return f"{ratio['median']:.2f} (n={ratio['rounds']}, no interval)"
+    return format_ratio(ratio)
+
+
+def short_verdict(verdict: str | None) -> str:
+    """A verdict as a table cell: 'slower', 'faster', 'no significant difference', or 'undecided' where the
+    comparison could not give one (its reason is in summary.csv and the record)."""
+    if not verdict:
+        return "-"
+    return verdict if verdict in ("slower", "faster", "no significant difference") else "undecided"
+
+
+def speedup_verdict(pair: dict | None, key: str) -> str:
+    return short_verdict(((pair or {}).get(key) or {}).get("verdict"))
+
+
+def setting_text(value) -> str:
+    """A setting as params.yaml spells it: false, 1e-05, [q_proj, v_proj], lora."""
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def ratio_of(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None or not a else b / a
+
+
+def one_line(text: str | None, limit: int = 240) -> str:
+    text = " ".join((text or "").split())
+    return (text[:limit] + "…" if len(text) > limit else text).replace("|", "\\|")
+
+
+MAX_COLUMNS = 10  # wider tables are split into parts that repeat the identifying columns
+
+
+def cell_text(value) -> str:
+    """A table cell: numbers to 4 significant digits, no value (a failed or unavailable row) as '-'."""
+    if value is None or (isinstance(value, float) and value != value):
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def _pipe(df: pd.DataFrame) -> str:
+    """GitHub Markdown without padding: a table's bytes are its content, not spaces."""
+    numeric = [pd.api.types.is_numeric_dtype(df[c]) and not pd.api.types.is_bool_dtype(df[c]) for c in df.columns]
+    lines = ["| " + " | ".join(cell_text(c) for c in df.columns) + " |",
+             "|" + "|".join("--:" if n else "---" for n in numeric) + "|"]
+    lines += ["| " + " | ".join(cell_text(v) for v in row) + " |" for row in df.itertuples(index=False)]
+    return "\n".join(lines)
+
+
+def markdown(df: pd.DataFrame, keys: int | None = None) -> str:
+    """A Markdown table of at most MAX_COLUMNS columns. Columns with no value in any row are left out, a column
+    with the same value in every row is said once above the table, and a wider table is split into parts, each
+    repeating the `keys` leading columns that identify a row (by default its leading text columns, up to 4)."""
+    keys = keys or df.attrs.get("keys")
+    if keys is None:
+        leading = [c for c in df.columns[:4]]
+        keys = next((i for i, c in enumerate(leading) if pd.api.types.is_numeric_dtype(df[c])), len(leading)) or 1
+    texts = {c: df[c].map(cell_text) for c in df.columns}
+    ids = list(df.columns[:keys])
+    valued = {c: texts[c][texts[c].ne("-")] for c in df.columns[keys:]}
+    same = [c for c, v in valued.items() if len(df) > 1 and len(v) > 1 and v.nunique() == 1]
+    rest = [c for c in df.columns[keys:] if c not in same and texts[c].ne("-").any()]
+    every = "Every row" if all(len(valued[c]) == len(df) for c in same) else "Every row with a value"
+    note = (f"{every}: " + "; ".join(f"{c} {valued[c].iloc[0]}" for c in same) + ".\n\n") if same else ""
+    width = MAX_COLUMNS - len(ids)
+    parts = [rest[i:i + width] for i in range(0, len(rest), width)] or [[]]
+    return note + "\n\n".join(_pipe(df[ids + part] if i == 0 else _with_values(df, texts, ids, part))
+                                for i, part in enumerate(parts))
+
+
+def _with_values(df: pd.DataFrame, texts: dict, ids: list, part: list) -> pd.DataFrame:
+    """A later part of a split table keeps only the rows with a value in it (a baseline row of '-' says nothing
+    there); the first part keeps every row, so that every row is named once."""
+    has = pd.concat([texts[c].ne("-") for c in part], axis=1).any(axis=1)
+    return df.loc[has, ids + part]

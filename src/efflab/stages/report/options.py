@@ -1,0 +1,141 @@
+"""The options of each decision the report answers, read from the records: each axis a value with its interval.
+
+Axes: `memory` (MiB; footprints are exact byte counts, a run's peak is one measurement), `speed` (a ratio
+over the decision's baseline from an interleaved comparison, with its order-statistic interval; the baseline is
+exactly 1), `step` (a run's median step time in s with its interval: runs in separate processes), `quality`
+(the perplexity change in % over the baseline on the same validation rows, with its paired interval), `kl`
+(a merge's mean KL to the adapter: fidelity, one value).
+"""
+from __future__ import annotations
+
+from ... import quality, records
+from .decide import axis
+from .fmt import MiB, peak_mib
+
+
+def _ratio_axis(ratio: dict | None) -> dict | None:
+    """An interleaved speedup (measure.stats.speedup) as an axis: its median and 95% interval, or no interval."""
+    if not ratio or ratio.get("median") is None:
+        return None
+    lo, hi = ratio.get("ci95") or (None, None)
+    return axis(ratio["median"], lo, hi, n=ratio.get("rounds"))
+
+
+def _change_axis(change: dict | None) -> dict | None:
+    """A paired perplexity change (quality.paired_change) in %, with its interval where n gives one."""
+    if not change or change.get("change_pct") is None:  # none, or unavailable (e.g. evaluated on other rows)
+        return None
+    lo, hi = change.get("ci95_change_pct") or (None, None)
+    return axis(change["change_pct"], lo, hi, n=change.get("n_rows"))
+
+
+def _zero(n=None) -> dict:
+    return axis(0.0, exact=True, n=n)
+
+
+def _one() -> dict:
+    return axis(1.0, exact=True)
+
+
+def inference_cell(job: dict) -> dict | None:
+    """A bench_inference variant's batch-1, KV-cache cell: the one every variant has, compared across them."""
+    return next((c for c in records.ok(job.get("cells", [])) if c["kv_cache"] and c["batch_size"] == 1), None)
+
+
+def decode_speedup(inference: list[dict], kind: str, of: str | None) -> dict | None:
+    """A variant's interleaved decode speedup over the base model, its batch-1 KV-cache cell."""
+    for job in records.ok(inference):
+        cell = inference_cell(job)
+        if cell and job["kind"] == kind and (of is None or job.get("of") == of):
+            return (cell.get("vs_base") or {}).get("generation_speedup")
+    return None
+
+
+def quantize_options(quantize: list[dict], inference: list[dict], baseline: str) -> list[dict]:
+    out = []
+    for r in records.ok(quantize):
+        base = r["scheme"] == baseline
+        out.append({"name": r["scheme"], "baseline": base, "axes": {
+            "memory": axis(r["memory_footprint_bytes"] / MiB, exact=True),
+            "quality": _zero() if base else _change_axis(r.get("perplexity_change")),
+            "speed": _one() if base else _ratio_axis(decode_speedup(inference, "quantized", r["scheme"]))}})
+    return out
+
+
+def inference_options(inference: list[dict], quantize: list[dict]) -> list[dict]:
+    changes = {r["scheme"]: r.get("perplexity_change") for r in records.ok(quantize)}
+    out = []
+    for job in records.ok(inference):
+        cell = inference_cell(job)
+        if cell is None or not job["kind"] in ("base", "quantized", "merged", "adapter"):
+            continue
+        base = job["kind"] == "base"
+        quality_axis = _zero() if base else _change_axis(changes.get(job["of"])) if job["kind"] == "quantized" else None
+        out.append({"name": job["variant"], "baseline": base, "kind": job["kind"], "axes": {
+            "memory": axis(cell["memory_footprint_bytes"] / MiB, exact=True),
+            "speed": _one() if base else _ratio_axis((cell.get("vs_base") or {}).get("generation_speedup")),
+            "quality": quality_axis}})
+    return [o for o in out if o["baseline"] or not any(p["name"] == o["name"] for p in out if p is not o)]
+
+
+def _per_row(record: dict) -> list | None:
+    return (record.get("validation_after") or {}).get("per_row")
+
+
+def finetune_options(finetune: list[dict]) -> list[dict]:
+    """Each run: its peak training memory (one measurement), its median step time (interval from its own steady
+    steps, a separate process per run) and its validation perplexity after training over the first run's, paired
+    on the same rows where both recorded them."""
+    runs = records.ok(finetune)
+    if not runs:
+        return []
+    reference = runs[0]
+    out = []
+    for r in runs:
+        step = r.get("step_time") or {}
+        lo, hi = step.get("ci95_median") or (None, None)
+        change = None
+        if r is reference:
+            change = _zero(len(_per_row(r) or []) or None)
+        elif _per_row(r) and _per_row(reference):
+            try:
+                change = _change_axis(quality.paired_change(_per_row(reference), _per_row(r)))
+            except ValueError:  # different validation rows: not paired
+                change = None
+        out.append({"name": r["run"], "baseline": r is reference, "method": r["method"], "axes": {
+            "memory": axis(peak_mib(r["train_memory"]), n=1),
+            "step": axis(step.get("median"), lo, hi, n=step.get("n")) if step else None,
+            "quality": change}, "settings": r.get("settings", {}),
+            "memory_kind": r["train_memory"]["kind"]})
+    return out
+
+
+def attention_options(attention: list[dict]) -> tuple[list[dict], dict | None]:
+    """Each implementation at the longest forward cell every one of them ran (batch of the first): its interleaved
+    speedup over eager and its peak memory over the baseline; and that cell's (mode, seq_len, batch)."""
+    cells = {}
+    for r in records.ok(attention):
+        for row in records.ok(r.get("rows", [])):
+            cells.setdefault((row.get("mode", "forward"), row["seq_len"], row["batch_size"]), {})[
+                row["implementation"]] = row
+    full = [k for k, v in cells.items() if len(v) == max(map(len, cells.values()))] if cells else []
+    if not full:
+        return [], None
+    key = max(full, key=lambda k: (k[0] == "forward", k[1], -k[2]))
+    out = []
+    for impl, row in cells[key].items():
+        eager = impl == "eager"
+        out.append({"name": impl, "baseline": eager, "axes": {
+            "speed": _one() if eager else _ratio_axis((row.get("vs_eager") or {}).get("speedup")),
+            "memory": axis(row["memory"].get("delta_mib"), n=1),
+            "agreement": axis(row.get("max_abs_diff_vs_eager"), exact=True)}})
+    return out, {"mode": key[0], "seq_len": key[1], "batch": key[2]}
+
+
+def merge_options(job: dict) -> list[dict]:
+    """A merged run's routes (merge targets): fidelity to the adapter (mean KL) and perplexity change over the
+    adapter on the same rows (paired, where the record has it)."""
+    return [{"name": target, "baseline": False, "axes": {
+        "kl": axis(t["kl_mean"], exact=True),
+        "quality": _change_axis(t.get("perplexity_change"))},
+        "perplexity": t["validation"]["perplexity"]} for target, t in (job.get("targets") or {}).items()]

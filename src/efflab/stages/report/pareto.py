@@ -1,0 +1,68 @@
+"""Pareto frontiers: the options the report's advice finds no other beats, their points as the plots draw them,
+and their data for `dvc plots`.
+
+The frontier is the advice's own (report.decide.frontier over each option's intervals), never one of point
+values: an option is dominated only where another beats it on some axis by separated intervals and loses on none.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+
+from ... import records
+from . import advice, options as opts
+from .spread import of_axis, of_median, of_speedup, spread
+from .tables import tokens_per_s
+
+
+def finetune_pareto(rows: list[dict]) -> list[dict]:
+    """Each run: its peak training memory (one measurement), its median step time with its spread, and its
+    validation perplexity change over the first run (paired, where both carry per-row losses)."""
+    facts = advice.finetune_facts(rows)
+    if not facts:
+        return []
+    runs = {r["run"]: r for r in records.ok(rows)}
+    return [{"name": o["name"], "baseline": o["baseline"], "kind": o["memory_kind"],
+             "memory": (o["axes"]["memory"] or {}).get("value"), "tokens_per_s": tokens_per_s(runs[o["name"]]),
+             "x": of_axis(o["axes"]["memory"]), "y": of_median(runs[o["name"]].get("step_time")),
+             "quality": of_axis(o["axes"]["quality"]), "quality_point": None,
+             "dominated": o["name"] not in facts["front"]} for o in facts["options"]]
+
+
+def inference_pareto(inference_rows: list[dict], quantize_rows: list[dict]) -> list[dict]:
+    """Each inference variant's batch-1 KV-cache cell: its footprint, its interleaved decode speedup over the base
+    model (with its interval, or the range of its rounds) and the paired perplexity change its quantization costs
+    (quantized variants; fine-tuned ones have none comparable). An old record's unpaired change is kept as a
+    point (`quality_point`), which decides nothing."""
+    # The frontier does not depend on the tolerance, which only sorts options into within / beyond it.
+    facts = advice.inference_facts(inference_rows, quantize_rows, tolerance=0.0)
+    if not facts:
+        return []
+    unpaired = {r["scheme"]: r.get("perplexity_change_pct") for r in records.ok(quantize_rows)}
+    jobs = {j["variant"]: j for j in records.ok(inference_rows)}
+    points = []
+    for o in facts["options"]:
+        job, cell = jobs[o["name"]], opts.inference_cell(jobs[o["name"]])
+        quality = of_axis(o["axes"]["quality"])
+        point = 0.0 if o["baseline"] else unpaired.get(job["of"]) if job["kind"] == "quantized" else None
+        speed = spread(1.0) if o["baseline"] else of_speedup(cell.get("vs_base"), "generation_speedup", "base")
+        points.append({"name": o["name"], "baseline": o["baseline"], "footprint": o["axes"]["memory"]["value"],
+                       "decode": cell["decode_tokens_per_s"]["median"],
+                       "perplexity_change_pct": quality["value"] if quality else point,
+                       "x": of_axis(o["axes"]["memory"]), "y": speed, "quality": quality,
+                       "quality_point": None if quality else point, "dominated": o["name"] not in facts["front"]})
+    return points
+
+
+def write_fronts(fronts: dict, out: Path) -> None:
+    """The frontiers' points as data too: `dvc plots show` draws them from these (dvc.yaml, scatter template)."""
+    pd.DataFrame([{"config": p["name"], "peak_memory_mib": p["memory"], "tokens_per_s": p["tokens_per_s"],
+                   "memory_kind": p["kind"], "dominated": p["dominated"]} for p in fronts["finetune"]],
+                 columns=["config", "peak_memory_mib", "tokens_per_s", "memory_kind", "dominated"]
+                 ).to_csv(out / "finetune_pareto.csv", index=False)
+    pd.DataFrame([{"config": p["name"], "footprint_mib": p["footprint"], "decode_tokens_per_s": p["decode"],
+                   "perplexity_change_pct": p["perplexity_change_pct"], "dominated": p["dominated"]}
+                  for p in fronts["inference"]],
+                 columns=["config", "footprint_mib", "decode_tokens_per_s", "perplexity_change_pct", "dominated"]
+                 ).to_csv(out / "inference_pareto.csv", index=False)

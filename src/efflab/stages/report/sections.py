@@ -1,0 +1,166 @@
+"""The report's sections: the facts each template in templates/sections/ says, read from cfg and the records."""
+from __future__ import annotations
+
+import pandas as pd
+
+from ... import records
+from ...measure.stats import format_ratio
+from ...measure.timing import SENTINEL_TOLERANCE
+from .environments import comparison
+from .fmt import markdown, one_line
+from .render import render
+from .results import absent
+from .tables import (MEMORY_TARGET, capacity_cause, capacity_estimator_off, capacity_held, capacity_largest,
+                     capacity_measured, memory_prediction_table)
+
+
+def section(cfg: dict, metrics: dict, stage: str, title: str, body) -> list[str]:
+    """A report section: its body, or one line saying why it has none."""
+    why = absent(cfg, metrics, stage)
+    if why:
+        return [f"{title}\n\n_{why[0].upper()}{why[1:]}._"]
+    return [f"{title}\n\n{body().strip()}"]
+
+
+def header(base: dict, data: dict) -> str:
+    return render("sections/header.md.j2", base=base, data=data, env=base["environment"],
+                  dtype_note=base.get("dtype_choice", {}).get("reason", f"{base['dtype']} as configured"))
+
+
+def how_to_read(cfg: dict) -> str:
+    isolation = "each in a fresh process" if cfg["runtime"]["isolation"] == "subprocess" else "in the stage process"
+    return render("sections/how_to_read.md.j2", isolation=isolation)
+
+
+def energy_note(jobs: list[dict]) -> str:
+    """Where the J/token figures come from, or why there are none: one line under the table."""
+    found = [e for e in jobs if e and "joules_per_token" in e]
+    if found:
+        return f"Energy: {found[0]['source']}, over the measured work, per token."
+    reasons = sorted({e.get("unavailable", "not measured") for e in jobs if e})
+    return f"Energy: unavailable here: {'; '.join(reasons) or 'not measured'}."
+
+
+def prompt_count(cfg: dict, metrics: dict) -> int:
+    """How many prompts bench_inference asked (as it recorded; else as configured)."""
+    done = [m["prompts"] for m in records.ok(metrics["bench_inference"]) if "prompts" in m]
+    chosen = cfg["bench_inference"]["prompts"]
+    return done[0] if done else len(chosen) if isinstance(chosen, list) else chosen["validation_rows"]
+
+
+def quantize_body(cfg: dict, metrics: dict, table) -> str:
+    return render("sections/quantize.md.j2", rows=cfg["quantize"]["eval_rows"], table=table("quantize"))
+
+
+def prune_body(cfg: dict, metrics: dict, table) -> str:
+    return render("sections/prune.md.j2", p=cfg["prune"], table=table("prune"))
+
+
+def b_min_text(job: dict, method: str) -> str:
+    t = job["precision_range_test"][method]
+    said = (f"**{t['b_min']} bits**" if t["b_min"] else
+            f"undecided (the interval at {t['undecided_at']} bits straddles the threshold)" if t.get("undecided_at")
+            else f"none of {job['bits']} bits")
+    return said + (f" (but {', '.join(map(str, t['fail_above_b_min']))} bits fail again)"
+                   if t.get("fail_above_b_min") else "")
+
+
+def qat_body(cfg: dict, metrics: dict, table) -> str:
+    job = records.ok(metrics["qat"])[0]
+    return render("sections/qat.md.j2", q=cfg["qat"], job=job | {"base_perplexity": job.get("base_perplexity")},
+                  b_min={m: b_min_text(job, m) for m in ("ptq", "qat")}, table=table("qat"))
+
+
+def finetune_body(cfg: dict, metrics: dict, table) -> str:
+    return render("sections/finetune.md.j2", table=table("finetune"), knobs=table("finetune_knobs"),
+                  energy=energy_note([r.get("energy") for r in records.ok(metrics["finetune"])]),
+                  bf=cfg["bench_finetune"], tolerance=SENTINEL_TOLERANCE)
+
+
+def merge_body(cfg: dict, metrics: dict, table) -> str:
+    return render("sections/merge.md.j2", table=table("merge"), targets=table("merge_targets"))
+
+
+def attention_body(cfg: dict, metrics: dict, table) -> str:
+    measured = records.ok(metrics["bench_attention"])[0].get("measured", "model forward")
+    return render("sections/attention.md.j2", measured=measured[0].upper() + measured[1:],
+                  table=table("bench_attention"), exponents=table("attention_memory_exponent"))
+
+
+def inference_body(cfg: dict, metrics: dict, table) -> str:
+    energy = energy_note([c.get("energy") for m in records.ok(metrics["bench_inference"])
+                          for c in records.ok(m.get("cells", []))])
+    return render("sections/inference.md.j2", i=cfg["bench_inference"], prompts=prompt_count(cfg, metrics),
+                  table=table("bench_inference"), energy=energy)
+
+
+def serving_body(cfg: dict, metrics: dict, table) -> str:
+    job = records.ok(metrics["bench_serving"])[0]
+    versus = [{"concurrency": c["concurrency"], "ratio": format_ratio(ratio), "verdict": ratio["verdict"]}
+              for c in records.ok(job["cells"]) if (ratio := records.serving_ratio(c, "continuous_vs_static"))]
+    return render("sections/serving.md.j2", job=job, bursts=job.get("bursts", 1), versus=versus,
+                  table=table("bench_serving"), latency=table("bench_serving_latency"))
+
+
+def capacity_body(cfg: dict, metrics: dict, table) -> str:
+    job = records.ok(metrics["capacity"])[0]
+    explained = [{"search": s, "largest": capacity_largest(s, job["fixed"]), "measured": capacity_measured(s),
+                  "cause": capacity_cause(s), "off": capacity_estimator_off(s["at_max"])}
+                 for s in job["searches"] if records.is_ok(s) and capacity_cause(s) is not None]
+    return render("sections/capacity.md.j2", job=job, table=table("capacity"), explained=explained,
+                  held=capacity_held([job]), target=MEMORY_TARGET)
+
+
+def memory_section(finetune: list[dict], inference: list[dict], environments: dict, allow_mixed: bool) -> str:
+    return render("sections/memory.md.j2", target=MEMORY_TARGET,
+                  table=comparison(memory_prediction_table(finetune, inference), environments, allow_mixed))
+
+
+# The default experiment's budget (the product's, not a measurement): `make run` on a 2-core CPU.
+DEFAULT_BUDGET_MIN = 15
+
+
+def run_size(cfg: dict, metrics: dict) -> str:
+    minutes = sum(m.get("wall_s") or 0 for ms in metrics.values() for m in ms) / 60
+    return render("sections/run_size.md.j2", ft=cfg["finetune"]["defaults"], q=cfg["quantize"],
+                  a=cfg["bench_attention"], i=cfg["bench_inference"], sv=cfg["bench_serving"], qt=cfg["qat"],
+                  cap=cfg["capacity"], prompts=prompt_count(cfg, metrics), minutes=minutes,
+                  budget=DEFAULT_BUDGET_MIN)
+
+
+def not_run(table: pd.DataFrame) -> str:
+    return render("sections/not_run.md.j2", table=markdown(table) if not table.empty else "")
+
+
+def samples(jobs: list[dict]) -> str:
+    """Each question bench_inference asked, its reference answer when it came from the user's data, and every
+    variant's greedy answer (first cell of each variant)."""
+    answers: dict[str, dict] = {}
+    for m in jobs:
+        cell = next(iter(records.ok(m.get("cells", []))), None)
+        for s in (cell or {}).get("samples", []):
+            entry = answers.setdefault(s["prompt"], {"question": one_line(s["prompt"]),
+                                                     "reference": one_line(s.get("reference")), "by": {}})
+            entry["by"][m["variant"]] = one_line(s["answer"])
+    return render("sections/samples.md.j2", questions=list(answers.values())) if answers else ""
+
+
+def profiles(metrics: dict) -> str:
+    """Each profiled job's trace, linked, and its 10 operators with the most self time."""
+    found = [(f"finetune {m['run']}", f"../finetune/{m['name']}", m["profile"])
+             for m in records.ok(metrics["finetune"]) if m.get("profile")]
+    found += [(f"bench_inference {m['name']}, KV cache {c['kv_cache']}, batch {c['batch_size']}",
+               f"../bench_inference/{m['name']}", c["profile"])
+              for m in records.ok(metrics["bench_inference"]) for c in records.ok(m.get("cells", []))
+              if c.get("profile")]
+    return render("sections/profile.md.j2", found=[profile_facts(*f) for f in found]) if found else ""
+
+
+def profile_facts(title: str, folder: str, prof: dict) -> dict:
+    if "unavailable" in prof:
+        return {"title": title, "unavailable": prof["unavailable"]}
+    top = pd.DataFrame(prof["top10"]).rename(columns={
+        "self_cpu_ms": "self CPU (ms)", "cpu_total_ms": "CPU total (ms)", "self_device_ms": "self GPU (ms)",
+        "device_total_ms": "GPU total (ms)"})
+    return {"title": title, "unavailable": None, "folder": folder, "top": markdown(top)} | {
+        k: prof[k] for k in ("trace", "steps", "top_ops", "sorted_by")}

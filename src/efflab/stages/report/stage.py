@@ -1,0 +1,78 @@
+"""Stage report: gather every stage's metrics.json into tables, plots, a tidy results table and report.md."""
+from __future__ import annotations
+
+import logging
+
+
+from ... import provenance
+from ...config import UserError
+from . import advice, notes
+from .environments import comparison, environment_table, provenance_table
+from .fmt import env_of, markdown
+from .pareto import finetune_pareto, inference_pareto, write_fronts
+from .plots import draw_plots
+from .render import render
+from .results import read_results
+from . import sections as sec
+from .tables import build_tables, not_run_table
+from .tidy import results_table
+
+log = logging.getLogger("efflab")
+
+
+# The detailed sections in order: the stage whose records each reads, its title, and its facts.
+SECTIONS = [("quantize", "## Quantization (post-training, bitsandbytes)", sec.quantize_body),
+            ("prune", "## Structured pruning", sec.prune_body),
+            ("qat", "## Quantization-aware training and the precision range test", sec.qat_body),
+            ("finetune", "## Fine-tuning: full vs LoRA vs QLoRA", sec.finetune_body),
+            ("merge", "## Merging adapters", sec.merge_body),
+            ("bench_attention", "## Attention implementations", sec.attention_body),
+            ("bench_inference", "## Inference variants (greedy, fixed length)", sec.inference_body),
+            ("bench_serving", "## Serving: naive vs static vs continuous batching", sec.serving_body),
+            ("capacity", "## Capacity: the largest batch and sequence that fit", sec.capacity_body)]
+
+
+def refuse_stale(layout, jobs: dict[str, dict]) -> None:
+    stale = provenance.check(layout, jobs)
+    if stale:
+        raise UserError(f"results mix artifacts: {stale[0]}" + (f" (and {len(stale) - 1} more)" if len(stale) > 1
+                                                              else "") + "; rerun it (snakemake reruns what changed)")
+
+
+def report_text(cfg: dict, metrics: dict, tables: dict, environments: dict) -> str:
+    """report.md: the answers first, then each stage in detail, then what did not run and the run's size."""
+    def table(key: str) -> str:
+        return comparison(tables[key], environments, cfg["report"]["allow_mixed_environments"])
+
+    parts = [sec.header(metrics["base_model"][0], metrics["prepare_data"][0]), *advice.lines(metrics, cfg),
+             *notes.lines(metrics), *notes.claims_lines(metrics["claims"], "../claims/claims.md"),
+             sec.how_to_read(cfg)]
+    for stage, title, body in SECTIONS:
+        parts += sec.section(cfg, metrics, stage, title, lambda body=body: body(cfg, metrics, table))
+    parts += [sec.profiles(metrics), sec.samples(metrics["bench_inference"]), sec.not_run(not_run_table(metrics)),
+              sec.run_size(cfg, metrics), render("sections/footer.md.j2")]
+    return "\n".join(p.rstrip("\n") + "\n" if p else "" for p in parts)
+
+
+def run(cfg: dict, paths: dict) -> dict:
+    """Write report.md, details.md, the plots and summary.csv (every figure in long format) from every
+    stage's metrics."""
+    layout, out = paths["layout"], paths["out"]
+    metrics = read_results(cfg, layout)
+    jobs = {f"{s}/{m['name']}" if m.get("name") else s: m for s, ms in metrics.items() for m in ms}
+    refuse_stale(layout, jobs)
+    tables = build_tables(metrics)
+    fronts = {"finetune": finetune_pareto(metrics["finetune"]),
+              "inference": inference_pareto(metrics["bench_inference"], metrics["quantize"])}
+    plots = draw_plots(cfg, metrics, tables, fronts, layout, out)
+    write_fronts(fronts, out)
+    results_table(metrics).to_csv(out / "summary.csv", index=False)
+    environments = {env_of(m): m["environment"] for ms in metrics.values() for m in ms if "environment" in m}
+    memory = sec.memory_section(metrics["finetune"], metrics["bench_inference"], environments,
+                                cfg["report"]["allow_mixed_environments"])
+    (out / "details.md").write_text(render("details.md.j2", memory=memory, provenance=markdown(provenance_table(jobs)),
+                                           environments=markdown(environment_table(environments))))
+    (out / "report.md").write_text(report_text(cfg, metrics, tables, environments))
+    log.info("report: %s", paths["final"] / "report.md")
+    return {"tables": {k: len(v) for k, v in tables.items()}, "plots": plots,
+            "not_run": len(not_run_table(metrics)), "environments": len(environments)}
