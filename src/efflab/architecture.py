@@ -7,7 +7,10 @@ config field or module name.
 """
 from __future__ import annotations
 
+import copy
 import torch
+
+# transformers and peft take seconds to import: they are imported inside the functions that use them.
 
 # The MLP width under each family's name; absent in all of them (GPT-2's n_inner: null), 4 x hidden.
 INTERMEDIATE_FIELDS = ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size", "d_ff")
@@ -107,8 +110,6 @@ def restore_conv1d(model) -> int:
     """Put back the Conv1D layers a dequantized model lost: transformers' dequantize() turns every 4-bit layer
     into an nn.Linear, so a GPT-2-style model's projections would save with transposed weights that its own
     class cannot load. Returns how many layers it restored (0 for a family without Conv1D)."""
-    import copy
-
     from transformers.pytorch_utils import Conv1D
 
     config = copy.deepcopy(model.config)

@@ -8,6 +8,7 @@ at module top.
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import torch
@@ -25,8 +26,6 @@ class KillAfterCheckpoint(TrainerCallback):
 
     def on_save(self, args, state, control, **kwargs):
         if state.global_step == int(os.environ[KILL_ENV]):
-            import signal
-
             os.kill(os.getpid(), signal.SIGKILL)
 
 

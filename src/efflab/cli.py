@@ -15,12 +15,13 @@ import sys
 import time
 from pathlib import Path
 
-from . import config, gpu_slots, provenance
-from . import registry
-from .registry import STAGES, names, not_asked
-from .logs import setup_logging
+from . import config, gpu_slots, provenance, registry
 from .config import UserError
 from .layout import METRICS, Layout
+from .logs import setup_logging
+from .registry import STAGES, names, not_asked
+
+# Snakemake imports this module while it plans the DAG: measure (and torch with it) is imported inside not_run.
 
 log = logging.getLogger("efflab")
 

@@ -15,6 +15,8 @@ from pathlib import Path
 from .architecture import matmul_layers, shape
 from .config import REPO_ROOT, UserError
 
+# transformers, accelerate and torch take seconds to import: only the estimates that need them import them.
+
 MODELS_DIR = REPO_ROOT / "workflow" / "models"
 
 BYTES_PER_ELEMENT = {"float32": 4, "tf32": 4, "float16": 2, "bfloat16": 2, "fp8": 1, "int8": 1, "nf4": 0.5, "fp4": 0.5}

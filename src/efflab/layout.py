@@ -6,6 +6,7 @@ holding metrics.json and, where the stage makes one, model/.
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,8 +51,6 @@ class Layout:
     @staticmethod
     def write_not_run(stage: str, out: Path, status: str, reason: str) -> None:
         """Replace whatever a job that did not run left in its folder `out` with its stage's outputs, empty."""
-        import shutil
-
         for leftover in out.iterdir():
             shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
         for output in STAGES[stage].outputs or ():

@@ -20,8 +20,14 @@ from __future__ import annotations
 import functools
 import math
 
+import torch
+
 from . import architecture, estimate
 from .config import base_quant, finetune_run
+from .measure.device import DTYPES
+from .measure.memory import live_tensor_bytes
+
+# bitsandbytes is optional and slow to import: it is imported where a quantized layer is measured.
 
 MiB = 2**20
 ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -42,8 +48,6 @@ def padded_batch_lengths(lengths: list[int], batch_size: int, steps: int, accumu
     them: accelerate's SeedableRandomSampler is a torch.randperm seeded with data_seed + epoch, batches are
     consecutive slices (the last one of an epoch short), each padded to its longest row; with packing (padding
     free) one row of all the batch's tokens, whose block-diagonal mask is (tokens x tokens)."""
-    import torch
-
     micro: list[tuple[int, int]] = []
     epoch = 0
     while len(micro) < steps * accumulation:
@@ -336,11 +340,6 @@ def frozen_head_copies_weight(vocab: int, hidden: int, dtype: str) -> bool:
     the live-tensor counter, not assumed from the CPU's name. torch 2.13 copies the transposed bf16 weight
     for a batched matmul on CPUs with native bf16 (AVX512-BF16/AMX); AVX2-only CPUs and fp32 do not copy.
     Unmeasurable (a profiler already running): False, so the term is left out rather than guessed."""
-    import torch
-
-    from .measure.device import DTYPES
-    from .measure.memory import live_tensor_bytes
-
     last = torch.zeros(1, 2, hidden, dtype=DTYPES[dtype])[:, -1:, :]
     weight = torch.zeros(vocab, hidden, dtype=DTYPES[dtype])
     with torch.no_grad():
@@ -352,11 +351,6 @@ def quantized_layer_transient(model, dtype: str) -> int:
     """Bytes one forward of one token through the model's largest bitsandbytes layer allocates beyond its output,
     measured now with the live-tensor counter (CPU): the dequantized or cast weight that some CPU kernels
     build for each matmul and free after it. 0 for a model without bitsandbytes layers, or when unmeasurable."""
-    import torch
-
-    from .measure.device import DTYPES
-    from .measure.memory import live_tensor_bytes
-
     try:
         import bitsandbytes as bnb
     except ImportError:

@@ -18,6 +18,9 @@ from pathlib import Path
 from .config import ADAPTER_METHODS, UserError, classify_source, finetune_run
 from .registry import not_asked
 
+# Snakemake runs these checks while it plans the DAG: torch, transformers, peft and huggingface_hub (and the
+# modules that import them: modeling, architecture) are imported inside the checks that need them.
+
 ATTENTION_FLAGS = {"sdpa": "_supports_sdpa", "flash_attention_2": "_supports_flash_attn",
                    "flex_attention": "_supports_flex_attn"}
 

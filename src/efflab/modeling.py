@@ -13,9 +13,12 @@ from pathlib import Path
 
 import torch
 
+from .architecture import skeleton
 from .config import UserError, base_quant, finetune_run, missing_input  # noqa: F401 (re-exported)
 from .measure.device import DTYPES
 from .measure.env import FAST_BF16_ISA, cpu_isa, cpu_model
+
+# transformers, peft, pandas and filelock take seconds to import: they are imported inside the functions that use them.
 
 log = logging.getLogger("efflab")
 
@@ -262,8 +265,6 @@ def folder_bytes(folder: str | Path) -> int:
 def shape_only(folder: Path):
     """The model's layers without their weights (on the meta device): enough to check shapes, instantly."""
     from transformers import AutoConfig
-
-    from .architecture import skeleton
 
     return skeleton(AutoConfig.from_pretrained(require_input(folder)))
 

@@ -22,6 +22,8 @@ import torch
 
 from .registry import STAGES
 
+# torch.profiler and transformers are slow to import: they are imported only when a job is profiled.
+
 FOLDER, TRACE, TOP_OPS = "profile", "trace.json", "top_ops.csv"
 TOP_COLUMNS = ("operator", "calls", "self_cpu_ms", "cpu_total_ms", "self_device_ms", "device_total_ms")
 REPLACES_TENSOR_PEAK = "unavailable: this run was profiled (profile.stages): torch.profiler recorded its trace"

@@ -19,6 +19,8 @@ from . import architecture
 from .config import UserError, base_quant
 from .modeling import load_model
 
+# transformers, peft and bitsandbytes take seconds to import: they are imported inside the functions that use them.
+
 
 def mixed_precision(run: dict, dtype: str, device: torch.device) -> str:
     """'bf16', 'fp16' or 'no'; 'auto' follows what the base_model stage measured to be fast."""

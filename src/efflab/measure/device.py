@@ -7,6 +7,8 @@ import torch
 
 from ..config import UserError
 
+# pynvml is optional (the gpu extra): it is imported where NVML is read.
+
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

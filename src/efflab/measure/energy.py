@@ -10,6 +10,8 @@ import torch
 
 from .device import nvml_handle, synchronize
 
+# pynvml is optional (the gpu extra): it is imported where NVML is read.
+
 
 POWERCAP_ENV = "EFFLAB_POWERCAP_ROOT"  # tests point it at a fake /sys/class/powercap tree
 

@@ -19,6 +19,8 @@ import torch
 
 from .device import nvml_handle, synchronize
 
+# pynvml is optional (the gpu extra) and torch.profiler slow to import: each is imported where it is used.
+
 
 MiB = 1024 * 1024
 

@@ -20,6 +20,8 @@ from ..measure.memory import cuda_context_mib
 from ..modeling import EMBEDDED_MODELS, folder_bytes, gguf_tokenizer_and_config, load_model, package_folder
 from ..config import UserError, classify_source, local_source_files
 
+# transformers takes seconds to import: it is imported inside the function that uses it.
+
 log = logging.getLogger("efflab")
 
 

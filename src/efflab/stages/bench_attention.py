@@ -30,6 +30,9 @@ from ..measure.stats import speedup
 from ..measure.timing import INTERLEAVE_RECORD, SENTINEL_TOLERANCE, interleave, time_fn
 from ..modeling import base_dtype, load_model, shape_only
 
+# transformers and torch.nn.attention's kernels are imported where they are used: a benchmark cell runs in a
+# process of its own and imports only what it needs.
+
 log = logging.getLogger("efflab")
 
 

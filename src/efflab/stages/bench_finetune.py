@@ -31,6 +31,8 @@ from ..measure.timing import interleave
 from ..modeling import base_dtype, load_tokenizer, read_split
 from ..training import batches, build_model, real_tokens, training_step, unavailable_knobs
 
+# transformers takes seconds to import: it is imported inside the function that uses it.
+
 log = logging.getLogger("efflab")
 
 # Knobs whose effect a pair of models in one process cannot show: they are process-wide (deterministic

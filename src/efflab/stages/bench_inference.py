@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import random
 import shutil
 import time
 from pathlib import Path
@@ -27,6 +28,8 @@ from ..measure.stats import percentile, speedup, summarize
 from ..measure.timing import INTERLEAVE_RECORD, SENTINEL_TOLERANCE, interleave
 from ..memory_estimate import compared, generation_peak, quantized_layer_transient, variant_quant
 from ..modeling import base_dtype, load_model, load_tokenizer, load_variant, require_input
+
+# pandas is imported inside the one function that reads a prompt file.
 
 log = logging.getLogger("efflab")
 
@@ -91,8 +94,6 @@ def prompts(b: dict, layout, tokenizer) -> list[dict]:
     """What the models are asked: by default `validation_rows` rows of the user's validation split, drawn with
     `seed`, as fine-tuning templated them, each with its reference answer; or the configured texts, each
     chat-templated. Each: {question, text (what the model reads), reference}."""
-    import random
-
     import pandas as pd
 
     chosen = b["prompts"]

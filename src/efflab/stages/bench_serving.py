@@ -34,6 +34,8 @@ from ..measure.env import environment
 from ..measure.stats import format_ratio, percentile, ratio_verdict, said_of_faster_side, summarize
 from ..modeling import base_dtype, load_model, load_tokenizer, read_split
 
+# transformers takes seconds to import: it is imported inside the functions that use it.
+
 log = logging.getLogger("efflab")
 
 REQUEST_COLUMNS = ("method", "concurrency", "burst", "request", "prompt_tokens", "output_tokens", "submitted_s",

@@ -55,6 +55,8 @@ from ..memory_estimate import generation_peak, quantized_layer_transient, traini
 from ..modeling import base_dtype, load_tokenizer, load_variant, read_split
 from ..training import build_model, mixed_precision, training_step
 
+# transformers takes seconds to import: it is imported inside the function that uses it.
+
 log = logging.getLogger("efflab")
 
 CELLS_CSV = "cells.csv"

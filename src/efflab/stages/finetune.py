@@ -5,8 +5,10 @@ the loss curve and validation loss before and after. Saves the peft adapter or t
 """
 from __future__ import annotations
 
+import argparse
 import csv
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -18,9 +20,9 @@ from pathlib import Path
 
 import torch
 
-from .. import cli, profiling
+from .. import cli, config, profiling
 from ..config import UserError, finetune_run
-from ..layout import LOSS_COLUMNS
+from ..layout import LOSS_COLUMNS, Layout
 from ..logs import log_file_path, setup_child_logging
 from ..measure.device import pick_device, set_threads
 from ..measure.energy import EnergyMeter, energy_per_token
@@ -32,6 +34,9 @@ from ..memory_estimate import compared, training_peak
 from ..modeling import base_dtype, eval_loss, load_tokenizer, read_split
 from ..registry import LOSS_CSV
 from ..training import build_model, collator, mixed_precision, unavailable_knobs
+
+# datasets and transformers take seconds to import, and the Trainer callbacks import the Trainer: they are imported
+# inside train(), after cli.main has given the process its GPU.
 
 log = logging.getLogger("efflab")
 
@@ -74,8 +79,6 @@ def _free_port() -> int:
 def launch_distributed(run_cfg: dict, paths: dict) -> dict:
     """Run this stage's training as `accelerate launch` DDP workers (gloo on CPU, NCCL on GPU); rank 0
     writes the outputs into this job's folder and hands its metrics back through a file."""
-    import json
-
     log_file = log_file_path()
     config = run_cfg["accelerate_config"]
     if config and not Path(config).is_file():
@@ -101,8 +104,6 @@ def checkpoints(layout, name: str, run_cfg: dict, rank: int) -> tuple[Path, str 
     """The run's step-checkpoint folder (a hidden sibling of its outputs, which Snakemake does not own and
     so does not delete when a killed job's outputs are cleaned up) and the checkpoint to resume from.
     Checkpoints written with different settings are discarded, never resumed."""
-    import json
-
     from transformers.trainer_utils import get_last_checkpoint
 
     folder = layout.out("finetune").joinpath(f".{name}.checkpoints")
@@ -120,8 +121,6 @@ def checkpoints(layout, name: str, run_cfg: dict, rank: int) -> tuple[Path, str 
 
 
 def _checkpoint_state(checkpoint: str | None) -> dict:
-    import json
-
     if not checkpoint:
         return {"global_step": 0, "num_input_tokens_seen": 0}
     state = json.loads((Path(checkpoint) / "trainer_state.json").read_text())
@@ -307,8 +306,6 @@ def train(cfg: dict, paths: dict) -> dict:
 def _sort_target_modules(path: Path) -> None:
     """peft keeps target_modules as a set and writes it in the set's order, which changes with Python's hash
     seed: sorted, two identical runs write identical adapter folders (and their provenance hashes agree)."""
-    import json
-
     config = json.loads(path.read_text())
     if isinstance(config.get("target_modules"), list):
         config["target_modules"] = sorted(config["target_modules"])
@@ -324,12 +321,6 @@ WORKER_FLAG = "--ddp-worker"
 
 def worker_main(argv: list[str]) -> None:
     """Entry point of one `accelerate launch` rank: train, and on rank 0 hand the metrics back."""
-    import argparse
-    import json
-
-    from .. import config
-    from ..layout import Layout
-
     parser = argparse.ArgumentParser()
     for flag in ("--params", "--name", "--results", "--out", "--log"):
         parser.add_argument(flag)

@@ -20,6 +20,8 @@ from ..measure.env import environment
 from ..modeling import (base_dtype, forward_batches, load_model, load_tokenizer, read_split, row_nll,
                        rows_summary)
 
+# peft takes seconds to import: it is imported inside the functions that use it.
+
 log = logging.getLogger("efflab")
 
 

@@ -18,6 +18,8 @@ from ..config import UserError, classify_source, local_source_files
 from ..measure.env import environment
 from ..modeling import load_tokenizer, package_folder
 
+# datasets takes seconds to import: it is imported only to read a hub dataset.
+
 log = logging.getLogger("efflab")
 
 EMBEDDED_DATA = {

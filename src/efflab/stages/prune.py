@@ -19,6 +19,7 @@ model's.
 """
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import re
@@ -34,8 +35,11 @@ from ..measure.flops import count_parameters
 from ..measure.stats import speedup
 from ..measure.timing import INTERLEAVE_RECORD, SENTINEL_TOLERANCE, interleave
 from ..layout import NOT_RUN
-from ..modeling import base_dtype, eval_loss, folder_bytes, load_model, load_tokenizer, read_split
+from ..modeling import base_dtype, eval_loss, folder_bytes, forward_batches, load_model, load_tokenizer, read_split
 from ..registry import HEALED
+from ..training import batches, training_step
+
+# transformers and peft take seconds to import: they are imported inside the functions that use them.
 
 log = logging.getLogger("efflab")
 
@@ -110,8 +114,6 @@ def importance(model, rows: list[dict], tokenizer, how: str) -> dict:
     if how == "seed":
         return {"heads": [[float(heads - h) for h in range(heads)] for _ in range(layers)],
                 "layers": [float(layers - i) for i in range(layers)]}
-    from ..modeling import forward_batches
-
     head_norm = torch.zeros(layers, heads, dtype=torch.float64)
     influence = torch.zeros(layers, dtype=torch.float64)
     tokens = [0]
@@ -235,12 +237,8 @@ def generate(model, inputs: dict, new_tokens: int, pad_token_id: int) -> torch.T
 
 def heal(pruned, h: dict, tokenizer, rows: list[dict], dtype: str, device: torch.device, scratch: str):
     """A LoRA fine-tune of a copy of `pruned` for h["steps"] steps, merged back: (healed model, its record)."""
-    import copy
-
     from peft import get_peft_model
     from transformers import set_seed
-
-    from ..training import batches, training_step
 
     set_seed(h["seed"])
     lora = h["lora"]

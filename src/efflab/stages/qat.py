@@ -39,6 +39,9 @@ from ..measure.stats import summarize
 from ..modeling import (base_dtype, forward_batches, load_model, load_tokenizer, read_split,
                        row_nll, shape_only)
 from ..registry import QAT_MODEL
+from ..training import batches, training_step
+
+# torchao, tqdm and transformers are imported inside the functions that use them: torchao's import is slow and noisy.
 
 log = logging.getLogger("efflab")
 
@@ -132,8 +135,6 @@ def train_cfg(q: dict) -> dict:
 def _train(model, q: dict, tokenizer, train_rows: list[dict], dtype: str, device: torch.device, tag: str,
            scratch: str) -> dict:
     from tqdm.auto import tqdm
-
-    from ..training import batches, training_step
 
     run = train_cfg(q)
     steps = batches(run, tokenizer, train_rows, run["steps"], device)

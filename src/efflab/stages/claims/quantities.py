@@ -1,6 +1,7 @@
 """Analytic quantities: each takes a claim's inputs and returns (value in the base unit, the arithmetic as text)."""
 from __future__ import annotations
 
+import importlib
 import inspect
 
 from ... import estimate
@@ -173,8 +174,6 @@ def _float_bits(i):
 
 
 def _library_default(i):
-    import importlib
-
     module, _, attr = i["target"].rpartition(".")
     target = getattr(importlib.import_module(module), attr)
     value = inspect.signature(target).parameters[i["arg"]].default

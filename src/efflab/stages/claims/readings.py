@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from ... import estimate, records
+from ...measure.stats import median_ci_order, percentile
 from .causes import attention_exponent_expected, kept_in_16_bits, prune_shares, serving_alternatives
 from .verdict import UNIT_SCALE, Reading
 
@@ -125,8 +126,6 @@ def _finetune_pair(layout, metric: dict) -> Reading:
 
 
 def _pair_reading(layout, a: dict, b: dict, key: str, stat) -> Reading:
-    from ...measure.stats import median_ci_order, percentile
-
     whole = f"{key}: run {a['run']} {a[key]:.4g} vs run {b['run']} {b[key]:.4g}"
     interleaved = _interleaved_ratio(layout, a, b, key)
     if interleaved:

@@ -4,6 +4,8 @@ from __future__ import annotations
 from functools import cache
 from pathlib import Path
 
+# jinja2 is imported when the first template is rendered: the report's other modules do not need it.
+
 TEMPLATES = Path(__file__).parent / "templates"
 
 
