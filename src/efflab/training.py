@@ -1,6 +1,6 @@
 """Fine-tuning shared by the stages that train: the model to train (build_model), its collator, its mixed
 precision and the knobs a device cannot honour; and one optimizer step written out, for stages that train several
-models in one process (bench_finetune, qat, capacity).
+models in one process (bench_finetune, capacity, prune's healing, qat).
 
 The finetune stage trains with the HF Trainer, one run per process. Where several models train in one
 process, a Trainer each would share accelerate's one mixed-precision state, so the step is written out here,
