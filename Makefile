@@ -68,7 +68,8 @@ report-html: install
 dry-run: install
 	snakemake --dry-run --cores $(CORES)
 
-test: install
+# The checks first (seconds), then the suite; the docs build and the params reference's drift are tests/test_docs.py.
+test: install lint
 	$(VENV)/bin/pytest -v
 
 # The documentation site (docs/, mkdocs.yml) into site/: --strict makes any warning (a broken link or anchor, a page
@@ -77,8 +78,10 @@ docs: install
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
 lint: install
+	$(VENV)/bin/ruff check src tests benchmarks
 	snakemake --lint
 	$(PY) -m efflab.dvcgen --check
+	$(PY) -m efflab.docs_reference --check
 
 dvc.yaml: Snakefile params.yaml $(wildcard workflow/rules/*.smk) src/efflab/dvcgen.py | install
 	$(PY) -m efflab.dvcgen

@@ -69,8 +69,8 @@ class SimulatedClock:
 def serving_record(rates: dict[tuple[str, int], list[float]], requests: int = 8) -> dict:
     """A bench_serving record from injected output tokens/s, one per burst round for each (method, concurrency),
     with its ratios paired round by round as the stage pairs them: verdicts on known numbers, no clock."""
-    from efflab.stages import bench_serving
     from efflab.measure.stats import summarize
+    from efflab.stages import bench_serving
 
     cells = [{"method": m, "concurrency": c, "status": "ok", "bursts": len(r), "requests": requests,
               "requests_per_s": summarize([x / 10 for x in r], "requests/s"),

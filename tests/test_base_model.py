@@ -4,11 +4,9 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from efflab.config import UserError
+from efflab.config import UserError, classify_source
 from efflab.layout import Layout
-from efflab.config import classify_source
 from efflab.modeling import load_model, load_tokenizer
-
 from tests.helpers import run_stage
 
 
@@ -95,9 +93,9 @@ def test_a_dtype_chosen_on_another_kind_of_cpu_is_refused_by_the_stages_that_rea
     import pytest
 
     from efflab import modeling
-    from efflab.measure import env
     from efflab.config import UserError
     from efflab.layout import Layout
+    from efflab.measure import env
 
     path = results / "base_model" / "metrics.json"
     metrics = json.loads(path.read_text())

@@ -80,9 +80,9 @@ def test_inference_separates_prefill_from_decode_per_kv_cache_and_batch_cell(res
 
 
 def test_explicit_prompts_are_chat_templated_and_the_default_draw_is_seeded(results, test_cfg):
-    from efflab.stages.bench_inference import prompts
     from efflab.layout import Layout
     from efflab.modeling import load_tokenizer
+    from efflab.stages.bench_inference import prompts
 
     tokenizer = load_tokenizer(results / "base_model" / "model")
     (asked,) = prompts({"prompts": ["Is a permit needed for a fence?"]}, None, tokenizer)

@@ -2,9 +2,9 @@ import csv
 
 import pytest
 
-from tests.helpers import TEST_PARAMS, run_stage, serving_record
-from efflab.stages import bench_serving
 from efflab.measure.stats import ratio_verdict, summarize
+from efflab.stages import bench_serving
+from tests.helpers import TEST_PARAMS, run_stage, serving_record
 
 
 def test_every_serving_figure_is_recomputed_from_the_per_request_log_burst_by_burst(results, test_cfg):

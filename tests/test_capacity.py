@@ -5,9 +5,9 @@ import pytest
 import torch
 import yaml
 
-from tests.helpers import run_stage
-from efflab.stages import capacity
 from efflab.config import UserError
+from efflab.stages import capacity
+from tests.helpers import run_stage
 
 
 @pytest.mark.parametrize("boundary", [-1, 0, 3, 9, 19])

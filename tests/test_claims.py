@@ -10,12 +10,11 @@ import pytest
 import yaml
 
 from efflab import estimate
+from efflab.config import UserError
+from efflab.layout import Layout
 from efflab.stages.claims import readings, stage
 from efflab.stages.claims.registry import REGISTRY, load, load_registry, passages, uncovered
 from efflab.stages.claims.verdict import EVIDENCE, VERDICTS, Reading, judge, verdict_class
-from efflab.config import UserError
-from efflab.layout import Layout
-
 from tests.helpers import REPO, TEST_PARAMS, run_stage, serving_record
 
 SEEDS = Path("/work/shared/seeds")

@@ -123,7 +123,7 @@ def test_snakemake_refuses_bad_params_with_one_line(write_params, tmp_path):
                            "--configfile", str(params), "--directory", str(tmp_path), "-n", "--cores", "1"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
-    assert f"efflab: error: " in proc.stderr and MALFORMED[0][1] in proc.stderr
+    assert "efflab: error: " in proc.stderr and MALFORMED[0][1] in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "results").exists()
 

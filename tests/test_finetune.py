@@ -1,12 +1,11 @@
-import torch
 import pandas as pd
 import pytest
+import torch
 
 from efflab.config import finetune_run
 from efflab.layout import Layout
-
-from tests.helpers import TEST_PARAMS, run_stage
 from efflab.stages.report import tables
+from tests.helpers import TEST_PARAMS, run_stage
 
 
 def _lora_param_count(cfg, name):
@@ -204,8 +203,8 @@ def test_the_same_params_train_bitwise_identically_on_cpu(results, write_params)
 def test_packed_rows_see_only_themselves_and_keep_the_loss(results, write_params, test_cfg):
     """Padding-free batches: the logits of rows laid end to end equal those of each row alone (no attention
     across rows), and a packed run trains on the same real tokens with the same loss as a padded one."""
-    from efflab.training import collator
     from efflab.modeling import load_model, load_tokenizer, read_split
+    from efflab.training import collator
 
     layout = Layout(results)
     model = load_model(layout.base_model(), "float32", torch.device("cpu"))

@@ -14,7 +14,6 @@ import yaml
 
 from efflab.config import DATA_SUFFIXES, UserError, classify_source, local_source_files
 from efflab.stages.prepare_data import READERS
-
 from tests.helpers import BIN, REPO, TEST_PARAMS, run_stage
 
 

@@ -10,14 +10,14 @@ import torch
 from efflab import memory_estimate as me
 from efflab.measure.isolation import run_cell
 from efflab.measure.memory import MiB, track_memory
-from tests.helpers import run_stage
 from efflab.stages.report import sections, tables
+from tests.helpers import run_stage
 
 # h=64, i=128, 4 heads x 16 (attention width 64), 2 KV heads, vocab 1000
 TINY = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
         "vocab_size": 1000, "tie_word_embeddings": True, "hidden_act": "silu", "max_position_embeddings": 512}
-H, I, HEADS, V = 64, 128, 4, 1000
+H, I, HEADS, V = 64, 128, 4, 1000  # noqa: E741 (the paper's names: hidden, intermediate)
 
 
 @pytest.fixture

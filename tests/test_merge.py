@@ -7,7 +7,6 @@ from peft import PeftModel
 from efflab import quality
 from efflab.layout import Layout
 from efflab.modeling import forward_batches, load_model, load_tokenizer, read_split
-
 from tests.helpers import TEST_PARAMS, run_stage
 
 
@@ -27,7 +26,7 @@ def test_merged_logits_equal_adapter_logits(results):
     merged = load_model(layout.model("merge", "lora-r8"), "float32", cpu)
     adapter = PeftModel.from_pretrained(load_model(layout.base_model(), "float32", cpu),
                                         layout.model("finetune", "lora-r8")).eval()
-    base_logits = [l for _, l in forward_batches(load_model(layout.base_model(), "float32", cpu), rows, 4, tok)]
+    base_logits = [logits for _, logits in forward_batches(load_model(layout.base_model(), "float32", cpu), rows, 4, tok)]
     for (_, a), (_, b), base in zip(forward_batches(adapter, rows, 4, tok), forward_batches(merged, rows, 4, tok),
                                     base_logits):
         assert torch.allclose(a, b, atol=1e-4)

@@ -6,8 +6,7 @@ import pytest
 from efflab.layout import Layout
 from efflab.modeling import load_tokenizer
 from efflab.stages.prepare_data import split_rows
-
-from tests.helpers import TEST_PARAMS, run_stage
+from tests.helpers import run_stage
 
 
 def test_splits_are_disjoint_masked_and_complete(prepared, test_cfg):

@@ -3,8 +3,8 @@ import json
 import pandas as pd
 import pytest
 
-from tests.helpers import run_stage
 from efflab import profiling
+from tests.helpers import run_stage
 
 TRAINING_PHASES = {"data", "forward", "backward", "optimizer step"}
 

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from efflab.registry import names as stage_names
 from efflab.provenance import upstream_jobs
+from efflab.registry import names as stage_names
 
 RULES = Path(__file__).resolve().parents[1] / "workflow" / "rules"
 READ_ALL = {"claims", "report"}  # they read every job's metrics, each of which carries its own chain

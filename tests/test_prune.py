@@ -5,10 +5,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests.helpers import TEST_PARAMS, run_stage
-from efflab.stages import prune
 from efflab.config import UserError
 from efflab.modeling import load_model, load_tokenizer, read_split
+from efflab.stages import prune
+from tests.helpers import TEST_PARAMS, run_stage
 
 
 def test_the_seeds_five_strategies_on_smollm2_135m_respect_grouped_query_attention():

@@ -7,11 +7,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests.helpers import TEST_PARAMS, run_stage
 from efflab import quality
-from efflab.stages import qat
 from efflab.config import UserError
 from efflab.modeling import load_model, load_tokenizer, read_split
+from efflab.stages import qat
+from tests.helpers import TEST_PARAMS, run_stage
 
 
 def json_round_trip(value):

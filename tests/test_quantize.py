@@ -4,8 +4,7 @@ import torch
 from efflab import quality
 from efflab.layout import Layout
 from efflab.modeling import load_model
-
-from tests.helpers import TEST_PARAMS, run_stage
+from tests.helpers import run_stage
 
 
 def test_int8_and_4bit_are_bnb_layers_and_shrink_the_footprint(results, write_params):

@@ -9,7 +9,6 @@ import yaml
 
 from efflab import config, registry
 from efflab.registry import STAGES
-
 from tests.helpers import REPO
 
 RULES = REPO / "workflow" / "rules"

@@ -1,11 +1,11 @@
 import json
 
-import pytest
 import pandas as pd
+import pytest
 import torch
 
 from efflab.measure import env
-from efflab.stages.report import notes, environments, fmt, knobs, pareto, plots
+from efflab.stages.report import environments, fmt, knobs, notes, pareto, plots
 
 
 def _envs():

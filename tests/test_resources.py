@@ -3,17 +3,14 @@ each GPU stage one GPU and its share of the cores."""
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 
-import pytest
 import yaml
 
 from efflab.registry import STAGES
+from tests.helpers import BIN, REPO, TEST_PARAMS
 
 GPU_STAGES = [s.name for s in STAGES.values() if s.gpu]
-
-from tests.helpers import BIN, REPO, TEST_PARAMS
 
 
 def dry_run(tmp_path, device: str, *args: str) -> dict[str, list[dict]]:

@@ -26,9 +26,9 @@ import pandas as pd
 import pytest
 
 from efflab import dvcgen
-from efflab.registry import STAGES, names as stage_names
 from efflab.config import adapter_runs
-
+from efflab.registry import STAGES
+from efflab.registry import names as stage_names
 from tests.helpers import BIN, REPO, TEST_PARAMS, run_stage
 
 pytestmark = pytest.mark.slow
@@ -393,8 +393,8 @@ def test_a_single_job_stage_that_raises_is_a_result_and_snakemake_still_exits_no
     """Any stage job that raises (a bug, or a user error that slipped past the checks) writes its record, failed
     with the reason, and its outputs empty; the report renders around it; and the run's exit status still says
     that a job failed, naming it."""
-    from efflab.stages import bench_serving
     from efflab.config import UserError
+    from efflab.stages import bench_serving
 
     work = tmp_path / "run"
     shutil.copytree(local_pipeline.wait()["dir"], work, symlinks=True)

@@ -8,6 +8,7 @@ config field or module name.
 from __future__ import annotations
 
 import copy
+
 import torch
 
 # transformers and peft take seconds to import: they are imported inside the functions that use them.

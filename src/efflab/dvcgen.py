@@ -18,6 +18,7 @@ import yaml
 from .config import REPO_ROOT
 from .registry import STAGES
 
+
 def snakemake_jobs(params: str = "params.yaml", workdir: Path | None = None) -> list[dict]:
     """Every job Snakemake would run for `params`: rule, name, inputs, outputs, log and command."""
     cmd = [sys.executable, "-m", "snakemake", "--snakefile", str(REPO_ROOT / "Snakefile"), "--configfile",

@@ -7,7 +7,6 @@ import sys
 import warnings
 from pathlib import Path
 
-
 # Libraries whose logged warnings speak to their own developers, not to whoever reads a benchmark: errors only.
 # bitsandbytes logs "MatMul8bitLt: inputs will be cast from ... to float16" on every INT8 matmul whose input is
 # not float16 (tens of thousands of lines per benchmark cell). torchao (imported by peft too) warns at import that

@@ -9,7 +9,6 @@ import torch
 from .device import synchronize
 from .stats import summarize
 
-
 # The host clock of CPU timings (time_fn, interleave). Tests replace it with a simulated clock that the timed
 # work advances by known amounts, so that no test of a verdict or a threshold races the real machine.
 clock = time.perf_counter

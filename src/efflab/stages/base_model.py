@@ -13,12 +13,12 @@ from pathlib import Path
 import torch
 
 from .. import cli, model_check
+from ..config import UserError, classify_source, local_source_files
 from ..measure.device import DTYPES, pick_device, set_threads
 from ..measure.env import environment
 from ..measure.flops import count_parameters, gpu_matmul_rates, resolve_dtype
 from ..measure.memory import cuda_context_mib
 from ..modeling import EMBEDDED_MODELS, folder_bytes, gguf_tokenizer_and_config, load_model, package_folder
-from ..config import UserError, classify_source, local_source_files
 
 # transformers takes seconds to import: it is imported inside the function that uses it.
 

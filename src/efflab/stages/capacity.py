@@ -48,7 +48,7 @@ from ..layout import Layout
 from ..measure.device import pick_device, set_threads
 from ..measure.env import environment
 from ..measure.isolation import CellJournal, run_cell
-from ..measure.memory import MiB, CpuTensorPeak, proc_status_kib, cuda_context_mib, tensor_peak
+from ..measure.memory import CpuTensorPeak, MiB, cuda_context_mib, proc_status_kib, tensor_peak
 from ..measure.stats import summarize
 from ..measure.timing import time_fn
 from ..memory_estimate import generation_peak, quantized_layer_transient, training_peak, variant_quant

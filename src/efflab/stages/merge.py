@@ -17,8 +17,7 @@ from ..architecture import restore_conv1d
 from ..config import base_quant, finetune_run
 from ..measure.device import pick_device, set_threads
 from ..measure.env import environment
-from ..modeling import (base_dtype, forward_batches, load_model, load_tokenizer, read_split, row_nll,
-                       rows_summary)
+from ..modeling import base_dtype, forward_batches, load_model, load_tokenizer, read_split, row_nll, rows_summary
 
 # peft takes seconds to import: it is imported inside the functions that use it.
 

@@ -108,7 +108,7 @@ def split_rows(n: int, fraction: float, seed: int) -> tuple[list[int], list[int]
 
 def _stats(frame: pd.DataFrame) -> dict:
     lengths = frame["input_ids"].map(len)
-    targets = frame["labels"].map(lambda l: sum(1 for t in l if t != -100))
+    targets = frame["labels"].map(lambda labels: sum(1 for t in labels if t != -100))
     return {"rows": len(frame), "tokens": int(lengths.sum()), "label_tokens": int(targets.sum()),
             "truncated_rows": int(frame["truncated"].sum()),
             "length_percentiles": {f"p{q}": float(np.percentile(lengths, q)) for q in (5, 25, 50, 75, 95, 100)}}
@@ -145,7 +145,7 @@ def run(cfg: dict, paths: dict) -> dict:
         records.append(tokenize_row(prompt, full, tokenizer, pd_cfg["max_length"], pd_cfg["mask_prompt"])
                        | {"question": question, "answer": _text(row, cols["output"]), "prompt": prompt})
     frame = pd.DataFrame.from_records(records)
-    frame = frame[frame["labels"].map(lambda l: any(t != -100 for t in l))].reset_index(drop=True)
+    frame = frame[frame["labels"].map(lambda labels: any(t != -100 for t in labels))].reset_index(drop=True)
     train_idx, val_idx = split_rows(len(frame), pd_cfg["validation_fraction"], pd_cfg["seed"])
     splits = {"train": frame.iloc[train_idx], "validation": frame.iloc[val_idx]}
     for split, part in splits.items():

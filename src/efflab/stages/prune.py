@@ -29,12 +29,12 @@ import torch
 
 from .. import architecture, cli, quality
 from ..config import UserError
+from ..layout import NOT_RUN
 from ..measure.device import pick_device, set_threads
 from ..measure.env import environment
 from ..measure.flops import count_parameters
 from ..measure.stats import speedup
 from ..measure.timing import INTERLEAVE_RECORD, SENTINEL_TOLERANCE, interleave
-from ..layout import NOT_RUN
 from ..modeling import base_dtype, eval_loss, folder_bytes, forward_batches, load_model, load_tokenizer, read_split
 from ..registry import HEALED
 from ..training import batches, training_step

@@ -29,15 +29,14 @@ from pathlib import Path
 import torch
 
 from .. import cli, quality, records
-from ..config import UserError
 from ..architecture import linear_layers, matmul_shape, undivided_layer
+from ..config import UserError
 from ..layout import Layout
 from ..measure.device import pick_device, set_threads
 from ..measure.env import environment
 from ..measure.isolation import CellJournal, run_cell
 from ..measure.stats import summarize
-from ..modeling import (base_dtype, forward_batches, load_model, load_tokenizer, read_split,
-                       row_nll, shape_only)
+from ..modeling import base_dtype, forward_batches, load_model, load_tokenizer, read_split, row_nll, shape_only
 from ..registry import QAT_MODEL
 from ..training import batches, training_step
 

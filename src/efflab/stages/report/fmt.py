@@ -9,7 +9,6 @@ from ... import records
 from ...measure.env import fingerprint
 from ...measure.stats import format_ratio
 
-
 MiB = 2**20
 
 

@@ -67,7 +67,7 @@ def inference_options(inference: list[dict], quantize: list[dict]) -> list[dict]
     out = []
     for job in records.ok(inference):
         cell = inference_cell(job)
-        if cell is None or not job["kind"] in ("base", "quantized", "merged", "adapter"):
+        if cell is None or job["kind"] not in ("base", "quantized", "merged", "adapter"):
             continue
         base = job["kind"] == "base"
         quality_axis = _zero() if base else _change_axis(changes.get(job["of"])) if job["kind"] == "quantized" else None

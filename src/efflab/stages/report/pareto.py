@@ -11,7 +11,8 @@ from pathlib import Path
 import pandas as pd
 
 from ... import records
-from . import advice, options as opts
+from . import advice
+from . import options as opts
 from .spread import of_axis, of_median, of_speedup, spread
 from .tables import tokens_per_s
 

@@ -23,8 +23,7 @@ from . import options as opts  # noqa: E402
 from .fmt import MiB  # noqa: E402
 from .notes import same_updates  # noqa: E402
 from .results import absent  # noqa: E402
-from .spread import (CI, RANGE, as_ratio, of_axis, of_change, of_median, of_ratio, of_speedup, spread,  # noqa: E402
-                     text)
+from .spread import CI, RANGE, as_ratio, of_axis, of_change, of_median, of_ratio, of_speedup, spread, text  # noqa: E402
 
 
 def _save(fig, path: Path, bottom: float = 0.0) -> None:

@@ -10,8 +10,15 @@ from .environments import comparison
 from .fmt import markdown, one_line
 from .render import render
 from .results import absent
-from .tables import (MEMORY_TARGET, capacity_cause, capacity_estimator_off, capacity_held, capacity_largest,
-                     capacity_measured, memory_prediction_table)
+from .tables import (
+    MEMORY_TARGET,
+    capacity_cause,
+    capacity_estimator_off,
+    capacity_held,
+    capacity_largest,
+    capacity_measured,
+    memory_prediction_table,
+)
 
 
 def section(cfg: dict, metrics: dict, stage: str, title: str, body) -> list[str]:

@@ -3,17 +3,16 @@ from __future__ import annotations
 
 import logging
 
-
 from ... import provenance
 from ...config import UserError
 from . import advice, notes
+from . import sections as sec
 from .environments import comparison, environment_table, provenance_table
 from .fmt import env_of, markdown
 from .pareto import finetune_pareto, inference_pareto, write_fronts
 from .plots import draw_plots
 from .render import render
 from .results import read_results
-from . import sections as sec
 from .tables import build_tables, not_run_table
 from .tidy import results_table
 

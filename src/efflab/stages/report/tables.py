@@ -7,8 +7,18 @@ from ... import records
 from ...measure.memory import allocated_delta
 from ...measure.stats import format_ratio
 from . import spread
-from .fmt import (MiB, env_of, interval_text, median_text, pct, peak_mib, short_verdict, speedup_text,
-                  speedup_verdict, status_text)
+from .fmt import (
+    MiB,
+    env_of,
+    interval_text,
+    median_text,
+    pct,
+    peak_mib,
+    short_verdict,
+    speedup_text,
+    speedup_verdict,
+    status_text,
+)
 from .knobs import knob_table
 from .spread import of_median, text
 
