@@ -11,7 +11,7 @@ import yaml
 
 from efflab import estimate
 from efflab.config import UserError
-from efflab.layout import Layout
+from efflab.layout import Job, Layout
 from efflab.stages.claims import readings, stage
 from efflab.stages.claims.registry import REGISTRY, load, load_registry, passages, uncovered
 from efflab.stages.claims.verdict import EVIDENCE, VERDICTS, Reading, judge, verdict_class
@@ -36,7 +36,7 @@ def reference_run(tmp_path_factory) -> tuple[dict, pd.DataFrame, Path]:
     """The default registry evaluated against the committed reference results (no model folder: weights and
     configs are not kept there)."""
     out = tmp_path_factory.mktemp("claims") / "out"
-    metrics = stage.run({}, {"layout": Layout(REFERENCE), "name": None, "out": out, "final": out})
+    metrics = stage.run({}, Job(Layout(REFERENCE), None, out, out))
     return metrics, pd.read_csv(out / "claims.csv"), out
 
 

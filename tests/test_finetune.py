@@ -300,8 +300,8 @@ def test_knobs_a_cpu_cannot_honour_are_unavailable_and_the_grid_goes_on(results,
 def test_a_run_that_fails_is_recorded_with_its_reason(results, monkeypatch, error, status):
     from efflab.stages import finetune
 
-    def fail(cfg, paths):
-        (paths["out"] / "half-written.bin").write_bytes(b"x")
+    def fail(cfg, job):
+        (job.out / "half-written.bin").write_bytes(b"x")
         raise (torch.OutOfMemoryError if status == "oom" else RuntimeError)(error)
     monkeypatch.setattr(finetune, "train", fail)
     m = run_stage("finetune", TEST_PARAMS, results, "lora-r8")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from . import config, gpu_slots, provenance, registry
 from .config import UserError
-from .layout import METRICS, Layout
+from .layout import METRICS, Job, Layout
 from .logs import setup_logging
 from .registry import STAGES, names, not_asked
 
@@ -106,8 +106,7 @@ def main(stage: str, run, argv: list[str] | None = None) -> None:
         log.info("%s%s: start%s", stage, f"[{args.name}]" if args.name else "",
                  f" in SLURM job {slurm_job}" if slurm_job else "")
         try:
-            metrics = run(cfg, {"layout": layout, "name": args.name, "out": staging, "final": final,
-                                "params": args.params})
+            metrics = run(cfg, Job(layout, args.name, staging, final, args.params))
         except Exception as err:  # recorded, so that the DAG and the report go on around it (stages_failed)
             if STAGES[stage].outputs is None or _missing_result(err, args.results):
                 raise

@@ -73,3 +73,15 @@ class Layout:
             return None
         return {"status": "skipped",
                 "reason": f"{stage} {name} is {upstream['status']}: {upstream.get('reason', 'no reason given')}"}
+
+
+@dataclass(frozen=True)
+class Job:
+    """One job of a stage, as cli.main hands it to the stage's `run(cfg, job)`: where the results are, which grid
+    entry it is (None for a single-job stage), the staging folder it writes to (renamed to `final` once its
+    metrics are written) and the params file it was started with."""
+    layout: Layout
+    name: str | None
+    out: Path
+    final: Path
+    params: str = "params.yaml"

@@ -14,6 +14,7 @@ import torch
 
 from .. import cli, model_check
 from ..config import UserError, classify_source, local_source_files
+from ..layout import Job
 from ..measure.device import DTYPES, pick_device, set_threads
 from ..measure.env import environment
 from ..measure.flops import count_parameters, gpu_matmul_rates, resolve_dtype
@@ -38,7 +39,7 @@ def _from_pretrained_kwargs(bm: dict, kind: str) -> tuple[str, dict]:
     return bm["source"], kwargs
 
 
-def run(cfg: dict, paths: dict) -> dict:
+def run(cfg: dict, job: Job) -> dict:
     """Materialize the base model folder (model + tokenizer) and record its size and load time."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -69,7 +70,7 @@ def run(cfg: dict, paths: dict) -> dict:
     # GGUF-loaded configs carry a quantization_config that would make the saved folder unloadable.
     if hasattr(model_config, "quantization_config") and kind == "embedded":
         del model_config.quantization_config
-    for note in model_check.check(cfg, paths["params"], config=model_config):  # a hub model's config: only now
+    for note in model_check.check(cfg, job.params, config=model_config):  # a hub model's config: only now
         log.warning("%s", note)
 
     t0 = time.perf_counter()
@@ -87,7 +88,7 @@ def run(cfg: dict, paths: dict) -> dict:
         else:
             model = loaded
     convert_s = time.perf_counter() - t0
-    folder = paths["out"] / "model"
+    folder = job.out / "model"
     model.save_pretrained(folder, safe_serialization=True)
     tokenizer.save_pretrained(folder)
     params = count_parameters(model)

@@ -22,6 +22,7 @@ from importlib.metadata import version
 import torch
 
 from .. import cli, model_check, records
+from ..layout import Job
 from ..measure.device import pick_device, set_threads, synchronize
 from ..measure.env import environment
 from ..measure.isolation import CellJournal, run_cell
@@ -180,9 +181,9 @@ def fit_exponent(rows: list[dict]) -> dict:
             "memory_kind": kind}
 
 
-def run(cfg: dict, paths: dict) -> dict:
+def run(cfg: dict, job: Job) -> dict:
     """Benchmark one attention implementation over the configured grid."""
-    b, rt, impl, layout = cfg["bench_attention"], cfg["runtime"], paths["name"], paths["layout"]
+    b, rt, impl, layout = cfg["bench_attention"], cfg["runtime"], job.name, job.layout
     set_threads(rt)
     device = pick_device(rt)
     dtype = base_dtype(layout)

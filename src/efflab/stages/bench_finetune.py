@@ -22,7 +22,7 @@ import torch
 
 from .. import cli, records
 from ..config import finetune_run
-from ..layout import Layout
+from ..layout import Job, Layout
 from ..measure.device import pick_device, set_threads, synchronize
 from ..measure.env import environment
 from ..measure.isolation import CellJournal, run_cell
@@ -84,9 +84,9 @@ def pair_cell(cfg: dict, results: str, a: str, b: str, dtype: str, device: str) 
     return {"runs": per_run, "step_time_ratio": ratio, "interleaved": timed}
 
 
-def run(cfg: dict, paths: dict) -> dict:
+def run(cfg: dict, job: Job) -> dict:
     """Every knob pair of finetune.runs, timed interleaved."""
-    bf, rt, layout = cfg["bench_finetune"], cfg["runtime"], paths["layout"]
+    bf, rt, layout = cfg["bench_finetune"], cfg["runtime"], job.layout
     set_threads(rt)
     device = pick_device(rt)
     dtype = base_dtype(layout)

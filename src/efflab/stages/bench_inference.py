@@ -18,7 +18,7 @@ import torch
 
 from .. import cli, profiling, records
 from ..config import UserError
-from ..layout import Layout
+from ..layout import Job, Layout
 from ..measure.device import pick_device, set_threads
 from ..measure.energy import energy_of, energy_per_token
 from ..measure.env import environment
@@ -208,9 +208,9 @@ def _fmt(value) -> str:
     return "n/a" if value is None else f"{value:.0f}"
 
 
-def run(cfg: dict, paths: dict) -> dict:
+def run(cfg: dict, job: Job) -> dict:
     """Benchmark greedy generation of one variant over its KV-cache and batch-size cells."""
-    b, rt, name, layout = cfg["bench_inference"], cfg["runtime"], paths["name"], paths["layout"]
+    b, rt, name, layout = cfg["bench_inference"], cfg["runtime"], job.name, job.layout
     variant = b["variants"][name]
     set_threads(rt)
     device = pick_device(rt)
@@ -244,7 +244,7 @@ def run(cfg: dict, paths: dict) -> dict:
             cells.append(cell | result)
     journal.remove()
     if profiles.is_dir():
-        shutil.move(str(profiles), str(paths["out"] / profiling.FOLDER))
+        shutil.move(str(profiles), str(job.out / profiling.FOLDER))
     return {
         "status": "ok" if records.ok(cells) else "failed",
         "variant": name, "kind": variant["kind"], "of": variant.get("of"), "dtype": dtype,

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from .. import cli
+from ..layout import Job
 from ..measure.device import pick_device, set_threads, synchronize
 from ..measure.env import environment
 from ..measure.stats import format_ratio, percentile, ratio_verdict, said_of_faster_side, summarize
@@ -235,10 +236,10 @@ def serve_rounds(serve, cells: list[dict], bursts: int) -> tuple[list[dict], lis
     return [r for c in live if c.get("status") != "failed" for r in rows[id(c)]], orders
 
 
-def run(cfg: dict, paths: dict) -> dict:
+def run(cfg: dict, job: Job) -> dict:
     """Serve the same burst of requests every way, at every concurrency level, `bursts` interleaved times; write
     the per-request log."""
-    s, layout = cfg["bench_serving"], paths["layout"]
+    s, layout = cfg["bench_serving"], job.layout
     set_threads(cfg["runtime"])
     device = pick_device(cfg["runtime"])
     dtype = base_dtype(layout)
@@ -265,7 +266,7 @@ def run(cfg: dict, paths: dict) -> dict:
                  c["requests_per_s"]["median"], c["output_tokens_per_s"]["median"],
                  f"x naive {format_ratio(c['throughput_vs_naive'])}" if "throughput_vs_naive" in c else "naive",
                  (c["ttft_s"] or {}).get("p50", float("nan")), c["latency_s"]["p90"])
-    out = Path(paths["out"])
+    out = Path(job.out)
     with open(out / "requests.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=REQUEST_COLUMNS)
         writer.writeheader()

@@ -44,7 +44,7 @@ import torch
 
 from .. import cli, records
 from ..config import UserError, finetune_run
-from ..layout import Layout
+from ..layout import Job, Layout
 from ..measure.device import pick_device, set_threads
 from ..measure.env import environment
 from ..measure.isolation import CellJournal, run_cell
@@ -341,9 +341,9 @@ def _row(c: dict, kind: str, subject: str, dimension: str, size: tuple[int, int]
             "cell_wall_s": result.get("cell_wall_s"), "reason": result.get("reason", "")}
 
 
-def run(cfg: dict, paths: dict) -> dict:
+def run(cfg: dict, job: Job) -> dict:
     """Search every subject's largest batch and longest sequence within the budget; write cells.csv."""
-    c, rt, layout = cfg["capacity"], cfg["runtime"], paths["layout"]
+    c, rt, layout = cfg["capacity"], cfg["runtime"], job.layout
     set_threads(rt)
     device = pick_device(rt)
     dtype = base_dtype(layout)
@@ -412,7 +412,7 @@ def run(cfg: dict, paths: dict) -> dict:
                      entry.get("predicted_max"), entry["measured_max"],
                      " (the whole range fits)" if entry["whole_range_fits"] else "", len(found["seen"]))
             searches.append(entry)
-    with open(paths["out"] / CELLS_CSV, "w", newline="") as f:
+    with open(job.out / CELLS_CSV, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=CELL_COLUMNS)
         writer.writeheader()
         writer.writerows(cells)

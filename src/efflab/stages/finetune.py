@@ -22,7 +22,7 @@ import torch
 
 from .. import cli, config, profiling
 from ..config import UserError, finetune_run
-from ..layout import LOSS_COLUMNS, Layout
+from ..layout import LOSS_COLUMNS, Job, Layout
 from ..logs import log_file_path, setup_child_logging
 from ..measure.device import pick_device, set_threads
 from ..measure.energy import EnergyMeter, energy_per_token
@@ -51,23 +51,23 @@ def write_loss_curve(history: list[dict], path) -> list[dict]:
     return rows
 
 
-def run(cfg: dict, paths: dict) -> dict:
+def run(cfg: dict, job: Job) -> dict:
     """Fine-tune one named run and measure what it cost and bought (DDP when num_processes > 1).
     A run the device cannot do is recorded as unavailable with the reason; one that fails or runs out of
     memory is recorded by cli.main (the grid goes on); bad params still stop with an error."""
-    run_cfg = finetune_run(cfg, paths["name"])
+    run_cfg = finetune_run(cfg, job.name)
     device = pick_device(cfg["runtime"])
     missing = unavailable_knobs(run_cfg, device)
     if missing:
         reason = "; ".join(missing)
-        paths["layout"].write_not_run("finetune", paths["out"], "unavailable", reason)
-        log.warning("%s: unavailable: %s", paths["name"], reason)
-        return {"status": "unavailable", "reason": reason, "run": paths["name"], "method": run_cfg["method"],
+        job.layout.write_not_run("finetune", job.out, "unavailable", reason)
+        log.warning("%s: unavailable: %s", job.name, reason)
+        return {"status": "unavailable", "reason": reason, "run": job.name, "method": run_cfg["method"],
                 "settings": run_cfg, "environment": environment(device, run_cfg)}
     if run_cfg["num_processes"] * run_cfg["num_machines"] > 1 or run_cfg["accelerate_config"]:
         if "LOCAL_RANK" not in os.environ:
-            return launch_distributed(run_cfg, paths)
-    return train(cfg, paths)
+            return launch_distributed(run_cfg, job)
+    return train(cfg, job)
 
 
 def _free_port() -> int:
@@ -76,7 +76,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch_distributed(run_cfg: dict, paths: dict) -> dict:
+def launch_distributed(run_cfg: dict, job: Job) -> dict:
     """Run this stage's training as `accelerate launch` DDP workers (gloo on CPU, NCCL on GPU); rank 0
     writes the outputs into this job's folder and hands its metrics back through a file."""
     log_file = log_file_path()
@@ -88,11 +88,11 @@ def launch_distributed(run_cfg: dict, paths: dict) -> dict:
            "--num_processes", str(run_cfg["num_processes"] * run_cfg["num_machines"]),
            "--num_machines", str(run_cfg["num_machines"]), "--main_process_port", str(_free_port()),
            "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "efflab.stages.finetune", WORKER_FLAG,
-           "--params", str(paths["params"]), "--name", paths["name"], "--results", str(paths["layout"].root),
-           "--out", str(paths["out"])] + (["--log", log_file] if log_file else [])
-    log.info("%s: launching %d DDP processes: %s", paths["name"], run_cfg["num_processes"], " ".join(cmd))
+           "--params", str(job.params), "--name", job.name, "--results", str(job.layout.root),
+           "--out", str(job.out)] + (["--log", log_file] if log_file else [])
+    log.info("%s: launching %d DDP processes: %s", job.name, run_cfg["num_processes"], " ".join(cmd))
     proc = subprocess.run(cmd)
-    handoff = paths["out"] / "rank0_metrics.json"
+    handoff = job.out / "rank0_metrics.json"
     if proc.returncode != 0 or not handoff.is_file():
         raise RuntimeError(f"accelerate launch exited with code {proc.returncode}; see the log above")
     metrics = json.loads(handoff.read_text())
@@ -159,14 +159,14 @@ def _weights_sha256(model) -> str:
     return digest.hexdigest()[:16]
 
 
-def train(cfg: dict, paths: dict) -> dict:
+def train(cfg: dict, job: Job) -> dict:
     """The training itself, in this process (one DDP rank when launched by accelerate)."""
     from datasets import Dataset
     from transformers import Trainer, TrainingArguments, set_seed
 
     from ..callbacks import KILL_ENV, FlushTensorCount, KillAfterCheckpoint, SequenceLengths, StepTimes
 
-    name, layout = paths["name"], paths["layout"]
+    name, layout = job.name, job.layout
     run_cfg = finetune_run(cfg, name)
     world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
     threads = set_threads(cfg["runtime"])
@@ -229,7 +229,7 @@ def train(cfg: dict, paths: dict) -> dict:
     with track_memory(device, tensors) as train_mem:
         profiler = None
         if profiled:
-            profiler = profiling.Profiler(cfg["profile"], paths["out"] / profiling.FOLDER, device)
+            profiler = profiling.Profiler(cfg["profile"], job.out / profiling.FOLDER, device)
             profiling.trainer_hooks(trainer, profiler)
         meter = EnergyMeter(device).start()  # two counter reads, at the ends: nothing in between
         t0 = time.perf_counter()
@@ -249,9 +249,9 @@ def train(cfg: dict, paths: dict) -> dict:
         ranks = gathered
         if rank != 0:  # only rank 0 writes outputs and metrics
             return {}
-    curve = write_loss_curve(trainer.state.log_history, paths["out"] / LOSS_CSV)
+    curve = write_loss_curve(trainer.state.log_history, job.out / LOSS_CSV)
 
-    folder = paths["out"] / "model"
+    folder = job.out / "model"
     if run_cfg["method"] == "full":
         model.to(getattr(torch, dtype)).save_pretrained(folder, safe_serialization=True)
     else:
@@ -329,8 +329,7 @@ def worker_main(argv: list[str]) -> None:
     setup_child_logging(args.log, f"rank {rank}")
     cfg = config.load(args.params)
     out = Path(args.out)
-    metrics = train(cfg, {"layout": Layout(Path(args.results)), "name": args.name, "out": out, "final": out,
-                          "params": args.params})
+    metrics = train(cfg, Job(Layout(Path(args.results)), args.name, out, out, args.params))
     if rank == 0:
         (out / "rank0_metrics.json").write_text(json.dumps(metrics, default=str))
 

@@ -15,6 +15,7 @@ import torch
 from .. import cli, quality
 from ..architecture import restore_conv1d
 from ..config import base_quant, finetune_run
+from ..layout import Job
 from ..measure.device import pick_device, set_threads
 from ..measure.env import environment
 from ..modeling import base_dtype, forward_batches, load_model, load_tokenizer, read_split, row_nll, rows_summary
@@ -65,17 +66,17 @@ def merged_into(layout, adapter, dtype: str, merge_dtype: str, device, quant: di
     return PeftModel.from_pretrained(target, adapter).merge_and_unload().eval()
 
 
-def run(cfg: dict, paths: dict) -> dict:
+def run(cfg: dict, job: Job) -> dict:
     """Merge one adapter run and measure the fidelity of the merged model."""
     from peft import PeftModel
 
-    name, layout, m = paths["name"], paths["layout"], cfg["merge"]
+    name, layout, m = job.name, job.layout, cfg["merge"]
     run_cfg = finetune_run(cfg, name)
     set_threads(cfg["runtime"])
     device = pick_device(cfg["runtime"])
     skipped = layout.skipped_because("finetune", name)
     if skipped:
-        layout.write_not_run("merge", paths["out"], skipped["status"], skipped["reason"])
+        layout.write_not_run("merge", job.out, skipped["status"], skipped["reason"])
         return {**skipped, "run": name, "method": run_cfg["method"], "environment": environment(device, m)}
     dtype = base_dtype(layout)
     tokenizer = load_tokenizer(layout.base_model())
@@ -92,7 +93,7 @@ def run(cfg: dict, paths: dict) -> dict:
     merged = merged_into(layout, adapter, dtype, m["dtype"], device, quant, roundtrip=True)
     in_memory = compare(merged, ref_logits, ref_eval, rows, batch_size, tokenizer)
 
-    folder = paths["out"] / "model"
+    folder = job.out / "model"
     merged.to(getattr(torch, dtype)).save_pretrained(folder, safe_serialization=True)
     tokenizer.save_pretrained(folder)
     del merged

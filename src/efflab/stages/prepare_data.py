@@ -15,6 +15,7 @@ import torch
 
 from .. import cli
 from ..config import UserError, classify_source, local_source_files
+from ..layout import Job
 from ..measure.env import environment
 from ..modeling import load_tokenizer, package_folder
 
@@ -114,7 +115,7 @@ def _stats(frame: pd.DataFrame) -> dict:
             "length_percentiles": {f"p{q}": float(np.percentile(lengths, q)) for q in (5, 25, 50, 75, 95, 100)}}
 
 
-def run(cfg: dict, paths: dict) -> dict:
+def run(cfg: dict, job: Job) -> dict:
     """Template, tokenize, mask and split the instruction rows."""
     pd_cfg = cfg["prepare_data"]
     raw, attribution = read_rows(pd_cfg)
@@ -134,7 +135,7 @@ def run(cfg: dict, paths: dict) -> dict:
         raise UserError(f"prepare_data.source: {pd_cfg['source']}: {len(raw)} rows with a non-empty "
                         f"{pd_cfg['columns']['output']!r} column (prepare_data.columns.output); at least 4 are "
                         f"needed for a train/validation split")
-    tokenizer = load_tokenizer(paths["layout"].base_model())
+    tokenizer = load_tokenizer(job.layout.base_model())
     records = []
     cols = pd_cfg["columns"]
     for _, row in raw.iterrows():
@@ -149,7 +150,7 @@ def run(cfg: dict, paths: dict) -> dict:
     train_idx, val_idx = split_rows(len(frame), pd_cfg["validation_fraction"], pd_cfg["seed"])
     splits = {"train": frame.iloc[train_idx], "validation": frame.iloc[val_idx]}
     for split, part in splits.items():
-        part.to_parquet(paths["out"] / f"{split}.parquet", index=False)
+        part.to_parquet(job.out / f"{split}.parquet", index=False)
     stats = {split: _stats(part) for split, part in splits.items()}
     log.info("prepare_data: %d train / %d validation rows, median %d tokens",
              stats["train"]["rows"], stats["validation"]["rows"],

@@ -29,7 +29,7 @@ import torch
 
 from .. import architecture, cli, quality
 from ..config import UserError
-from ..layout import NOT_RUN
+from ..layout import NOT_RUN, Job
 from ..measure.device import pick_device, set_threads
 from ..measure.env import environment
 from ..measure.flops import count_parameters
@@ -255,10 +255,10 @@ def heal(pruned, h: dict, tokenizer, rows: list[dict], dtype: str, device: torch
                     "mixed_precision": precision, "lora": lora, "learning_rate": h["learning_rate"]}
 
 
-def run(cfg: dict, paths: dict) -> dict:
+def run(cfg: dict, job: Job) -> dict:
     """Prune the base model with one strategy; measure the pruned model against the base in this process."""
-    p, layout = cfg["prune"], paths["layout"]
-    strategy = p["strategies"][paths["name"]]
+    p, layout = cfg["prune"], job.layout
+    strategy = p["strategies"][job.name]
     set_threads(cfg["runtime"])
     device = pick_device(cfg["runtime"])
     dtype = base_dtype(layout)
@@ -270,17 +270,17 @@ def run(cfg: dict, paths: dict) -> dict:
         attention_modules(base)
     except Unprunable as why:
         reason = f"prune cannot cut this family's attention: {why}"
-        log.warning("%s: unavailable: %s", paths["name"], reason)
-        layout.write_not_run("prune", paths["out"], "unavailable", reason)
-        return {"status": "unavailable", "reason": reason, "strategy": paths["name"], "settings": strategy,
+        log.warning("%s: unavailable: %s", job.name, reason)
+        layout.write_not_run("prune", job.out, "unavailable", reason)
+        return {"status": "unavailable", "reason": reason, "strategy": job.name, "settings": strategy,
                 "environment": environment(device, p)}
     scores = importance(base, calibration, tokenizer, p["importance"])
     pruned, kept = prune(base, strategy, scores)
     if kept["heads"] != kept["target_heads"]:
         log.info("%s: %g query heads asked for, %d kept: grouped-query attention allows %d key/value heads x "
-                 "1..%d query heads each", paths["name"], kept["target_heads"], kept["heads"],
+                 "1..%d query heads each", job.name, kept["target_heads"], kept["heads"],
                  attention_shape(base.config)[2], attention_shape(base.config)[1] // attention_shape(base.config)[2])
-    folder = paths["out"] / "model"
+    folder = job.out / "model"
     pruned.save_pretrained(folder, safe_serialization=True)
     tokenizer.save_pretrained(folder)
     healed, healing = None, {"status": "disabled", "reason": "prune.heal.steps is 0"}
@@ -288,11 +288,11 @@ def run(cfg: dict, paths: dict) -> dict:
         with tempfile.TemporaryDirectory() as scratch:
             healed, healing = heal(pruned, p["heal"], tokenizer, read_split(layout.split("train")), dtype, device,
                                    scratch)
-        healed.save_pretrained(paths["out"] / HEALED, safe_serialization=True)
-        tokenizer.save_pretrained(paths["out"] / HEALED)
+        healed.save_pretrained(job.out / HEALED, safe_serialization=True)
+        tokenizer.save_pretrained(job.out / HEALED)
     else:
-        (paths["out"] / HEALED).mkdir()
-        (paths["out"] / HEALED / NOT_RUN).write_text(f"disabled: {healing['reason']}\n")
+        (job.out / HEALED).mkdir()
+        (job.out / HEALED / NOT_RUN).write_text(f"disabled: {healing['reason']}\n")
 
     figures = {}
     for which, model in (("base", base), ("pruned", pruned)):
@@ -322,11 +322,11 @@ def run(cfg: dict, paths: dict) -> dict:
     ppl_change = 100 * (q["validation"]["perplexity"] / b["validation"]["perplexity"] - 1)
     q["perplexity_change"] = quality.paired_change(b["validation"]["per_row"], q["validation"]["per_row"])
     log.info("%s: %d layers x %d heads (%d kv): %s -> %s parameters, perplexity %.2f -> %.2f (%+.0f%%), "
-             "generation %.2fx the base's speed", paths["name"], kept["layers"], kept["heads"], kept["kv_heads"],
+             "generation %.2fx the base's speed", job.name, kept["layers"], kept["heads"], kept["kv_heads"],
              f"{b['parameters']:,}", f"{q['parameters']:,}", b["validation"]["perplexity"],
              q["validation"]["perplexity"], ppl_change, faster["median"] or math.nan)
     return {
-        "strategy": paths["name"], "settings": strategy, "importance": p["importance"], "dtype": dtype,
+        "strategy": job.name, "settings": strategy, "importance": p["importance"], "dtype": dtype,
         "kept": kept, "base": b, "pruned": q, "parameter_ratio": q["parameters"] / b["parameters"],
         "footprint_ratio": q["memory_footprint_bytes"] / b["memory_footprint_bytes"],
         "perplexity_change_pct": ppl_change, "generation_speedup": faster, "new_tokens": n, "healing": healing,

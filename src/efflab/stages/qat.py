@@ -31,7 +31,7 @@ import torch
 from .. import cli, quality, records
 from ..architecture import linear_layers, matmul_shape, undivided_layer
 from ..config import UserError
-from ..layout import Layout
+from ..layout import Job, Layout
 from ..measure.device import pick_device, set_threads
 from ..measure.env import environment
 from ..measure.isolation import CellJournal, run_cell
@@ -221,9 +221,9 @@ def _write_csv(path: Path, columns, rows: list[dict]) -> None:
         writer.writerows(rows)
 
 
-def run(cfg: dict, paths: dict) -> dict:
+def run(cfg: dict, job: Job) -> dict:
     """Fine-tune in full precision, then PTQ and QAT at every bit width; the precision range test for each."""
-    q, rt, layout = cfg["qat"], cfg["runtime"], paths["layout"]
+    q, rt, layout = cfg["qat"], cfg["runtime"], job.layout
     set_threads(rt)
     device = pick_device(rt)
     dtype = base_dtype(layout)
@@ -289,7 +289,7 @@ def run(cfg: dict, paths: dict) -> dict:
                      "within %.2f x %.2f)", method, f"{t['b_min']} bits" if t["b_min"] else
                      f"undecided at {t['undecided_at']} bits" if t["undecided_at"] else f"none of {bits}",
                      q["threshold"], reference)
-    out = paths["out"]
+    out = job.out
     _write_csv(out / EVALS_CSV, EVAL_COLUMNS, evals)
     _write_csv(out / LOSSES_CSV, LOSS_COLUMNS, losses)
     scratch = layout.out("qat") / f".{FINETUNED}"

@@ -11,6 +11,7 @@ import logging
 import time
 
 from .. import cli, quality
+from ..layout import Job
 from ..measure.device import pick_device, set_threads
 from ..measure.env import environment
 from ..measure.flops import count_parameters
@@ -20,11 +21,11 @@ from ..modeling import base_dtype, eval_loss, folder_bytes, load_model, load_tok
 log = logging.getLogger("efflab")
 
 
-def run(cfg: dict, paths: dict) -> dict:
+def run(cfg: dict, job: Job) -> dict:
     """Quantize the base model with one scheme and measure footprint, load time and perplexity."""
     q = cfg["quantize"]
-    scheme = q["schemes"][paths["name"]]
-    layout = paths["layout"]
+    scheme = q["schemes"][job.name]
+    layout = job.layout
     dtype = base_dtype(layout)
     set_threads(cfg["runtime"])
     device = pick_device(cfg["runtime"])
@@ -32,17 +33,17 @@ def run(cfg: dict, paths: dict) -> dict:
     rows = read_split(layout.split("validation"), q["eval_rows"])
 
     baseline = cfg["report"]["baseline_scheme"]
-    skipped = paths["name"] != baseline and layout.skipped_because("quantize", baseline)
+    skipped = job.name != baseline and layout.skipped_because("quantize", baseline)
     if skipped:  # no reference to measure the change against
-        layout.write_not_run("quantize", paths["out"], skipped["status"], skipped["reason"])
-        return {**skipped, "scheme": paths["name"], "method": scheme["method"], "environment": environment(device, q)}
-    reference = None if paths["name"] == baseline else json.loads(layout.metrics("quantize", baseline).read_text())
+        layout.write_not_run("quantize", job.out, skipped["status"], skipped["reason"])
+        return {**skipped, "scheme": job.name, "method": scheme["method"], "environment": environment(device, q)}
+    reference = None if job.name == baseline else json.loads(layout.metrics("quantize", baseline).read_text())
 
     with track_memory(device) as load_mem:
         t0 = time.perf_counter()
         model = load_model(layout.base_model(), dtype, device, quant=scheme)
         quantize_s = time.perf_counter() - t0
-    folder = paths["out"] / "model"
+    folder = job.out / "model"
     model.save_pretrained(folder, safe_serialization=True)
     tokenizer.save_pretrained(folder)
     del model
@@ -57,10 +58,10 @@ def run(cfg: dict, paths: dict) -> dict:
     base_eval = reference["validation"] if reference else scheme_eval
     base_footprint = reference["memory_footprint_bytes"] if reference else footprint
     log.info("%s: footprint %.1f MiB (%.2fx smaller), perplexity %.3f vs %.3f base",
-             paths["name"], footprint / 2**20, base_footprint / footprint,
+             job.name, footprint / 2**20, base_footprint / footprint,
              scheme_eval["perplexity"], base_eval["perplexity"])
     return {
-        "scheme": paths["name"], "method": scheme["method"], "double_quant": scheme.get("double_quant", False),
+        "scheme": job.name, "method": scheme["method"], "double_quant": scheme.get("double_quant", False),
         "compute_dtype": dtype, "bnb_layer_types": quantized_modules,
         "parameters": count_parameters(model)["total"],
         "memory_footprint_bytes": footprint, "base_memory_footprint_bytes": base_footprint,

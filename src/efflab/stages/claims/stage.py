@@ -9,6 +9,7 @@ from pathlib import Path
 import pandas as pd
 
 from ...config import REPO_ROOT
+from ...layout import Job
 from .page import markdown
 from .quantities import DEFINITIONS, compute
 from .readings import DEFINITION_METRICS, METRICS, NotHere, scale_note
@@ -119,13 +120,13 @@ def summary(df: pd.DataFrame, seeds: dict) -> dict:
             "inconclusive": df.loc[classes == "inconclusive", "id"].tolist()}
 
 
-def run(cfg: dict, paths: dict) -> dict:
+def run(cfg: dict, job: Job) -> dict:
     """Evaluate every registered claim against the estimator and this pipeline's results."""
     registry = (cfg.get("claims") or {}).get("registry") if isinstance(cfg, dict) else None
     reg = load(REPO_ROOT / registry if registry else REGISTRY)
-    df = evaluate_all(reg["claims"], paths["layout"])
+    df = evaluate_all(reg["claims"], job.layout)
     counts = summary(df, reg["seeds"])
-    out = Path(paths["out"])
+    out = Path(job.out)
     out.mkdir(parents=True, exist_ok=True)
     df.to_csv(out / "claims.csv", index=False)
     (out / "claims.md").write_text(markdown(df, reg["seeds"], counts))

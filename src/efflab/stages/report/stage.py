@@ -5,6 +5,7 @@ import logging
 
 from ... import provenance
 from ...config import UserError
+from ...layout import Job
 from . import advice, notes
 from . import sections as sec
 from .environments import comparison, environment_table, provenance_table
@@ -53,10 +54,10 @@ def report_text(cfg: dict, metrics: dict, tables: dict, environments: dict) -> s
     return "\n".join(p.rstrip("\n") + "\n" if p else "" for p in parts)
 
 
-def run(cfg: dict, paths: dict) -> dict:
+def run(cfg: dict, job: Job) -> dict:
     """Write report.md, details.md, the plots and summary.csv (every figure in long format) from every
     stage's metrics."""
-    layout, out = paths["layout"], paths["out"]
+    layout, out = job.layout, job.out
     metrics = read_results(cfg, layout)
     jobs = {f"{s}/{m['name']}" if m.get("name") else s: m for s, ms in metrics.items() for m in ms}
     refuse_stale(layout, jobs)
@@ -72,6 +73,6 @@ def run(cfg: dict, paths: dict) -> dict:
     (out / "details.md").write_text(render("details.md.j2", memory=memory, provenance=markdown(provenance_table(jobs)),
                                            environments=markdown(environment_table(environments))))
     (out / "report.md").write_text(report_text(cfg, metrics, tables, environments))
-    log.info("report: %s", paths["final"] / "report.md")
+    log.info("report: %s", job.final / "report.md")
     return {"tables": {k: len(v) for k, v in tables.items()}, "plots": plots,
             "not_run": len(not_run_table(metrics)), "environments": len(environments)}
