@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import config, gpu_slots, provenance, registry
+from . import config, gpu_slots, provenance, records, registry
 from .config import UserError
 from .layout import METRICS, Job, Layout
 from .logs import setup_logging
@@ -68,7 +68,7 @@ def failed_jobs(cfg: dict, results: Path) -> list[str]:
             continue
         for name in names(cfg, stage) or [None]:
             path = Layout(results).metrics(stage, name)
-            record = json.loads(path.read_text()) if path.is_file() else {}
+            record = records.load_if_there(path)
             if record.get("status") in FAILED:
                 out.append(f"{stage}{'/' + name if name else ''}: {record['status']}: "
                            f"{record.get('reason', 'no reason given')}")

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from . import records
 from .architecture import skeleton
 from .config import UserError, base_quant, finetune_run, missing_input  # noqa: F401 (re-exported)
 from .measure.device import DTYPES
@@ -160,7 +161,7 @@ def base_dtype(layout) -> str:
     """The compute dtype the base_model stage resolved (and saved the folder in), refused when it was chosen
     for another kind of machine (see same_kind_of_machine)."""
     path = require_input(layout.metrics("base_model"))
-    metrics = json.loads(path.read_text())
+    metrics = records.load(path)
     same_kind_of_machine(metrics, path)
     return metrics["dtype"]
 

@@ -10,9 +10,10 @@ measured on an artifact that has since been replaced, and the report refuses to 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from pathlib import Path
+
+from . import records
 
 # What each stage writes that later jobs read (relative to its job folder).
 ARTIFACTS = {"base_model": ("model",), "prepare_data": ("train.parquet", "validation.parquet"),
@@ -63,7 +64,7 @@ def upstream_jobs(stage: str, name: str | None, cfg: dict) -> list[str]:
 def _metrics(layout, job: str) -> dict:
     stage, _, name = job.partition("/")
     path = layout.metrics(stage, name or None)
-    return json.loads(path.read_text()) if path.is_file() else {}
+    return records.load_if_there(path)
 
 
 def driver() -> str:
@@ -78,7 +79,7 @@ def written_by_dvc(results: Path) -> list[str]:
     found = []
     for path in sorted(Path(results).glob("*/metrics.json")) + sorted(Path(results).glob("*/*/metrics.json")):
         try:
-            made = json.loads(path.read_text()).get("provenance", {}).get("driver")
+            made = records.load(path).get("provenance", {}).get("driver")
         except (OSError, ValueError):
             continue
         if made == "dvc":

@@ -29,8 +29,18 @@ def ok_rows(table):
     return table[table["status"] == "ok"]
 
 
+def load(path) -> dict:
+    """The record in one metrics.json: every reader of a record goes through here."""
+    return json.loads(path.read_text())
+
+
+def load_if_there(path) -> dict:
+    """The record at `path`, or {} where that job has not written one (yet)."""
+    return load(path) if path.is_file() else {}
+
+
 def read(layout, stage: str, name: str | None = None) -> dict:
-    return json.loads(layout.metrics(stage, name).read_text())
+    return load(layout.metrics(stage, name))
 
 
 def read_stage(layout, stage: str, names: list[str] | None) -> list[dict]:

@@ -7,11 +7,12 @@ base_model stage ran on, so that users can diff their numbers with ours. Model w
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import shutil
 import sys
 from pathlib import Path
+
+from . import records
 
 KEPT = ("metrics.json", "loss.csv", "claims.csv", "claims.md", "summary.json", "report.md", "details.md", "summary.csv",
         "*_pareto.csv", "requests.csv", "cells.csv", "evals.csv", "*.png")  # the raw CSVs the report cites too
@@ -22,7 +23,7 @@ def device_name(results: Path) -> str:
     metrics = results / "base_model" / "metrics.json"
     if not metrics.is_file():
         raise FileNotFoundError(f"{metrics} does not exist (expected a finished run: run the pipeline first)")
-    env = json.loads(metrics.read_text()).get("environment", {})
+    env = records.load(metrics).get("environment", {})
     isa = env.get("cpu_isa") or []
     cpu_kind = "avx512-bf16" if {"avx512_bf16", "amx_bf16"} & set(isa) else "avx2" if "avx2" in isa else None
     name = env.get("gpu") or " ".join(filter(None, [env.get("cpu"), cpu_kind])) or "unknown-device"

@@ -6,11 +6,10 @@ whose job every other scheme's job waits for, so the change is measured against 
 """
 from __future__ import annotations
 
-import json
 import logging
 import time
 
-from .. import cli, quality
+from .. import cli, quality, records
 from ..layout import Job
 from ..measure.device import pick_device, set_threads
 from ..measure.env import environment
@@ -37,7 +36,7 @@ def run(cfg: dict, job: Job) -> dict:
     if skipped:  # no reference to measure the change against
         layout.write_not_run("quantize", job.out, skipped["status"], skipped["reason"])
         return {**skipped, "scheme": job.name, "method": scheme["method"], "environment": environment(device, q)}
-    reference = None if job.name == baseline else json.loads(layout.metrics("quantize", baseline).read_text())
+    reference = None if job.name == baseline else records.read(layout, "quantize", baseline)
 
     with track_memory(device) as load_mem:
         t0 = time.perf_counter()

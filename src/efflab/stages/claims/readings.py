@@ -4,7 +4,6 @@ cause of its value computed from the records (causes.py) where one is.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from ... import estimate, records
@@ -20,7 +19,7 @@ class NotHere(Exception):
 def _read(path: Path) -> dict:
     if not path.is_file():
         raise NotHere(f"no {path} (run the stage that writes it)")
-    metrics = json.loads(path.read_text())
+    metrics = records.load(path)
     if not records.is_ok(metrics):  # a job that failed or was skipped measured nothing
         raise NotHere(f"{path.parent.name} is {metrics['status']}: {metrics.get('reason', 'no reason given')}")
     return metrics
@@ -30,7 +29,7 @@ def scale_note(layout) -> str:
     path = layout.metrics("base_model")
     if not path.is_file():
         return ""
-    base = json.loads(path.read_text())
+    base = records.load(path)
     env = base.get("environment", {})
     return (f"measured here on {base.get('source')} ({base.get('parameters', 0):,} params, {base.get('dtype')}) "
             f"on {env.get('device', '?')}{', ' + env['gpu'] if env.get('gpu') else ''}; the seed's figure is for "
@@ -59,7 +58,7 @@ def _quantize_ratio(layout, metric: dict) -> Reading:
 
 def _finetune_runs(layout) -> list[dict]:
     folder = layout.out("finetune")
-    runs = [json.loads(p.read_text()) for p in sorted(folder.glob("*/metrics.json"))] if folder.is_dir() else []
+    runs = [records.load(p) for p in sorted(folder.glob("*/metrics.json"))] if folder.is_dir() else []
     return records.ok(runs)  # runs that did not train measured nothing
 
 
@@ -91,7 +90,7 @@ def _interleaved_ratio(layout, a: dict, b: dict, key: str) -> tuple[float, list 
     path = layout.metrics("bench_finetune")
     if key not in ("step_s", "tokens_per_s") or not path.is_file():
         return None
-    bench = [json.loads(path.read_text())]
+    bench = [records.load(path)]
     for x, y in ((a, b), (b, a)):
         pair = records.interleaved_pair(bench, x["run"], y["run"])
         if pair is None:
@@ -159,7 +158,7 @@ def _first_ran(layout, impls, ran) -> tuple[str, dict]:
     reasons = []
     for name in [impls] if isinstance(impls, str) else impls:
         path = layout.metrics("bench_attention", name)
-        impl = json.loads(path.read_text()) if path.is_file() else {"reason": f"no {path}"}
+        impl = records.load_if_there(path) or {"reason": f"no {path}"}
         why = ran(impl) if records.is_ok(impl) and "status" in impl else impl.get("reason") or impl.get("status")
         if why is None:
             return name, impl
