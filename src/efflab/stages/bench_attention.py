@@ -25,7 +25,7 @@ from .. import cli, model_check, records
 from ..layout import Job
 from ..measure.device import pick_device, set_threads, synchronize
 from ..measure.env import environment
-from ..measure.isolation import CellJournal, run_cell
+from ..measure.isolation import CellJournal, prestart, run_cell
 from ..measure.memory import allocated_delta, track_memory
 from ..measure.stats import speedup
 from ..measure.timing import INTERLEAVE_RECORD, SENTINEL_TOLERANCE, interleave, time_fn
@@ -185,6 +185,7 @@ def run(cfg: dict, job: Job) -> dict:
     """Benchmark one attention implementation over the configured grid."""
     b, rt, impl, layout = cfg["bench_attention"], cfg["runtime"], job.name, job.layout
     set_threads(rt)
+    prestart(rt["isolation"])  # the cells' forkserver imports beside this job
     device = pick_device(rt)
     dtype = base_dtype(layout)
     skeleton = shape_only(layout.base_model())

@@ -25,7 +25,7 @@ from ..config import finetune_run
 from ..layout import Job, Layout
 from ..measure.device import pick_device, set_threads, synchronize
 from ..measure.env import environment
-from ..measure.isolation import CellJournal, run_cell
+from ..measure.isolation import CellJournal, prestart, run_cell
 from ..measure.stats import format_ratio, paired_ratio
 from ..measure.timing import interleave
 from ..modeling import base_dtype, load_tokenizer, read_split
@@ -88,6 +88,7 @@ def run(cfg: dict, job: Job) -> dict:
     """Every knob pair of finetune.runs, timed interleaved."""
     bf, rt, layout = cfg["bench_finetune"], cfg["runtime"], job.layout
     set_threads(rt)
+    prestart(rt["isolation"])  # the cells' forkserver imports beside this job
     device = pick_device(rt)
     dtype = base_dtype(layout)
     configured = [{"run": name, "settings": finetune_run(cfg, name)} for name in cfg["finetune"]["runs"]]

@@ -22,7 +22,7 @@ from ..layout import Job, Layout
 from ..measure.device import pick_device, set_threads
 from ..measure.energy import energy_of, energy_per_token
 from ..measure.env import environment
-from ..measure.isolation import CellJournal, run_cell
+from ..measure.isolation import CellJournal, prestart, run_cell
 from ..measure.memory import track_memory
 from ..measure.stats import percentile, speedup, summarize
 from ..measure.timing import INTERLEAVE_RECORD, SENTINEL_TOLERANCE, interleave
@@ -213,6 +213,7 @@ def run(cfg: dict, job: Job) -> dict:
     b, rt, name, layout = cfg["bench_inference"], cfg["runtime"], job.name, job.layout
     variant = b["variants"][name]
     set_threads(rt)
+    prestart(rt["isolation"])  # the cells' forkserver imports beside this job
     device = pick_device(rt)
     dtype = base_dtype(layout)
     upstream = {"quantized": "quantize", "merged": "merge", "adapter": "finetune"}.get(variant["kind"])

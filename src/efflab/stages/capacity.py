@@ -47,7 +47,7 @@ from ..config import UserError, finetune_run
 from ..layout import Job, Layout
 from ..measure.device import pick_device, set_threads
 from ..measure.env import environment
-from ..measure.isolation import CellJournal, run_cell
+from ..measure.isolation import CellJournal, prestart, run_cell
 from ..measure.memory import CpuTensorPeak, MiB, cuda_context_mib, proc_status_kib, tensor_peak
 from ..measure.stats import summarize
 from ..measure.timing import time_fn
@@ -345,6 +345,7 @@ def run(cfg: dict, job: Job) -> dict:
     """Search every subject's largest batch and longest sequence within the budget; write cells.csv."""
     c, rt, layout = cfg["capacity"], cfg["runtime"], job.layout
     set_threads(rt)
+    prestart("subprocess")  # the cells' forkserver imports beside this job
     device = pick_device(rt)
     dtype = base_dtype(layout)
     limit = budget(c, rt, device)

@@ -34,7 +34,7 @@ from ..config import UserError
 from ..layout import Job, Layout
 from ..measure.device import pick_device, set_threads
 from ..measure.env import environment
-from ..measure.isolation import CellJournal, run_cell
+from ..measure.isolation import CellJournal, prestart, run_cell
 from ..measure.stats import summarize
 from ..modeling import base_dtype, forward_batches, load_model, load_tokenizer, read_split, row_nll, shape_only
 from ..registry import QAT_MODEL
@@ -225,6 +225,7 @@ def run(cfg: dict, job: Job) -> dict:
     """Fine-tune in full precision, then PTQ and QAT at every bit width; the precision range test for each."""
     q, rt, layout = cfg["qat"], cfg["runtime"], job.layout
     set_threads(rt)
+    prestart(rt["isolation"])  # the cells' forkserver imports beside this job
     device = pick_device(rt)
     dtype = base_dtype(layout)
     skeleton = shape_only(layout.base_model())

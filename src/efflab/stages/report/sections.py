@@ -1,9 +1,11 @@
 """The report's sections: the facts each template in templates/sections/ says, read from cfg and the records."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pandas as pd
 
-from ... import records
+from ... import config, records, registry
 from ...measure.stats import format_ratio
 from ...measure.timing import SENTINEL_TOLERANCE
 from .environments import comparison
@@ -127,12 +129,35 @@ def memory_section(finetune: list[dict], inference: list[dict], environments: di
 DEFAULT_BUDGET_MIN = 15
 
 
-def run_size(cfg: dict, metrics: dict) -> str:
+# The larger experiment the default is cut down from (an input of the report rule)
+GPU_PROFILE = Path("workflow/profiles/gpu/params.yaml")
+# Lists of a stage's params whose values are cells of another kind, beside the stages' grids of jobs (sizes such
+# as sequence lengths or batch sizes differ between machines and are not "left out")
+CELL_LISTS = (("qat", "bits"), ("bench_attention", "modes"), ("capacity", "runs"), ("capacity", "variants"))
+
+
+def left_out(cfg: dict, larger: dict) -> list[dict]:
+    """What the `larger` experiment runs that `cfg` does not, per stage: the jobs of its grid, and the values of
+    the lists that multiply cells (as `stage.key`)."""
+    out = []
+    for stage in registry.STAGES:
+        mine, theirs = registry.names(cfg, stage), registry.names(larger, stage)
+        if theirs and [n for n in theirs if n not in (mine or [])]:
+            out.append({"what": stage, "values": [n for n in theirs if n not in (mine or [])]})
+    for stage, key in CELL_LISTS:
+        missing = [v for v in larger[stage][key] if v not in cfg[stage][key]]
+        if missing:
+            out.append({"what": f"{stage}.{key}", "values": missing})
+    return out
+
+
+def run_size(cfg: dict, metrics: dict, larger: Path = GPU_PROFILE) -> str:
     minutes = sum(m.get("wall_s") or 0 for ms in metrics.values() for m in ms) / 60
     return render("sections/run_size.md.j2", ft=cfg["finetune"]["defaults"], q=cfg["quantize"],
                   a=cfg["bench_attention"], i=cfg["bench_inference"], sv=cfg["bench_serving"], qt=cfg["qat"],
                   cap=cfg["capacity"], prompts=prompt_count(cfg, metrics), minutes=minutes,
-                  budget=DEFAULT_BUDGET_MIN)
+                  budget=DEFAULT_BUDGET_MIN, larger=larger,
+                  left_out=left_out(cfg, config.load(larger)) if larger.is_file() else None)
 
 
 def not_run(table: pd.DataFrame) -> str:
