@@ -47,3 +47,25 @@ def test_harness_overhead_times_the_harness_and_bare_generation_alike(prepared, 
     assert all(p["n"] == result["prompts"] * result["repeats"] and p["median"] > 0 for p in per_path)
     harness, bare = per_path[0]["median"], per_path[1]["median"]
     assert result["overhead_pct_vs_bare_generate"] == pytest.approx(100 * (1 - harness / bare))
+
+
+def test_key_sets_names_a_lost_key_and_a_missing_job_and_passes_an_unchanged_run(tmp_path):
+    """key_sets.py flattens each job's record to its key paths (list items share one): the same records pass, a
+    record that lost a nested key or a job that is gone fails, naming them; an added key is listed and passes."""
+    def results(name: str, records: dict) -> object:
+        for job, record in records.items():
+            (tmp_path / name / job).mkdir(parents=True)
+            (tmp_path / name / job / "metrics.json").write_text(json.dumps(record))
+        return tmp_path / name
+
+    record = {"status": "ok", "cells": [{"ttft": {"median": 1.0}}, {"ttft": {"median": 2.0, "p90": 3.0}}]}
+    before = results("before", {"quantize/int8": record, "claims": {"counts": {"reproduced": 3}}})
+    same = results("same", {"quantize/int8": record, "claims": {"counts": {"reproduced": 4}}})
+    assert "same key sets" in bench("key_sets.py", before, same).stdout
+    changed = results("changed", {"quantize/int8": {"status": "ok", "cells": [{"ttft": {"median": 1.0}}],
+                                                    "new": 1}})
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "key_sets.py"), before, changed], capture_output=True,
+                          text=True)
+    assert proc.returncode == 1
+    assert "quantize/int8: - cells[].ttft.p90" in proc.stdout and "quantize/int8: + new" in proc.stdout
+    assert "claims: only in the before run" in proc.stdout

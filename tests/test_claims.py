@@ -9,8 +9,8 @@ import pandas as pd
 import pytest
 import yaml
 
-from efflab import estimate
 from efflab.config import UserError
+from efflab.estimators import analytic as estimate
 from efflab.layout import Job, Layout
 from efflab.stages.claims import readings, stage
 from efflab.stages.claims.registry import REGISTRY, load, load_registry, passages, uncovered

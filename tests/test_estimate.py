@@ -9,8 +9,8 @@ import math
 
 import pytest
 
-from efflab import estimate
 from efflab.config import UserError
+from efflab.estimators import analytic as estimate
 
 GiB = 2**30
 

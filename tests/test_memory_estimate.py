@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from efflab import memory_estimate as me
+from efflab.estimators import memory as me
 from efflab.measure.isolation import run_cell
 from efflab.measure.memory import MiB, track_memory
 from efflab.stages.report import sections, tables

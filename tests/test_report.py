@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from efflab.measure import env
-from efflab.stages.report import environments, fmt, knobs, notes, pareto, plots
+from efflab.stages.report import bench_plots, environments, fmt, knobs, notes, pareto, plots
 
 
 def _envs():
@@ -189,7 +189,7 @@ def _capacity_job(*searches):
 
 def test_a_capacity_search_that_fit_its_whole_grid_is_drawn_as_at_least_its_ceiling(drawn, tmp_path):
     job = _capacity_job(_search("lora", 7, 5, at_max=_at_max(640, 652, 1072)), _search("baseline", 32, 32, True))
-    plots.plot_capacity([job], tmp_path / "capacity.png")
+    bench_plots.plot_capacity([job], tmp_path / "capacity.png")
     ax = drawn[0].axes[0]
     assert [t.get_text() for t in ax.texts] == ["≥ 32\n(grid ceiling)"]
     measured = {round(r.get_x() + r.get_width() / 2, 1): r for r in ax.patches}
@@ -257,10 +257,10 @@ def test_the_attention_plot_draws_only_the_interleaved_pairs_and_a_range_where_r
     sdpa = {"status": "ok", "implementation": "sdpa", "rows": [
         {"implementation": "sdpa", "mode": "forward", "seq_len": s, "batch_size": 1, "status": "ok",
          "latency": {"median": 0.001}, "vs_eager": pairs[s]} for s in (64, 128)]}
-    speedups = plots.attention_speedups([eager, sdpa])
+    speedups = bench_plots.attention_speedups([eager, sdpa])
     assert speedups[["implementation", "speedup", "lo", "hi", "spread", "n"]].values.tolist() == [
         ["sdpa", 1.2, 1.1, 1.3, "95% CI", 8], ["sdpa", 0.9, 0.8, 0.95, "range", 3]]
-    plots.plot_attention(speedups, tmp_path / "attention.png")
+    bench_plots.plot_attention(speedups, tmp_path / "attention.png")
     ax = drawn[0].axes[0]
     assert [list(line.get_ydata()) for line in ax.get_lines() if line.get_marker() == "o"] == [[1.2, 0.9]]
     bars = {tuple(map(tuple, c.get_segments()[0])): c.get_linestyle()[0][1] is not None for c in ax.collections}
@@ -357,8 +357,8 @@ def test_a_plot_with_nothing_measured_says_so_instead_of_an_empty_legend(tmp_pat
                             "status": "unavailable: the flash-attn package is not installed",
                             "median (ms)": None, "95% CI or range of median (ms)": None, "peak delta (MiB)": None,
                             "memory kind": None}])
-    plots.plot_attention(failed, tmp_path / "attention.png")
-    plots.plot_attention_memory(failed, pd.DataFrame(columns=["implementation", "mode", "batch",
+    bench_plots.plot_attention(failed, tmp_path / "attention.png")
+    bench_plots.plot_attention_memory(failed, pd.DataFrame(columns=["implementation", "mode", "batch",
                                                                "memory ~ seq^k: k"]), tmp_path / "memory.png")
     assert (tmp_path / "attention.png").stat().st_size > 0 and (tmp_path / "memory.png").stat().st_size > 0
     assert not [w for w in recwarn if "No artists" in str(w.message)]
@@ -433,12 +433,12 @@ def test_serving_reads_its_bursts_an_interval_from_six_a_range_below_and_an_old_
     assert "TTFT and latency percentiles over the requests of all 6 burst(s), pooled" in body
     assert "served the burst once" in sections.serving_body({}, {"bench_serving": [one]}, lambda key: "")
     for record, dashed in ((six, False), (three, True)):
-        plots.plot_serving([record], tmp_path / "serving.png")
+        bench_plots.plot_serving([record], tmp_path / "serving.png")
         vs_naive = drawn[-1].axes[1]
         bars = [c.get_linestyle()[0][1] is not None for c in vs_naive.collections]
         assert bars == [dashed], "the ratios over naive: a 95% interval from 6 rounds, a dashed range from 3"
         assert [t.get_text() for t in vs_naive.texts] == [f"× static\n{'1.3 [1.3, 1.3]' if not dashed else '1.3 (range 1.3–1.3, n=3)'}"]
-    plots.plot_serving([one], tmp_path / "serving.png")
+    bench_plots.plot_serving([one], tmp_path / "serving.png")
     assert "one burst each: no interval" in drawn[-1].axes[1].get_ylabel()
     df = tidy.results_table(metrics).set_index("metric")
     ratio = df.loc["cells[continuous,concurrency=4].continuous_vs_static"]

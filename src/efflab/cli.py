@@ -75,13 +75,17 @@ def failed_jobs(cfg: dict, results: Path) -> list[str]:
     return out
 
 
-def main(stage: str, run, argv: list[str] | None = None) -> None:
+def _arguments(stage: str, run, argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog=f"python -m {registry.module(stage)}", description=run.__doc__)
     parser.add_argument("--params", default="params.yaml", help="the experiment file (default: params.yaml)")
     parser.add_argument("--name", help="which run/scheme/variant of the stage's grid")
     parser.add_argument("--results", default="results", help="results folder (default: results)")
     parser.add_argument("--log", help="also write the log to this file")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(stage: str, run, argv: list[str] | None = None) -> None:
+    args = _arguments(stage, run, argv)
     setup_logging(args.log)
     staging = None
     try:

@@ -1,7 +1,7 @@
 rule claims:
     input:
         module("claims"),
-        repo_file("src/efflab/estimate.py"),
+        repo_file("src/efflab/estimators/analytic.py"),
         repo_file("workflow/claims.yaml"),
         repo_file("workflow/schemas/claims.schema.yaml"),
         model_configs(),

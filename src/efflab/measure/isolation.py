@@ -112,6 +112,31 @@ class CellJournal:
         self.path.unlink(missing_ok=True)
 
 
+def _watch(proc, receiver, t0: float, timeout_s: float | None, memory_cap_mib: float | None):
+    """Poll a cell's process until it reports, dies, passes the memory cap or runs out of time (the last two
+    kill it): (its result or None, its peak resident MiB seen by the polls)."""
+    result, peak_rss = None, 0.0
+    while result is None:
+        if receiver.poll(0.02):
+            try:
+                result = receiver.recv()
+            except EOFError:  # the child died without a word
+                break
+            break
+        if not proc.is_alive() and not receiver.poll(0):
+            break
+        rss = (proc_status_kib("VmRSS", proc.pid) or 0) / 1024
+        peak_rss = max(peak_rss, rss)
+        if memory_cap_mib is not None and rss > memory_cap_mib:
+            proc.kill()
+            result = {"status": "oom", "reason": f"resident memory {rss:.0f} MiB passed the cell memory cap "
+                                                 f"of {memory_cap_mib:.0f} MiB"}
+        elif timeout_s is not None and time.perf_counter() - t0 > timeout_s:
+            proc.kill()
+            result = {"status": "timeout", "reason": f"the cell ran longer than {timeout_s:g} s"}
+    return result, peak_rss
+
+
 def run_cell(fn, kwargs: dict, isolation: str = "subprocess", timeout_s: float | None = None,
              memory_cap_mib: float | None = None) -> dict:
     """Run one benchmark cell `fn(**kwargs) -> dict` and return its result with a `status`.
@@ -137,26 +162,8 @@ def run_cell(fn, kwargs: dict, isolation: str = "subprocess", timeout_s: float |
     proc = ctx.Process(target=_cell_child, args=(fn, kwargs, sender, log_file_path(), torch.get_num_threads()))
     proc.start()
     sender.close()
-    result, peak_rss = None, 0.0
     try:
-        while result is None:
-            if receiver.poll(0.02):
-                try:
-                    result = receiver.recv()
-                except EOFError:  # the child died without a word
-                    break
-                break
-            if not proc.is_alive() and not receiver.poll(0):
-                break
-            rss = (proc_status_kib("VmRSS", proc.pid) or 0) / 1024
-            peak_rss = max(peak_rss, rss)
-            if memory_cap_mib is not None and rss > memory_cap_mib:
-                proc.kill()
-                result = {"status": "oom", "reason": f"resident memory {rss:.0f} MiB passed the cell memory cap "
-                                                     f"of {memory_cap_mib:.0f} MiB"}
-            elif timeout_s is not None and time.perf_counter() - t0 > timeout_s:
-                proc.kill()
-                result = {"status": "timeout", "reason": f"the cell ran longer than {timeout_s:g} s"}
+        result, peak_rss = _watch(proc, receiver, t0, timeout_s, memory_cap_mib)
     finally:
         proc.join(timeout=30)
         if proc.is_alive():

@@ -220,7 +220,7 @@ def allocated_delta(mem: dict) -> tuple[float | None, str | None]:
 @contextmanager
 def tensor_peak(device: torch.device):
     """The live-tensor peak of the work inside the block over the tensors live at its start (`delta_mib`), the
-    kind of memory memory_estimate predicts: `cpu_tensor_peak` on CPU, `cuda_max_allocated` on GPU. Unlike
+    kind of memory estimators.memory predicts: `cpu_tensor_peak` on CPU, `cuda_max_allocated` on GPU. Unlike
     track_memory it leaves the process's resident high-water mark alone, so a caller can still hold the whole
     process's peak against a budget; on CUDA the allocator's peaks must be reset, so the reserved peak before
     the block is kept in `reserved_before_mib`. The CPU counter is a profiler: time nothing inside the block.

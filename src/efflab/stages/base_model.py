@@ -39,19 +39,12 @@ def _from_pretrained_kwargs(bm: dict, kind: str) -> tuple[str, dict]:
     return bm["source"], kwargs
 
 
-def run(cfg: dict, job: Job) -> dict:
-    """Materialize the base model folder (model + tokenizer) and record its size and load time."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+def tokenizer_and_config(cfg: dict, job: Job, kind: str, where: str, kwargs: dict):
+    """The source's tokenizer and config, with base_model.config_overrides applied: (tokenizer, config, where
+    the tokenizer's metadata came from). An unloadable source or an unknown override is the user's error."""
+    from transformers import AutoConfig, AutoTokenizer
 
     bm = cfg["base_model"]
-    set_threads(cfg["runtime"])
-    kind = classify_source(bm["source"], "base_model.source")
-    local_source_files("base_model", bm["source"])  # a local folder must hold a model: one line if not
-    where, kwargs = _from_pretrained_kwargs(bm, kind)
-    device = pick_device(cfg["runtime"])
-    dtype_name, dtype_choice = resolve_dtype(bm["dtype"], device)
-    log.info("compute dtype: %s (%s)", dtype_name, dtype_choice.get("reason", "as configured"))
-    dtype = DTYPES[dtype_name]
     metadata_from = kind  # embedded: "gguf" or "cache", from the loader
     try:
         if kind == "embedded":
@@ -72,21 +65,40 @@ def run(cfg: dict, job: Job) -> dict:
         del model_config.quantization_config
     for note in model_check.check(cfg, job.params, config=model_config):  # a hub model's config: only now
         log.warning("%s", note)
+    return tokenizer, model_config, metadata_from
 
-    t0 = time.perf_counter()
+
+def materialize(bm: dict, kind: str, where: str, kwargs: dict, model_config, dtype):
+    """The model as a plain transformers model: random weights, the source's, or a GGUF file's rebuilt."""
+    from transformers import AutoModelForCausalLM
+
     if bm["random_init"]:
         torch.manual_seed(bm["seed"])
-        model = AutoModelForCausalLM.from_config(model_config, dtype=dtype,
-                                                 trust_remote_code=bm["trust_remote_code"])
-    else:
-        loaded = AutoModelForCausalLM.from_pretrained(where, config=model_config, dtype=dtype, **kwargs)
-        if kind == "embedded":
-            # A GGUF-loaded model refuses save_pretrained; rebuild it as a plain model.
-            model = AutoModelForCausalLM.from_config(model_config, dtype=dtype)
-            model.load_state_dict(loaded.state_dict())
-            del loaded
-        else:
-            model = loaded
+        return AutoModelForCausalLM.from_config(model_config, dtype=dtype, trust_remote_code=bm["trust_remote_code"])
+    loaded = AutoModelForCausalLM.from_pretrained(where, config=model_config, dtype=dtype, **kwargs)
+    if kind != "embedded":
+        return loaded
+    # A GGUF-loaded model refuses save_pretrained; rebuild it as a plain model.
+    model = AutoModelForCausalLM.from_config(model_config, dtype=dtype)
+    model.load_state_dict(loaded.state_dict())
+    return model
+
+
+def run(cfg: dict, job: Job) -> dict:
+    """Materialize the base model folder (model + tokenizer) and record its size and load time."""
+    import transformers.modeling_utils  # noqa: F401  (imported here, so that materialize_s times no import)
+
+    bm = cfg["base_model"]
+    set_threads(cfg["runtime"])
+    kind = classify_source(bm["source"], "base_model.source")
+    local_source_files("base_model", bm["source"])  # a local folder must hold a model: one line if not
+    where, kwargs = _from_pretrained_kwargs(bm, kind)
+    device = pick_device(cfg["runtime"])
+    dtype_name, dtype_choice = resolve_dtype(bm["dtype"], device)
+    log.info("compute dtype: %s (%s)", dtype_name, dtype_choice.get("reason", "as configured"))
+    tokenizer, model_config, metadata_from = tokenizer_and_config(cfg, job, kind, where, kwargs)
+    t0 = time.perf_counter()
+    model = materialize(bm, kind, where, kwargs, model_config, DTYPES[dtype_name])
     convert_s = time.perf_counter() - t0
     folder = job.out / "model"
     model.save_pretrained(folder, safe_serialization=True)

@@ -18,6 +18,7 @@ import torch
 
 from .. import cli, profiling, records
 from ..config import UserError
+from ..estimators.memory import compared, generation_peak, quantized_layer_transient, variant_quant
 from ..layout import Job, Layout
 from ..measure.device import pick_device, set_threads
 from ..measure.energy import energy_of, energy_per_token
@@ -26,7 +27,6 @@ from ..measure.isolation import CellJournal, prestart, run_cell
 from ..measure.memory import track_memory
 from ..measure.stats import percentile, speedup, summarize
 from ..measure.timing import INTERLEAVE_RECORD, SENTINEL_TOLERANCE, interleave
-from ..memory_estimate import compared, generation_peak, quantized_layer_transient, variant_quant
 from ..modeling import base_dtype, load_model, load_tokenizer, load_variant, require_input
 
 # pandas is imported inside the one function that reads a prompt file.
@@ -133,6 +133,35 @@ def generate_timed(model, tokenizer, batch: dict, new_tokens: int, kv_cache: boo
             "texts": tokenizer.batch_decode(out[:, prompt_len:], skip_special_tokens=True)}
 
 
+def timed_rounds(cfg: dict, layout: Layout, name: str, model, tokenizer, batches: list, kv_cache: bool,
+                 dtype: str, device: torch.device) -> tuple[list[dict], dict | None]:
+    """The timed generations of every prompt batch, `repeats` rounds: a base variant alone; any other interleaved
+    round by round with the base model on the same prompts (its speed against the base's with an interval, free
+    of the machine's drift between jobs). (the kept rounds' generations, the comparison with the base or None)"""
+    b, n = cfg["bench_inference"], cfg["bench_inference"]["max_new_tokens"]
+    by_round = {}
+
+    def mine(round_):
+        by_round[round_] = [generate_timed(model, tokenizer, batch, n, kv_cache) for batch in batches]
+    if b["variants"][name]["kind"] == "base":
+        for r in range(b["repeats"]):
+            mine(r)
+        return [g for r in range(b["repeats"]) for g in by_round[r]], None
+    base = load_model(layout.base_model(), dtype, device)
+    timed = interleave({name: mine, "base": lambda r: [generate_timed(base, tokenizer, x, n, kv_cache)
+                                                        for x in batches]},
+                       b["repeats"], device, warmup=b["warmup"], tolerance=SENTINEL_TOLERANCE)
+    kept = [b["warmup"] + i for i, r in enumerate(timed["rounds"]) if r["stable"] or "unstable" in timed]
+    vs_base = {"generation_speedup": speedup(timed, name, "base"),
+               "measured": "whole generations of every prompt batch per round; speedup = the base model's "
+                           "time over this variant's; the verdict is said of this variant",
+               "base_generation_s": timed["variants"]["base"],
+               **{k: timed[k] for k in INTERLEAVE_RECORD}}
+    if "unstable" in timed:
+        vs_base["unstable"] = timed["unstable"]
+    return [g for r in kept for g in by_round[r]], vs_base  # the rounds the figures are of (not the warmup's)
+
+
 def inference_cell(cfg: dict, results: str, name: str, dtype: str, device: str, kv_cache: bool,
                    batch_size: int, profile_dir: str | None = None) -> dict:
     """Measure one (variant, KV cache, batch size) cell: prefill and decode, apart, at a fixed length."""
@@ -157,30 +186,7 @@ def inference_cell(cfg: dict, results: str, name: str, dtype: str, device: str, 
     # And energy in a pass of its own (this variant alone: the timed rounds interleave the base model)
     energy = energy_per_token(*energy_of(lambda: sum(generate_timed(model, tokenizer, x, n, kv_cache)["batch_size"] * n
                                                      for x in batches), device))
-    by_round, vs_base = {}, None
-
-    def mine(round_):
-        by_round[round_] = [generate_timed(model, tokenizer, batch, n, kv_cache) for batch in batches]
-    if b["variants"][name]["kind"] == "base":
-        for r in range(b["repeats"]):
-            mine(r)
-        runs = [g for r in range(b["repeats"]) for g in by_round[r]]
-    else:
-        # The base model on the same prompts, interleaved round by round: the variant's speed against the
-        # base's with an interval, free of the machine's drift between jobs.
-        base = load_model(layout.base_model(), dtype, device)
-        timed = interleave({name: mine, "base": lambda r: [generate_timed(base, tokenizer, x, n, kv_cache)
-                                                            for x in batches]},
-                           b["repeats"], device, warmup=b["warmup"], tolerance=SENTINEL_TOLERANCE)
-        kept = [b["warmup"] + i for i, r in enumerate(timed["rounds"]) if r["stable"] or "unstable" in timed]
-        runs = [g for r in kept for g in by_round[r]]  # the rounds the figures are of (warmup rounds are not)
-        vs_base = {"generation_speedup": speedup(timed, name, "base"),
-                   "measured": "whole generations of every prompt batch per round; speedup = the base model's "
-                               "time over this variant's; the verdict is said of this variant",
-                   "base_generation_s": timed["variants"]["base"],
-                   **{k: timed[k] for k in INTERLEAVE_RECORD}}
-        if "unstable" in timed:
-            vs_base["unstable"] = timed["unstable"]
+    runs, vs_base = timed_rounds(cfg, layout, name, model, tokenizer, batches, kv_cache, dtype, device)
     profile = None
     if profile_dir:  # after every timed pass: the profiler's cost lands in none of them
         folder = Path(profile_dir)

@@ -16,7 +16,7 @@ warm-up steps (training: forward, backward, optimizer step on rows of exactly th
 training split; generation: greedy, exactly new_tokens tokens) with the live-tensor peak tracked, then any timed
 steps untracked. An out-of-memory cell is a result.
 1. The smallest size runs first; it measures the memory with the model loaded, and the estimator
-   (memory_estimate.training_peak / generation_peak, the same as finetune and bench_inference compare with)
+   (estimators.memory.training_peak / generation_peak, the same as finetune and bench_inference compare with)
    predicts the tensor growth of every size on top of it: the predicted maximum is the largest size predicted
    to fit.
 2. The predicted maximum runs, then the next size; from there the search walks away from the prediction in
@@ -44,6 +44,7 @@ import torch
 
 from .. import cli, records
 from ..config import UserError, finetune_run
+from ..estimators.memory import generation_peak, quantized_layer_transient, training_peak, variant_quant
 from ..layout import Job, Layout
 from ..measure.device import pick_device, set_threads
 from ..measure.env import environment
@@ -51,7 +52,6 @@ from ..measure.isolation import CellJournal, prestart, run_cell
 from ..measure.memory import CpuTensorPeak, MiB, cuda_context_mib, proc_status_kib, tensor_peak
 from ..measure.stats import summarize
 from ..measure.timing import time_fn
-from ..memory_estimate import generation_peak, quantized_layer_transient, training_peak, variant_quant
 from ..modeling import base_dtype, load_tokenizer, load_variant, read_split
 from ..training import build_model, mixed_precision, training_step
 
@@ -341,6 +341,60 @@ def _row(c: dict, kind: str, subject: str, dimension: str, size: tuple[int, int]
             "cell_wall_s": result.get("cell_wall_s"), "reason": result.get("reason", "")}
 
 
+def searched(cfg: dict, layout, journal, limit: dict, device, dtype: str, kind: str, subject: str,
+             dimension: str, sizes: list) -> tuple[list[dict], dict]:
+    """One (subject, dimension) boundary search, every cell in a fresh process under the budget: its rows for
+    cells.csv and its entry for the record."""
+    c, rt = cfg["capacity"], cfg["runtime"]
+    entry = {"subject": subject, "kind": kind, "dimension": dimension, "grid": [sizes[0], sizes[-1]]}
+
+    def measure(i: int, role: str, timed: int) -> dict:
+        batch_size, seq_len = sizes[i]
+        key = {"kind": kind, "subject": subject, "dimension": dimension, "batch_size": batch_size,
+               "seq_len": seq_len, "role": role, "timed": timed}
+        predicts = i == 0 and role == "search"  # the first cell predicts over its dimension's grid
+        result = journal.result(key, lambda: _judged(run_cell(
+            cell, dict(cfg=cfg, results=str(layout.root), kind=kind, subject=subject, batch_size=batch_size,
+                       seq_len=seq_len, dtype=dtype, device=str(device), budget_mib=limit["mib"],
+                       sizes=sizes if predicts else [], timed=timed),
+            isolation="subprocess", timeout_s=rt["cell_timeout_s"],
+            memory_cap_mib=limit["mib"] if device.type == "cpu" else None), limit["mib"]))
+        log.info("capacity %s %s batch %d x %d tokens%s: %s%s", kind, subject, batch_size, seq_len,
+                 f" ({role}, {timed} timed)" if timed else "", result["status"],
+                 f", peak {result['peak_mib']:.0f} MiB" if result.get("peak_mib") else
+                 f" ({result.get('reason')})" if not records.is_ok(result) else "")
+        return result
+
+    found = boundary_search(len(sizes), measure, limit["mib"], c["timed"])
+    first, best = found["seen"][0], found["best"]
+    growth = (first.get("predicted_growth_mib") if records.is_ok(first) else None) or [None] * len(sizes)
+    peaks = found["predicted_peak_mib"] or [None] * len(sizes)
+    ran = [(i, "search", r) for i, r in sorted(found["seen"].items())]
+    ran += [(i, "timing", r) for i, r in sorted(found["timings"].items())]
+    rows = [_row(c, kind, subject, dimension, sizes[i], role, result, growth[i], peaks[i], limit["mib"])
+            for i, role, result in ran]
+    if found["predicted_peak_mib"]:
+        guess = found["guess"]
+        entry["predicted_max"] = None if guess < 0 else _size(sizes[guess], dimension)
+        entry["predicted_peak_mib"] = dict(zip((_size(s, dimension) for s in sizes), peaks))
+    if found["failure"] is not None:
+        failure = found["failure"]
+        return rows, entry | {"status": "failed", "reason": f"a cell {failure['status']}: {failure.get('reason')}"}
+    entry |= {"status": "ok", "measured_max": _size(sizes[best], dimension) if best >= 0 else None,
+              "whole_range_fits": best == len(sizes) - 1,
+              "first_failing": _size(sizes[best + 1], dimension) if best + 1 < len(sizes) else None,
+              "cells": len(found["seen"]), "timing_runs": len(found["timings"])}
+    if best >= 0:
+        rerun = best in found["timings"]
+        maximum = found["timings"][best] if rerun else found["seen"][best]
+        entry |= {"at_max": at_max(maximum, growth[best], first["loaded_mib"]),
+                  "timed_in": "a re-run of the maximum" if rerun else "the search's cell", **speed(maximum)}
+    log.info("capacity %s %s, largest %s: predicted %s, measured %s%s (%d cells)", kind, subject, dimension,
+             entry.get("predicted_max"), entry["measured_max"],
+             " (the whole range fits)" if entry["whole_range_fits"] else "", len(found["seen"]))
+    return rows, entry
+
+
 def run(cfg: dict, job: Job) -> dict:
     """Search every subject's largest batch and longest sequence within the budget; write cells.csv."""
     c, rt, layout = cfg["capacity"], cfg["runtime"], job.layout
@@ -357,61 +411,14 @@ def run(cfg: dict, job: Job) -> dict:
     for kind, subject, skipped in subjects(cfg, layout):
         for dimension in DIMENSIONS:
             sizes = grid(c, kind, dimension, positions)
-            entry = {"subject": subject, "kind": kind, "dimension": dimension,
-                     "grid": [sizes[0], sizes[-1]] if sizes else None}
             if skipped or not sizes:
+                entry = {"subject": subject, "kind": kind, "dimension": dimension,
+                         "grid": [sizes[0], sizes[-1]] if sizes else None}
                 searches.append(entry | (skipped or {"status": "skipped", "reason": "the grid is empty: the "
                                                      "fixed length does not fit the model's context"}))
                 continue
-
-            def measure(i: int, role: str, timed: int) -> dict:
-                batch_size, seq_len = sizes[i]
-                key = {"kind": kind, "subject": subject, "dimension": dimension, "batch_size": batch_size,
-                       "seq_len": seq_len, "role": role, "timed": timed}
-                predicts = i == 0 and role == "search"  # the first cell predicts over its dimension's grid
-                result = journal.result(key, lambda: _judged(run_cell(
-                    cell, dict(cfg=cfg, results=str(layout.root), kind=kind, subject=subject, batch_size=batch_size,
-                               seq_len=seq_len, dtype=dtype, device=str(device), budget_mib=limit["mib"],
-                               sizes=sizes if predicts else [], timed=timed),
-                    isolation="subprocess", timeout_s=rt["cell_timeout_s"],
-                    memory_cap_mib=limit["mib"] if device.type == "cpu" else None), limit["mib"]))
-                log.info("capacity %s %s batch %d x %d tokens%s: %s%s", kind, subject, batch_size, seq_len,
-                         f" ({role}, {timed} timed)" if timed else "", result["status"],
-                         f", peak {result['peak_mib']:.0f} MiB" if result.get("peak_mib") else
-                         f" ({result.get('reason')})" if not records.is_ok(result) else "")
-                return result
-
-            found = boundary_search(len(sizes), measure, limit["mib"], c["timed"])
-            first, best = found["seen"][0], found["best"]
-            growth = first.get("predicted_growth_mib") if records.is_ok(first) else None
-            growth = growth or [None] * len(sizes)
-            peaks = found["predicted_peak_mib"] or [None] * len(sizes)
-            ran = [(i, "search", r) for i, r in sorted(found["seen"].items())]
-            ran += [(i, "timing", r) for i, r in sorted(found["timings"].items())]
-            cells += [_row(c, kind, subject, dimension, sizes[i], role, result, growth[i], peaks[i], limit["mib"])
-                      for i, role, result in ran]
-            if found["predicted_peak_mib"]:
-                guess = found["guess"]
-                entry["predicted_max"] = None if guess < 0 else _size(sizes[guess], dimension)
-                entry["predicted_peak_mib"] = dict(zip((_size(s, dimension) for s in sizes), peaks))
-            if found["failure"] is not None:
-                failure = found["failure"]
-                searches.append(entry | {"status": "failed", "reason": f"a cell {failure['status']}: "
-                                                                       f"{failure.get('reason')}"})
-                continue
-            entry |= {"status": "ok", "measured_max": _size(sizes[best], dimension) if best >= 0 else None,
-                      "whole_range_fits": best == len(sizes) - 1,
-                      "first_failing": _size(sizes[best + 1], dimension) if best + 1 < len(sizes) else None,
-                      "cells": len(found["seen"]), "timing_runs": len(found["timings"])}
-            if best >= 0:
-                rerun = best in found["timings"]
-                maximum = found["timings"][best] if rerun else found["seen"][best]
-                entry |= {"at_max": at_max(maximum, growth[best], first["loaded_mib"]),
-                          "timed_in": "a re-run of the maximum" if rerun
-                          else "the search's cell", **speed(maximum)}
-            log.info("capacity %s %s, largest %s: predicted %s, measured %s%s (%d cells)", kind, subject, dimension,
-                     entry.get("predicted_max"), entry["measured_max"],
-                     " (the whole range fits)" if entry["whole_range_fits"] else "", len(found["seen"]))
+            rows, entry = searched(cfg, layout, journal, limit, device, dtype, kind, subject, dimension, sizes)
+            cells += rows
             searches.append(entry)
     with open(job.out / CELLS_CSV, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=CELL_COLUMNS)

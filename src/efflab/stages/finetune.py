@@ -16,12 +16,14 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from .. import cli, config, profiling
 from ..config import UserError, finetune_run
+from ..estimators.memory import compared, training_peak
 from ..layout import LOSS_COLUMNS, Job, Layout
 from ..logs import log_file_path, setup_child_logging
 from ..measure.device import pick_device, set_threads
@@ -30,7 +32,6 @@ from ..measure.env import environment
 from ..measure.flops import count_parameters, matmul_ceiling, mfu, published_peak_tflops, training_flops_per_token
 from ..measure.memory import CpuTensorPeak, track_memory
 from ..measure.stats import summarize
-from ..memory_estimate import compared, training_peak
 from ..modeling import base_dtype, eval_loss, load_tokenizer, read_split
 from ..registry import LOSS_CSV
 from ..training import build_model, collator, mixed_precision, unavailable_knobs
@@ -159,45 +160,21 @@ def _weights_sha256(model) -> str:
     return digest.hexdigest()[:16]
 
 
-def train(cfg: dict, job: Job) -> dict:
-    """The training itself, in this process (one DDP rank when launched by accelerate)."""
-    from datasets import Dataset
-    from transformers import Trainer, TrainingArguments, set_seed
-
-    from ..callbacks import KILL_ENV, FlushTensorCount, KillAfterCheckpoint, SequenceLengths, StepTimes
-
-    name, layout = job.name, job.layout
-    run_cfg = finetune_run(cfg, name)
+def _ranks_and_threads(cfg: dict) -> tuple[int, int, int]:
+    """(world size, rank, torch threads): a job's threads are shared by the DDP ranks on its machine."""
     world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
     threads = set_threads(cfg["runtime"])
-    if world > 1:  # the job's threads are shared by the ranks on this machine
+    if world > 1:
         threads = max(1, threads // int(os.environ.get("LOCAL_WORLD_SIZE", world)))
         torch.set_num_threads(threads)
-    device = pick_device(cfg["runtime"])
-    dtype = base_dtype(layout)
-    precision = mixed_precision(run_cfg, dtype, device)
-    set_seed(run_cfg["seed"], deterministic=run_cfg["deterministic"])
-    tokenizer = load_tokenizer(layout.base_model())
-    train_rows = read_split(layout.split("train"))
-    val_rows = read_split(layout.split("validation"), run_cfg["eval_rows"])
+    return world, rank, threads
 
-    model = build_model(run_cfg, layout, dtype, device)
-    # Training needs no KV cache, and with one transformers would not see packed rows' boundaries (it reads
-    # them from the position ids only when there is no cache) and would let them attend to each other.
-    model.config.use_cache = False
-    params = count_parameters(model)
-    log.info("%s: %s trainable of %s parameters (%.3f%%), precision %s", name, f"{params['trainable']:,}",
-             f"{params['total']:,}", params["trainable_pct"], precision)
-    matmul_dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(
-        precision, "float32" if run_cfg["method"] == "full" else dtype)
-    if rank == 0:  # only rank 0 reports: the other ranks need neither the start loss nor the ceiling
-        before = eval_loss(model, val_rows, run_cfg["batch_size"], tokenizer)
-        ceiling = matmul_ceiling(matmul_dtype, device)
-        log.info("%s: matmul ceiling %.3f TFLOP/s (%s, measured in this process)", name, ceiling["tflops"], matmul_dtype)
 
-    scratch, resume = checkpoints(layout, name, run_cfg, rank)
+def training_arguments(run_cfg: dict, scratch: Path, precision: str, device: torch.device, rank: int):
+    """The HF TrainingArguments of a run: its schedule, precision and data loading, no evaluation, log every step."""
+    from transformers import TrainingArguments
     every = run_cfg["checkpoint_every"]
-    args = TrainingArguments(
+    return TrainingArguments(
         output_dir=str(scratch), max_steps=run_cfg["max_steps"],
         save_strategy="steps" if every else "no", save_steps=every or 500, save_total_limit=2,
         per_device_train_batch_size=run_cfg["batch_size"],
@@ -214,19 +191,12 @@ def train(cfg: dict, job: Job) -> dict:
         include_num_input_tokens_seen="non_padding", remove_unused_columns=False,
         ddp_find_unused_parameters=False, disable_tqdm=rank != 0,
     )
-    profiled = rank == 0 and profiling.wanted(cfg, "finetune")
-    tensors = CpuTensorPeak(unavailable=profiling.REPLACES_TENSOR_PEAK if profiled else None)
-    step_times = StepTimes(device)
-    callbacks = [step_times, FlushTensorCount(tensors)] + ([KillAfterCheckpoint()] if os.environ.get(KILL_ENV) else [])
-    trainer = Trainer(model=model, args=args, train_dataset=Dataset.from_list(train_rows),
-                      data_collator=collator(run_cfg, tokenizer), callbacks=callbacks)
-    resumed = _checkpoint_state(resume)
-    if resume:
-        log.info("%s: resuming from %s (step %d)", name, resume, resumed["global_step"])
-    processed = SequenceLengths(model)
-    prediction = training_peak(layout.base_model(), run_cfg, dtype, precision,  # from config and data only
-                               [len(r["input_ids"]) for r in train_rows], device.type)
-    with track_memory(device, tensors) as train_mem:
+
+
+def fit(cfg: dict, job: Job, trainer, tensors, device: torch.device, resume: str | None, profiled: bool) -> dict:
+    """trainer.train() with its memory tracked and its energy counted at the ends (and profiled where asked):
+    the train result, seconds, memory, energy and profile."""
+    with track_memory(device, tensors) as memory:
         profiler = None
         if profiled:
             profiler = profiling.Profiler(cfg["profile"], job.out / profiling.FOLDER, device)
@@ -234,72 +204,164 @@ def train(cfg: dict, job: Job) -> dict:
         meter = EnergyMeter(device).start()  # two counter reads, at the ends: nothing in between
         t0 = time.perf_counter()
         result = trainer.train(resume_from_checkpoint=resume)
-        train_s = time.perf_counter() - t0 - tensors.overhead_s  # the tensor count's flushes are not training
+        seconds = time.perf_counter() - t0 - tensors.overhead_s  # the tensor count's flushes are not training
         energy = meter.stop()
         profile = profiler.close() if profiler else None
-    processed.remove()
-    optimizer_state_bytes = sum(t.numel() * t.element_size() for state in trainer.optimizer.state.values()
-                                for t in state.values() if torch.is_tensor(t))
-    model.eval()
-    after = eval_loss(model, val_rows, run_cfg["batch_size"], tokenizer)
-    ranks = [{"rank": rank, "weights_sha256": _weights_sha256(model), "validation_after": after["loss"]}]
-    if world > 1:
-        gathered = [None] * world
-        torch.distributed.all_gather_object(gathered, ranks[0])
-        ranks = gathered
-        if rank != 0:  # only rank 0 writes outputs and metrics
-            return {}
-    curve = write_loss_curve(trainer.state.log_history, job.out / LOSS_CSV)
+    return {"result": result, "train_s": seconds, "memory": memory, "energy": energy, "profile": profile}
 
-    folder = job.out / "model"
+
+def save_model(model, tokenizer, run_cfg: dict, dtype: str, folder: Path) -> None:
+    """The full model in the base's dtype, or the peft adapter (its target modules sorted: a stable file)."""
     if run_cfg["method"] == "full":
         model.to(getattr(torch, dtype)).save_pretrained(folder, safe_serialization=True)
     else:
         model.save_pretrained(folder, safe_serialization=True)
         _sort_target_modules(folder / "adapter_config.json")
     tokenizer.save_pretrained(folder)
-    shutil.rmtree(scratch, ignore_errors=True)  # the run is complete: its step checkpoints are not needed
-    steps = result.global_step - resumed["global_step"]  # what this process trained (and timed)
-    tokens = trainer.state.num_input_tokens_seen - resumed["num_input_tokens_seen"]
-    samples = steps * run_cfg["batch_size"] * run_cfg["gradient_accumulation_steps"] * world
+
+
+def throughput(model, run_cfg: dict, device: torch.device, matmul_dtype: str, ceiling: dict, step_times,
+               processed, tokens: int, samples: int, train_s: float) -> dict:
+    """Steady-state tokens/s, FLOPs per token and MFU against the measured ceiling and the published peak."""
     # Attention FLOPs per token over each sequence's own length (token-weighted), as the model computed them.
     attention_len = processed.attention_length() or tokens / samples
     flops = training_flops_per_token(model, attention_len, run_cfg["gradient_checkpointing"])
     published = published_peak_tflops(device, matmul_dtype)
     steady = steady_steps(step_times, run_cfg["timing_warmup_steps"])
     rate = steady["tokens_per_s"] or tokens / train_s
-    throughput = {
+    return {
         "tokens_per_s": rate, "samples_per_s": samples / train_s, "whole_run_tokens_per_s": tokens / train_s,
         "measured_over": f"{steady['steps']} steady steps ({steady['excluded_steps']} warm-up step(s) left out)",
         "tokens": "real (non-padding) input tokens", "flops": flops, "matmul_ceiling": ceiling,
         "mfu_vs_measured_ceiling": mfu(rate, flops["model_flops_per_token"], ceiling["tflops"]),
         "published_peak": published,
         "mfu_vs_published_peak": mfu(rate, flops["model_flops_per_token"], published["tflops"]),
-    }
+    }, steady
+
+
+@dataclass
+class Prepared:
+    """A run ready to train: its settings, process layout, precision, data and model."""
+    run_cfg: dict
+    world: int
+    rank: int
+    threads: int
+    device: torch.device
+    dtype: str
+    precision: str
+    tokenizer: object
+    train_rows: list
+    val_rows: list
+    model: object
+    params: dict
+    matmul_dtype: str
+
+
+def prepare(cfg: dict, job: Job) -> Prepared:
+    """Settings, threads, device, precision, seed, tokenizer, rows and the model to train (without a KV cache)."""
+    from transformers import set_seed
+    run_cfg = finetune_run(cfg, job.name)
+    world, rank, threads = _ranks_and_threads(cfg)
+    device = pick_device(cfg["runtime"])
+    dtype = base_dtype(job.layout)
+    precision = mixed_precision(run_cfg, dtype, device)
+    set_seed(run_cfg["seed"], deterministic=run_cfg["deterministic"])
+    model = build_model(run_cfg, job.layout, dtype, device)
+    # Training needs no KV cache, and with one transformers would not see packed rows' boundaries (it reads
+    # them from the position ids only when there is no cache) and would let them attend to each other.
+    model.config.use_cache = False
+    params = count_parameters(model)
+    log.info("%s: %s trainable of %s parameters (%.3f%%), precision %s", job.name, f"{params['trainable']:,}",
+             f"{params['total']:,}", params["trainable_pct"], precision)
+    return Prepared(run_cfg, world, rank, threads, device, dtype, precision, load_tokenizer(job.layout.base_model()),
+                    read_split(job.layout.split("train")),
+                    read_split(job.layout.split("validation"), run_cfg["eval_rows"]), model, params,
+                    {"bf16": "bfloat16", "fp16": "float16"}.get(
+                        precision, "float32" if run_cfg["method"] == "full" else dtype))
+
+
+def train(cfg: dict, job: Job) -> dict:
+    """The training itself, in this process (one DDP rank when launched by accelerate)."""
+    from datasets import Dataset
+    from transformers import Trainer
+
+    from ..callbacks import KILL_ENV, FlushTensorCount, KillAfterCheckpoint, SequenceLengths, StepTimes
+
+    r = prepare(cfg, job)
+    run_cfg, model, device = r.run_cfg, r.model, r.device
+    if r.rank == 0:  # only rank 0 reports: the other ranks need neither the start loss nor the ceiling
+        before = eval_loss(model, r.val_rows, run_cfg["batch_size"], r.tokenizer)
+        ceiling = matmul_ceiling(r.matmul_dtype, device)
+        log.info("%s: matmul ceiling %.3f TFLOP/s (%s, measured in this process)", job.name, ceiling["tflops"],
+                 r.matmul_dtype)
+    scratch, resume = checkpoints(job.layout, job.name, run_cfg, r.rank)
+    profiled = r.rank == 0 and profiling.wanted(cfg, "finetune")
+    tensors = CpuTensorPeak(unavailable=profiling.REPLACES_TENSOR_PEAK if profiled else None)
+    step_times = StepTimes(device)
+    callbacks = [step_times, FlushTensorCount(tensors)] + ([KillAfterCheckpoint()] if os.environ.get(KILL_ENV) else [])
+    trainer = Trainer(model=model, args=training_arguments(run_cfg, scratch, r.precision, device, r.rank),
+                      train_dataset=Dataset.from_list(r.train_rows), data_collator=collator(run_cfg, r.tokenizer),
+                      callbacks=callbacks)
+    resumed = _checkpoint_state(resume)
+    if resume:
+        log.info("%s: resuming from %s (step %d)", job.name, resume, resumed["global_step"])
+    processed = SequenceLengths(model)
+    prediction = training_peak(job.layout.base_model(), run_cfg, r.dtype, r.precision,  # from config and data only
+                               [len(row["input_ids"]) for row in r.train_rows], device.type)
+    done = fit(cfg, job, trainer, tensors, device, resume, profiled)
+    processed.remove()
+    model.eval()
+    after = eval_loss(model, r.val_rows, run_cfg["batch_size"], r.tokenizer)
+    ranks = [{"rank": r.rank, "weights_sha256": _weights_sha256(model), "validation_after": after["loss"]}]
+    if r.world > 1:
+        gathered = [None] * r.world
+        torch.distributed.all_gather_object(gathered, ranks[0])
+        ranks = gathered
+        if r.rank != 0:  # only rank 0 writes outputs and metrics
+            return {}
+    curve = write_loss_curve(trainer.state.log_history, job.out / LOSS_CSV)
+    save_model(model, r.tokenizer, run_cfg, r.dtype, job.out / "model")
+    shutil.rmtree(scratch, ignore_errors=True)  # the run is complete: its step checkpoints are not needed
+    steps = done["result"].global_step - resumed["global_step"]  # what this process trained (and timed)
+    tokens = trainer.state.num_input_tokens_seen - resumed["num_input_tokens_seen"]
+    samples = steps * run_cfg["batch_size"] * run_cfg["gradient_accumulation_steps"] * r.world
+    rates, steady = throughput(model, run_cfg, device, r.matmul_dtype, ceiling, step_times, processed, tokens,
+                               samples, done["train_s"])
     log.info("%s: validation loss %.3f -> %.3f in %d steps, %.0f tokens/s (steady), MFU %.1f%% of the measured "
-             "ceiling, peak %s MiB (%s)", name, before["loss"], after["loss"], steps, rate,
-             100 * throughput["mfu_vs_measured_ceiling"], _fmt(train_mem["peak_mib"]), train_mem["kind"])
+             "ceiling, peak %s MiB (%s)", job.name, before["loss"], after["loss"], steps, rates["tokens_per_s"],
+             100 * rates["mfu_vs_measured_ceiling"], _fmt(done["memory"]["peak_mib"]), done["memory"]["kind"])
+    return record(job.name, r, done, trainer, processed, resumed, ranks, steps, tokens, samples, rates, steady,
+                  prediction, curve, before, after)
+
+
+def record(name: str, r: Prepared, done: dict, trainer, processed, resumed: dict, ranks: list, steps: int,
+           tokens: int, samples: int, rates: dict, steady: dict, prediction: dict, curve: list, before: dict,
+           after: dict) -> dict:
+    """The run's metrics record."""
+    run_cfg, train_s = r.run_cfg, done["train_s"]
     return {
-        "run": name, "method": run_cfg["method"], "settings": run_cfg, "compute_dtype": dtype,
-        "mixed_precision": precision, "threads": threads, "parameters": params,
-        "processes": world, "ranks": ranks, "total_steps": result.global_step,
-        "effective_batch": run_cfg["batch_size"] * run_cfg["gradient_accumulation_steps"] * world,
+        "run": name, "method": run_cfg["method"], "settings": run_cfg, "compute_dtype": r.dtype,
+        "mixed_precision": r.precision, "threads": r.threads, "parameters": r.params,
+        "processes": r.world, "ranks": ranks, "total_steps": done["result"].global_step,
+        "effective_batch": run_cfg["batch_size"] * run_cfg["gradient_accumulation_steps"] * r.world,
         "padding_free": run_cfg["packing"], "tokens_processed": processed.positions,
         "pad_fraction": 1 - tokens / processed.positions if processed.positions else None,
         "resumed_from": resumed["global_step"] or None, "optimizer": run_cfg["optimizer"],
-        "optimizer_state_bytes": optimizer_state_bytes, "lora_scaling": _lora_scaling(model),
+        "optimizer_state_bytes": sum(t.numel() * t.element_size() for state in trainer.optimizer.state.values()
+                                     for t in state.values() if torch.is_tensor(t)),
+        "lora_scaling": _lora_scaling(r.model),
         "steps": steps, "train_s": train_s, "step_s": train_s / steps,
         "step_time": steady["step_time"], "steady": {k: v for k, v in steady.items() if k != "step_time"},
         "tokens_seen": tokens, "tokens_per_s": tokens / train_s, "samples_per_s": samples / train_s,
-        "throughput": throughput,
-        "memory_prediction": compared(prediction, train_mem),
-        "train_memory": train_mem,
-        "energy": energy_per_token(energy, tokens) | {"counts": "the whole training loop, warm-up steps included"},
-        "profile": profile,
+        "throughput": rates,
+        "memory_prediction": compared(prediction, done["memory"]),
+        "train_memory": done["memory"],
+        "energy": energy_per_token(done["energy"], tokens) | {"counts": "the whole training loop, warm-up steps included"},
+        "profile": done["profile"],
         "first_loss": curve[0]["loss"], "last_loss": curve[-1]["loss"],
         "validation_before": before, "validation_after": after,
         "validation_loss_drop": before["loss"] - after["loss"],
-        "environment": environment(device, run_cfg),
+        "environment": environment(r.device, run_cfg),
     }
 
 

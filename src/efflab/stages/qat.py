@@ -221,26 +221,21 @@ def _write_csv(path: Path, columns, rows: list[dict]) -> None:
         writer.writerows(rows)
 
 
-def run(cfg: dict, job: Job) -> dict:
-    """Fine-tune in full precision, then PTQ and QAT at every bit width; the precision range test for each."""
-    q, rt, layout = cfg["qat"], cfg["runtime"], job.layout
-    set_threads(rt)
-    prestart(rt["isolation"])  # the cells' forkserver imports beside this job
-    device = pick_device(rt)
-    dtype = base_dtype(layout)
-    skeleton = shape_only(layout.base_model())
+def check_family(skeleton, group_size: int) -> None:
+    """The model has linear layers to fake-quantize (else unavailable, naming its projections), and the group
+    size divides their input sizes."""
     if not quantized_layers(skeleton):  # recorded as unavailable (cli.not_run), naming what the family lacks
         head = skeleton.get_output_embeddings()
         kinds = sorted({type(m).__name__ for m in skeleton.modules() if matmul_shape(m) and m is not head})
         raise NotImplementedError(f"qat fake-quantizes nn.Linear layers (torchao) and {type(skeleton).__name__} "
                                   f"has none besides its LM head: its projections are {', '.join(kinds)}")
-    check_group_size(skeleton, q["group_size"])
-    bits = sorted(q["bits"])
-    journal = CellJournal(layout.out("qat") / ".cells.jsonl",
-                          {"qat": q, "runtime": rt, "base": layout.metrics("base_model").read_text()})
-    plan = [("full precision", None)] + [(m, b) for b in bits for m in ("ptq", "qat")]
-    cells = {}
-    for method, b in plan:
+    check_group_size(skeleton, group_size)
+
+
+def run_cells(cfg: dict, layout, journal, bits: list[int], dtype: str, device) -> dict:
+    """The full-precision fine-tune, then PTQ and QAT at every width, each a cell: name -> result."""
+    rt, cells = cfg["runtime"], {}
+    for method, b in [("full precision", None)] + [(m, b) for b in bits for m in ("ptq", "qat")]:
         name = method if b is None else f"{method}-int{b}"
         if method == "ptq" and not records.is_ok(cells["full precision"]):
             cells[name] = {"status": "skipped", "reason": "the full-precision fine-tune did not run"}
@@ -253,7 +248,11 @@ def run(cfg: dict, job: Job) -> dict:
             log.info("qat %s: validation perplexity %.2f", name, perplexity(result["rows"]))
         else:
             log.warning("qat %s: %s: %s", name, result["status"], result.get("reason"))
+    return cells
 
+
+def tables(cells: dict) -> tuple[list, list, list]:
+    """(evals rows, loss rows, one entry per model) from the cells' results."""
     evals, losses, variants = [], [], []
     fp = cells["full precision"]
     if records.is_ok(fp):
@@ -274,12 +273,14 @@ def run(cfg: dict, job: Job) -> dict:
                       "mixed_precision": result["mixed_precision"]}
         if "fake_quantized_rows" in result:
             entry["fake_quantized_perplexity"] = perplexity(result["fake_quantized_rows"])
+        if method in ("ptq", "qat") and records.is_ok(fp):
+            entry["perplexity_change"] = quality.paired_change(fp["rows"], result["rows"])
         variants.append(entry)
+    return evals, losses, variants
 
-    reference = perplexity(fp["rows"]) if records.is_ok(fp) else None
-    for v in variants:
-        if reference and v["method"] in ("ptq", "qat") and records.is_ok(v):
-            v["perplexity_change"] = quality.paired_change(fp["rows"], cells[v["variant"]]["rows"])
+
+def precision_tests(variants: list[dict], q: dict, reference: float | None, bits: list[int]) -> dict:
+    """The precision range test of PTQ and of QAT: the lowest width whose perplexity change passes."""
     tests = {}
     for method in ("ptq", "qat"):
         changes = {v["bits"]: v.get("perplexity_change") for v in variants if v["method"] == method}
@@ -290,6 +291,25 @@ def run(cfg: dict, job: Job) -> dict:
                      "within %.2f x %.2f)", method, f"{t['b_min']} bits" if t["b_min"] else
                      f"undecided at {t['undecided_at']} bits" if t["undecided_at"] else f"none of {bits}",
                      q["threshold"], reference)
+    return tests
+
+
+def run(cfg: dict, job: Job) -> dict:
+    """Fine-tune in full precision, then PTQ and QAT at every bit width; the precision range test for each."""
+    q, rt, layout = cfg["qat"], cfg["runtime"], job.layout
+    set_threads(rt)
+    prestart(rt["isolation"])  # the cells' forkserver imports beside this job
+    device = pick_device(rt)
+    dtype = base_dtype(layout)
+    check_family(shape_only(layout.base_model()), q["group_size"])
+    bits = sorted(q["bits"])
+    journal = CellJournal(layout.out("qat") / ".cells.jsonl",
+                          {"qat": q, "runtime": rt, "base": layout.metrics("base_model").read_text()})
+    cells = run_cells(cfg, layout, journal, bits, dtype, device)
+    evals, losses, variants = tables(cells)
+    fp = cells["full precision"]
+    reference = perplexity(fp["rows"]) if records.is_ok(fp) else None
+    tests = precision_tests(variants, q, reference, bits)
     out = job.out
     _write_csv(out / EVALS_CSV, EVAL_COLUMNS, evals)
     _write_csv(out / LOSSES_CSV, LOSS_COLUMNS, losses)

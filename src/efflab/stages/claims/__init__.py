@@ -3,7 +3,7 @@
 The registry (workflow/claims.yaml, schema workflow/schemas/claims.schema.yaml) says for each claim what it would
 take to check it, for each seed text its title and the one unit convention of its KB/MB/GB (with the evidence),
 and which of a seed's other numbers are deliberately not claims, with why. analytic claims are computed by
-efflab.estimate from a shipped model config (quantities.py); measured claims are read from this pipeline's own
+efflab.estimators.analytic from a shipped model config (quantities.py); measured claims are read from this pipeline's own
 results (readings.py), with the cause of a figure computed from the records where one is (causes.py); hardware
 claims need a GPU and are marked so until run on one, unless a computation settles them (a footprint whose only
 missing piece is the real weights). Each row gets a verdict by equivalence with the claim's tolerance band

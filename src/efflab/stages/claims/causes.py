@@ -6,7 +6,8 @@ from __future__ import annotations
 import math
 import re
 
-from ... import estimate, records
+from ... import records
+from ...estimators import analytic
 from ...measure.stats import EQUIVALENCE_MARGIN
 from .verdict import fmt
 
@@ -23,7 +24,7 @@ def _named(layout) -> tuple[str, list[tuple[str, int]]] | None:
     name = str(layout.base_model())
     if not (layout.base_model() / "config.json").is_file():
         return None
-    return name, [(n, p.numel()) for n, p in estimate.meta_model(name).named_parameters()]
+    return name, [(n, p.numel()) for n, p in analytic.meta_model(name).named_parameters()]
 
 
 def _listed(params: list[tuple[str, int]], total: int) -> str:
@@ -47,13 +48,13 @@ def kept_in_16_bits(layout, m: dict) -> str:
     if _named(layout) is None:
         return NO_SHAPES
     name, params = _named(layout)
-    quantized = {f"{lay['name']}.weight" for lay in estimate.linear_layers(name) if not lay["head"]}
+    quantized = {f"{lay['name']}.weight" for lay in analytic.linear_layers(name) if not lay["head"]}
     kept = [(n, k) for n, k in params if n not in quantized]
-    fp = estimate.bnb_footprint(name, m["method"], double_quant=m.get("double_quant", False),
+    fp = analytic.bnb_footprint(name, m["method"], double_quant=m.get("double_quant", False),
                                 compute_dtype=m["compute_dtype"])
     computed, measured = fp["weight_bytes"] + fp["kept_bytes"], m["memory_footprint_bytes"]
     layers16 = 2 * fp["quantized_params"]
-    tied = getattr(estimate.meta_model(name).config, "tie_word_embeddings", False)
+    tied = getattr(analytic.meta_model(name).config, "tie_word_embeddings", False)
     return (f"bitsandbytes kept in {m['compute_dtype']}: {_listed(kept, sum(k for _, k in params))}"
             f"{' (the embedding is tied with lm_head, which stays unquantized)' if tied else ''}, "
             f"{fp['kept_bytes']:,.0f} B = {fp['kept_bytes'] / measured:.1%} of the quantized footprint; the "
@@ -79,15 +80,15 @@ def prune_shares(layout, m: dict) -> str:
 
 
 def attention_exponent_expected(layout, impl: str, seqs: list[int]) -> str:
-    """The exponent the activation formula (efflab.estimate, Korthikanti et al.) gives this model between the
+    """The exponent the activation formula (efflab.estimators.analytic, Korthikanti et al.) gives this model between the
     shortest and longest sequence bench_attention measured: the asymptote is not reached at short lengths."""
     if len(seqs) < 2 or seqs[0] == seqs[-1]:
         return ""
     if _named(layout) is None:
         return NO_SHAPES
     name, flash = str(layout.base_model()), impl != "eager"
-    ratio = (estimate.activation_bytes(name, seqs[-1], 1, 2, flash=flash)
-             / estimate.activation_bytes(name, seqs[0], 1, 2, flash=flash))
+    ratio = (analytic.activation_bytes(name, seqs[-1], 1, 2, flash=flash)
+             / analytic.activation_bytes(name, seqs[0], 1, 2, flash=flash))
     return (f"by the activation formula, this model's exponent between {seqs[0]} and {seqs[-1]} tokens is "
             f"{math.log(ratio) / math.log(seqs[-1] / seqs[0]):.3f} ({'without' if flash else 'with'} the s² "
             f"attention term)")

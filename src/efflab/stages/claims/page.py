@@ -10,7 +10,7 @@ HOW_TO_READ = (
     "**measured**: measured by this run and judged by equivalence: reproduced only when its whole 95% interval "
     "lies inside the claim's band, differs only when it lies wholly outside, otherwise inconclusive, as is a "
     "measurement with no interval (a count of this run's tensors is exact: its value is its interval). "
-    "**computed**: arithmetic on the seed's own inputs (efflab.estimate on the shipped model configs). "
+    "**computed**: arithmetic on the seed's own inputs (efflab.estimators.analytic on the shipped model configs). "
     "**definition**: a parameter count, a shape, a number format, a library default or another identity. The band "
     "is the values that reproduce the claim: its tolerance around the seed's figure. A hardware claim needs its GPU "
     "unless a computation settles it. Each row's arithmetic, assumptions and reasons: claims.csv.")

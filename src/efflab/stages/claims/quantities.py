@@ -4,8 +4,8 @@ from __future__ import annotations
 import importlib
 import inspect
 
-from ... import estimate
 from ...config import UserError
+from ...estimators import analytic
 
 
 def _n(x: float) -> str:
@@ -25,32 +25,32 @@ def _dense_matrix(i):
 
 
 def _lora_matrix(i):
-    return estimate.lora_matrix_parameters(i["d"], i["k"], i["r"]), f"r(d + k) = {i['r']} × ({i['d']} + {i['k']})"
+    return analytic.lora_matrix_parameters(i["d"], i["k"], i["r"]), f"r(d + k) = {i['r']} × ({i['d']} + {i['k']})"
 
 
 def _lora_matrix_reduction_pct(i):
-    lora, full = estimate.lora_matrix_parameters(i["d"], i["k"], i["r"]), i["d"] * i["k"]
+    lora, full = analytic.lora_matrix_parameters(i["d"], i["k"], i["r"]), i["d"] * i["k"]
     return 100 * (1 - lora / full), f"1 − {_n(lora)} / {_n(full)}"
 
 
 def _lora_reduction_pct(i):
-    n = estimate.parameter_count(i["model"])
-    t = estimate.lora_parameters(i["model"], i["rank"], i["targets"])
+    n = analytic.parameter_count(i["model"])
+    t = analytic.lora_parameters(i["model"], i["rank"], i["targets"])
     return 100 * (1 - t / n), f"1 − {_n(t)} LoRA / {_n(n)} total ({i['model']}, r={i['rank']}, {i['targets']})"
 
 
 def _parameters(i):
-    n = estimate.parameter_count(i["model"], **_overrides(i))
+    n = analytic.parameter_count(i["model"], **_overrides(i))
     return n, f"{i['model']} on the meta device: {_n(n)} parameters"
 
 
 def _largest_layer(i):
-    n = estimate.largest_layer_parameters(i["model"])
+    n = analytic.largest_layer_parameters(i["model"])
     return n, f"largest module of {i['model']}: {_n(n)} parameters (the shared embedding)"
 
 
 def _linear_features(i):
-    layer = next((lay for lay in estimate.linear_layers(i["model"], **_overrides(i)) if lay["name"] == i["module"]),
+    layer = next((lay for lay in analytic.linear_layers(i["model"], **_overrides(i)) if lay["name"] == i["module"]),
                  None)
     if layer is None:
         raise UserError(f"{i['model']}: no linear layer named {i['module']!r}")
@@ -58,7 +58,7 @@ def _linear_features(i):
 
 
 def _config_value(i):
-    value = getattr(estimate.hf_config(i["model"]), i["key"])
+    value = getattr(analytic.hf_config(i["model"]), i["key"])
     return value, f"{i['model']}'s config: {i['key']} = {value}"
 
 
@@ -68,8 +68,8 @@ def _mean(i):
 
 
 def _weights_bytes(i):
-    n = estimate.parameter_count(i["model"], **_overrides(i))
-    per = estimate.bytes_per_element(i["dtype"])
+    n = analytic.parameter_count(i["model"], **_overrides(i))
+    per = analytic.bytes_per_element(i["dtype"])
     extra = f" with {_overrides(i)}" if _overrides(i) else ""
     return n * per, f"{_n(n)} params ({i['model']}{extra}) × {per:g} B = {_n(n * per)} B"
 
@@ -77,22 +77,22 @@ def _weights_bytes(i):
 def _bytes_per_param(i):
     component = i["component"]
     if component in ("weights", "gradients"):
-        return estimate.bytes_per_element(i["dtype"]), f"{i['dtype']}: {estimate.bytes_per_element(i['dtype']):g} B"
+        return analytic.bytes_per_element(i["dtype"]), f"{i['dtype']}: {analytic.bytes_per_element(i['dtype']):g} B"
     if component == "adam":
-        return estimate.ADAM_MOMENTS_BYTES, "momentum 4 B + variance 4 B (fp32)"
-    return estimate.MIXED_PRECISION_ADAM_BYTES, "fp32 master 4 B + momentum 4 B + variance 4 B"
+        return analytic.ADAM_MOMENTS_BYTES, "momentum 4 B + variance 4 B (fp32)"
+    return analytic.MIXED_PRECISION_ADAM_BYTES, "fp32 master 4 B + momentum 4 B + variance 4 B"
 
 
 def _model_states(i):
-    n = estimate.parameter_count(i["model"])
+    n = analytic.parameter_count(i["model"])
     trainable = round(n * i.get("trainable_fraction", 1.0))
-    states = estimate.model_state_bytes(n, trainable, i.get("weight_bytes", 0), i["grad_bytes"], i["optimizer_bytes"],
+    states = analytic.model_state_bytes(n, trainable, i.get("weight_bytes", 0), i["grad_bytes"], i["optimizer_bytes"],
                                         trainable_bytes=i.get("trainable_bytes"))
     how = f"{_n(n)} params ({i['model']})"
     if "trainable_fraction" in i:
         how += f", {_n(trainable)} trainable ({100 * i['trainable_fraction']:g}%)"
     if i.get("base_quant") == "nf4":
-        fp = estimate.bnb_footprint(i["model"], "nf4", double_quant=True)
+        fp = analytic.bnb_footprint(i["model"], "nf4", double_quant=True)
         states["weights"] = fp["total"]
         states["total"] = sum(v for k, v in states.items() if k != "total")
         how += "; NF4 base: " + _bnb_text(fp)
@@ -104,9 +104,9 @@ def _model_states(i):
 
 
 def _activations(i):
-    b = estimate.activation_bytes(i["model"], i["seq_len"], i["batch"], i["bytes"], flash=i.get("flash", False),
+    b = analytic.activation_bytes(i["model"], i["seq_len"], i["batch"], i["bytes"], flash=i.get("flash", False),
                                   checkpointing=i.get("checkpointing", False))
-    a = estimate.architecture(i["model"])
+    a = analytic.architecture(i["model"])
     s, bt, h, heads, n, layers = i["seq_len"], i["batch"], a["hidden"], a["heads"], i["bytes"], a["layers"]
     if i.get("checkpointing"):
         how = f"L·N_b·sbh = {layers} × {n} × {s}·{bt}·{h}"
@@ -117,32 +117,32 @@ def _activations(i):
 
 
 def _activation_dtype_ratio(i):
-    half = estimate.activation_bytes(i["model"], i["seq_len"], i["batch"], 2)
-    full = estimate.activation_bytes(i["model"], i["seq_len"], i["batch"], 4)
+    half = analytic.activation_bytes(i["model"], i["seq_len"], i["batch"], 2)
+    full = analytic.activation_bytes(i["model"], i["seq_len"], i["batch"], 4)
     return half / full, f"{_gb(half)} at N_b=2 / {_gb(full)} at N_b=4"
 
 
 def _kv_cache(i):
-    b = estimate.kv_cache_bytes(i["model"], i["seq_len"], i["batch"], i["bytes"])
-    a = estimate.architecture(i["model"])
+    b = analytic.kv_cache_bytes(i["model"], i["seq_len"], i["batch"], i["bytes"])
+    a = analytic.architecture(i["model"])
     return b, (f"2 × {a['layers']} layers × {a['kv_heads']} heads × {a['head_dim']} × {i['seq_len']} tokens × "
                f"{i['batch']} × {i['bytes']} B = {_n(b)} B")
 
 
 def _checkpointing_extra_compute_pct(i):
-    return 100 * (estimate.flops_per_token(1, checkpointing=True) / estimate.flops_per_token(1) - 1), \
+    return 100 * (analytic.flops_per_token(1, checkpointing=True) / analytic.flops_per_token(1) - 1), \
         "8N / 6N FLOPs per token (one extra forward)"
 
 
 def _zero_per_device(i):
-    b = estimate.zero_model_state_bytes(i["psi"], i["stage"], i["n_devices"], i["k"])
+    b = analytic.zero_model_state_bytes(i["psi"], i["stage"], i["n_devices"], i["k"])
     return b, f"ZeRO stage {i['stage']}, Ψ={i['psi']:.3g}, K={i['k']}, N_d={i['n_devices']}: {_gb(b)}"
 
 
 def _deepspeed_zero3(i):
-    total = estimate.parameter_count(i["model"])
-    largest = estimate.largest_layer_parameters(i["model"])
-    est = estimate.deepspeed_zero3_estimate(total, largest, i["gpus_per_node"], i["nodes"], i["offload_param"],
+    total = analytic.parameter_count(i["model"])
+    largest = analytic.largest_layer_parameters(i["model"])
+    est = analytic.deepspeed_zero3_estimate(total, largest, i["gpus_per_node"], i["nodes"], i["offload_param"],
                                             i["offload_optimizer"], i["zero_init"])
     return est[i["side"]], (f"DeepSpeed's formula with {_n(total)} params, largest layer {_n(largest)}: "
                             f"{i['side']} {_n(est[i['side']])} B")
@@ -155,19 +155,19 @@ def _bnb_text(fp: dict) -> str:
 
 
 def _bnb_bytes(i):
-    fp = estimate.bnb_footprint(i["model"], i["method"], double_quant=i.get("double_quant", False),
+    fp = analytic.bnb_footprint(i["model"], i["method"], double_quant=i.get("double_quant", False),
                                 **_overrides(i))
     return fp["total"], f"{i['method']}: " + _bnb_text(fp)
 
 
 def _bnb_ratio(i):
-    fp = estimate.bnb_footprint(i["model"], i["method"], double_quant=i.get("double_quant", False))
-    base = estimate.parameter_count(i["model"]) * estimate.bytes_per_element(i["base_dtype"])
+    fp = analytic.bnb_footprint(i["model"], i["method"], double_quant=i.get("double_quant", False))
+    base = analytic.parameter_count(i["model"]) * analytic.bytes_per_element(i["base_dtype"])
     return base / fp["total"], f"{_gb(base)} {i['base_dtype']} / {_gb(fp['total'])} {i['method']} ({_bnb_text(fp)})"
 
 
 def _float_bits(i):
-    f = estimate.float_format(i["dtype"])
+    f = analytic.float_format(i["dtype"])
     if i["field"] == "bytes":
         return f["bits"] / 8, f"torch.finfo({i['dtype']}).bits = {f['bits']}"
     return f[i["field"]], f"torch.finfo({i['dtype']}): 1 sign + {f['exponent']} exponent + {f['mantissa']} mantissa"
@@ -186,25 +186,25 @@ def _effective_batch(i):
 
 def _training_memory(i):
     keys = ("seq_len", "batch", "rank", "targets", "checkpointing", "flash", "compute_dtype")
-    m = estimate.training_memory(i["model"], i["method"], **{k: i[k] for k in keys if k in i})
+    m = analytic.training_memory(i["model"], i["method"], **{k: i[k] for k in keys if k in i})
     parts = ", ".join(f"{k} {_gb(v)}" for k, v in m.items() if k != "total" and v)
     return m["total"], f"{i['model']} {i['method']}: {parts}"
 
 
 def _mixed_precision_saving_pct(i):
     m, s, b = i["model"], i["seq_len"], i["batch"]
-    full = estimate.training_memory(m, "full-fp32", s, b)["total"]
-    mixed = estimate.training_memory(m, "full-mixed", s, b, compute_dtype="float16")["total"]
+    full = analytic.training_memory(m, "full-fp32", s, b)["total"]
+    mixed = analytic.training_memory(m, "full-mixed", s, b, compute_dtype="float16")["total"]
     return 100 * (1 - mixed / full), f"1 − {_gb(mixed)} mixed / {_gb(full)} fp32 ({i['model']}, Adam, activations)"
 
 
 def _dtype_ratio(i):
-    return (estimate.bytes_per_element(i["to"]) / estimate.bytes_per_element(i["from"]),
-            f"{estimate.bytes_per_element(i['to']):g} B / {estimate.bytes_per_element(i['from']):g} B")
+    return (analytic.bytes_per_element(i["to"]) / analytic.bytes_per_element(i["from"]),
+            f"{analytic.bytes_per_element(i['to']):g} B / {analytic.bytes_per_element(i['from']):g} B")
 
 
 def _adam_memory_multiple(i):
-    return (4 + estimate.ADAM_MOMENTS_BYTES) / 4, "(weights 4 B + m 4 B + v 4 B) / weights 4 B"
+    return (4 + analytic.ADAM_MOMENTS_BYTES) / 4, "(weights 4 B + m 4 B + v 4 B) / weights 4 B"
 
 
 QUANTITIES = {

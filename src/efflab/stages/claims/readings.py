@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ... import estimate, records
+from ... import records
+from ...estimators import analytic
 from ...measure.stats import median_ci_order, percentile
 from .causes import attention_exponent_expected, kept_in_16_bits, prune_shares, serving_alternatives
 from .verdict import UNIT_SCALE, Reading
@@ -47,8 +48,8 @@ def _quantize_ratio(layout, metric: dict) -> Reading:
                        f"{m['memory_footprint_bytes']:,} B {metric['scheme']}", exact=True, cause=cause)
     # A float32 baseline (CPU without fast bf16): re-express the parts bitsandbytes leaves unquantized at
     # 16 bits on both sides, so the ratio answers the seed's question (quantized vs 16-bit weights).
-    fp = estimate.bnb_footprint(str(layout.base_model()), "int8")
-    width = estimate.bytes_per_element(dtype)
+    fp = analytic.bnb_footprint(str(layout.base_model()), "int8")
+    width = analytic.bytes_per_element(dtype)
     base16 = m["base_memory_footprint_bytes"] * 2 / width
     quant16 = m["memory_footprint_bytes"] - fp["kept_params"] * (width - 2)
     return Reading(base16 / quant16, f"baseline ran in {dtype}: footprints re-expressed at 16 bits ({base16:,.0f} B / "

@@ -12,8 +12,8 @@ import json
 import math
 from pathlib import Path
 
-from .architecture import matmul_layers, shape
-from .config import REPO_ROOT, UserError
+from ..architecture import matmul_layers, shape
+from ..config import REPO_ROOT, UserError
 
 # transformers, accelerate and torch take seconds to import: only the estimates that need them import them.
 

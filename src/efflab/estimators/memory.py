@@ -22,10 +22,11 @@ import math
 
 import torch
 
-from . import architecture, estimate
-from .config import base_quant, finetune_run
-from .measure.device import DTYPES
-from .measure.memory import live_tensor_bytes
+from .. import architecture
+from ..config import base_quant, finetune_run
+from ..measure.device import DTYPES
+from ..measure.memory import live_tensor_bytes
+from . import analytic
 
 # bitsandbytes is optional and slow to import: it is imported where a quantized layer is measured.
 
@@ -61,7 +62,7 @@ def padded_batch_lengths(lengths: list[int], batch_size: int, steps: int, accumu
 
 
 def _arch(folder) -> dict:
-    return architecture.shape(estimate.hf_config(str(folder)))
+    return architecture.shape(analytic.hf_config(str(folder)))
 
 
 def _precisions(run: dict, dtype: str, precision: str) -> dict:
@@ -144,8 +145,8 @@ def activation_rates(folder, run: dict, dtype: str, precision: str) -> dict:
     a, p = _arch(folder), _precisions(run, dtype, precision)
     lora = None
     if run["method"] != "full":
-        targets = architecture.lora_targets(estimate.hf_config(str(folder)), run["lora"]["target_modules"])
-        names = {lay["name"].rsplit(".", 1)[-1] for lay in estimate.targeted_layers(str(folder), targets)}
+        targets = architecture.lora_targets(analytic.hf_config(str(folder)), run["lora"]["target_modules"])
+        names = {lay["name"].rsplit(".", 1)[-1] for lay in analytic.targeted_layers(str(folder), targets)}
         lora = {"modules": names, "dropout": run["lora"]["dropout"]}
     checkpointing = run["gradient_checkpointing"]
     # the embedding output needs a gradient when the embedding trains, or when checkpointing (efflab then makes
@@ -187,10 +188,10 @@ def activation_terms(folder, run: dict, dtype: str, precision: str, rows: int, l
 def _trainable_tensors(folder, run: dict) -> list[int]:
     """Element counts of the trainable tensors (tied weights once)."""
     if run["method"] == "full":
-        return [t.numel() for t in estimate.meta_model(str(folder)).parameters()]
+        return [t.numel() for t in analytic.meta_model(str(folder)).parameters()]
     r = run["lora"]["r"]
-    targets = architecture.lora_targets(estimate.hf_config(str(folder)), run["lora"]["target_modules"])
-    return [n for lay in estimate.targeted_layers(str(folder), targets)
+    targets = architecture.lora_targets(analytic.hf_config(str(folder)), run["lora"]["target_modules"])
+    return [n for lay in analytic.targeted_layers(str(folder), targets)
             for n in (r * lay["in"], r * lay["out"])]
 
 
@@ -201,7 +202,7 @@ def _gradients_before_the_last_layer(folder, run: dict, layers: int, gradients: 
     if run["method"] != "full":
         return gradients // layers
     last = f".layers.{layers - 1}."
-    return 4 * sum(p.numel() for name, p in estimate.meta_model(str(folder)).named_parameters()
+    return 4 * sum(p.numel() for name, p in analytic.meta_model(str(folder)).named_parameters()
                    if ".layers." not in name or last in name)
 
 
@@ -222,7 +223,7 @@ def _autocast_weight_copies(folder, run: dict, p: dict) -> int:
     if not c:
         return 0
     copies = 0
-    for lay in estimate.linear_layers(str(folder)):
+    for lay in analytic.linear_layers(str(folder)):
         kept = lay["head"] or not p["four_bit"]
         if kept and p["base"] != c:
             copies += c * lay["in"] * lay["out"]
@@ -326,9 +327,9 @@ def generation_peak(folder, dtype: str, quant: dict | None, batch: int, prompt_l
         terms["quantized_layer_transient"] = quantized_transient_bytes
     method = (quant or {}).get("method", "none")
     if method == "none":
-        weights = el * estimate.parameter_count(str(folder))
+        weights = el * analytic.parameter_count(str(folder))
     else:
-        weights = estimate.bnb_footprint(str(folder), method, bool(quant.get("double_quant")), dtype)["total"]
+        weights = analytic.bnb_footprint(str(folder), method, bool(quant.get("double_quant")), dtype)["total"]
     return {"total_mib": sum(terms.values()) / MiB, "compares_to": GENERATION_COMPARES_TO,
             "terms_mib": {k: v / MiB for k, v in terms.items()}, "weights_mib": weights / MiB}
 
