@@ -32,6 +32,7 @@ include: "workflow/rules/report.smk"
 
 onstart:
     warn_mixed_drivers()
+    start_job_server()
 
 
 onsuccess:

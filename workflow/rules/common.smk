@@ -1,10 +1,12 @@
 import json
 import os
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from efflab import config as efflab_config
-from efflab import gpu_slots, model_check, registry
+from efflab import gpu_slots, model_check, registry, zygote
 from efflab.layout import Layout
 
 # The stage CLIs read the params file themselves, so the DAG must be built from that same file alone:
@@ -38,6 +40,23 @@ envvars:
 
 wildcard_constraints:
     name="[a-z0-9][a-z0-9_-]*",
+
+
+def start_job_server():
+    """A warm process the jobs fork from (efflab.zygote): each job skips ~10 s of imports. Where it is not wanted
+    (a GPU, SLURM, not Linux), the jobs run elsewhere (an executor plugin) or in another environment (--sdm conda
+    or apptainer), the jobs run as their own processes."""
+    if zygote.wanted() or workflow.remote_exec or not workflow.local_exec or \
+            workflow.deployment_settings.deployment_method:
+        return
+    path = Path(tempfile.gettempdir()) / f"efflab-zygote-{os.getpid()}.sock"
+    path.unlink(missing_ok=True)
+    log = Path(".snakemake") / "efflab-zygote.log"
+    log.parent.mkdir(exist_ok=True)
+    with open(log, "w") as out:
+        subprocess.Popen([sys.executable, "-m", "efflab.zygote", "--socket", str(path)], stdout=out,
+                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    os.environ[zygote.ENV] = str(path)
 
 
 def warn_mixed_drivers():
