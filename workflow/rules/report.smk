@@ -19,7 +19,7 @@ rule report:
         expand("results/bench_attention/{name}/metrics.json", name=names("bench_attention")),
         expand("results/bench_inference/{name}/metrics.json", name=names("bench_inference")),
         "results/prepare_data/metrics.json",
-        "workflow/profiles/gpu/params.yaml",  # the larger experiment: what this run leaves out of it
+        repo_file("workflow/profiles/gpu/params.yaml"),  # the larger experiment: what this run leaves out of it
         claims="results/claims/claims.md",
     output:
         report="results/report/report.md",

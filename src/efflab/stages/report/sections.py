@@ -129,7 +129,7 @@ def memory_section(finetune: list[dict], inference: list[dict], environments: di
 DEFAULT_BUDGET_MIN = 15
 
 
-# The larger experiment the default is cut down from (an input of the report rule)
+# The larger experiment the default is cut down from, a file of the project (an input of the report rule)
 GPU_PROFILE = Path("workflow/profiles/gpu/params.yaml")
 # Lists of a stage's params whose values are cells of another kind, beside the stages' grids of jobs (sizes such
 # as sequence lengths or batch sizes differ between machines and are not "left out")
@@ -157,7 +157,8 @@ def run_size(cfg: dict, metrics: dict, larger: Path = GPU_PROFILE) -> str:
                   a=cfg["bench_attention"], i=cfg["bench_inference"], sv=cfg["bench_serving"], qt=cfg["qat"],
                   cap=cfg["capacity"], prompts=prompt_count(cfg, metrics), minutes=minutes,
                   budget=DEFAULT_BUDGET_MIN, larger=larger,
-                  left_out=left_out(cfg, config.load(larger)) if larger.is_file() else None)
+                  left_out=left_out(cfg, config.load(config.REPO_ROOT / larger))
+                  if (config.REPO_ROOT / larger).is_file() else None)
 
 
 def not_run(table: pd.DataFrame) -> str:
