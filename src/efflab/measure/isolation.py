@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from .. import zygote
 from ..logs import log_file_path, setup_child_logging
 from .memory import proc_status_kib
 
@@ -36,18 +37,15 @@ def _cell_child(fn, kwargs: dict, conn, log_file: str | None, threads: int) -> N
     conn.close()
 
 
-# What the forkserver imports once. Without CUDA it is everything a cell needs (torch, transformers' model and
-# Trainer machinery, peft and bitsandbytes: about 6-10 s on a 2-core CPU), so that a cell starts in about 0.05 s
+# What the forkserver imports once. Without CUDA it is what the pipeline's job server imports (zygote.PRELOAD:
+# torch, transformers' model and Trainer machinery, peft and bitsandbytes), so that a cell starts in about 0.05 s
 # instead of paying those imports again. With CUDA it stays light: a library that touches CUDA at import would
 # leave every forked cell unable to initialise it.
 _CELL_PRELOAD_LIGHT = ["torch", "transformers", "efflab.measure.isolation", "efflab.modeling"]
-_CELL_PRELOAD_CPU = _CELL_PRELOAD_LIGHT + ["transformers.modeling_utils", "transformers.models.auto.modeling_auto",
-                                           "transformers.generation", "transformers.trainer", "peft",
-                                           "efflab.training"]
 
 
 def cell_preload() -> list[str]:
-    return _CELL_PRELOAD_CPU if not torch.cuda.is_available() else _CELL_PRELOAD_LIGHT
+    return zygote.PRELOAD if not torch.cuda.is_available() else _CELL_PRELOAD_LIGHT
 
 
 def _cell_context():

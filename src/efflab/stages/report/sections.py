@@ -141,9 +141,10 @@ def left_out(cfg: dict, larger: dict) -> list[dict]:
     the lists that multiply cells (as `stage.key`)."""
     out = []
     for stage in registry.STAGES:
-        mine, theirs = registry.names(cfg, stage), registry.names(larger, stage)
-        if theirs and [n for n in theirs if n not in (mine or [])]:
-            out.append({"what": stage, "values": [n for n in theirs if n not in (mine or [])]})
+        mine = registry.names(cfg, stage) or []
+        missing = [n for n in registry.names(larger, stage) or [] if n not in mine]
+        if missing:
+            out.append({"what": stage, "values": missing})
     for stage, key in CELL_LISTS:
         missing = [v for v in larger[stage][key] if v not in cfg[stage][key]]
         if missing:
@@ -153,12 +154,12 @@ def left_out(cfg: dict, larger: dict) -> list[dict]:
 
 def run_size(cfg: dict, metrics: dict, larger: Path = GPU_PROFILE) -> str:
     minutes = sum(m.get("wall_s") or 0 for ms in metrics.values() for m in ms) / 60
+    larger_file = config.REPO_ROOT / larger
     return render("sections/run_size.md.j2", ft=cfg["finetune"]["defaults"], q=cfg["quantize"],
                   a=cfg["bench_attention"], i=cfg["bench_inference"], sv=cfg["bench_serving"], qt=cfg["qat"],
                   cap=cfg["capacity"], prompts=prompt_count(cfg, metrics), minutes=minutes,
                   budget=DEFAULT_BUDGET_MIN, larger=larger,
-                  left_out=left_out(cfg, config.load(config.REPO_ROOT / larger))
-                  if (config.REPO_ROOT / larger).is_file() else None)
+                  left_out=left_out(cfg, config.load(larger_file)) if larger_file.is_file() else None)
 
 
 def not_run(table: pd.DataFrame) -> str:
