@@ -10,8 +10,8 @@ The child is a fresh process in all a stage measures: the server imported librar
 no threads, no CUDA), as the cells' forkserver does (measure.isolation).
 
 Where forking is not safe or not wanted the command runs as always, in its own process: without EFFLAB_ZYGOTE
-(dvc repro, a stage run by hand), inside a SLURM job (its resources are the job's), on a machine with an NVIDIA GPU
-(a library that touches CUDA at import leaves forked children unable to initialise it), off Linux, or when the
+(dvc repro, a stage run by hand), inside a SLURM job (its resources are the job's), on a machine with an NVIDIA or
+AMD GPU (a library that touches CUDA at import leaves forked children unable to initialise it), off Linux, or when the
 server does not answer. Only the standard library is imported here at module level: the client must stay light.
 """
 from __future__ import annotations
@@ -45,6 +45,8 @@ def wanted() -> str | None:
         return "inside a SLURM job"
     if list(Path("/dev").glob("nvidia[0-9]*")):
         return "an NVIDIA GPU is present"
+    if Path("/dev/kfd").exists():  # AMD's ROCm: torch.cuda is HIP there, with the same fork hazard
+        return "an AMD GPU (ROCm) is present"
     return None
 
 
