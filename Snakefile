@@ -26,6 +26,7 @@ include: "workflow/rules/bench_attention.smk"
 include: "workflow/rules/bench_inference.smk"
 include: "workflow/rules/bench_serving.smk"
 include: "workflow/rules/capacity.smk"
+include: "workflow/rules/evaluate.smk"
 include: "workflow/rules/claims.smk"
 include: "workflow/rules/report.smk"
 

@@ -17,6 +17,9 @@ from pathlib import Path
 import jsonschema
 import yaml
 
+from .evaluation.task import TASKS as EVAL_TASKS
+from .evaluation.task import unknown_tasks
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCHEMA_PATH = REPO_ROOT / "workflow" / "schemas" / "params.schema.yaml"
 ADAPTER_METHODS = ("lora", "qlora")
@@ -164,6 +167,14 @@ def _cross_check(cfg: dict, source: str) -> None:
     for name in cfg["merge"]["runs"] or []:
         if name not in runs or runs[name]["method"] not in ADAPTER_METHODS:
             raise UserError(f"{source}: merge.runs: {name!r} is not a lora/qlora run in finetune.runs")
+    unknown = unknown_tasks(cfg["evaluate"]["tasks"])
+    if unknown:
+        raise UserError(f"{source}: evaluate.tasks: {unknown[0]!r} is not an lm-eval task (efflab's own: "
+                        f"{', '.join(EVAL_TASKS)}; `lm_eval ls tasks` lists the installed ones)")
+    for name in cfg["evaluate"]["models"] or []:
+        if name not in evaluated_models({**cfg, "evaluate": {**cfg["evaluate"], "models": None}}):
+            raise UserError(f"{source}: evaluate.models: {name!r} is not a model this experiment makes "
+                            f"(e.g. base, quantized-<scheme>, pruned-<strategy>, adapter-<run>, merged-<run>)")
     for name in cfg["capacity"]["runs"]:
         if name not in runs:
             raise UserError(f"{source}: capacity.runs: {name!r} is not a run in finetune.runs")
@@ -238,6 +249,37 @@ def merge_runs(cfg: dict) -> list[str]:
     """The adapter runs the merge stage merges: merge.runs, or every adapter run when it is null."""
     chosen = cfg["merge"]["runs"]
     return adapter_runs(cfg) if chosen is None else list(chosen)
+
+
+def evaluated_name(kind: str, of: str | None) -> str:
+    """The evaluate job of a model: "base", or "<kind>-<of>" (quantized-int8, adapter-lora-r8, healed-heads-half)."""
+    return "base" if kind == "base" else f"{kind}-{of}"
+
+
+def evaluated_models(cfg: dict) -> dict[str, dict]:
+    """The models the evaluate stage scores, by job name: the base; each quantize scheme (not the method-none ones:
+    they are the base); each pruned strategy and its healed model; each fine-tune (an adapter on the base it trained
+    on, or a full fine-tune's folder); each merged adapter. Each is {"kind", "of", "reference"}: the job it is paired
+    with (the base, or for a merged model the adapter it came from)."""
+    models = {"base": {"kind": "base", "of": None, "reference": None}}
+    for name, scheme in cfg["quantize"]["schemes"].items():
+        if scheme["method"] != "none":
+            models[evaluated_name("quantized", name)] = {"kind": "quantized", "of": name, "reference": "base"}
+    for name in cfg["prune"]["strategies"]:
+        models[evaluated_name("pruned", name)] = {"kind": "pruned", "of": name, "reference": "base"}
+        if cfg["prune"]["heal"]["steps"] > 0:
+            models[evaluated_name("healed", name)] = {"kind": "healed", "of": name, "reference": "base"}
+    for name, run in cfg["finetune"]["runs"].items():
+        kind = "adapter" if run["method"] in ADAPTER_METHODS else "finetuned"
+        models[evaluated_name(kind, name)] = {"kind": kind, "of": name, "reference": "base"}
+    for name in merge_runs(cfg):
+        models[evaluated_name("merged", name)] = {"kind": "merged", "of": name,
+                                                   "reference": evaluated_name("adapter", name)}
+    chosen = cfg["evaluate"]["models"]
+    if chosen is None:
+        return models
+    kept = set(chosen) | {models[n]["reference"] for n in chosen if n in models and models[n]["reference"]}
+    return {n: m for n, m in models.items() if n in kept}  # what a chosen model is paired with is evaluated too
 
 
 def lookup(cfg: dict, dotted: str):

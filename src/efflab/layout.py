@@ -39,11 +39,17 @@ class Layout:
         return self.out(stage, name) / MODEL
 
     def variant_folders(self, variant: dict) -> list[Path]:
-        """The earlier stages' folders a bench_inference variant loads: an adapter's base, then its own folder."""
+        """The earlier stages' folders a variant (bench_inference's, or an evaluated model) loads: an adapter's base,
+        then its own folder."""
         kind, of = variant["kind"], variant.get("of")
         return {"base": [self.base_model()], "quantized": [self.model("quantize", of)],
-                "merged": [self.model("merge", of)],
+                "merged": [self.model("merge", of)], "finetuned": [self.model("finetune", of)],
+                "pruned": [self.model("prune", of)], "healed": [self.out("prune", of) / HEALED],
                 "adapter": [self.base_model(), self.model("finetune", of)]}[kind]
+
+    def lm_eval_task(self) -> Path:
+        """efflab's local lm-eval tasks on the validation split (efflab.evaluation.task), written by prepare_data."""
+        return self.out("prepare_data") / "lm_eval"
 
     def metrics(self, stage: str, name: str | None = None) -> Path:
         return self.out(stage, name) / METRICS

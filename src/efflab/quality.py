@@ -70,3 +70,20 @@ def direction(change: dict | None) -> str:
         return "undecided"
     lo, hi = change["ci95_change_pct"]
     return "worse" if lo > 0 else "better" if hi < 0 else "no difference measured"
+
+
+def paired_mean_change(reference: list[float], variant: list[float], level: float = 0.95) -> dict:
+    """The mean of the per-row differences variant - reference, with its paired-t `level` interval where there are
+    MIN_ROWS rows or more (None below)."""
+    diffs = [v - r for r, v in zip(reference, variant, strict=True)]
+    n = len(diffs)
+    mean = sum(diffs) / n
+    out = {"change": mean, "n": n, "ci95": None, "method": "paired t over documents"}
+    if n < MIN_ROWS:
+        return out
+    from scipy.stats import t as student_t
+
+    se = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1) / n)
+    half = float(student_t.ppf(0.5 + level / 2, n - 1)) * se
+    out["ci95"] = [mean - half, mean + half]
+    return out

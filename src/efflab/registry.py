@@ -9,7 +9,7 @@ import json
 from dataclasses import dataclass
 from typing import Callable
 
-from .config import finetune_run, lookup, merge_runs
+from .config import evaluated_models, finetune_run, lookup, merge_runs
 
 # What stages write besides metrics.json, by name (layout says where).
 MODEL = "model"
@@ -39,6 +39,14 @@ class Stage:
     outputs: tuple[str, ...] | None = None
     gpu: bool = False  # claims a GPU slot, and gets `gpu: 1` and `cpus_per_gpu` on GPU runs
     profiled: bool = False  # can run under torch.profiler (profile.stages)
+    # Its numbers are timings, so on a CPU run it takes every core and runs alone; a stage that times nothing
+    # (evaluate) takes half of them, so two of its jobs run side by side.
+    timed: bool = True
+
+
+# How a model is scored (the evaluate stage; qat scores its models in its own job through the same code).
+EVALUATION = ("evaluate.tasks", "evaluate.docs", "evaluate.max_new_tokens", "evaluate.batch_size",
+              "evaluate.bootstrap_iters", "evaluate.tolerance")
 
 
 def _stages(*stages: Stage) -> dict[str, Stage]:
@@ -59,7 +67,7 @@ STAGES = _stages(
           runtime_min=20, mem_factor=3, grid=lambda cfg: list(cfg["prune"]["strategies"]),
           left_out=("prune.strategies is empty", lambda cfg: not cfg["prune"]["strategies"]),
           outputs=(MODEL, HEALED), gpu=True),
-    Stage("qat", ("runtime", "qat"), runtime_min=40, mem_factor=6,
+    Stage("qat", ("runtime", "qat", *EVALUATION), runtime_min=40, mem_factor=6,
           left_out=("qat.bits is empty", lambda cfg: not cfg["qat"]["bits"]),
           outputs=(QAT_MODEL, "evals.csv", "losses.csv"), gpu=True),
     Stage("finetune", ("runtime", "finetune.defaults", "finetune.runs.{name}", "profile"), runtime_min=60,
@@ -94,6 +102,9 @@ STAGES = _stages(
           left_out=("capacity.runs and capacity.variants are empty",
                     lambda cfg: not cfg["capacity"]["runs"] and not cfg["capacity"]["variants"]),
           outputs=("cells.csv",), gpu=True),
+    Stage("evaluate", ("runtime", *EVALUATION, "evaluate.samples"),
+          runtime_min=20, mem_factor=3, grid=lambda cfg: list(evaluated_models(cfg)), outputs=(), gpu=True,
+          timed=False),
     Stage("claims", ("claims",), runtime_min=10, outputs=("claims.csv", "claims.md", "summary.json")),
     Stage("report", ("report",), runtime_min=10),
 )

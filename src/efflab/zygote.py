@@ -34,7 +34,8 @@ CHILD_ENV = "EFFLAB_ZYGOTE_CHILD"  # set in a forked job: it never delegates aga
 # What the server imports before it forks any job (the cells' forkserver, measure.isolation, imports the same)
 PRELOAD = ["torch", "transformers", "transformers.modeling_utils", "transformers.models.auto.modeling_auto",
            "transformers.generation", "transformers.trainer", "peft", "pandas", "efflab.cli", "efflab.modeling",
-           "efflab.training", "efflab.measure.isolation", "efflab.measure.memory", "efflab.measure.timing"]
+           "efflab.training", "efflab.measure.isolation", "efflab.measure.memory", "efflab.measure.timing",
+           "lm_eval.evaluator", "lm_eval.models.huggingface", "lm_eval.tasks"]
 
 
 def wanted() -> str | None:

@@ -13,6 +13,7 @@ rule claims:
         asked("bench_serving", "results/bench_serving/metrics.json"),
         expand("results/bench_attention/{name}/metrics.json", name=names("bench_attention")),
         expand("results/bench_inference/{name}/metrics.json", name=names("bench_inference")),
+        expand("results/evaluate/{name}/metrics.json", name=names("evaluate")),
     output:
         csv="results/claims/claims.csv",
         md="results/claims/claims.md",

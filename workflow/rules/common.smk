@@ -141,6 +141,16 @@ def inference_inputs(wildcards):
     return {"model": variant_folder(wildcards.name)}
 
 
+def evaluate_inputs(wildcards):
+    """What an evaluated model loads (its folders), and the metrics of the model it is paired with."""
+    model = efflab_config.evaluated_models(config)[wildcards.name]
+    layout = Layout(Path("results"))
+    inputs = {"model": [str(p) for p in layout.variant_folders(model)]}
+    if model["reference"]:
+        inputs["reference"] = str(layout.metrics("evaluate", model["reference"]))
+    return inputs
+
+
 def capacity_inputs(wildcards):
     """The model folders of the bench_inference variants the capacity stage searches."""
     return sorted({variant_folder(v) for v in config["capacity"]["variants"]})
@@ -180,7 +190,9 @@ def model_mb(input):
 
 
 def threads_for(stage):
-    return GPU_THREADS if USE_GPU and registry.STAGES[stage].gpu else HEAVY
+    if USE_GPU and registry.STAGES[stage].gpu:
+        return GPU_THREADS
+    return HEAVY if registry.STAGES[stage].timed else max(1, HEAVY // 2)
 
 
 def mem_mb(stage):

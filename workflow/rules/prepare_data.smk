@@ -6,6 +6,7 @@ rule prepare_data:
     output:
         train="results/prepare_data/train.parquet",
         validation="results/prepare_data/validation.parquet",
+        task=directory("results/prepare_data/lm_eval"),
         metrics="results/prepare_data/metrics.json",
     params:
         file=PARAMS,

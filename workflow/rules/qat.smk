@@ -4,6 +4,7 @@ rule qat:
         base="results/base_model/metrics.json",
         train="results/prepare_data/train.parquet",
         validation="results/prepare_data/validation.parquet",
+        task="results/prepare_data/lm_eval",
     output:
         finetuned=directory("results/qat/finetuned"),
         evals="results/qat/evals.csv",

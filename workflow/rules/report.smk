@@ -18,6 +18,7 @@ rule report:
         asked("capacity", "results/capacity/metrics.json"),
         expand("results/bench_attention/{name}/metrics.json", name=names("bench_attention")),
         expand("results/bench_inference/{name}/metrics.json", name=names("bench_inference")),
+        expand("results/evaluate/{name}/metrics.json", name=names("evaluate")),
         "results/prepare_data/metrics.json",
         repo_file("workflow/profiles/gpu/params.yaml"),  # the larger experiment: what this run leaves out of it
         claims="results/claims/claims.md",

@@ -15,6 +15,7 @@ import torch
 
 from .. import cli
 from ..config import UserError, classify_source, local_source_files
+from ..evaluation.task import write_task
 from ..layout import Job
 from ..measure.env import environment
 from ..modeling import load_tokenizer, package_folder
@@ -151,6 +152,10 @@ def run(cfg: dict, job: Job) -> dict:
     splits = {"train": frame.iloc[train_idx], "validation": frame.iloc[val_idx]}
     for split, part in splits.items():
         part.to_parquet(job.out / f"{split}.parquet", index=False)
+    # The validation questions as lm-eval tasks (the evaluate stage runs them; so can lm_eval by hand): the rows
+    # no fine-tune trains on.
+    write_task(job.out / job.layout.lm_eval_task().name, splits["validation"].to_dict("records"),
+               tokenizer.eos_token)
     stats = {split: _stats(part) for split, part in splits.items()}
     log.info("prepare_data: %d train / %d validation rows, median %d tokens",
              stats["train"]["rows"], stats["validation"]["rows"],

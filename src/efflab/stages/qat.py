@@ -31,6 +31,7 @@ import torch
 from .. import cli, quality, records
 from ..architecture import linear_layers, matmul_shape, undivided_layer
 from ..config import UserError
+from ..evaluation import harness, scores
 from ..layout import Job, Layout
 from ..measure.device import pick_device, set_threads
 from ..measure.env import environment
@@ -180,6 +181,9 @@ def cell(cfg: dict, results: str, method: str, bits: int | None, dtype: str, dev
             convert_qat(model, bits, q["group_size"])
     result["rows"] = per_row_nll(model, val_rows, tokenizer)
     result["weight_bytes"] = weight_bytes(model, bits, q["group_size"])
+    e = cfg["evaluate"]  # task quality, through the evaluate stage's code (QAT models live only in this cell)
+    result["tasks"] = harness.evaluate(model, tokenizer, layout.lm_eval_task(), e["tasks"], e["docs"],
+                                       e["max_new_tokens"], e["batch_size"], e["bootstrap_iters"])
     return result
 
 
@@ -251,8 +255,9 @@ def run_cells(cfg: dict, layout, journal, bits: list[int], dtype: str, device) -
     return cells
 
 
-def tables(cells: dict) -> tuple[list, list, list]:
-    """(evals rows, loss rows, one entry per model) from the cells' results."""
+def tables(cells: dict, tolerance: dict) -> tuple[list, list, list]:
+    """(evals rows, loss rows, one entry per model) from the cells' results; each PTQ and QAT model's task scores
+    paired with the full-precision fine-tune's, gated by `tolerance` (evaluate.tolerance)."""
     evals, losses, variants = [], [], []
     fp = cells["full precision"]
     if records.is_ok(fp):
@@ -273,8 +278,11 @@ def tables(cells: dict) -> tuple[list, list, list]:
                       "mixed_precision": result["mixed_precision"]}
         if "fake_quantized_rows" in result:
             entry["fake_quantized_perplexity"] = perplexity(result["fake_quantized_rows"])
+        entry["tasks"] = {t: {k: v for k, v in r.items() if k != "docs"} for t, r in result["tasks"].items()}
         if method in ("ptq", "qat") and records.is_ok(fp):
             entry["perplexity_change"] = quality.paired_change(fp["rows"], result["rows"])
+            entry["task_changes"] = scores.paired_changes(result["tasks"], fp, tolerance)
+            entry["task_gate"] = scores.gate_verdict(entry["task_changes"])
         variants.append(entry)
     return evals, losses, variants
 
@@ -306,7 +314,7 @@ def run(cfg: dict, job: Job) -> dict:
     journal = CellJournal(layout.out("qat") / ".cells.jsonl",
                           {"qat": q, "runtime": rt, "base": layout.metrics("base_model").read_text()})
     cells = run_cells(cfg, layout, journal, bits, dtype, device)
-    evals, losses, variants = tables(cells)
+    evals, losses, variants = tables(cells, cfg["evaluate"]["tolerance"])
     fp = cells["full precision"]
     reference = perplexity(fp["rows"]) if records.is_ok(fp) else None
     tests = precision_tests(variants, q, reference, bits)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ... import records
 from ...estimators import analytic
+from ...evaluation import scores
 from ...measure.stats import median_ci_order, percentile
 from .causes import attention_exponent_expected, kept_in_16_bits, prune_shares, serving_alternatives
 from .verdict import UNIT_SCALE, Reading
@@ -231,6 +232,23 @@ def _prune_ratio(layout, metric: dict) -> Reading:
                    cause=prune_shares(layout, m))
 
 
+def _task_change(layout, metric: dict) -> Reading:
+    """The change of an lm-eval metric from model `against` (default: the model's own reference in its evaluate
+    record) to `model`, paired document by document, with its 95% interval (evaluation.scores.change)."""
+    m = _read(layout.metrics("evaluate", metric["model"]))
+    against = metric.get("against") or m["reference"]
+    ref = _read(layout.metrics("evaluate", against))
+    task, name = metric["task"], metric["metric"]
+    if m["tasks"].get(task, {}).get("status") != "ok" or ref["tasks"].get(task, {}).get("status") != "ok":
+        raise NotHere(f"evaluate: {task} did not run on {metric['model']} and {against}")
+    chg = scores.change(ref["tasks"][task], m["tasks"][task], name)
+    if chg is None:
+        raise NotHere(f"evaluate: no {name} on the same documents for {metric['model']} and {against}")
+    return Reading(chg["change"], f"evaluate: {name} of {metric['model']} minus {against}'s on the same {chg['n']} "
+                                  f"documents of {task} ({chg['method']})",
+                   tuple(chg["ci95"]) if chg.get("ci95") else None)
+
+
 def _serving_ratio(layout, metric: dict) -> Reading:
     """bench_serving's output tokens/s of `method` over the naive server's, at the highest concurrency it ran,
     paired burst round by burst round, with its 95% interval where the rounds give one (a record of one burst has
@@ -315,4 +333,4 @@ METRICS = {"quantize_ratio": _quantize_ratio, "finetune_trainable": _finetune_tr
            "finetune_pair": _finetune_pair, "attention_speedup": _attention_speedup,
            "attention_memory_exponent": _attention_memory_exponent, "matmul_ratio": _matmul_ratio,
            "cuda_context": _cuda_context, "prune_ratio": _prune_ratio, "serving_ratio": _serving_ratio,
-           "inference_speedup": _inference_speedup}
+           "inference_speedup": _inference_speedup, "task_change": _task_change}

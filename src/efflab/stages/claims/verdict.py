@@ -14,7 +14,7 @@ from dataclasses import dataclass
 # What one reported unit is in the base unit its quantity returns (bytes, parameters, a plain number).
 UNIT_SCALE = {"params": 1, "M params": 1e6, "B params": 1e9, "bytes": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9,
               "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TB/s": 1e12, "bytes/param": 1, "bits": 1, "%": 1, "x": 1,
-              "count": 1, "cycles": 1, "s": 1, "exponent": 1}
+              "count": 1, "cycles": 1, "s": 1, "exponent": 1, "bits/byte": 1}
 # Byte units whose prefix a seed may write loosely: the power of the prefix, and the convention the label itself
 # names. Each seed's `units.convention` (workflow/claims.yaml) says how its labels are read; a claim outside the
 # registry without one is taken at its word (KB/MB/GB decimal, KiB/MiB/GiB binary).

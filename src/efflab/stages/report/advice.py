@@ -11,6 +11,7 @@ from __future__ import annotations
 import pandas as pd
 
 from ... import records
+from ...config import evaluated_name
 from . import options as opts
 from .decide import beats, best_point, frontier, winner
 from .fmt import markdown
@@ -37,6 +38,22 @@ def speed_word(a: dict | None) -> str:
     return "faster" if a["lo"] > 1 else "slower" if a["hi"] < 1 else "no difference measured"
 
 
+def task_gates(evaluate: list[dict]) -> dict[str, str]:
+    """The evaluate stage's quality gate per evaluated model (e.g. "quantized-nf4": "fails")."""
+    return {r["model"]: r["gate"]["verdict"] for r in records.ok(evaluate)}
+
+
+def gate_of(gates: dict[str, str], model: str) -> str:
+    """A model's task gate: passes / fails / undecided, "reference" for the base, "not evaluated" without a job."""
+    return gates.get(model, "not evaluated")
+
+
+def with_gate(status: dict[str, str], gates: dict[str, str], model_of) -> dict[str, str]:
+    """Perplexity statuses with the task gate on top: an option whose task scores fail the gate is never kept."""
+    return {name: "fails the task gate" if gate_of(gates, model_of(name)) == "fails" else s
+            for name, s in status.items()}
+
+
 def _table(options: list[dict], columns: dict[str, tuple[str, str]], front: list[str], extra=None) -> str:
     """The options as a small table: one column per axis (value [interval]) and whether it is on the frontier."""
     rows = [{"option": o["name"] + (" (baseline)" if o.get("baseline") else ""),
@@ -47,12 +64,14 @@ def _table(options: list[dict], columns: dict[str, tuple[str, str]], front: list
     return markdown(pd.DataFrame(rows))
 
 
-def quantize_facts(quantize: list[dict], inference: list[dict], baseline: str, tolerance: float) -> dict | None:
+def quantize_facts(quantize: list[dict], inference: list[dict], baseline: str, tolerance: float,
+                   gates: dict[str, str]) -> dict | None:
     options = opts.quantize_options(quantize, inference, baseline)
     if not options:
         return None
-    status = {o["name"]: "within" if o["baseline"] else quality_status(o["axes"]["quality"], tolerance)
-              for o in options}
+    model_of = {o["name"]: "base" if o["baseline"] else evaluated_name("quantized", o["name"]) for o in options}
+    status = with_gate({o["name"]: "within" if o["baseline"] else quality_status(o["axes"]["quality"], tolerance)
+                        for o in options}, gates, model_of.get)
     kept = [o for o in options if status[o["name"]] == "within"]
     pick = min(kept, key=lambda o: o["axes"]["memory"]["value"]) if kept else None
     front = frontier(options, {"memory": "min", **SPEED, **QUALITY})
@@ -62,18 +81,21 @@ def quantize_facts(quantize: list[dict], inference: list[dict], baseline: str, t
             "smaller": smaller,
             "speed": speed_word(pick["axes"]["speed"]) if pick else None,
             "by_status": {s: [n for n, v in status.items() if v == s and n != baseline]
-                          for s in ("within", "beyond", "undecided", "not measured")},
+                          for s in ("within", "beyond", "undecided", "not measured", "fails the task gate")},
             "table": _table(options, {"memory": ("footprint", " MiB"), "quality": ("perplexity change", "%"),
                                       "speed": ("decode speed × baseline", "")}, front,
-                            lambda o: {"quality vs tolerance": status[o["name"]]})}
+                            lambda o: {"quality vs tolerance": status[o["name"]],
+                                       "task gate": gate_of(gates, model_of[o["name"]])})}
 
 
-def inference_facts(inference: list[dict], quantize: list[dict], tolerance: float) -> dict | None:
+def inference_facts(inference: list[dict], quantize: list[dict], tolerance: float,
+                    gates: dict[str, str]) -> dict | None:
     options = opts.inference_options(inference, quantize)
     if not options:
         return None
-    status = {o["name"]: "within" if o["baseline"] else quality_status(o["axes"]["quality"], tolerance)
-              for o in options}
+    model_of = {o["name"]: evaluated_name(o["kind"], o["of"]) for o in options}
+    status = with_gate({o["name"]: "within" if o["baseline"] else quality_status(o["axes"]["quality"], tolerance)
+                        for o in options}, gates, model_of.get)
     base = next((o for o in options if o["baseline"]), None)
     faster = [o for o in options if not o["baseline"] and speed_word(o["axes"]["speed"]) == "faster"]
     kept = [o for o in faster if status[o["name"]] == "within"]
@@ -87,7 +109,9 @@ def inference_facts(inference: list[dict], quantize: list[dict], tolerance: floa
             "table": _table(options, {"memory": ("footprint", " MiB"), "speed": ("decode speed × base", ""),
                                       "quality": ("perplexity change", "%")}, front,
                             lambda o: {"speed verdict": "baseline" if o["baseline"] else speed_word(o["axes"]["speed"]),
-                                       "quality vs tolerance": status[o["name"]]})}
+                                       "quality vs tolerance": status[o["name"]],
+                                       "task gate": gate_of(gates, model_of[o["name"]])}),
+            "gate_failed_faster": [o["name"] for o in faster if status[o["name"]] == "fails the task gate"]}
 
 
 # Settings that change what a run learns: when runs differ in them, their losses compare settings, not methods.
@@ -146,11 +170,12 @@ def merge_facts(merge: list[dict]) -> list[dict]:
 
 def facts(metrics: dict, cfg: dict) -> dict:
     tolerance = cfg["report"]["quality_tolerance_pct"]
-    return {"tolerance": tolerance, "baseline": cfg["report"]["baseline_scheme"],
+    gates = task_gates(metrics.get("evaluate", []))
+    return {"tolerance": tolerance, "baseline": cfg["report"]["baseline_scheme"], "gates": gates,
             "quantize": quantize_facts(metrics["quantize"], metrics["bench_inference"], cfg["report"]["baseline_scheme"],
-                                       tolerance),
+                                       tolerance, gates),
             "finetune": finetune_facts(metrics["finetune"]),
-            "inference": inference_facts(metrics["bench_inference"], metrics["quantize"], tolerance),
+            "inference": inference_facts(metrics["bench_inference"], metrics["quantize"], tolerance, gates),
             "attention": attention_facts(metrics["bench_attention"]),
             "merge": merge_facts(metrics["merge"])}
 

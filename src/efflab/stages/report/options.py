@@ -71,7 +71,7 @@ def inference_options(inference: list[dict], quantize: list[dict]) -> list[dict]
             continue
         base = job["kind"] == "base"
         quality_axis = _zero() if base else _change_axis(changes.get(job["of"])) if job["kind"] == "quantized" else None
-        out.append({"name": job["variant"], "baseline": base, "kind": job["kind"], "axes": {
+        out.append({"name": job["variant"], "baseline": base, "kind": job["kind"], "of": job.get("of"), "axes": {
             "memory": axis(cell["memory_footprint_bytes"] / MiB, exact=True),
             "speed": _one() if base else _ratio_axis((cell.get("vs_base") or {}).get("generation_speedup")),
             "quality": quality_axis}})

@@ -37,7 +37,7 @@ def inference_pareto(inference_rows: list[dict], quantize_rows: list[dict]) -> l
     (quantized variants; fine-tuned ones have none comparable). An old record's unpaired change is kept as a
     point (`quality_point`), which decides nothing."""
     # The frontier does not depend on the tolerance, which only sorts options into within / beyond it.
-    facts = advice.inference_facts(inference_rows, quantize_rows, tolerance=0.0)
+    facts = advice.inference_facts(inference_rows, quantize_rows, tolerance=0.0, gates={})
     if not facts:
         return []
     unpaired = {r["scheme"]: r.get("perplexity_change_pct") for r in records.ok(quantize_rows)}

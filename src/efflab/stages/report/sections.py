@@ -8,6 +8,7 @@ import pandas as pd
 from ... import config, records, registry
 from ...measure.stats import format_ratio
 from ...measure.timing import SENTINEL_TOLERANCE
+from . import task_quality
 from .environments import comparison
 from .fmt import markdown, one_line
 from .render import render
@@ -55,6 +56,10 @@ def prompt_count(cfg: dict, metrics: dict) -> int:
     done = [m["prompts"] for m in records.ok(metrics["bench_inference"]) if "prompts" in m]
     chosen = cfg["bench_inference"]["prompts"]
     return done[0] if done else len(chosen) if isinstance(chosen, list) else chosen["validation_rows"]
+
+
+def evaluate_body(cfg: dict, metrics: dict, table) -> str:
+    return render("sections/evaluate.md.j2", **task_quality.facts(cfg, metrics["evaluate"]))
 
 
 def quantize_body(cfg: dict, metrics: dict, table) -> str:

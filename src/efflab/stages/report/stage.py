@@ -29,7 +29,8 @@ SECTIONS = [("quantize", "## Quantization (post-training, bitsandbytes)", sec.qu
             ("bench_attention", "## Attention implementations", sec.attention_body),
             ("bench_inference", "## Inference variants (greedy, fixed length)", sec.inference_body),
             ("bench_serving", "## Serving: naive vs static vs continuous batching", sec.serving_body),
-            ("capacity", "## Capacity: the largest batch and sequence that fit", sec.capacity_body)]
+            ("capacity", "## Capacity: the largest batch and sequence that fit", sec.capacity_body),
+            ("evaluate", "## Task quality (lm-evaluation-harness) and the quality gate", sec.evaluate_body)]
 
 
 def refuse_stale(layout, jobs: dict[str, dict]) -> None:

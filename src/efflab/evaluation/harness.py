@@ -1,0 +1,109 @@
+"""lm-evaluation-harness run on a model efflab has already loaded (its HF model class wrapping that very object, so
+a quantized model is evaluated as its quantized modules), one task at a time: a task that cannot run (its data
+cannot be loaded offline, an unknown name) is a cell with its reason, and the other tasks go on.
+
+lm_eval (and datasets under it) take seconds to import: they are imported inside `evaluate`.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from .task import GEN_TASK, TASKS
+
+__all__ = ["GEN_TASK", "TASKS", "cli_commands", "evaluate", "quantized_modules"]
+
+log = logging.getLogger("efflab")
+
+
+def cli_command(folders: list, dtype: str, device: str, task_dir: Path, task: str, docs: int | None,
+                max_new_tokens: int | None, batch_size: int) -> str:
+    """The lm_eval command line that reruns one cell by hand on the model's folders (a base and its adapter, or one
+    folder; a quantized folder loads quantized from its own config), in the dtype and on the device efflab used."""
+    model = f"pretrained={folders[0]}" + (f",peft={folders[1]}" if len(folders) > 1 else "") + f",dtype={dtype}"
+    cmd = (f"lm_eval --model hf --model_args {model} --device {device} --include_path {task_dir} --tasks {task} "
+           f"--batch_size {batch_size}")
+    cmd += f" --limit {docs}" if docs else ""
+    return cmd + (f" --gen_kwargs max_gen_toks={max_new_tokens}" if max_new_tokens else "")
+
+
+def quantized_modules(model) -> dict[str, int]:
+    """The quantized module classes the evaluated model holds, with their counts (bitsandbytes' Linear8bitLt and
+    Linear4bit, torchao's): evidence that it was evaluated quantized, not de-quantized or reloaded in full
+    precision."""
+    counts: dict[str, int] = {}
+    for module in model.modules():
+        kind = type(module)
+        if "bitsandbytes" in kind.__module__ or "torchao" in kind.__module__:
+            counts[kind.__name__] = counts.get(kind.__name__, 0) + 1
+    return counts
+
+
+def cli_commands(folders: list, dtype: str, device: str, task_dir: Path, tasks: list[str], docs: int | None,
+                 max_new_tokens: int, batch_size: int) -> dict[str, str]:
+    """The lm_eval command lines that rerun a model's cells by hand: efflab's tasks in one (with efflab's generation
+    length), each other task in its own (with its own), keyed by the comma-joined tasks each runs."""
+    ours = [t for t in tasks if t in TASKS]
+    out = {",".join(ours): cli_command(folders, dtype, device, task_dir, ",".join(ours), docs, max_new_tokens,
+                                       batch_size)} if ours else {}
+    return out | {t: cli_command(folders, dtype, device, task_dir, t, docs, None, batch_size)
+                  for t in tasks if t not in TASKS}
+
+
+def _metrics(results: dict) -> dict:
+    """{metric: {"value", "stderr"}} from lm-eval's "metric,filter" keys (the first filter of each metric)."""
+    out = {}
+    for key, value in results.items():
+        if "," not in key or key.split(",")[0].endswith("_stderr") or key == "alias":
+            continue
+        name = key.split(",")[0]
+        stderr = results.get(key.replace(",", "_stderr,", 1))
+        out.setdefault(name, {"value": value, "stderr": None if stderr in (None, "N/A") else stderr})
+    return out
+
+
+def _docs(samples: list[dict], metrics: list[str]) -> list[dict]:
+    """Per document: its id, the model's response (generation tasks), the reference and each metric's item."""
+    rows = []
+    for s in sorted(samples, key=lambda s: s["doc_id"]):
+        response = s["filtered_resps"][0] if s["filtered_resps"] else None
+        rows.append({"doc_id": s["doc_id"], "target": str(s["target"]),
+                     "response": response if isinstance(response, str) else None,
+                     "scores": {m: s[m] for m in metrics if m in s}})
+    return rows
+
+
+def run_task(lm, task_manager, task: str, docs: int | None, gen_kwargs: dict | None, bootstrap_iters: int) -> dict:
+    from lm_eval import simple_evaluate
+
+    out = simple_evaluate(model=lm, tasks=[task], task_manager=task_manager, limit=docs, gen_kwargs=gen_kwargs,
+                          bootstrap_iters=bootstrap_iters, log_samples=True)
+    metrics = _metrics(out["results"][task])
+    return {"status": "ok", "metrics": metrics, "higher_is_better": out["higher_is_better"].get(task, {}),
+            "n_docs": len(out["samples"][task]), "docs": _docs(out["samples"][task], list(metrics))}
+
+
+def evaluate(model, tokenizer, task_dir: Path, tasks: list[str], docs: int | None, max_new_tokens: int,
+             batch_size: int, bootstrap_iters: int) -> dict[str, dict]:
+    """Each task's result on `model`: lm-eval's metrics with their standard errors and the per-document items, or
+    {"status": "unavailable", "reason": ...}. efflab's own tasks generate `max_new_tokens`; other tasks keep theirs."""
+    os.environ.setdefault("DISABLE_MULTIPROC", "1")  # lm-eval's bootstrap would start a process pool per metric
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
+    if lm.model is not model:  # what is scored must be what efflab loaded (quantized, adapted), not a reload
+        raise RuntimeError("lm-eval's HFLM did not keep the model it was given")
+    # Indexing lm-eval's thousands of built-in tasks takes seconds: only when a task is not efflab's own.
+    manager = TaskManager(include_path=str(task_dir), include_defaults=any(t not in TASKS for t in tasks))
+    results = {}
+    for task in tasks:
+        gen_kwargs = {"max_gen_toks": max_new_tokens} if task in TASKS else None
+        try:
+            results[task] = run_task(lm, manager, task, docs, gen_kwargs, bootstrap_iters)
+        except Exception as err:  # noqa: BLE001 - lm-eval raises anything when a task's data cannot be loaded
+            reason = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:300]
+            log.warning("evaluate: task %s did not run: %s", task, reason)
+            results[task] = {"status": "unavailable", "reason": reason}
+    return results

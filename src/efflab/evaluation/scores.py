@@ -1,0 +1,105 @@
+"""Per-document scores of two models on the same documents, paired: the change of each metric with its interval,
+and the quality gate (evaluate.tolerance) decided by that interval.
+
+A metric's per-document item is lm-eval's own: a number (exact_match, acc), a (log-likelihood, weight) pair
+(bits_per_byte: weight = bytes of the answer), or a (reference, response) pair of a corpus metric (chrf, bleu),
+scored per document by lm-eval's own aggregation on that one document. Pairs of log-likelihoods are compared by
+the ratio estimator of quality.paired_change (the change of the corpus value); numbers by a paired t interval.
+"""
+from __future__ import annotations
+
+import math
+
+from .. import quality
+
+LN2 = math.log(2)
+# lm-eval aggregations over (log-likelihood, weight) items, and how a change in mean negative log-likelihood per
+# weight unit (nats) reads in the metric's own units.
+WEIGHTED = {"bits_per_byte": lambda nats: nats / LN2}
+
+
+def per_doc(item, metric: str):
+    """One document's score: a number, or (nll, weight) for a WEIGHTED metric, or lm-eval's aggregation of the
+    metric on this one document; None where the item is neither."""
+    if isinstance(item, bool | int | float):
+        return float(item)
+    if metric in WEIGHTED and isinstance(item, list | tuple) and len(item) == 2:
+        return (-float(item[0]), float(item[1]))
+    from lm_eval.api.registry import get_aggregation
+
+    try:
+        return float(get_aggregation(metric)([item]))
+    except Exception:  # noqa: BLE001 - an aggregation this module cannot apply to one document
+        return None
+
+
+def doc_scores(result: dict, metric: str) -> dict[int, object]:
+    return {d["doc_id"]: per_doc(d["scores"][metric], metric) for d in result["docs"] if metric in d["scores"]}
+
+
+def change(reference: dict, variant: dict, metric: str) -> dict | None:
+    """The variant's metric minus the reference's over the documents both scored: the change, n, and its 95%
+    interval where n >= quality.MIN_ROWS (else None)."""
+    ref, var = doc_scores(reference, metric), doc_scores(variant, metric)
+    ids = sorted(i for i in ref.keys() & var.keys() if ref[i] is not None and var[i] is not None)
+    if not ids:
+        return None
+    if metric in WEIGHTED:
+        paired = quality.paired_change([[ref[i][1], ref[i][0]] for i in ids], [[var[i][1], var[i][0]] for i in ids])
+        to_units = WEIGHTED[metric]
+        ci = paired["ci95_loss_change"]
+        return {"change": to_units(paired["loss_change"]), "n": len(ids),
+                "ci95": None if ci is None else [to_units(ci[0]), to_units(ci[1])], "method": paired["method"]}
+    return quality.paired_mean_change([ref[i] for i in ids], [var[i] for i in ids])
+
+
+def gate(chg: dict | None, tolerance: float, higher_is_better: bool) -> str:
+    """`fails` when the whole interval of the drop (the change in the worse direction) exceeds `tolerance`,
+    `passes` when the whole interval is within it, `undecided` otherwise or without an interval."""
+    if not chg or chg.get("ci95") is None:
+        return "undecided"
+    lo, hi = sorted(-x if higher_is_better else x for x in chg["ci95"])
+    return "fails" if lo > tolerance else "passes" if hi <= tolerance else "undecided"
+
+
+def overall(verdicts: list[str]) -> str:
+    """A variant fails the gate when any metric fails, passes when every metric passes; else undecided."""
+    if "fails" in verdicts:
+        return "fails"
+    return "passes" if verdicts and all(v == "passes" for v in verdicts) else "undecided"
+
+
+def paired_changes(results: dict, reference: dict | None, tolerance: dict) -> dict:
+    """Per task and metric of `results` (harness.evaluate's): the change against `reference` (a record holding the
+    reference model's "tasks") on the same documents, its interval and its gate ("not gated" without a
+    tolerance for the metric)."""
+    out = {}
+    for task, result in results.items():
+        ref = (reference or {}).get("tasks", {}).get(task)
+        if result["status"] != "ok" or not ref or ref.get("status") != "ok":
+            continue
+        for metric in result["metrics"]:
+            chg = change(ref, result, metric)
+            if chg is None:
+                continue
+            better_up = bool(result["higher_is_better"].get(metric, True))
+            out.setdefault(task, {})[metric] = {
+                **chg, "higher_is_better": better_up, "tolerance": tolerance.get(metric),
+                "gate": gate(chg, tolerance[metric], better_up) if metric in tolerance else "not gated"}
+    return out
+
+
+def gate_verdict(changes: dict) -> dict:
+    """The model's gate over its gated metrics, and the metrics it fails on."""
+    verdicts = [m["gate"] for task in changes.values() for m in task.values() if m["gate"] != "not gated"]
+    failed = sorted(f"{t}/{m}" for t, task in changes.items() for m, c in task.items() if c["gate"] == "fails")
+    return {"verdict": overall(verdicts), "failed": failed}
+
+
+def samples(results: dict, count: int, task: str) -> list[dict]:
+    """The first `count` generated answers of a generation task, each beside its reference and its scores."""
+    gen = results.get(task)
+    if not gen or gen["status"] != "ok":
+        return []
+    return [{"doc_id": d["doc_id"], "reference": d["target"], "answer": d["response"],
+             **{m: per_doc(v, m) for m, v in d["scores"].items()}} for d in gen["docs"][:count]]

@@ -1,0 +1,69 @@
+"""Stage evaluate: lm-evaluation-harness on one model the experiment makes or uses, one job per model.
+
+The model is loaded as its stage left it (a quantized folder as its quantized modules, an adapter on the base it
+trained on) and lm-eval's HF model class wraps that very object. The tasks are efflab's own on the user's
+validation split (written by prepare_data, rerunnable by hand with lm_eval) and any installed lm-eval task named
+in evaluate.tasks. Each model is paired, document by document, with its reference (the base; for a merged model,
+the adapter it came from), whose job it waits for: the change of every metric with its 95% interval, and the
+quality gate (evaluate.tolerance) decided by that interval.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+from .. import cli, records
+from ..config import evaluated_models
+from ..evaluation import harness, scores
+from ..layout import Job
+from ..measure.device import pick_device, set_threads
+from ..measure.env import environment
+from ..modeling import base_dtype, load_tokenizer, load_variant
+
+log = logging.getLogger("efflab")
+
+UPSTREAM = {"quantized": "quantize", "pruned": "prune", "healed": "prune", "adapter": "finetune",
+            "finetuned": "finetune", "merged": "merge"}
+
+
+def run(cfg: dict, job: Job) -> dict:
+    """Evaluate one model on evaluate.tasks and pair it with its reference."""
+    e, layout = cfg["evaluate"], job.layout
+    model_cfg = evaluated_models(cfg)[job.name]
+    kind, of, reference = model_cfg["kind"], model_cfg["of"], model_cfg["reference"]
+    set_threads(cfg["runtime"])
+    device = pick_device(cfg["runtime"])
+    about = {"model": job.name, "kind": kind, "of": of, "reference": reference}
+    skipped = layout.skipped_because(UPSTREAM[kind], of) if kind in UPSTREAM else None
+    if skipped:
+        return {**skipped, **about, "environment": environment(device, e)}
+
+    tokenizer = load_tokenizer(layout.base_model())
+    t0 = time.perf_counter()
+    dtype = base_dtype(layout)
+    model = load_variant(cfg, model_cfg, layout, dtype, device)
+    load_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    results = harness.evaluate(model, tokenizer, layout.lm_eval_task(), e["tasks"], e["docs"], e["max_new_tokens"],
+                               e["batch_size"], e["bootstrap_iters"])
+    eval_s = time.perf_counter() - t0
+    ref_record = records.read(layout, "evaluate", reference) if reference else None
+    changes = scores.paired_changes(results, ref_record if ref_record and records.is_ok(ref_record) else None, e["tolerance"])
+    gate = scores.gate_verdict(changes) if reference else {"verdict": "reference", "failed": []}
+    for task, result in results.items():
+        shown = ", ".join(f"{m} {v['value']:.4g}" for m, v in result.get("metrics", {}).items())
+        log.info("%s: %s: %s", job.name, task, shown or result.get("reason"))
+    log.info("%s: gate %s (against %s)%s", job.name, gate["verdict"], reference or "itself",
+             f": fails on {', '.join(gate['failed'])}" if gate["failed"] else "")
+    folders = [str(f) for f in layout.variant_folders(model_cfg)]
+    return {**about, "tasks": results, "changes": changes, "gate": gate,
+            "quantized_modules": harness.quantized_modules(model),
+            "samples": scores.samples(results, e["samples"], harness.GEN_TASK),
+            "load_s": load_s, "eval_s": eval_s,
+            "commands": harness.cli_commands(folders, dtype, device.type, layout.lm_eval_task(), e["tasks"],
+                                             e["docs"], e["max_new_tokens"], e["batch_size"]),
+            "environment": environment(device, e)}
+
+
+if __name__ == "__main__":
+    cli.main("evaluate", run)
