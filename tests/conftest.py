@@ -5,12 +5,16 @@ from __future__ import annotations
 import copy
 import os
 import shutil
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
+from efflab import zygote
 from tests.helpers import TEST_PARAMS, BackgroundPipeline, run_stage
 
 # pytest-xdist runs tests in parallel worker processes. Their torch threads together must not outnumber the
@@ -32,6 +36,26 @@ LONGEST_FIRST = ("test_workflow.py", "test_families_a.py", "test_families_b.py",
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the other files keep their order
+
+
+@pytest.fixture(scope="session", autouse=True)
+def job_server(tmp_path_factory):
+    """One job server (efflab.zygote) per test worker, named in the worker's environment: the stage commands the
+    tests' snakemake, dvc and subprocess runs start fork from it, as they do from the one a `snakemake` run starts,
+    instead of paying ~10 s of imports each. Where the server is not wanted (a GPU machine) nothing is started."""
+    if zygote.wanted() is not None:
+        yield None
+        return
+    path = Path(tempfile.mkdtemp(prefix="efflab-zygote-")) / "z.sock"  # short: a socket path is at most 107 bytes
+    log = open(tmp_path_factory.mktemp("job_server") / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "efflab.zygote", "--socket", str(path)], stdout=log,
+                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    os.environ[zygote.ENV] = str(path)
+    yield path
+    os.environ.pop(zygote.ENV, None)
+    proc.terminate()
+    proc.wait()
+    log.close()
 
 
 @pytest.fixture(scope="session")

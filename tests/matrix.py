@@ -46,6 +46,8 @@ GRID = {
         "merged-qlora": {"kind": "merged", "of": "qlora"}, "adapter-lora": {"kind": "adapter", "of": "lora"}}},
     "bench_serving": {"requests": 3, "methods": ["naive", "continuous"], "bursts": 2},
     "capacity": {"runs": ["lora"], "variants": [], "max_batch_size": 1, "max_seq_len": 64},
+    # lm-eval wrapping a 4-bit model, an adapter on it and its merge (+ the base they are paired with)
+    "evaluate": {"models": ["quantized-nf4", "merged-qlora"]},
 }
 
 

@@ -436,3 +436,30 @@ def test_the_serving_claim_is_judged_on_the_interval_of_paired_bursts(tmp_path, 
     row = judged(6)
     assert row["verdict"] == "differs" and "static batching beat continuous batching at concurrency 4" in row["finding"]
     assert "static 3x [3, 3] at concurrency 4" in row["finding"]
+
+
+def _evaluated(layout, model: str, reference, lls: list[tuple[float, int]]) -> None:
+    """An evaluate record whose bits_per_byte items are (log-likelihood, bytes) per document."""
+    docs = [{"doc_id": i, "target": "", "response": None, "scores": {"bits_per_byte": list(item)}}
+            for i, item in enumerate(lls)]
+    _write(layout.metrics("evaluate", model), {"status": "ok", "model": model, "reference": reference, "tasks": {
+        "efflab_validation_ll": {"status": "ok", "metrics": {}, "docs": docs}}})
+
+
+def test_quality_claims_read_the_paired_task_scores(tmp_path, registry):
+    """"Minimal accuracy loss" holds where the whole interval of the answers' bits-per-byte change is within 0.1;
+    "corrupted output" where the whole interval is beyond it; NF4's "larger loss" is NF4 paired with INT8."""
+    layout = Layout(tmp_path / "results")
+    base = [(-100.0 - i, 80 + i) for i in range(8)]
+    _evaluated(layout, "base", None, base)
+    _evaluated(layout, "quantized-int8", "base", [(ll - 0.5 - 0.1 * (i % 2), n) for i, (ll, n) in enumerate(base)])
+    _evaluated(layout, "quantized-nf4", "base", [(ll - 3 - 0.5 * (i % 3), n) for i, (ll, n) in enumerate(base)])
+    _evaluated(layout, "pruned-layers-half", "base", [(ll - 200 - 9 * (i % 2), n) for i, (ll, n) in enumerate(base)])
+    by_id = {c["id"]: c for c in registry}
+    int8 = stage.evaluate(by_id["int8-minimal-accuracy-loss"], layout)
+    assert int8["verdict"] == "reproduced" and 0 < int8["ci_low"] <= int8["ci_high"] < 0.1
+    assert stage.evaluate(by_id["nf4-larger-accuracy-loss"], layout)["verdict"] == "reproduced"
+    pruned = stage.evaluate(by_id["prune-half-layers-corrupted"], layout)
+    assert pruned["verdict"] == "reproduced" and pruned["ci_low"] > 0.1
+    lora = stage.evaluate(by_id["lora-minimal-quality-loss"], layout)  # no fine-tune evaluated here
+    assert lora["verdict"] == "not reproducible here"

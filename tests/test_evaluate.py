@@ -3,6 +3,7 @@ the paired changes and the quality gate."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 
 import pandas as pd
@@ -103,7 +104,7 @@ def test_paired_mean_change_gives_an_interval_only_from_six_documents():
 
 
 def test_an_unknown_task_name_is_one_line_naming_the_key(test_cfg, tmp_path):
-    cfg = {**test_cfg, "evaluate": {**test_cfg["evaluate"], "tasks": [GEN_TASK, "arc_easy", "no_such_task_xyz"]}}
+    cfg = {**test_cfg, "evaluate": {**test_cfg["evaluate"], "tasks": [LL_TASK, "arc_easy", "no_such_task_xyz"]}}
     with pytest.raises(UserError, match=r"evaluate\.tasks: 'no_such_task_xyz' is not an lm-eval task"):
         config.validate(cfg)
     params = tmp_path / "params.yaml"
@@ -127,3 +128,22 @@ def test_the_evaluated_models_are_every_model_the_run_makes_and_a_list_keeps_wha
                                                     f"adapter-{config.merge_runs(cfg)[0]}"}
     with pytest.raises(UserError, match=r"evaluate\.models: 'quantized-nope'"):
         config.validate({**cfg, "evaluate": {**cfg["evaluate"], "models": ["quantized-nope"]}})
+
+
+def test_a_task_whose_data_cannot_be_loaded_is_unavailable_and_the_others_run(results, test_cfg, tmp_path,
+                                                                              monkeypatch):
+    """A task named in evaluate.tasks whose dataset is not at hand (offline: a hub dataset) is a cell with its
+    reason; efflab's own task beside it still runs."""
+    layout, e = Layout(results), test_cfg["evaluate"]
+    folder = tmp_path / "tasks"
+    shutil.copytree(layout.lm_eval_task(), folder)
+    (folder / "hub_only.yaml").write_text("task: hub_only\ndataset_path: efflab-tests/no-such-dataset\n"
+                                          "output_type: loglikelihood\ntest_split: test\ndoc_to_text: '{{q}}'\n"
+                                          "doc_to_target: '{{a}}'\nmetric_list: [{metric: acc}]\n")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    model = load_model(layout.base_model(), base_dtype(layout), torch.device("cpu"))
+    out = harness.evaluate(model, load_tokenizer(layout.base_model()), folder, [LL_TASK, "hub_only"], e["docs"],
+                           e["max_new_tokens"], e["batch_size"], 0)
+    assert out[LL_TASK]["status"] == "ok" and out[LL_TASK]["n_docs"] == e["docs"]
+    assert out["hub_only"]["status"] == "unavailable" and len(out["hub_only"]["reason"]) > 20

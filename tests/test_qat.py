@@ -52,6 +52,15 @@ def test_the_stage_s_perplexities_and_b_min_are_recomputed_from_its_per_row_log(
     losses = pd.read_csv(results / "qat" / qat.LOSSES_CSV)
     assert set(losses.variant) == {"full precision"} | {f"qat-int{b}" for b in q["bits"]}
     assert all(len(g) == q["train"]["steps"] for _, g in losses.groupby("variant"))
+    ll = "efflab_validation_ll"
+    for v in metrics["variants"]:  # every model scored by lm-eval in its cell; PTQ and QAT paired with the fine-tune
+        assert v["tasks"][ll]["status"] == "ok" and v["tasks"][ll]["n_docs"] == test_cfg["evaluate"]["docs"]
+        if v["method"] in ("ptq", "qat"):
+            bpb = v["task_changes"][ll]["bits_per_byte"]
+            fp = next(f for f in metrics["variants"] if f["variant"] == "full precision")
+            assert bpb["change"] == pytest.approx(v["tasks"][ll]["metrics"]["bits_per_byte"]["value"]
+                                                  - fp["tasks"][ll]["metrics"]["bits_per_byte"]["value"], abs=1e-9)
+            assert v["task_gate"]["verdict"] in ("passes", "fails", "undecided")
     for v in metrics["variants"]:
         if v["method"] == "qat":  # the converted model computes what training's fake-quantized model computed
             assert v["fake_quantized_perplexity"] == pytest.approx(v["perplexity"], rel=1e-5)

@@ -167,6 +167,9 @@ def _cross_check(cfg: dict, source: str) -> None:
     for name in cfg["merge"]["runs"] or []:
         if name not in runs or runs[name]["method"] not in ADAPTER_METHODS:
             raise UserError(f"{source}: merge.runs: {name!r} is not a lora/qlora run in finetune.runs")
+    for task in cfg["qat"]["eval_tasks"]:
+        if task not in cfg["evaluate"]["tasks"]:
+            raise UserError(f"{source}: qat.eval_tasks: {task!r} is not in evaluate.tasks")
     unknown = unknown_tasks(cfg["evaluate"]["tasks"])
     if unknown:
         raise UserError(f"{source}: evaluate.tasks: {unknown[0]!r} is not an lm-eval task (efflab's own: "

@@ -14,10 +14,14 @@ import os
 from pathlib import Path
 
 from . import records
+from .config import evaluated_models
 
 # What each stage writes that later jobs read (relative to its job folder).
-ARTIFACTS = {"base_model": ("model",), "prepare_data": ("train.parquet", "validation.parquet"),
-             "quantize": ("model",), "finetune": ("model",), "merge": ("model",)}
+ARTIFACTS = {"base_model": ("model",), "prepare_data": ("train.parquet", "validation.parquet", "lm_eval"),
+             "quantize": ("model",), "finetune": ("model",), "merge": ("model",), "prune": ("model", "healed")}
+# The stage that made each kind of model an evaluate job loads.
+MADE_BY = {"quantized": "quantize", "merged": "merge", "adapter": "finetune", "finetuned": "finetune",
+           "pruned": "prune", "healed": "prune"}
 
 
 def content_sha256(paths: list[Path]) -> str:
@@ -58,6 +62,10 @@ def upstream_jobs(stage: str, name: str | None, cfg: dict) -> list[str]:
         variants = [cfg["bench_inference"]["variants"][v] for v in cfg["capacity"]["variants"]]
         of = {"quantized": "quantize", "merged": "merge", "adapter": "finetune"}
         return base + sorted({f"{of[v['kind']]}/{v['of']}" for v in variants if v["kind"] in of})
+    if stage == "evaluate":
+        model = evaluated_models(cfg)[name]
+        made = [f"{MADE_BY[model['kind']]}/{model['of']}"] if model["kind"] in MADE_BY else []
+        return base + made + ([f"evaluate/{model['reference']}"] if model["reference"] else [])
     return []  # claims and report read every job's metrics, each of which carries its own chain
 
 

@@ -45,7 +45,7 @@ class Stage:
 
 
 # How a model is scored (the evaluate stage; qat scores its models in its own job through the same code).
-EVALUATION = ("evaluate.tasks", "evaluate.docs", "evaluate.max_new_tokens", "evaluate.batch_size",
+EVALUATION = ("evaluate.docs", "evaluate.max_new_tokens", "evaluate.batch_size",
               "evaluate.bootstrap_iters", "evaluate.tolerance")
 
 
@@ -102,7 +102,7 @@ STAGES = _stages(
           left_out=("capacity.runs and capacity.variants are empty",
                     lambda cfg: not cfg["capacity"]["runs"] and not cfg["capacity"]["variants"]),
           outputs=("cells.csv",), gpu=True),
-    Stage("evaluate", ("runtime", *EVALUATION, "evaluate.samples"),
+    Stage("evaluate", ("runtime", "evaluate.tasks", *EVALUATION, "evaluate.samples"),
           runtime_min=20, mem_factor=3, grid=lambda cfg: list(evaluated_models(cfg)), outputs=(), gpu=True,
           timed=False),
     Stage("claims", ("claims",), runtime_min=10, outputs=("claims.csv", "claims.md", "summary.json")),

@@ -35,7 +35,7 @@ CHILD_ENV = "EFFLAB_ZYGOTE_CHILD"  # set in a forked job: it never delegates aga
 PRELOAD = ["torch", "transformers", "transformers.modeling_utils", "transformers.models.auto.modeling_auto",
            "transformers.generation", "transformers.trainer", "peft", "pandas", "efflab.cli", "efflab.modeling",
            "efflab.training", "efflab.measure.isolation", "efflab.measure.memory", "efflab.measure.timing",
-           "lm_eval.evaluator", "lm_eval.models.huggingface", "lm_eval.tasks"]
+           "lm_eval.evaluator", "lm_eval.models.huggingface", "lm_eval.tasks"]  # lm-eval: evaluation.harness.PRELOAD
 
 
 def wanted() -> str | None:
@@ -108,9 +108,25 @@ def _watch_client(conn: socket.socket) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def serving(path: str | None) -> bool:
+    """Whether a server answers on `path` (a client that connects and sends nothing costs it one idle child)."""
+    if not path or not Path(path).is_socket():
+        return False
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn.connect(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        conn.close()
+
+
 def _run_job(conn: socket.socket) -> None:
     """In the forked child: take the job's streams, environment and directory, run its module, report the status."""
     request, fds = _receive(conn, want_fds=3)
+    if request is None:  # a client that only asked whether the server is there (serving)
+        os._exit(0)
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
         os.close(fd)

@@ -49,10 +49,13 @@ def start_job_server():
     if zygote.wanted() or workflow.remote_exec or not workflow.local_exec or \
             workflow.deployment_settings.deployment_method:
         return
-    path = Path(tempfile.gettempdir()) / f"efflab-zygote-{os.getpid()}.sock"
-    path.unlink(missing_ok=True)
     log = Path(".snakemake") / "efflab-zygote.log"
     log.parent.mkdir(exist_ok=True)
+    if zygote.serving(os.environ.get(zygote.ENV)):  # one started around this run (a test session's) serves it too
+        log.write_text(f"the jobs use the job server already at {os.environ[zygote.ENV]} ({zygote.ENV})\n")
+        return
+    path = Path(tempfile.gettempdir()) / f"efflab-zygote-{os.getpid()}.sock"
+    path.unlink(missing_ok=True)
     with open(log, "w") as out:
         subprocess.Popen([sys.executable, "-m", "efflab.zygote", "--socket", str(path)], stdout=out,
                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)

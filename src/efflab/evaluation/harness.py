@@ -8,13 +8,20 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from pathlib import Path
+
+import torch
 
 from .task import GEN_TASK, TASKS
 
-__all__ = ["GEN_TASK", "TASKS", "cli_commands", "evaluate", "quantized_modules"]
+__all__ = ["GEN_TASK", "PRELOAD", "TASKS", "cli_commands", "evaluate", "quantized_modules"]
+
+# What a process that evaluates imports up front (the job server; a stage whose cells evaluate).
+PRELOAD = ["lm_eval.evaluator", "lm_eval.models.huggingface", "lm_eval.tasks"]
 
 log = logging.getLogger("efflab")
+_TASK_LINE = re.compile(r"^task:\s*['\"]?([\w.\-]+)", re.M)
 
 
 def cli_command(folders: list, dtype: str, device: str, task_dir: Path, task: str, docs: int | None,
@@ -74,6 +81,11 @@ def _docs(samples: list[dict], metrics: list[str]) -> list[dict]:
     return rows
 
 
+def folder_tasks(task_dir: Path) -> set[str]:
+    """The task names the YAML files of a task folder declare (read as text, as lm-eval indexes them)."""
+    return {m for f in Path(task_dir).glob("*.yaml") for m in _TASK_LINE.findall(f.read_text(encoding="utf-8"))}
+
+
 def run_task(lm, task_manager, task: str, docs: int | None, gen_kwargs: dict | None, bootstrap_iters: int) -> dict:
     from lm_eval import simple_evaluate
 
@@ -92,16 +104,19 @@ def evaluate(model, tokenizer, task_dir: Path, tasks: list[str], docs: int | Non
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
+    model.eval()  # inference: no dropout (a model fresh from training is in training mode)
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
     if lm.model is not model:  # what is scored must be what efflab loaded (quantized, adapted), not a reload
         raise RuntimeError("lm-eval's HFLM did not keep the model it was given")
-    # Indexing lm-eval's thousands of built-in tasks takes seconds: only when a task is not efflab's own.
-    manager = TaskManager(include_path=str(task_dir), include_defaults=any(t not in TASKS for t in tasks))
+    # Indexing lm-eval's ~14,000 built-in task files takes about 15 s: only when a task is not in the task folder.
+    manager = TaskManager(include_path=str(task_dir), include_defaults=not set(tasks) <= folder_tasks(task_dir))
     results = {}
     for task in tasks:
         gen_kwargs = {"max_gen_toks": max_new_tokens} if task in TASKS else None
         try:
             results[task] = run_task(lm, manager, task, docs, gen_kwargs, bootstrap_iters)
+        except (MemoryError, torch.OutOfMemoryError):
+            raise  # the job's own status (oom), not one task's
         except Exception as err:  # noqa: BLE001 - lm-eval raises anything when a task's data cannot be loaded
             reason = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:300]
             log.warning("evaluate: task %s did not run: %s", task, reason)

@@ -44,8 +44,13 @@ def _cell_child(fn, kwargs: dict, conn, log_file: str | None, threads: int) -> N
 _CELL_PRELOAD_LIGHT = ["torch", "transformers", "efflab.measure.isolation", "efflab.modeling"]
 
 
+_EXTRA: list[str] = []  # what this job's cells also need (prestart's extra)
+
+
 def cell_preload() -> list[str]:
-    return zygote.PRELOAD if not torch.cuda.is_available() else _CELL_PRELOAD_LIGHT
+    if torch.cuda.is_available():
+        return _CELL_PRELOAD_LIGHT + _EXTRA
+    return [m for m in zygote.PRELOAD if not m.startswith("lm_eval")] + _EXTRA  # lm-eval: only cells that evaluate
 
 
 def _cell_context():
@@ -58,9 +63,10 @@ def _cell_context():
     return ctx
 
 
-def prestart(isolation: str) -> None:
-    """Start the cells' forkserver now, so that its imports run beside the job's own instead of before the
-    first cell. Call it before the job loads its models and before anything is timed."""
+def prestart(isolation: str, extra: list[str] = ()) -> None:
+    """Start the cells' forkserver now, so that its imports (and `extra` modules the cells need) run beside the job's
+    own instead of before the first cell. Call it before the job loads its models and before anything is timed."""
+    _EXTRA.extend(m for m in extra if m not in _EXTRA)
     if isolation == "subprocess" and _cell_context().get_start_method() == "forkserver":
         from multiprocessing import forkserver
         forkserver.ensure_running()

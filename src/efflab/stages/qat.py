@@ -182,8 +182,9 @@ def cell(cfg: dict, results: str, method: str, bits: int | None, dtype: str, dev
     result["rows"] = per_row_nll(model, val_rows, tokenizer)
     result["weight_bytes"] = weight_bytes(model, bits, q["group_size"])
     e = cfg["evaluate"]  # task quality, through the evaluate stage's code (QAT models live only in this cell)
-    result["tasks"] = harness.evaluate(model, tokenizer, layout.lm_eval_task(), e["tasks"], e["docs"],
-                                       e["max_new_tokens"], e["batch_size"], e["bootstrap_iters"])
+    result["tasks"] = harness.evaluate(model, tokenizer, layout.lm_eval_task(), q["eval_tasks"], e["docs"],
+                                       e["max_new_tokens"], e["batch_size"], e["bootstrap_iters"]) \
+        if q["eval_tasks"] else {}
     return result
 
 
@@ -306,7 +307,7 @@ def run(cfg: dict, job: Job) -> dict:
     """Fine-tune in full precision, then PTQ and QAT at every bit width; the precision range test for each."""
     q, rt, layout = cfg["qat"], cfg["runtime"], job.layout
     set_threads(rt)
-    prestart(rt["isolation"])  # the cells' forkserver imports beside this job
+    prestart(rt["isolation"], extra=harness.PRELOAD)  # the cells' forkserver imports beside this job
     device = pick_device(rt)
     dtype = base_dtype(layout)
     check_family(shape_only(layout.base_model()), q["group_size"])
