@@ -461,7 +461,8 @@ def test_every_number_carries_the_hashes_of_the_artifacts_it_was_measured_on(loc
     assert merge["inputs"]["finetune/lora-r8"]["sha256"] == finetune["outputs_sha256"] == \
         content_sha256([results / "finetune/lora-r8/model"])
     assert read("prepare_data")["provenance"]["outputs_sha256"] == content_sha256(
-        [results / "prepare_data/train.parquet", results / "prepare_data/validation.parquet"])
+        [results / "prepare_data/train.parquet", results / "prepare_data/validation.parquet",
+         results / "prepare_data/lm_eval"])
 
     m = read("merge/lora-r8")
     m["provenance"]["outputs_sha256"] = "0" * 64  # the merged model was rebuilt after the benchmark ran

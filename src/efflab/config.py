@@ -174,8 +174,12 @@ def _cross_check(cfg: dict, source: str) -> None:
     if unknown:
         raise UserError(f"{source}: evaluate.tasks: {unknown[0]!r} is not an lm-eval task (efflab's own: "
                         f"{', '.join(EVAL_TASKS)}; `lm_eval ls tasks` lists the installed ones)")
+    made = evaluated_models({**cfg, "evaluate": {**cfg["evaluate"], "models": None}})
+    kinds = {m["kind"] for m in made.values()}
     for name in cfg["evaluate"]["models"] or []:
-        if name not in evaluated_models({**cfg, "evaluate": {**cfg["evaluate"], "models": None}}):
+        kind = name.split("-", 1)[0]
+        # a model of a kind this experiment makes none of (its stage left out, e.g. prune.strategies: {}) is left out
+        if name not in made and (kind in kinds or kind not in EVALUATED_KINDS):
             raise UserError(f"{source}: evaluate.models: {name!r} is not a model this experiment makes "
                             f"(e.g. base, quantized-<scheme>, pruned-<strategy>, adapter-<run>, merged-<run>)")
     for name in cfg["capacity"]["runs"]:
@@ -252,6 +256,9 @@ def merge_runs(cfg: dict) -> list[str]:
     """The adapter runs the merge stage merges: merge.runs, or every adapter run when it is null."""
     chosen = cfg["merge"]["runs"]
     return adapter_runs(cfg) if chosen is None else list(chosen)
+
+
+EVALUATED_KINDS = ("base", "quantized", "pruned", "healed", "adapter", "finetuned", "merged")
 
 
 def evaluated_name(kind: str, of: str | None) -> str:

@@ -92,9 +92,10 @@ def delegate(module: str, args: list[str]) -> int | None:
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # Snakemake stopping the job stops the child
         signal.signal(sig, lambda s, _f: os.kill(started["pid"], s))
     done, _ = _receive(conn)
-    if done is None:
-        print(f"efflab: the job process {started['pid']} ended without a status (killed?)", file=sys.stderr)
-        return 137
+    if done is None:  # killed (SIGKILL: the OOM killer, a time limit): end the same way, for whoever waits on us
+        print(f"efflab: the job process {started['pid']} ended without a status (killed)", file=sys.stderr)
+        sys.stderr.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
     return done["code"]
 
 

@@ -6,7 +6,7 @@ import logging
 from ... import provenance
 from ...config import UserError
 from ...layout import Job
-from . import advice, notes
+from . import advice, notes, task_quality
 from . import sections as sec
 from .environments import comparison, environment_table, provenance_table
 from .fmt import env_of, markdown
@@ -71,8 +71,12 @@ def run(cfg: dict, job: Job) -> dict:
     environments = {env_of(m): m["environment"] for ms in metrics.values() for m in ms if "environment" in m}
     memory = sec.memory_section(metrics["finetune"], metrics["bench_inference"], environments,
                                 cfg["report"]["allow_mixed_environments"])
-    (out / "details.md").write_text(render("details.md.j2", memory=memory, provenance=markdown(provenance_table(jobs)),
-                                           environments=markdown(environment_table(environments))))
+    answers = task_quality.answers(metrics["evaluate"])
+    (out / "details.md").write_text(render(
+        "details.md.j2", memory=memory, provenance=markdown(provenance_table(jobs)),
+        environments=markdown(environment_table(environments)),
+        answers=render("answers.md.j2", answers=answers, max_new_tokens=cfg["evaluate"]["max_new_tokens"])
+        if answers else ""))
     (out / "report.md").write_text(report_text(cfg, metrics, tables, environments))
     log.info("report: %s", job.final / "report.md")
     return {"tables": {k: len(v) for k, v in tables.items()}, "plots": plots,

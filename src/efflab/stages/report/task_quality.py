@@ -38,8 +38,8 @@ def metrics_of(jobs: list[dict]) -> list[tuple[str, str]]:
 
 
 def table(jobs: list[dict]) -> pd.DataFrame:
-    """One row per model: each metric's score ± standard error, its change against the reference [95% interval],
-    and the gate."""
+    """One row per model: each metric's score ± standard error, each gated metric's change against the reference
+    [95% interval], and the gate."""
     rows = []
     for job in records.ok(jobs):
         row = {"model": job["model"], "paired with": job["reference"] or "–", "gate": job["gate"]["verdict"]}
@@ -50,7 +50,7 @@ def table(jobs: list[dict]) -> pd.DataFrame:
                 continue
             row[metric] = score_text(result["metrics"][metric]) if metric in result["metrics"] else "–"
             chg = job["changes"].get(task, {}).get(metric)
-            if chg:
+            if chg and chg["gate"] != "not gated":  # the gated metrics' changes (the rest are in the records)
                 row[f"Δ {metric} [95%]"] = change_text(chg)
         rows.append(row)
     return pd.DataFrame(rows)
