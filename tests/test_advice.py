@@ -39,7 +39,8 @@ def test_the_smallest_scheme_that_keeps_quality_is_named_with_its_slower_decode_
     facts = advice.quantize_facts(QUANTIZE, INFERENCE, "baseline", 5.0)
     assert facts["pick"]["name"] == "int8", "nf4 is beyond the tolerance, fp4's interval straddles it"
     assert facts["speed"] == "slower"
-    assert facts["by_status"] == {"within": ["int8"], "beyond": ["nf4"], "undecided": ["fp4"], "not measured": []}
+    assert facts["by_status"] == {"within": ["int8"], "beyond": ["nf4"], "undecided": ["fp4"], "not measured": [],
+                                  "fails the task gate": []}
     text = render(quantize=QUANTIZE, bench_inference=INFERENCE)
     assert "**int8**: 155 MiB (1.65× smaller)" in text and "0.58× [0.55, 0.61] the baseline's speed (slower)" in text
     assert "Beyond the tolerance: **nf4**" in text and "Not decided at this validation size: **fp4**" in text
@@ -57,6 +58,21 @@ def test_the_fastest_variant_is_not_recommended_when_its_quality_is_beyond_the_t
     assert "No variant is shown to be both faster than the base model and within the quality tolerance" in text
     assert ("Of the other variants, **nf4** has the highest median speed: 1.2× [1.1, 1.3] the base model's (faster), "
             "with perplexity +28.9% [+20, +38], beyond the tolerance") in text
+
+
+def test_a_smaller_or_faster_model_that_fails_the_task_gate_is_not_recommended_and_is_named():
+    """int8 keeps perplexity within the tolerance, but its answers fail the evaluate stage's gate: no scheme is
+    recommended, and the advice says the smaller one fails the gate; a faster variant that fails it likewise."""
+    gates = {"base": "reference", "quantized-int8": "fails", "quantized-nf4": "fails", "quantized-fp4": "passes"}
+    facts = advice.quantize_facts(QUANTIZE, INFERENCE, "baseline", 5.0, gates)
+    assert facts["pick"]["baseline"] and facts["by_status"]["fails the task gate"] == ["int8", "nf4"]
+    faster = advice.inference_facts(INFERENCE, QUANTIZE, 5.0, gates)
+    assert faster["pick"] is None and faster["gate_failed_faster"] == ["nf4"]
+    evaluated = [{"status": "ok", "model": m, "gate": {"verdict": v, "failed": []}} for m, v in gates.items()]
+    text = render(quantize=QUANTIZE, bench_inference=INFERENCE, evaluate=evaluated)
+    assert "No scheme is shown to keep perplexity within +5.0%" in text
+    assert "Smaller, but failing the task-quality gate (see *Task quality*), so not recommended: **int8**, **nf4**" in text
+    assert "Faster than the base model, but failing the task-quality gate" in text and "| fails |" in text
 
 
 def test_the_route_closest_to_the_adapter_is_not_called_best_when_another_is_better_in_quality():

@@ -126,8 +126,11 @@ def test_the_evaluated_models_are_every_model_the_run_makes_and_a_list_keeps_wha
     chosen = {**cfg, "evaluate": {**cfg["evaluate"], "models": [f"merged-{config.merge_runs(cfg)[0]}"]}}
     assert set(config.evaluated_models(chosen)) == {f"merged-{config.merge_runs(cfg)[0]}",
                                                     f"adapter-{config.merge_runs(cfg)[0]}"}
-    with pytest.raises(UserError, match=r"evaluate\.models: 'quantized-nope'"):
-        config.validate({**cfg, "evaluate": {**cfg["evaluate"], "models": ["quantized-nope"]}})
+    with pytest.raises(UserError, match=r"evaluate\.models: 'quantised-int8' is not a model"):
+        config.validate({**cfg, "evaluate": {**cfg["evaluate"], "models": ["quantised-int8"]}})
+    # a model of a scheme or strategy this experiment does not have is left out, as that stage's job is
+    unmade = {**cfg, "evaluate": {**cfg["evaluate"], "models": ["quantized-nope", "quantized-int8"]}}
+    assert set(config.evaluated_models(config.validate(unmade))) == {"base", "quantized-int8"}
 
 
 def test_a_task_whose_data_cannot_be_loaded_is_unavailable_and_the_others_run(results, test_cfg, tmp_path,

@@ -174,12 +174,10 @@ def _cross_check(cfg: dict, source: str) -> None:
     if unknown:
         raise UserError(f"{source}: evaluate.tasks: {unknown[0]!r} is not an lm-eval task (efflab's own: "
                         f"{', '.join(EVAL_TASKS)}; `lm_eval ls tasks` lists the installed ones)")
-    made = evaluated_models({**cfg, "evaluate": {**cfg["evaluate"], "models": None}})
-    kinds = {m["kind"] for m in made.values()}
     for name in cfg["evaluate"]["models"] or []:
-        kind = name.split("-", 1)[0]
-        # a model of a kind this experiment makes none of (its stage left out, e.g. prune.strategies: {}) is left out
-        if name not in made and (kind in kinds or kind not in EVALUATED_KINDS):
+        # a model this experiment does not make (a strategy or run not in its grid, a stage left out) is left out,
+        # as the stage's own job is; a name of no kind of model is a mistake
+        if name != "base" and name.split("-", 1)[0] not in EVALUATED_KINDS[1:] or name.endswith("-"):
             raise UserError(f"{source}: evaluate.models: {name!r} is not a model this experiment makes "
                             f"(e.g. base, quantized-<scheme>, pruned-<strategy>, adapter-<run>, merged-<run>)")
     for name in cfg["capacity"]["runs"]:

@@ -43,12 +43,12 @@ def task_gates(evaluate: list[dict]) -> dict[str, str]:
     return {r["model"]: r["gate"]["verdict"] for r in records.ok(evaluate)}
 
 
-def gate_of(gates: dict[str, str], model: str) -> str:
+def gate_of(gates: dict[str, str] | None, model: str) -> str:
     """A model's task gate: passes / fails / undecided, "reference" for the base, "not evaluated" without a job."""
-    return gates.get(model, "not evaluated")
+    return (gates or {}).get(model, "not evaluated")
 
 
-def with_gate(status: dict[str, str], gates: dict[str, str], model_of) -> dict[str, str]:
+def with_gate(status: dict[str, str], gates: dict[str, str] | None, model_of) -> dict[str, str]:
     """Perplexity statuses with the task gate on top: an option whose task scores fail the gate is never kept."""
     return {name: "fails the task gate" if gate_of(gates, model_of(name)) == "fails" else s
             for name, s in status.items()}
@@ -65,7 +65,7 @@ def _table(options: list[dict], columns: dict[str, tuple[str, str]], front: list
 
 
 def quantize_facts(quantize: list[dict], inference: list[dict], baseline: str, tolerance: float,
-                   gates: dict[str, str]) -> dict | None:
+                   gates: dict[str, str] | None = None) -> dict | None:
     options = opts.quantize_options(quantize, inference, baseline)
     if not options:
         return None
@@ -89,7 +89,7 @@ def quantize_facts(quantize: list[dict], inference: list[dict], baseline: str, t
 
 
 def inference_facts(inference: list[dict], quantize: list[dict], tolerance: float,
-                    gates: dict[str, str]) -> dict | None:
+                    gates: dict[str, str] | None = None) -> dict | None:
     options = opts.inference_options(inference, quantize)
     if not options:
         return None
