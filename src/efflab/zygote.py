@@ -29,13 +29,15 @@ import threading
 import traceback
 from pathlib import Path
 
+from . import evaluation
+
 ENV = "EFFLAB_ZYGOTE"  # the server's socket, set by the Snakefile for the jobs it starts
 CHILD_ENV = "EFFLAB_ZYGOTE_CHILD"  # set in a forked job: it never delegates again
 # What the server imports before it forks any job (the cells' forkserver, measure.isolation, imports the same)
 PRELOAD = ["torch", "transformers", "transformers.modeling_utils", "transformers.models.auto.modeling_auto",
            "transformers.generation", "transformers.trainer", "peft", "pandas", "efflab.cli", "efflab.modeling",
            "efflab.training", "efflab.measure.isolation", "efflab.measure.memory", "efflab.measure.timing",
-           "lm_eval.evaluator", "lm_eval.models.huggingface", "lm_eval.tasks"]  # lm-eval: evaluation.harness.PRELOAD
+           *evaluation.PRELOAD]
 
 
 def wanted() -> str | None:

@@ -8,20 +8,16 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from pathlib import Path
 
 import torch
 
-from .task import GEN_TASK, TASKS
+from . import PRELOAD
+from .task import GEN_TASK, TASKS, declared_names
 
 __all__ = ["GEN_TASK", "PRELOAD", "TASKS", "cli_commands", "evaluate", "quantized_modules"]
 
-# What a process that evaluates imports up front (the job server; a stage whose cells evaluate).
-PRELOAD = ["lm_eval.evaluator", "lm_eval.models.huggingface", "lm_eval.tasks"]
-
 log = logging.getLogger("efflab")
-_TASK_LINE = re.compile(r"^task:\s*['\"]?([\w.\-]+)", re.M)
 
 
 def cli_command(folders: list, dtype: str, device: str, task_dir: Path, task: str, docs: int | None,
@@ -82,8 +78,8 @@ def _docs(samples: list[dict], metrics: list[str]) -> list[dict]:
 
 
 def folder_tasks(task_dir: Path) -> set[str]:
-    """The task names the YAML files of a task folder declare (read as text, as lm-eval indexes them)."""
-    return {m for f in Path(task_dir).glob("*.yaml") for m in _TASK_LINE.findall(f.read_text(encoding="utf-8"))}
+    """The names the YAML files of a task folder declare (read as text, as lm-eval indexes them)."""
+    return declared_names(Path(task_dir).glob("*.yaml"))
 
 
 def run_task(lm, task_manager, task: str, docs: int | None, gen_kwargs: dict | None, bootstrap_iters: int) -> dict:

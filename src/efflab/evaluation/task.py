@@ -91,14 +91,19 @@ def installed_task_names() -> set[str] | None:
     spec = importlib.util.find_spec("lm_eval")
     if spec is None or spec.origin is None:
         return None
+    return declared_names(Path(folder) / name for folder, _, files in os.walk(Path(spec.origin).parent / "tasks")
+                          for name in files if name.endswith((".yaml", ".yml")))
+
+
+def declared_names(files) -> set[str]:
+    """The task, group and tag names task YAML files declare, read as text (and, leniently, every list item of a
+    file that declares tags)."""
     names: set[str] = set()
-    for folder, _, files in os.walk(Path(spec.origin).parent / "tasks"):
-        for name in files:
-            if name.endswith((".yaml", ".yml")):
-                text = (Path(folder) / name).read_text(encoding="utf-8", errors="replace")
-                names.update(_NAMED.findall(text))
-                if "tag:" in text:
-                    names.update(_LISTED.findall(text))
+    for file in files:
+        text = Path(file).read_text(encoding="utf-8", errors="replace")
+        names.update(_NAMED.findall(text))
+        if "tag:" in text:
+            names.update(_LISTED.findall(text))
     return names
 
 

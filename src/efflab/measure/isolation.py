@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from .. import zygote
+from .. import evaluation, zygote
 from ..logs import log_file_path, setup_child_logging
 from .memory import proc_status_kib
 
@@ -50,7 +50,7 @@ _EXTRA: list[str] = []  # what this job's cells also need (prestart's extra)
 def cell_preload() -> list[str]:
     if torch.cuda.is_available():
         return _CELL_PRELOAD_LIGHT + _EXTRA
-    return [m for m in zygote.PRELOAD if not m.startswith("lm_eval")] + _EXTRA  # lm-eval: only cells that evaluate
+    return [m for m in zygote.PRELOAD if m not in evaluation.PRELOAD] + _EXTRA  # lm-eval: only cells that evaluate
 
 
 def _cell_context():
