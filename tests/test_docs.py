@@ -18,6 +18,11 @@ def test_the_params_reference_is_in_step_with_the_schema_and_params_yaml():
         "docs/reference/params.md is out of date: run `python -m efflab.docs_reference`"
 
 
+def test_the_figures_page_is_in_step_with_the_stage_registry():
+    assert docs_reference.FIGURES_PAGE.read_text() == docs_reference.render_figures(), \
+        "docs/reference/figures.md is out of date: run `python -m efflab.docs_reference`"
+
+
 def test_the_params_reference_has_every_key_of_the_schema():
     page = docs_reference.PAGE.read_text()
     missing = [key for key in config.descriptions() if f"| `{key}` |" not in page and "." in key]

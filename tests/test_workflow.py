@@ -276,11 +276,26 @@ def test_committed_dvc_yaml_is_in_step_with_snakemake():
     assert _dvc_view(REPO) == _snakemake_view("params.yaml", REPO)
 
 
+# `dvc exp show` on the CI params: at most this many figure columns (about 2,400 when every metrics.json was a DVC
+# metric; 156 at this commit), beside DVC's own columns for every param (about 290) and every stage dependency
+# (about 120); after a one-key experiment, `--only-changed` keeps that key and the figures that moved.
+FIGURE_COLUMNS = 200
+ONLY_CHANGED_COLUMNS = 60
+
+
+def dvc_csv(cmd: list, work: Path) -> list[dict]:
+    import csv
+    import io
+
+    return list(csv.DictReader(io.StringIO(sh([BIN / "dvc", *cmd, "--csv"], work).stdout)))
+
+
 def test_dvc_tracks_the_snakemake_run_and_reruns_what_a_param_change_touches(local_pipeline, tmp_path,
                                                                              test_cfg_module):
     """DVC's stages are Snakemake's jobs (same commands, same outputs), so DVC can take over the outputs of the
-    Snakemake run as they are, and `dvc exp run -S` then reruns the job the changed param reaches, and what
-    depends on it, with the real stage command: nothing else."""
+    Snakemake run as they are (`dvc commit -f`), and `dvc exp run -S` then reruns the job the changed param
+    reaches, and what depends on it, with the real stage command: nothing else. What DVC shows of an experiment
+    is each job's figures.json, not its whole record."""
     copy_project(tmp_path)
     shutil.copy(REPO / ".gitignore", tmp_path)  # as in a checkout: results/ in git holds only the metrics
     shutil.copytree(local_pipeline.wait()["dir"] / "results", tmp_path / "results")
@@ -292,16 +307,19 @@ def test_dvc_tracks_the_snakemake_run_and_reruns_what_a_param_change_touches(loc
     sh([BIN / "dvc", "commit", "-f", "-q"], tmp_path)  # adopt what Snakemake produced
     assert json.loads(sh([BIN / "dvc", "status", "--json"], tmp_path).stdout) == {}
     metrics = json.loads(sh([BIN / "dvc", "metrics", "show", "--json"], tmp_path).stdout)
-    assert metrics, "dvc metrics show lists the stages' metrics"
-    plots = sh([BIN / "dvc", "plots", "show", "--json"], tmp_path).stdout
-    for data in ("results/report/finetune_pareto.csv", "results/report/inference_pareto.csv",
-                 "results/finetune/lora-r8/loss.csv"):
-        assert data in plots, f"dvc plots show does not draw {data}"
+    shown = json.dumps(metrics)
+    assert "figures.json" in shown and "metrics.json" not in shown, "the DVC metrics are the jobs' figures"
+    plots = json.loads(sh([BIN / "dvc", "plots", "show", "--json"], tmp_path).stdout)
+    for title in ("Training loss by fine-tuning run", "Fine-tuning: speed against peak memory",
+                  "Inference: decode speed against footprint"):
+        assert title in json.dumps(plots), f"dvc plots show has no plot titled {title!r}"
+    assert "results/report/quantize.png" in json.dumps(plots), "the report's figures are DVC image plots"
 
     sh(["git", "add", "-A"], tmp_path)
     sh(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "snakemake run"], tmp_path)
     finetuned = (tmp_path / "results/finetune/lora-r8/metrics.json").read_text()
-    exp = sh([BIN / "dvc", "exp", "run", "-S", "bench_inference.variants.baseline.kv_cache=[true]"], tmp_path)
+    exp = sh([BIN / "dvc", "exp", "run", "-n", "kv", "-S", "bench_inference.variants.baseline.kv_cache=[true]"],
+             tmp_path)
     ran = set(re.findall(r"Running stage '([^']+)'", exp.stdout + exp.stderr))
     # capacity reads bench_inference.variants (the variants it generates with) as one params key; claims reads the
     # measured quantities of bench_inference's records, so the rerun baseline reaches it too
@@ -309,22 +327,50 @@ def test_dvc_tracks_the_snakemake_run_and_reruns_what_a_param_change_touches(loc
     cells = json.loads((tmp_path / "results/bench_inference/baseline/metrics.json").read_text())["cells"]
     assert cells and all(c["kv_cache"] for c in cells), "the rerun used the changed param"
     assert (tmp_path / "results/finetune/lora-r8/metrics.json").read_text() == finetuned, "finetune did not rerun"
+    check_experiment_tables(tmp_path)
 
     # One driver per workspace: what dvc ran here is named, and Snakemake warns before it runs beside it ...
     from efflab.provenance import written_by_dvc
     assert written_by_dvc(tmp_path / "results") == ["bench_inference/baseline", "capacity", "claims", "report"]
-    run = sh([BIN / "snakemake", "--cores", "1", "--forcerun", "report"], tmp_path)
+    # (the report alone: DVC's checkout left every output with a new mtime, and the changed param is DVC's result)
+    run = sh([BIN / "snakemake", "--cores", "1", "--forcerun", "report", "--rerun-triggers", "code", "input",
+              "software-env"], tmp_path)
     assert "4 results here were written by dvc repro / dvc exp run" in run.stderr
     # ... and `dvc exp run --temp` runs an experiment without touching the workspace (params.yaml's comments
-    # and flow lists included)
+    # and flow lists included): a second experiment, beside the first in `dvc exp show`
     sh(["git", "add", "-A"], tmp_path)
     sh(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "exp applied"], tmp_path)
     params, report = (tmp_path / "params.yaml").read_text(), (tmp_path / "results/report/metrics.json").read_text()
-    sh([BIN / "dvc", "exp", "run", "--temp", "-S", "bench_inference.variants.baseline.kv_cache=[false]"], tmp_path)
+    sh([BIN / "dvc", "exp", "run", "--temp", "-n", "no-kv", "-S", "bench_inference.variants.baseline.kv_cache=[false]"],
+       tmp_path)
     assert (tmp_path / "params.yaml").read_text() == params and "  # " in params
     assert (tmp_path / "results/report/metrics.json").read_text() == report
-    shown = json.loads(sh([BIN / "dvc", "exp", "show", "--json"], tmp_path).stdout)
-    assert "kv_cache" in json.dumps(shown) and "false" in json.dumps(shown).lower()
+    rows = dvc_csv(["exp", "show"], tmp_path)
+    assert "no-kv" in {r["Experiment"] for r in rows}, [r["Experiment"] for r in rows]
+    figures = leaves(json.loads(sh([BIN / "dvc", "metrics", "show", "--json"], tmp_path).stdout))
+    assert 0 < figures <= FIGURE_COLUMNS, f"dvc exp show has {figures} figure columns"
+
+
+def leaves(shown: dict) -> int:
+    """The figures in `dvc metrics show --json`'s workspace entry: one column each in `dvc exp show`."""
+    def count(node):
+        return sum(count(v) for v in node.values()) if isinstance(node, dict) else 1
+    return sum(count(data.get("data", {})) for data in shown[""]["data"].values())
+
+
+def check_experiment_tables(work: Path) -> None:
+    """After a one-key experiment: `dvc exp show --only-changed` is that key and the figures that moved, with no
+    record's environment or settings among them; `dvc metrics diff` is a short table of the same figures."""
+    changed = dvc_csv(["exp", "show", "--only-changed"], work)
+    columns = list(changed[0])
+    assert "bench_inference.variants.baseline.kv_cache" in columns, columns
+    # (DVC names a figure's file in the first column of that file's figures)
+    assert any(c.startswith("results/bench_inference/baseline/figures.json:") for c in columns), columns
+    assert any("decode_tokens_per_s.median" in c for c in columns), columns
+    assert len(columns) <= ONLY_CHANGED_COLUMNS, f"{len(columns)} columns: {columns}"
+    assert not [c for c in columns if "environment" in c or "provenance" in c or "settings" in c], columns
+    diff = sh([BIN / "dvc", "metrics", "diff", "HEAD", "--md"], work).stdout.splitlines()
+    assert any("decode_tokens_per_s" in line for line in diff) and len(diff) <= ONLY_CHANGED_COLUMNS, diff
 
 
 def test_verdict_stability_compares_two_runs_and_fails_on_a_flipped_verdict(local_pipeline, tmp_path):

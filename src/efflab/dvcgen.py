@@ -2,9 +2,9 @@
 
 Snakemake is the source of truth: this asks `snakemake --dry-run --forceall --printshellcmds` for
 every job of the given params file and writes one DVC stage per job with the same command, the same
-inputs as deps, the same outputs (metrics.json as DVC metrics, loss curves as plots; all in DVC's cache, none
-in git: the numbers committed to compare with live in results/reference/),
-and the params sections the stage reads. `--check` fails when the committed dvc.yaml has drifted.
+inputs as deps, the same outputs (each job's figures.json as its DVC metric, the whole record and the rest as
+outputs; all in DVC's cache, none in git: the numbers committed to compare with live in results/reference/),
+and the params sections the stage reads; then the plots `dvc plots show` draws, with titles and axis labels. `--check` fails when the committed dvc.yaml has drifted.
 """
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from pathlib import Path
 import yaml
 
 from .config import REPO_ROOT
-from .registry import STAGES
+from .figures import FIGURES
+from .registry import LOSS_CSV, STAGES
 
 
 def snakemake_jobs(params: str = "params.yaml", workdir: Path | None = None) -> list[dict]:
@@ -50,26 +51,41 @@ def _relative(path: str) -> str:
     return str(p.relative_to(REPO_ROOT)) if p.is_absolute() and p.is_relative_to(REPO_ROOT) else path
 
 
-# Outputs that are plot data for `dvc plots show`, with their axes.
-PLOTS = {"loss.csv": {"x": "step", "y": "loss"},
-         "finetune_pareto.csv": {"x": "peak_memory_mib", "y": "tokens_per_s", "template": "scatter"},
-         "inference_pareto.csv": {"x": "footprint_mib", "y": "decode_tokens_per_s", "template": "scatter"}}
+# What `dvc plots show` draws (dvc.yaml's top-level plots): the loss curves of every run in one plot, the
+# Pareto tables, and the report's figures as images.
+PARETO = {"finetune_pareto.csv": ("Fine-tuning: speed against peak memory", "peak_memory_mib", "peak memory (MiB)",
+                                  "tokens_per_s", "training tokens/s"),
+          "inference_pareto.csv": ("Inference: decode speed against footprint", "footprint_mib",
+                                   "weights in memory (MiB)", "decode_tokens_per_s", "decode tokens/s")}
+
+
+def plots(jobs: list[dict]) -> list[dict]:
+    outputs = [_relative(out) for job in jobs for out in job["output"]]
+    losses = [out for out in outputs if out.endswith(LOSS_CSV)]
+    defined = [{"Training loss": {"template": "linear", "x": "step", "y": {path: "loss" for path in losses},
+                                  "title": "Training loss by fine-tuning run", "x_label": "optimizer step",
+                                  "y_label": "training loss"}}] if losses else []
+    for out in outputs:
+        name = Path(out).name
+        if name in PARETO:
+            title, x, x_label, y, y_label = PARETO[name]
+            defined.append({out: {"template": "scatter", "x": x, "y": y, "title": title, "x_label": x_label,
+                                  "y_label": y_label}})
+        elif name.endswith(".png"):
+            defined.append(out)
+    return defined
 
 
 def dvc_stages(jobs: list[dict]) -> dict:
+    """One DVC stage per job: its figures.json is the DVC metric; the whole record (metrics.json) and everything
+    else it writes are outputs."""
     stages = {}
     for job in jobs:
         name = job["wildcards"].get("name")
         stage = {"cmd": job["cmd"], "deps": [_relative(d) for d in job["input"]],
                  "params": [p.format(name=name) for p in STAGES[job["rule"]].params]}
         for out in job["output"]:
-            if out.endswith("metrics.json"):
-                stage.setdefault("metrics", []).append(out)
-            elif out.endswith(tuple(PLOTS)):
-                stage.setdefault("plots", []).append({out: {**next(
-                    axes for suffix, axes in PLOTS.items() if out.endswith(suffix))}})
-            else:
-                stage.setdefault("outs", []).append(out)
+            stage.setdefault("metrics" if out.endswith(FIGURES) else "outs", []).append(out)
         stages[f"{job['rule']}-{name}" if name else job["rule"]] = stage
     return stages
 
@@ -77,8 +93,8 @@ def dvc_stages(jobs: list[dict]) -> dict:
 def render(params: str = "params.yaml", workdir: Path | None = None) -> str:
     header = ("# Generated from the Snakemake DAG by `python -m efflab.dvcgen` (make dvc.yaml); do not edit.\n"
               "# Snakemake is the source of truth; tests fail when this file drifts from it.\n")
-    return header + yaml.safe_dump({"stages": dvc_stages(snakemake_jobs(params, workdir))}, sort_keys=False,
-                                   width=120)
+    jobs = snakemake_jobs(params, workdir)
+    return header + yaml.safe_dump({"stages": dvc_stages(jobs), "plots": plots(jobs)}, sort_keys=False, width=120)
 
 
 def main(argv: list[str] | None = None) -> None:

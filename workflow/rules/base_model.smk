@@ -5,6 +5,7 @@ rule base_model:
     output:
         model=directory("results/base_model/model"),
         metrics="results/base_model/metrics.json",
+        figures="results/base_model/figures.json",
     params:
         file=PARAMS,
         settings=settings("base_model"),

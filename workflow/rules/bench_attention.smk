@@ -4,6 +4,7 @@ rule bench_attention:
         base="results/base_model/metrics.json",
     output:
         metrics="results/bench_attention/{name}/metrics.json",
+        figures="results/bench_attention/{name}/figures.json",
     params:
         file=PARAMS,
         settings=settings("bench_attention"),

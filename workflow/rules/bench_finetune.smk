@@ -6,6 +6,7 @@ rule bench_finetune:
         train="results/prepare_data/train.parquet",
     output:
         metrics="results/bench_finetune/metrics.json",
+        figures="results/bench_finetune/figures.json",
     params:
         file=PARAMS,
         settings=settings("bench_finetune"),

@@ -6,6 +6,7 @@ rule bench_inference:
         validation="results/prepare_data/validation.parquet",
     output:
         metrics="results/bench_inference/{name}/metrics.json",
+        figures="results/bench_inference/{name}/figures.json",
     params:
         file=PARAMS,
         settings=settings("bench_inference"),

@@ -7,6 +7,7 @@ rule bench_serving:
     output:
         requests="results/bench_serving/requests.csv",
         metrics="results/bench_serving/metrics.json",
+        figures="results/bench_serving/figures.json",
     params:
         file=PARAMS,
         settings=settings("bench_serving"),

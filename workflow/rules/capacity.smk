@@ -7,6 +7,7 @@ rule capacity:
     output:
         cells="results/capacity/cells.csv",
         metrics="results/capacity/metrics.json",
+        figures="results/capacity/figures.json",
     params:
         file=PARAMS,
         settings=settings("capacity"),

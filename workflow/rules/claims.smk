@@ -19,6 +19,7 @@ rule claims:
         md="results/claims/claims.md",
         summary="results/claims/summary.json",
         metrics="results/claims/metrics.json",
+        figures="results/claims/figures.json",
     params:
         file=PARAMS,
         settings=settings("claims"),

@@ -6,6 +6,7 @@ rule evaluate:
         task="results/prepare_data/lm_eval",
     output:
         metrics="results/evaluate/{name}/metrics.json",
+        figures="results/evaluate/{name}/figures.json",
     params:
         file=PARAMS,
         settings=settings("evaluate"),

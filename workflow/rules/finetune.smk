@@ -7,6 +7,7 @@ rule finetune:
     output:
         model=directory("results/finetune/{name}/model"),
         metrics="results/finetune/{name}/metrics.json",
+        figures="results/finetune/{name}/figures.json",
         loss="results/finetune/{name}/loss.csv",
     params:
         file=PARAMS,

@@ -7,6 +7,7 @@ rule merge:
     output:
         model=directory("results/merge/{name}/model"),
         metrics="results/merge/{name}/metrics.json",
+        figures="results/merge/{name}/figures.json",
     params:
         file=PARAMS,
         settings=settings("merge"),

@@ -8,6 +8,7 @@ rule prepare_data:
         validation="results/prepare_data/validation.parquet",
         task=directory("results/prepare_data/lm_eval"),
         metrics="results/prepare_data/metrics.json",
+        figures="results/prepare_data/figures.json",
     params:
         file=PARAMS,
         settings=settings("prepare_data"),

@@ -8,6 +8,7 @@ rule prune:
         model=directory("results/prune/{name}/model"),
         healed=directory("results/prune/{name}/healed"),
         metrics="results/prune/{name}/metrics.json",
+        figures="results/prune/{name}/figures.json",
     params:
         file=PARAMS,
         settings=settings("prune"),

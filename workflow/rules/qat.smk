@@ -10,6 +10,7 @@ rule qat:
         evals="results/qat/evals.csv",
         losses="results/qat/losses.csv",
         metrics="results/qat/metrics.json",
+        figures="results/qat/figures.json",
     params:
         file=PARAMS,
         settings=settings("qat"),

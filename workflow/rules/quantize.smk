@@ -7,6 +7,7 @@ rule quantize:
     output:
         model=directory("results/quantize/{name}/model"),
         metrics="results/quantize/{name}/metrics.json",
+        figures="results/quantize/{name}/figures.json",
     params:
         file=PARAMS,
         settings=settings("quantize"),

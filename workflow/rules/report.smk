@@ -30,6 +30,7 @@ rule report:
                for plot, category in REPORT_PLOTS.items()],
         pareto=expand("results/report/{kind}_pareto.csv", kind=["finetune", "inference"]),
         metrics="results/report/metrics.json",
+        figures="results/report/figures.json",
     params:
         file=PARAMS,
         settings=settings("report"),
