@@ -66,8 +66,10 @@ def _cell_context():
 def prestart(isolation: str, extra: list[str] = ()) -> None:
     """Start the cells' forkserver now, so that its imports (and `extra` modules the cells need) run beside the job's
     own instead of before the first cell. Call it before the job loads its models and before anything is timed."""
+    if isolation != "subprocess":
+        return  # no cells in processes: `extra` must not reach a forkserver a later job in this process starts
     _EXTRA.extend(m for m in extra if m not in _EXTRA)
-    if isolation == "subprocess" and _cell_context().get_start_method() == "forkserver":
+    if _cell_context().get_start_method() == "forkserver":
         from multiprocessing import forkserver
         forkserver.ensure_running()
 
