@@ -314,6 +314,9 @@ def test_dvc_tracks_the_snakemake_run_and_reruns_what_a_param_change_touches(loc
                   "Inference: decode speed against footprint"):
         assert title in json.dumps(plots), f"dvc plots show has no plot titled {title!r}"
     assert "results/report/quantize.png" in json.dumps(plots), "the report's figures are DVC image plots"
+    sh([BIN / "dvc", "plots", "show", "-o", tmp_path / "dvc_plots"], tmp_path)
+    page = (tmp_path / "dvc_plots" / "index.html").read_text()
+    assert page.lstrip().lower().startswith("<!doctype html") and "Training loss by fine-tuning run" in page
 
     sh(["git", "add", "-A"], tmp_path)
     sh(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "snakemake run"], tmp_path)

@@ -4,7 +4,8 @@ Snakemake is the source of truth: this asks `snakemake --dry-run --forceall --pr
 every job of the given params file and writes one DVC stage per job with the same command, the same
 inputs as deps, the same outputs (each job's figures.json as its DVC metric, the whole record and the rest as
 outputs; all in DVC's cache, none in git: the numbers committed to compare with live in results/reference/),
-and the params sections the stage reads; then the plots `dvc plots show` draws, with titles and axis labels. `--check` fails when the committed dvc.yaml has drifted.
+and the params sections the stage reads; then the plots `dvc plots show` draws, with titles and axis
+labels. `--check` fails when the committed dvc.yaml has drifted.
 """
 from __future__ import annotations
 
