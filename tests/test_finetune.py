@@ -114,7 +114,7 @@ def test_two_cpu_processes_train_in_sync_through_accelerate_and_write_once(resul
     samples = m["steps"] * 2 * m["settings"]["batch_size"]
     assert m["samples_per_s"] == pytest.approx(samples / m["train_s"]), "throughput counts every rank"
     out = Layout(results).out("finetune", "lora-ddp")
-    assert sorted(p.name for p in out.iterdir()) == ["loss.csv", "metrics.json", "model"]
+    assert sorted(p.name for p in out.iterdir()) == ["figures.json", "loss.csv", "metrics.json", "model"]
     assert (out / "model" / "adapter_model.safetensors").is_file()
 
 
@@ -286,7 +286,7 @@ def test_knobs_a_cpu_cannot_honour_are_unavailable_and_the_grid_goes_on(results,
     assert fp16["status"] == "unavailable" and "fp16" in fp16["reason"] and "CUDA" in fp16["reason"]
     assert both["status"] == "unavailable" and "tf32" in both["reason"] and "pin_memory" in both["reason"]
     out = Layout(results).out("finetune", "fp16")
-    assert sorted(p.name for p in out.iterdir()) == ["loss.csv", "metrics.json", "model"]
+    assert sorted(p.name for p in out.iterdir()) == ["figures.json", "loss.csv", "metrics.json", "model"]
     merged = run_stage("merge", params, results, "fp16")
     assert merged["status"] == "skipped" and "finetune fp16 is unavailable" in merged["reason"]
     inference = run_stage("bench_inference", params, results, "adapter-fp16")
@@ -307,7 +307,7 @@ def test_a_run_that_fails_is_recorded_with_its_reason(results, monkeypatch, erro
     m = run_stage("finetune", TEST_PARAMS, results, "lora-r8")
     assert m["status"] == status and error in m["reason"]
     out = Layout(results).out("finetune", "lora-r8")
-    assert sorted(p.name for p in out.iterdir()) == ["loss.csv", "metrics.json", "model"], "no partial outputs"
+    assert sorted(p.name for p in out.iterdir()) == ["figures.json", "loss.csv", "metrics.json", "model"], "no partial outputs"
 
 
 def test_the_validation_loss_avoids_kernels_that_have_no_deterministic_cuda_version():
