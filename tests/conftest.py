@@ -56,6 +56,7 @@ def job_server(tmp_path_factory):
     proc.terminate()
     proc.wait()
     log.close()
+    shutil.rmtree(path.parent, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
