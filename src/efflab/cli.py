@@ -17,7 +17,6 @@ from pathlib import Path
 
 from . import config, figures, gpu_slots, provenance, records, registry
 from .config import UserError
-from .figures import FIGURES
 from .layout import METRICS, Job, Layout
 from .logs import setup_logging
 from .registry import STAGES, names, not_asked
@@ -122,7 +121,7 @@ def main(stage: str, run, argv: list[str] | None = None) -> None:
                    "wall_s": time.perf_counter() - t0, **metrics,
                    "provenance": provenance.record(stage, args.name, cfg, layout, staging)}
         write_json(staging / METRICS, metrics)
-        write_json(staging / FIGURES, figures.pick(metrics, STAGES[stage].figures))
+        write_json(staging / figures.FIGURES, figures.pick(metrics, STAGES[stage].figures))
         shutil.rmtree(final, ignore_errors=True)
         staging.rename(final)
         log.info("%s%s: done in %.1f s -> %s", stage, f"[{args.name}]" if args.name else "",
