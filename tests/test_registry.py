@@ -69,3 +69,21 @@ def test_resources_and_settings_are_defined_for_every_stage():
             assert registry.settings(cfg, stage, name)
             assert registry.mem_factor(cfg, stage, name) >= 0
         assert STAGES[stage].runtime_min > 0
+
+
+def test_capacity_reruns_for_the_runs_and_variants_it_searches_and_not_for_a_cell_dimension(test_cfg):
+    """Its params keys are filled in per entry of capacity.runs and capacity.variants: a bench_inference cell
+    dimension (kv_cache) leaves its settings alone, a searched variant's kind or an unsearched run does not reach it."""
+    import copy
+
+    cfg = copy.deepcopy(test_cfg)
+    cfg["capacity"] |= {"runs": ["lora-r8"], "variants": ["baseline"]}
+    keys = registry.param_keys(cfg, "capacity")
+    assert {"finetune.runs.lora-r8", "bench_inference.variants.baseline.kind"} <= set(keys)
+    assert "bench_inference.variants.baseline.of" not in keys  # a base variant has none: DVC would refuse the key
+    before = registry.settings(cfg, "capacity")
+    cfg["bench_inference"]["variants"]["baseline"]["kv_cache"] = [False]
+    cfg["finetune"]["runs"]["full"]["learning_rate"] = 0.1
+    assert registry.settings(cfg, "capacity") == before
+    cfg["bench_inference"]["variants"]["baseline"]["kind"] = "quantized"
+    assert registry.settings(cfg, "capacity") != before

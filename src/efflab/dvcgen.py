@@ -18,7 +18,7 @@ import yaml
 
 from .config import REPO_ROOT
 from .figures import FIGURES
-from .registry import LOSS_CSV, STAGES
+from .registry import LOSS_CSV, STAGES, param_keys
 
 
 def snakemake_jobs(params: str = "params.yaml", workdir: Path | None = None) -> list[dict]:
@@ -77,14 +77,14 @@ def plots(jobs: list[dict]) -> list[dict]:
     return defined
 
 
-def dvc_stages(jobs: list[dict]) -> dict:
+def dvc_stages(jobs: list[dict], cfg: dict) -> dict:
     """One DVC stage per job: its figures.json is the DVC metric; the whole record (metrics.json) and everything
     else it writes are outputs."""
     stages = {}
     for job in jobs:
         name = job["wildcards"].get("name")
         stage = {"cmd": job["cmd"], "deps": [_relative(d) for d in job["input"]],
-                 "params": [p.format(name=name) for p in STAGES[job["rule"]].params]}
+                 "params": param_keys(cfg, job["rule"], name)}
         for out in job["output"]:
             stage.setdefault("metrics" if out.endswith(FIGURES) else "outs", []).append(out)
         stages[f"{job['rule']}-{name}" if name else job["rule"]] = stage
@@ -95,7 +95,8 @@ def render(params: str = "params.yaml", workdir: Path | None = None) -> str:
     header = ("# Generated from the Snakemake DAG by `python -m efflab.dvcgen` (make dvc.yaml); do not edit.\n"
               "# Snakemake is the source of truth; tests fail when this file drifts from it.\n")
     jobs = snakemake_jobs(params, workdir)
-    return header + yaml.safe_dump({"stages": dvc_stages(jobs), "plots": plots(jobs)}, sort_keys=False, width=120)
+    cfg = yaml.safe_load(((workdir or Path.cwd()) / params).read_text())
+    return header + yaml.safe_dump({"stages": dvc_stages(jobs, cfg), "plots": plots(jobs)}, sort_keys=False, width=120)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -6,6 +6,7 @@ No torch here: Snakemake reads this while it plans the DAG.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Callable
 
@@ -21,7 +22,8 @@ LOSS_CSV = "loss.csv"  # finetune's loss curve
 @dataclass(frozen=True)
 class Stage:
     name: str
-    # The params keys its jobs read ({name}: the job's grid entry): Snakemake and DVC rerun a job when they change.
+    # The params keys its jobs read: Snakemake and DVC rerun a job when they change. {name} is the job's grid entry;
+    # {a.b} a params list, one key per entry (capacity reads only the variants and runs it searches).
     params: tuple[str, ...]
     # Wall-time limit in minutes for a CPU-sized run on a model of up to 1 GB; linear in size above.
     runtime_min: int
@@ -116,7 +118,9 @@ STAGES = _stages(
           left_out=("bench_serving.methods is empty", lambda cfg: not cfg["bench_serving"]["methods"]),
           outputs=("requests.csv",), gpu=True,
           figures=("cells[method,concurrency].output_tokens_per_s",)),
-    Stage("capacity", ("runtime", "capacity", "finetune.defaults", "finetune.runs", "bench_inference.variants"),
+    Stage("capacity", ("runtime", "capacity", "finetune.defaults", "finetune.runs.{capacity.runs}",
+                       "bench_inference.variants.{capacity.variants}.kind",
+                       "bench_inference.variants.{capacity.variants}.of"),
           runtime_min=40, mem_factor=6,
           left_out=("capacity.runs and capacity.variants are empty",
                     lambda cfg: not cfg["capacity"]["runs"] and not cfg["capacity"]["variants"]),
@@ -150,10 +154,30 @@ def not_asked(cfg: dict, stage: str) -> str | None:
     return left_out[0] if left_out and left_out[1](cfg) else None
 
 
+def param_keys(cfg: dict, stage: str, name: str | None = None) -> list[str]:
+    """The params keys a job reads (Stage.params with its placeholders filled in), those that `cfg` has."""
+    keys = []
+    for key in STAGES[stage].params:
+        found = re.search(r"\{([^}]+)\}", key)
+        if not found:
+            keys.append(key)
+            continue
+        entries = [name] if found.group(1) == "name" else lookup(cfg, found.group(1)) or []
+        keys += [key.replace(found.group(0), str(entry)) for entry in entries]
+    return [key for key in keys if _has(cfg, key)]
+
+
+def _has(cfg: dict, dotted: str) -> bool:
+    try:
+        lookup(cfg, dotted)
+    except (KeyError, TypeError):
+        return False
+    return True
+
+
 def settings(cfg: dict, stage: str, name: str | None = None) -> str:
     """The params a job reads, as canonical JSON: a Snakemake rule param, so edits rerun the job."""
-    keys = [k.format(name=name) for k in STAGES[stage].params]
-    return json.dumps({k: lookup(cfg, k) for k in keys}, sort_keys=True)
+    return json.dumps({k: lookup(cfg, k) for k in param_keys(cfg, stage, name)}, sort_keys=True)
 
 
 def mem_factor(cfg: dict, stage: str, name: str | None = None) -> float:
