@@ -13,7 +13,7 @@ EXTRAS ?= dev
 CORES ?= all
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: install run gpu report-html test docs dry-run lint clean-results FORCE
+.PHONY: install run gpu report-html test test-matrix docs dry-run lint clean-results FORCE
 .DEFAULT_GOAL := run
 
 define INSTALL_MK
@@ -71,6 +71,10 @@ dry-run: install
 # The checks first (seconds), then the suite; the docs build and the params reference's drift are tests/test_docs.py.
 test: install lint
 	$(VENV)/bin/pytest -v
+
+# The supported-architecture matrix (tests/test_families_*.py): every stage on six families; CI runs it after `test`.
+test-matrix: install
+	$(VENV)/bin/pytest -v -m matrix
 
 # The documentation site (docs/, mkdocs.yml) into site/: --strict makes any warning (a broken link or anchor, a page
 # left out of the nav) an error, as tests/test_docs.py does. Open site/index.html.

@@ -6,6 +6,8 @@ import pytest
 
 from tests.matrix import GROUPS, check_family, tokenizer_folder  # noqa: F401 (a fixture)
 
+pytestmark = pytest.mark.matrix  # make test-matrix
+
 
 @pytest.mark.parametrize("family", GROUPS["a"])
 def test_every_stage_runs_or_says_why(family, tmp_path, tokenizer_folder):  # noqa: F811
