@@ -151,6 +151,18 @@ def validate(cfg: dict, source: str = "params") -> dict:
     return cfg
 
 
+# the settings each quantization method takes besides `method`
+SCHEME_SETTINGS = {"nf4": {"double_quant"}, "fp4": {"double_quant"},
+                   "torchao-int4": {"group_size"}, "hqq": {"bits", "group_size"}}
+
+
+def _check_scheme(scheme: dict, where: str) -> None:
+    extra = sorted(set(scheme) - {"method"} - SCHEME_SETTINGS.get(scheme["method"], set()))
+    if extra:
+        raise UserError(f"{where}.{extra[0]}: not a setting of method {scheme['method']!r} (it takes "
+                        f"{', '.join(sorted(SCHEME_SETTINGS.get(scheme['method'], ()))) or 'none'})")
+
+
 def _cross_check(cfg: dict, source: str) -> None:
     schemes = cfg["quantize"]["schemes"]
     runs = cfg["finetune"]["runs"]
@@ -159,6 +171,8 @@ def _cross_check(cfg: dict, source: str) -> None:
                         f"is not a scheme in quantize.schemes ({', '.join(schemes)})")
     if schemes[cfg["report"]["baseline_scheme"]]["method"] != "none":
         raise UserError(f"{source}: report.baseline_scheme: expected a scheme with method 'none'")
+    for name, scheme in schemes.items():
+        _check_scheme(scheme, f"{source}: quantize.schemes.{name}")
     for name in runs:
         run = finetune_run(cfg, name)
         if run["method"] == "qlora" and run["quant"]["method"] not in ("nf4", "fp4"):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from . import records
+from . import quantization, records
 from .architecture import skeleton
 from .config import UserError, base_quant, finetune_run, missing_input  # noqa: F401 (re-exported)
 from .measure.device import DTYPES
@@ -124,20 +124,6 @@ def load_tokenizer(folder: str | Path, trust_remote_code: bool = False):
     return tok
 
 
-def bnb_config(quant: dict, compute_dtype: torch.dtype):
-    """A transformers BitsAndBytesConfig for a scheme, or None for full precision."""
-    from transformers import BitsAndBytesConfig
-
-    method = quant["method"]
-    if method == "none":
-        return None
-    if method == "int8":
-        return BitsAndBytesConfig(load_in_8bit=True)
-    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=method,
-                              bnb_4bit_use_double_quant=bool(quant.get("double_quant", False)),
-                              bnb_4bit_compute_dtype=compute_dtype)
-
-
 def load_model(folder: str | Path, dtype: str, device: torch.device, quant: dict | None = None,
                attn_implementation: str | None = None):
     """Load a local HF folder (safetensors only, no remote code) onto `device`."""
@@ -147,8 +133,10 @@ def load_model(folder: str | Path, dtype: str, device: torch.device, quant: dict
     torch_dtype = DTYPES[dtype]
     kwargs = dict(dtype=torch_dtype, use_safetensors=True, trust_remote_code=False)
     if quant and quant["method"] != "none":
-        kwargs["quantization_config"] = bnb_config(quant, torch_dtype)
-        kwargs["device_map"] = {"": device.index or 0} if device.type == "cuda" else {"": "cpu"}
+        kwargs["quantization_config"] = quantization.config(quant, torch_dtype, device)
+        # (HQQ refuses a device map naming the CPU; the plain device is the same placement)
+        kwargs["device_map"] = {"": device.index or 0} if device.type == "cuda" else (
+            "cpu" if quantization.library(quant) == "hqq" else {"": "cpu"})
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)

@@ -238,15 +238,34 @@ def bnb_footprint(name: str, method: str, double_quant: bool = False, compute_dt
     quantized = [lay for lay in linear_layers(name, **overrides) if not lay["head"]]
     q_params = sum(lay["in"] * lay["out"] for lay in quantized)
     kept = sum(p.numel() for p in model.parameters()) - q_params
+    code_books = 0
     if method == "int8":
         weight_bytes = q_params
         constants = 4 * sum(lay["out"] for lay in quantized)
     else:
         weight_bytes = sum(math.ceil(lay["in"] * lay["out"] / 2) for lay in quantized)
         constants = sum(_four_bit_constants(lay["in"] * lay["out"], double_quant) for lay in quantized)
+        # each layer's quant state holds its 16-value fp32 code (and the 256-value 8-bit code of the nested absmax)
+        code_books = len(quantized) * 4 * (16 + (256 if double_quant else 0))
     kept_bytes = kept * bytes_per_element(compute_dtype)
     return {"quantized_params": q_params, "kept_params": kept, "weight_bytes": weight_bytes,
-            "constant_bytes": constants, "kept_bytes": kept_bytes, "total": weight_bytes + constants + kept_bytes}
+            "constant_bytes": constants, "code_book_bytes": code_books, "kept_bytes": kept_bytes,
+            "total": weight_bytes + constants + code_books + kept_bytes}
+
+
+def quant_footprint(name: str, quant: dict, compute_dtype: str = "float16", **overrides) -> dict | None:
+    """Bytes a model occupies loaded with a quantization scheme (efflab.quantization): bitsandbytes' (above) and
+    torchao's int8 (the same layers quantized; per output row a scale in the compute dtype and an int8 zero point,
+    torchao's Int8Tensor). None for a scheme with no model here (torchao-int4, hqq)."""
+    method = quant["method"]
+    if method in ("int8", "nf4", "fp4"):
+        return bnb_footprint(name, method, bool(quant.get("double_quant")), compute_dtype, **overrides)
+    if method not in ("torchao-int8", "torchao-int8-dynamic"):
+        return None
+    int8 = bnb_footprint(name, "int8", False, compute_dtype, **overrides)
+    rows = sum(lay["out"] for lay in linear_layers(name, **overrides) if not lay["head"])
+    constants = rows * (bytes_per_element(compute_dtype) + 1)
+    return int8 | {"constant_bytes": constants, "total": int8["weight_bytes"] + constants + int8["kept_bytes"]}
 
 
 def _four_bit_constants(numel: int, double_quant: bool) -> int:

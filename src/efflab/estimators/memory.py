@@ -325,13 +325,13 @@ def generation_peak(folder, dtype: str, quant: dict | None, batch: int, prompt_l
         terms["frozen_head_weight_copy"] = a["vocab"] * a["hidden"] * el
     if quantized_transient_bytes:
         terms["quantized_layer_transient"] = quantized_transient_bytes
-    method = (quant or {}).get("method", "none")
-    if method == "none":
+    if (quant or {}).get("method", "none") == "none":
         weights = el * analytic.parameter_count(str(folder))
     else:
-        weights = analytic.bnb_footprint(str(folder), method, bool(quant.get("double_quant")), dtype)["total"]
+        footprint = analytic.quant_footprint(str(folder), quant, dtype)
+        weights = footprint and footprint["total"]
     return {"total_mib": sum(terms.values()) / MiB, "compares_to": GENERATION_COMPARES_TO,
-            "terms_mib": {k: v / MiB for k, v in terms.items()}, "weights_mib": weights / MiB}
+            "terms_mib": {k: v / MiB for k, v in terms.items()}, "weights_mib": weights and weights / MiB}
 
 
 @functools.lru_cache(maxsize=None)
@@ -349,14 +349,12 @@ def frozen_head_copies_weight(vocab: int, hidden: int, dtype: str) -> bool:
 
 
 def quantized_layer_transient(model, dtype: str) -> int:
-    """Bytes one forward of one token through the model's largest bitsandbytes layer allocates beyond its output,
-    measured now with the live-tensor counter (CPU): the dequantized or cast weight that some CPU kernels
-    build for each matmul and free after it. 0 for a model without bitsandbytes layers, or when unmeasurable."""
-    try:
-        import bitsandbytes as bnb
-    except ImportError:
-        return 0
-    layers = [m for m in model.modules() if isinstance(m, (bnb.nn.Linear8bitLt, bnb.nn.Linear4bit))]
+    """Bytes one forward of one token through the model's largest quantized layer (bitsandbytes', or a linear layer
+    with torchao's quantized weight) allocates beyond its output, measured now with the live-tensor counter (CPU):
+    the dequantized or cast weight that some CPU kernels build for each matmul and free after it. 0 for a model
+    without quantized layers, or when unmeasurable."""
+    layers = [m for m in model.modules() if type(m).__module__.startswith("bitsandbytes") and hasattr(m, "in_features")
+              or isinstance(m, torch.nn.Linear) and type(m.weight).__module__.startswith("torchao")]
     if not layers:
         return 0
     layer = max(layers, key=lambda m: m.in_features * m.out_features)
@@ -368,7 +366,7 @@ def quantized_layer_transient(model, dtype: str) -> int:
 
 
 def variant_quant(cfg: dict, variant: dict) -> dict | None:
-    """The bitsandbytes scheme an inference variant's weights are loaded with (None: full precision)."""
+    """The quantization scheme an inference variant's weights are loaded with (None: full precision)."""
     if variant["kind"] == "quantized":
         return cfg["quantize"]["schemes"][variant["of"]]
     if variant["kind"] == "adapter":

@@ -15,7 +15,7 @@ import torch
 from . import PRELOAD
 from .task import GEN_TASK, TASKS, declared_names
 
-__all__ = ["GEN_TASK", "PRELOAD", "TASKS", "cli_commands", "evaluate", "quantized_modules"]
+__all__ = ["GEN_TASK", "PRELOAD", "TASKS", "cli_commands", "evaluate"]
 
 log = logging.getLogger("efflab")
 
@@ -29,18 +29,6 @@ def cli_command(folders: list, dtype: str, device: str, task_dir: Path, task: st
            f"--batch_size {batch_size}")
     cmd += f" --limit {docs}" if docs else ""
     return cmd + (f" --gen_kwargs max_gen_toks={max_new_tokens}" if max_new_tokens else "")
-
-
-def quantized_modules(model) -> dict[str, int]:
-    """The quantized module classes the evaluated model holds, with their counts (bitsandbytes' Linear8bitLt and
-    Linear4bit, torchao's): evidence that it was evaluated quantized, not de-quantized or reloaded in full
-    precision."""
-    counts: dict[str, int] = {}
-    for module in model.modules():
-        kind = type(module)
-        if "bitsandbytes" in kind.__module__ or "torchao" in kind.__module__:
-            counts[kind.__name__] = counts.get(kind.__name__, 0) + 1
-    return counts
 
 
 def cli_commands(folders: list, dtype: str, device: str, task_dir: Path, tasks: list[str], docs: int | None,

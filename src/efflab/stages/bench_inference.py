@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from .. import cli, profiling, records
+from .. import cli, profiling, quantization, records
 from ..config import UserError
 from ..estimators.memory import compared, generation_peak, quantized_layer_transient, variant_quant
 from ..layout import Job, Layout
@@ -204,7 +204,7 @@ def inference_cell(cfg: dict, results: str, name: str, dtype: str, device: str, 
              1000 * per_token["median"], 1000 * per_token["p99"], _fmt(mem.get("delta_mib")), mem["kind"])
     return {"ttft": ttft, "decode_tokens_per_s": decode_tps, "per_token_latency": per_token, "memory": mem,
             "generations": len(runs), "prompt_tokens": [r["prompt_tokens"] for r in runs[:len(batches)]],
-            "memory_footprint_bytes": model.get_memory_footprint(),
+            "memory_footprint_bytes": quantization.footprint_bytes(model),
             "memory_prediction": compared(prediction, mem), "vs_base": vs_base, "energy": energy, "profile": profile,
             "samples": [{"prompt": a["question"], "answer": t, "reference": a["reference"]}
                         for a, t in zip(asked, runs[0]["texts"])]}

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 
-from .. import cli, records
+from .. import cli, quantization, records
 from ..config import evaluated_models
 from ..evaluation import harness, scores
 from ..layout import Job
@@ -57,7 +57,7 @@ def run(cfg: dict, job: Job) -> dict:
              f": fails on {', '.join(gate['failed'])}" if gate["failed"] else "")
     folders = [str(f) for f in layout.variant_folders(model_cfg)]
     return {**about, "tasks": results, "changes": changes, "gate": gate,
-            "quantized_modules": harness.quantized_modules(model),
+            "quantized_modules": quantization.quantized_parts(model),
             "samples": scores.samples(results, e["samples"], harness.GEN_TASK),
             "load_s": load_s, "eval_s": eval_s,
             "commands": harness.cli_commands(folders, dtype, device.type, layout.lm_eval_task(), e["tasks"],

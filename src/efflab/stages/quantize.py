@@ -1,21 +1,25 @@
-"""Stage quantize: post-training quantization of the base model with bitsandbytes, one job per scheme.
+"""Stage quantize: post-training quantization of the base model, one job per scheme (bitsandbytes, torchao, HQQ).
 
-Each job loads the base folder with the scheme's BitsAndBytesConfig, saves the quantized folder,
-reloads it and evaluates validation perplexity on the same rows as the baseline scheme (method none),
-whose job every other scheme's job waits for, so the change is measured against it.
+Each job loads the base folder with the scheme's quantization config (efflab.quantization), saves the quantized
+folder (safetensors), reloads it and evaluates validation perplexity on the same rows as the baseline scheme
+(method none), whose job every other scheme's job waits for, so the change is measured against it. Then it
+tries a LoRA adapter on the reloaded model: whether peft trains one and merges it back. A scheme whose library or
+kernel this machine lacks records `unavailable` with the reason.
 """
 from __future__ import annotations
 
 import logging
 import time
 
-from .. import cli, quality, records
+import torch
+
+from .. import cli, quality, quantization, records
 from ..layout import Job
-from ..measure.device import pick_device, set_threads
+from ..measure.device import DTYPES, pick_device, set_threads
 from ..measure.env import environment
 from ..measure.flops import count_parameters
 from ..measure.memory import track_memory
-from ..modeling import base_dtype, eval_loss, folder_bytes, load_model, load_tokenizer, read_split
+from ..modeling import base_dtype, batches, eval_loss, folder_bytes, load_model, load_tokenizer, read_split
 
 log = logging.getLogger("efflab")
 
@@ -30,17 +34,30 @@ def run(cfg: dict, job: Job) -> dict:
     device = pick_device(cfg["runtime"])
     tokenizer = load_tokenizer(layout.base_model())
     rows = read_split(layout.split("validation"), q["eval_rows"])
+    described = {"scheme": job.name, "method": scheme["method"], "library": quantization.library(scheme),
+                 "weight_bits": quantization.weight_bits(scheme), "environment": environment(device, q)}
 
     baseline = cfg["report"]["baseline_scheme"]
     skipped = job.name != baseline and layout.skipped_because("quantize", baseline)
     if skipped:  # no reference to measure the change against
         layout.write_not_run("quantize", job.out, skipped["status"], skipped["reason"])
-        return {**skipped, "scheme": job.name, "method": scheme["method"], "environment": environment(device, q)}
+        return {**skipped, **described}
+    try:
+        quantization.config(scheme, DTYPES[dtype], device)
+    except quantization.Unavailable as err:
+        log.warning("%s: unavailable: %s", job.name, err)
+        layout.write_not_run("quantize", job.out, "unavailable", str(err))
+        return {"status": "unavailable", "reason": str(err), **described}
     reference = None if job.name == baseline else records.read(layout, "quantize", baseline)
+    return described | measure(cfg, job, scheme, rows, tokenizer, dtype, device, reference)
 
+
+def measure(cfg: dict, job: Job, scheme: dict, rows: list[dict], tokenizer, dtype: str, device, reference) -> dict:
+    """Quantize, save, reload, then the footprint, the perplexity against the baseline's, and the adapter check."""
+    q = cfg["quantize"]
     with track_memory(device) as load_mem:
         t0 = time.perf_counter()
-        model = load_model(layout.base_model(), dtype, device, quant=scheme)
+        model = load_model(job.layout.base_model(), dtype, device, quant=scheme)
         quantize_s = time.perf_counter() - t0
     folder = job.out / "model"
     model.save_pretrained(folder, safe_serialization=True)
@@ -50,19 +67,24 @@ def run(cfg: dict, job: Job) -> dict:
     t0 = time.perf_counter()
     model = load_model(folder, dtype, device)
     load_s = time.perf_counter() - t0
-    quantized_modules = sorted({type(m).__name__ for m in model.modules() if "bitsandbytes" in type(m).__module__})
+    parts = quantization.quantized_parts(model)
     with track_memory(device) as eval_mem:
         scheme_eval = eval_loss(model, rows, q["batch_size"], tokenizer)
-    footprint = model.get_memory_footprint()
+    footprint = quantization.footprint_bytes(model)
     base_eval = reference["validation"] if reference else scheme_eval
     base_footprint = reference["memory_footprint_bytes"] if reference else footprint
     log.info("%s: footprint %.1f MiB (%.2fx smaller), perplexity %.3f vs %.3f base",
              job.name, footprint / 2**20, base_footprint / footprint,
              scheme_eval["perplexity"], base_eval["perplexity"])
+    parameters = count_parameters(model)["total"]
+    adapter = adapter_check(model, rows, tokenizer, cfg["finetune"]["defaults"]["lora"])
+    log.info("%s: a LoRA adapter %s on it%s", job.name, "trains" if adapter["trains"] else "does not train",
+             "" if not adapter["trains"] else " and merges back" if adapter["merges"] else " but does not merge back")
     return {
-        "scheme": job.name, "method": scheme["method"], "double_quant": scheme.get("double_quant", False),
-        "compute_dtype": dtype, "bnb_layer_types": quantized_modules,
-        "parameters": count_parameters(model)["total"],
+        "double_quant": scheme.get("double_quant", False), "group_size": scheme.get("group_size"),
+        "compute_dtype": dtype, "quantized_parts": parts,
+        "bnb_layer_types": sorted(k for k in parts if k.startswith("Linear")),
+        "parameters": parameters,
         "memory_footprint_bytes": footprint, "base_memory_footprint_bytes": base_footprint,
         "footprint_ratio_vs_base": base_footprint / footprint,
         "bytes_on_disk": folder_bytes(folder), "quantize_s": quantize_s, "load_s": load_s,
@@ -70,8 +92,41 @@ def run(cfg: dict, job: Job) -> dict:
         "validation": scheme_eval, "base_validation": base_eval,
         "perplexity_change_pct": 100.0 * (scheme_eval["perplexity"] / base_eval["perplexity"] - 1.0),
         "perplexity_change": quality.paired_change(base_eval["per_row"], scheme_eval["per_row"]),
-        "environment": environment(device, q),
+        "adapter": adapter,
     }
+
+
+def adapter_check(model, rows: list[dict], tokenizer, lora: dict) -> dict:
+    """Whether peft trains a LoRA adapter on the quantized model and merges it back into it, both tried, not assumed:
+    one Adam step on a batch moves the adapter off its zero start, then `merge_and_unload`. The merge holds when
+    the merged model's logits are nearer the adapter's than the model's own were (a re-quantized merge rounds
+    the update, so it is not exact). Leaves `model` merged: run it last."""
+    from peft import LoraConfig, get_peft_model
+
+    batch = {k: v.to(model.device) for k, v in next(batches(rows[:2], 2, tokenizer)).items()}
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    with torch.no_grad():
+        own = model(**inputs).logits.float()
+    settings = {"r": lora.get("r", 8), "lora_alpha": lora.get("alpha", 16), "target_modules": lora.get("target_modules")}
+    try:
+        adapted = get_peft_model(model, LoraConfig(**settings))
+        trainable = [p for p in adapted.parameters() if p.requires_grad]
+        adapted(**inputs, labels=batch["labels"]).loss.backward()
+        grads = [p.grad for p in trainable if p.grad is not None]
+        if not grads or not all(torch.isfinite(g).all() for g in grads) or not any(g.abs().sum() > 0 for g in grads):
+            return {"trains": False, "reason": "the adapter's gradients are missing, zero or not finite"}
+        torch.optim.Adam(trainable, lr=1e-2).step()
+    except Exception as err:  # peft's message is the reason: an unsupported layer type, a frozen dtype
+        return {"trains": False, "reason": f"{type(err).__name__}: {err}"[:300]}
+    with torch.no_grad():
+        tuned = adapted(**inputs).logits.float()
+        try:
+            merged = adapted.merge_and_unload()(**inputs).logits.float()
+        except Exception as err:
+            return {"trains": True, "merges": False, "reason": f"merge: {type(err).__name__}: {err}"[:300]}
+    effect, error = (tuned - own).abs().max().item(), (merged - tuned).abs().max().item()
+    return {"trains": True, "merges": error < effect, "adapter_effect_max_abs_logit": effect,
+            "merge_error_max_abs_logit": error, "lora": settings}
 
 
 if __name__ == "__main__":

@@ -52,7 +52,7 @@ def kept_in_16_bits(layout, m: dict) -> str:
     kept = [(n, k) for n, k in params if n not in quantized]
     fp = analytic.bnb_footprint(name, m["method"], double_quant=m.get("double_quant", False),
                                 compute_dtype=m["compute_dtype"])
-    computed, measured = fp["weight_bytes"] + fp["kept_bytes"], m["memory_footprint_bytes"]
+    computed, measured = fp["total"], m["memory_footprint_bytes"]
     layers16 = 2 * fp["quantized_params"]
     tied = getattr(analytic.meta_model(name).config, "tie_word_embeddings", False)
     return (f"bitsandbytes kept in {m['compute_dtype']}: {_listed(kept, sum(k for _, k in params))}"
@@ -60,8 +60,8 @@ def kept_in_16_bits(layout, m: dict) -> str:
             f"{fp['kept_bytes']:,.0f} B = {fp['kept_bytes'] / measured:.1%} of the quantized footprint; the "
             f"{len(quantized)} quantized linear layers alone shrink {layers16 / fp['weight_bytes']:.2f}x from 16 bits "
             f"({layers16:,} B to {fp['weight_bytes']:,} B); computed from the base model's shapes, their weights and "
-            f"the kept tensors come to {computed:,.0f} B against the measured {measured:,} B (get_memory_footprint "
-            f"leaves out the quantization constants)")
+            f"the kept tensors and the quantization constants come to {computed:,.0f} B against the measured "
+            f"{measured:,} B")
 
 
 def prune_shares(layout, m: dict) -> str:

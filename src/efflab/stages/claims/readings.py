@@ -39,13 +39,13 @@ def scale_note(layout) -> str:
 
 
 def _quantize_ratio(layout, metric: dict) -> Reading:
-    """The base model's get_memory_footprint over the quantized one's: a count of bytes (exact), with which
-    parameters bitsandbytes kept in 16 bits as the cause."""
+    """The base model's footprint over the quantized one's (weights and quantization state, efflab.quantization):
+    a count of bytes (exact), with which parameters bitsandbytes kept in 16 bits as the cause."""
     m = _read(layout.metrics("quantize", metric["scheme"]))
     dtype, cause = m["compute_dtype"], kept_in_16_bits(layout, m)
     if dtype in ("bfloat16", "float16"):
         return Reading(m["footprint_ratio_vs_base"],
-                       f"get_memory_footprint: {m['base_memory_footprint_bytes']:,} B {dtype} / "
+                       f"weights and quantization state: {m['base_memory_footprint_bytes']:,} B {dtype} / "
                        f"{m['memory_footprint_bytes']:,} B {metric['scheme']}", exact=True, cause=cause)
     # A float32 baseline (CPU without fast bf16): re-express the parts bitsandbytes leaves unquantized at
     # 16 bits on both sides, so the ratio answers the seed's question (quantized vs 16-bit weights).

@@ -26,14 +26,34 @@ from .spread import of_median, text
 def quantize_table(rows: list[dict]) -> pd.DataFrame:
     return pd.DataFrame([{
         "scheme": r["scheme"], "method": r["method"], "double quant": r["double_quant"],
-        "bnb layers": ", ".join(r["bnb_layer_types"]) or "-",
+        "quantized as": quantized_as(r),
         "footprint (MiB)": r["memory_footprint_bytes"] / MiB, "x smaller than baseline": r["footprint_ratio_vs_base"],
         "on disk (MiB)": r["bytes_on_disk"] / MiB, "load (s)": r["load_s"],
         "val perplexity": r["validation"]["perplexity"], "perplexity change (%) [95% CI]": change_text(r),
-        "env": env_of(r),
-    } for r in records.ok(rows)], columns=["scheme", "method", "double quant", "bnb layers", "footprint (MiB)",
+        "LoRA on it": adapter_text(r.get("adapter")), "env": env_of(r),
+    } for r in records.ok(rows)], columns=["scheme", "method", "double quant", "quantized as", "footprint (MiB)",
                                            "x smaller than baseline", "on disk (MiB)", "load (s)", "val perplexity",
-                                           "perplexity change (%) [95% CI]", "env"])
+                                           "perplexity change (%) [95% CI]", "LoRA on it", "env"])
+
+
+def quantized_as(record: dict) -> str:
+    """The quantized module or weight classes and their counts (a record before efflab.quantization: its bnb layers)."""
+    parts = record.get("quantized_parts")
+    if parts is None:
+        return ", ".join(record["bnb_layer_types"]) or "-"
+    return ", ".join(f"{kind} x{n}" for kind, n in parts.items()) or "-"
+
+
+def adapter_text(adapter: dict | None) -> str:
+    """Whether peft trained a LoRA adapter on the scheme and merged it back (the quantize job tried both)."""
+    if adapter is None:
+        return "not checked"
+    if not adapter["trains"]:
+        return f"does not train: {adapter['reason']}"
+    if "merges" not in adapter or adapter["merges"]:
+        return "trains, merges back" if adapter.get("merges") else f"trains; merge: {adapter['reason']}"
+    return (f"trains; the merge moves the logits {adapter['merge_error_max_abs_logit']:.3g}, more than the adapter "
+            f"did ({adapter['adapter_effect_max_abs_logit']:.3g})")
 
 
 def change_text(record: dict | None, point_key: str = "perplexity_change_pct") -> str:

@@ -1,0 +1,137 @@
+"""Post-training quantization schemes, one place for every library efflab quantizes with: a scheme (params
+`quant`) becomes the transformers quantization config that loads a model with it (bitsandbytes, torchao, HQQ),
+or `Unavailable` saying why it cannot run here. Also what every stage reads off a quantized model: which of its
+parts are quantized, and how many bytes its weights take.
+
+transformers, torchao and hqq take seconds to import: they are imported inside the functions that use them.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+# method -> the library that quantizes with it
+LIBRARIES = {"int8": "bitsandbytes", "nf4": "bitsandbytes", "fp4": "bitsandbytes",
+             "torchao-int8": "torchao", "torchao-int4": "torchao", "torchao-int8-dynamic": "torchao",
+             "hqq": "hqq"}
+# weight bits of each method (hqq: the scheme's `bits`)
+WEIGHT_BITS = {"int8": 8, "nf4": 4, "fp4": 4, "torchao-int8": 8, "torchao-int4": 4, "torchao-int8-dynamic": 8}
+DEFAULT_GROUP_SIZE = 64
+
+
+class Unavailable(Exception):
+    """The scheme cannot run on this machine; the message says why (recorded as `unavailable: <message>`)."""
+
+
+def library(quant: dict | None) -> str | None:
+    """The library a scheme quantizes with; None for full precision."""
+    return None if not quant or quant["method"] == "none" else LIBRARIES[quant["method"]]
+
+
+def weight_bits(quant: dict | None) -> int | None:
+    if not quant or quant["method"] == "none":
+        return None
+    return quant.get("bits", 4) if quant["method"] == "hqq" else WEIGHT_BITS[quant["method"]]
+
+
+def config(quant: dict | None, compute_dtype: torch.dtype, device: torch.device):
+    """The transformers quantization config that loads a model with `quant`; None for full precision. Raises
+    Unavailable where the scheme's library or kernels are missing on `device`."""
+    lib = library(quant)
+    if lib is None:
+        return None
+    if lib == "bitsandbytes":
+        return bnb_config(quant, compute_dtype)
+    if lib == "hqq":
+        return hqq_config(quant)
+    return torchao_config(quant, device)
+
+
+def bnb_config(quant: dict, compute_dtype: torch.dtype):
+    """A transformers BitsAndBytesConfig for a bitsandbytes scheme."""
+    from transformers import BitsAndBytesConfig
+
+    if quant["method"] == "int8":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant["method"],
+                              bnb_4bit_use_double_quant=bool(quant.get("double_quant", False)),
+                              bnb_4bit_compute_dtype=compute_dtype)
+
+
+def torchao_config(quant: dict, device: torch.device):
+    """torchao's weight-only int8, int4 (CUDA's packed kernel), and dynamic int8 activations with int8 weights."""
+    from torchao.quantization import Int4WeightOnlyConfig, Int8DynamicActivationInt8WeightConfig, Int8WeightOnlyConfig
+    from transformers import TorchAoConfig
+
+    method = quant["method"]
+    if method == "torchao-int8":
+        return TorchAoConfig(Int8WeightOnlyConfig())
+    if method == "torchao-int8-dynamic":
+        return TorchAoConfig(Int8DynamicActivationInt8WeightConfig())
+    if device.type != "cuda":
+        raise Unavailable("torchao's int4 weight-only packs for CUDA's tinygemm kernel (or XPU/NPU); on a CPU "
+                          "torchao keeps int4 values unpacked in int8, no smaller than torchao-int8")
+    return TorchAoConfig(Int4WeightOnlyConfig(group_size=quant.get("group_size", DEFAULT_GROUP_SIZE),
+                                              int4_packing_format="tile_packed_to_4d"))
+
+
+def hqq_config(quant: dict):
+    """HQQ (half-quadratic quantization, no calibration data) at the scheme's bits and group size, through
+    transformers' HqqConfig: where this transformers' HQQ quantizer cannot load weights, or the hqq package is
+    missing, Unavailable says which."""
+    import transformers
+    from transformers import HqqConfig
+    from transformers.quantizers.base import HfQuantizer
+    from transformers.quantizers.quantizer_hqq import HqqHfQuantizer
+
+    if HqqHfQuantizer.get_quantize_ops is HfQuantizer.get_quantize_ops:
+        raise Unavailable(f"transformers {transformers.__version__}'s HQQ quantizer has no weight-loading operations "
+                          "(its get_quantize_ops is the base class's 'HQQ is not available yet')")
+    if importlib.util.find_spec("hqq") is None:
+        raise Unavailable("hqq needs the hqq package, which is not installed (DISABLE_CUDA=1 pip install hqq on a CPU)")
+    return HqqConfig(nbits=quant.get("bits", 4), group_size=quant.get("group_size", DEFAULT_GROUP_SIZE))
+
+
+def quantized_parts(model) -> dict[str, int]:
+    """The quantized module classes (bitsandbytes' Linear8bitLt and Linear4bit, HQQ's HQQLinear) and quantized
+    weight tensor classes (torchao's) the model holds, with their counts: evidence that it runs quantized, not
+    de-quantized or reloaded in full precision."""
+    counts: dict[str, int] = {}
+    for module in model.modules():
+        kind = type(module)
+        if kind.__module__.split(".")[0] in ("bitsandbytes", "hqq"):
+            counts[kind.__name__] = counts.get(kind.__name__, 0) + 1
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, torch.Tensor) and type(weight).__module__.split(".")[0] == "torchao":
+            counts[type(weight).__name__] = counts.get(type(weight).__name__, 0) + 1
+    return counts
+
+
+def tensor_bytes(tensor: torch.Tensor) -> int:
+    """Bytes a tensor holds: a tensor subclass (torchao's quantized weights) counts its inner tensors (data,
+    scales, zero points), not its logical shape at its nominal dtype."""
+    if hasattr(tensor, "__tensor_flatten__"):
+        names, _ = tensor.__tensor_flatten__()
+        return sum(tensor_bytes(getattr(tensor, name)) for name in names)
+    return tensor.nelement() * tensor.element_size()
+
+
+# State-dict entries bitsandbytes builds only to serialize (a format byte, a packed copy of the 4-bit metadata):
+# not held in memory.
+SERIALIZED_ONLY = (".weight_format", ".quant_state.bitsandbytes__")
+
+
+def footprint_bytes(model) -> int:
+    """Bytes of the model's weights and quantization state (scales, zero points, code books), each held tensor once
+    (a tied head, a code book shared by layers): what its state dict holds, torchao's quantized weights unpacked
+    into their inner tensors."""
+    seen, total = set(), 0
+    for name, value in model.state_dict(keep_vars=True).items():
+        if not isinstance(value, torch.Tensor) or any(part in name for part in SERIALIZED_ONLY):
+            continue
+        key = id(value) if hasattr(value, "__tensor_flatten__") else value.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            total += tensor_bytes(value)
+    return total
