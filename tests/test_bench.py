@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pandas as pd
+import pytest
 import yaml
 
 from efflab.measure.memory import allocated_delta
@@ -68,6 +69,14 @@ def test_inference_separates_prefill_from_decode_per_kv_cache_and_batch_cell(res
         assert c["ttft"]["median"] > 0 and c["decode_tokens_per_s"]["median"] > 0
         assert c["memory"]["kind"] == "cpu_peak_rss"
         assert c["energy"].get("joules_per_token", 0) > 0 or c["energy"]["unavailable"], "measured, or why not"
+        roof = c["roofline"]  # every weight read once a step for the whole batch, plus the KV cache with one
+        # (the tiny model's head is its input embedding: read whole every step, so the whole footprint is read)
+        assert roof["weights_bytes"] == c["memory_footprint_bytes"] and roof["mean_context"] > 0
+        assert roof["bytes_per_token"] == roof["weights_bytes"] / c["batch_size"] + roof["kv_cache_bytes_per_token"]
+        assert (roof["kv_cache_bytes_per_token"] > 0) == c["kv_cache"]
+        assert roof["bandwidth_fraction"] == pytest.approx(
+            c["decode_tokens_per_s"]["median"] * roof["bytes_per_token"] / (m["limits"]["bandwidth"]["gb_per_s"] * 1e9))
+        assert roof["bound"] in ("framework-bound", "memory-bound", "compute-bound")
     cell = {(c["kv_cache"], c["batch_size"]): c for c in m["cells"]}
     assert cell[(True, 1)]["samples"][0]["answer"] == cell[(False, 1)]["samples"][0]["answer"], \
         "greedy decoding gives the same tokens with and without the KV cache"

@@ -378,3 +378,36 @@ def test_gpu_energy_reads_nvml_s_board_counter_in_millijoules(monkeypatch):
     monkeypatch.setattr(energy, "synchronize", lambda device: None)
     got = energy.EnergyMeter(torch.device("cuda", 0)).start().stop()
     assert got["joules"] == pytest.approx(3.5) and got["source"] == "NVML total energy of the GPU board"
+
+
+def test_the_bandwidth_probe_counts_a_copy_s_read_and_write_over_its_time(monkeypatch):
+    """A copy the simulated clock says takes 2 ms moves 2 x 1 MiB (read and write): the probe's rate is exactly
+    the bytes over the time computed by hand, and the real probe gives a rate, best repeat first."""
+    from efflab.measure import bandwidth
+
+    clock = SimulatedClock()
+    monkeypatch.setattr(timing, "clock", lambda: (clock.advance(0.001), clock())[1])  # each reading 1 ms later
+    probe = bandwidth.bandwidth_ceiling(CPU, nbytes=2**20 + 4)  # (a size no other test caches)
+    assert probe["best_s"] == pytest.approx(0.001)
+    assert probe["gb_per_s"] == pytest.approx(2 * (2**20 + 4) / 0.001 / 1e9)
+    monkeypatch.undo()
+    real = bandwidth.bandwidth_ceiling(CPU, nbytes=2**22)
+    assert real["gb_per_s"] >= real["median_gb_per_s"] > 0
+
+
+def test_a_decode_rate_is_placed_between_the_bandwidth_and_the_matmul_ceilings():
+    from efflab.measure import bandwidth
+
+    shape = {"layers": 2, "kv_heads": 2, "head_dim": 16, "heads": 4}
+    costs = bandwidth.decode_roofline(shape, weight_bytes=10_000_000, element_bytes=4, matmul_params=2_000_000,
+                                      prompt_len=20, new_tokens=6, batch=2, kv_cache=True)
+    kv = 2 * 2 * 2 * 16 * 4 * 22  # layers x (K, V) x heads x dim x bytes x mean context (20 + (6 - 2) / 2)
+    assert costs["bytes_per_token"] == 5_000_000 + kv and costs["mean_context"] == 22
+    assert costs["flops_per_token"] == 2 * 2_000_000 + 4 * 2 * 4 * 16 * 22
+    limits = {"bandwidth": {"gb_per_s": 10.0}, "matmul": {"tflops": 0.1}}
+    at = lambda tps: bandwidth.roofline(tps, costs, limits["bandwidth"], limits["matmul"])  # noqa: E731
+    assert at(1000.0)["bandwidth_fraction"] == pytest.approx(1000 * (5_000_000 + kv) / 10e9)
+    assert at(100.0)["bound"] == "framework-bound"  # 5% of the bandwidth, 0.4% of the matmul ceiling
+    assert at(1000.0)["bound"] == "memory-bound"  # 50% and 4%
+    compute_heavy = costs | {"bytes_per_token": 1000}
+    assert bandwidth.roofline(10_000.0, compute_heavy, limits["bandwidth"], limits["matmul"])["bound"] == "compute-bound"

@@ -113,7 +113,7 @@ STAGES = _stages(
           left_out=("bench_inference.variants is empty", lambda cfg: not cfg["bench_inference"]["variants"]),
           outputs=(), gpu=True, profiled=True,
           figures=("cells[kv_cache,batch_size].decode_tokens_per_s", "cells[kv_cache,batch_size].ttft",
-                   "cells[kv_cache,batch_size].memory.peak_mib")),
+                   "cells[kv_cache,batch_size].memory.peak_mib", "cells[kv_cache,batch_size].roofline.bandwidth_fraction")),
     Stage("bench_serving", ("runtime", "bench_serving"), runtime_min=20, mem_factor=3,
           left_out=("bench_serving.methods is empty", lambda cfg: not cfg["bench_serving"]["methods"]),
           outputs=("requests.csv",), gpu=True,

@@ -16,13 +16,15 @@ from pathlib import Path
 
 import torch
 
-from .. import cli, profiling, quantization, records
+from .. import architecture, cli, profiling, quantization, records
 from ..config import UserError
 from ..estimators.memory import compared, generation_peak, quantized_layer_transient, variant_quant
 from ..layout import Job, Layout
-from ..measure.device import pick_device, set_threads
+from ..measure.bandwidth import bandwidth_ceiling, decode_roofline, roofline
+from ..measure.device import DTYPES, pick_device, set_threads
 from ..measure.energy import energy_of, energy_per_token
 from ..measure.env import environment
+from ..measure.flops import matmul_ceiling, matmul_params
 from ..measure.isolation import CellJournal, prestart, run_cell
 from ..measure.memory import track_memory
 from ..measure.stats import percentile, speedup, summarize
@@ -163,7 +165,7 @@ def timed_rounds(cfg: dict, layout: Layout, name: str, model, tokenizer, batches
 
 
 def inference_cell(cfg: dict, results: str, name: str, dtype: str, device: str, kv_cache: bool,
-                   batch_size: int, profile_dir: str | None = None) -> dict:
+                   batch_size: int, limits: dict, profile_dir: str | None = None) -> dict:
     """Measure one (variant, KV cache, batch size) cell: prefill and decode, apart, at a fixed length."""
     b, layout, device = cfg["bench_inference"], Layout(Path(results)), torch.device(device)
     tokenizer = load_tokenizer(layout.base_model())
@@ -196,6 +198,14 @@ def inference_cell(cfg: dict, results: str, name: str, dtype: str, device: str, 
         raise RuntimeError(f"generation length differs from max_new_tokens={n}")
     ttft = summarize([r["ttft_s"] for r in runs])
     decode_tps = summarize([r["batch_size"] * (n - 1) / r["decode_s"] for r in runs], unit="tokens/s")
+    footprint = quantization.footprint_bytes(model)
+    # a decode step reads one row of the input embedding, unless it is the output head too (tied), read whole
+    embedding, head = model.get_input_embeddings().weight, model.get_output_embeddings()
+    tied = head is not None and head.weight.data_ptr() == embedding.data_ptr()
+    prompt_len = sum(r["prompt_tokens"] / r["batch_size"] for r in runs) / len(runs)
+    costs = decode_roofline(architecture.shape(model.config),
+                            footprint - (0 if tied else quantization.tensor_bytes(embedding)), DTYPES[dtype].itemsize,
+                            matmul_params(model)["total"], prompt_len, n, batch_size, kv_cache)
     per_token = summarize([g for r in runs for g in r["token_gaps_s"]], keep_samples=False)
     per_token |= {"p99_over_p50": per_token["p99"] / per_token["p50"] if per_token["p50"] else None,
                   "tail_cause": explain_tail(runs, kv_cache)}
@@ -204,7 +214,8 @@ def inference_cell(cfg: dict, results: str, name: str, dtype: str, device: str, 
              1000 * per_token["median"], 1000 * per_token["p99"], _fmt(mem.get("delta_mib")), mem["kind"])
     return {"ttft": ttft, "decode_tokens_per_s": decode_tps, "per_token_latency": per_token, "memory": mem,
             "generations": len(runs), "prompt_tokens": [r["prompt_tokens"] for r in runs[:len(batches)]],
-            "memory_footprint_bytes": quantization.footprint_bytes(model),
+            "memory_footprint_bytes": footprint,
+            "roofline": roofline(decode_tps["median"], costs, limits["bandwidth"], limits["matmul"]),
             "memory_prediction": compared(prediction, mem), "vs_base": vs_base, "energy": energy, "profile": profile,
             "samples": [{"prompt": a["question"], "answer": t, "reference": a["reference"]}
                         for a, t in zip(asked, runs[0]["texts"])]}
@@ -233,6 +244,8 @@ def run(cfg: dict, job: Job) -> dict:
     journal = CellJournal(layout.out("bench_inference") / f".{name}.cells.jsonl",
                           {"bench_inference": b, "runtime": rt, "built_on": built_on.read_text()})
     cells = []
+    # The machine's two limits, measured once in this job and given to every cell (each cell is a fresh process)
+    limits = {"bandwidth": bandwidth_ceiling(device), "matmul": matmul_ceiling(dtype, device)}
     profiles = layout.out("bench_inference") / f".{name}.{profiling.FOLDER}"  # beside the journal, until the end
     if journal.resumed == 0:
         shutil.rmtree(profiles, ignore_errors=True)  # a killed earlier run's
@@ -243,7 +256,8 @@ def run(cfg: dict, job: Job) -> dict:
                            if profiling.wanted(cfg, "bench_inference") else None)
             result = journal.result(cell, lambda: run_cell(
                 inference_cell, dict(cfg=cfg, results=str(layout.root), name=name, dtype=dtype, device=str(device),
-                                     kv_cache=kv_cache, batch_size=batch_size, profile_dir=profile_dir),
+                                     kv_cache=kv_cache, batch_size=batch_size, limits=limits,
+                                     profile_dir=profile_dir),
                 isolation=rt["isolation"], timeout_s=rt["cell_timeout_s"], memory_cap_mib=rt["cell_memory_cap_mib"]))
             if not records.is_ok(result):
                 log.warning("%s kv_cache=%s batch %d: %s: %s", name, kv_cache, batch_size, result["status"],
@@ -258,7 +272,7 @@ def run(cfg: dict, job: Job) -> dict:
         "prompts": len(prompts(b, layout, load_tokenizer(layout.base_model()))),
         "prompts_from": "configured" if isinstance(b["prompts"], list) else "validation rows",
         "new_tokens": b["max_new_tokens"], "repeats": b["repeats"],
-        "warmup": b["warmup"], "cells": cells, "environment": environment(device, b),
+        "warmup": b["warmup"], "cells": cells, "limits": limits, "environment": environment(device, b),
     }
 
 

@@ -355,6 +355,7 @@ def inference_table(rows: list[dict]) -> pd.DataFrame:
                 "peak delta (MiB)": c["memory"].get("delta_mib") if ok else None,
                 "memory kind": c["memory"]["kind"] if ok else None,
                 "footprint (MiB)": c["memory_footprint_bytes"] / MiB if ok else None,
+                **roofline_columns(c.get("roofline") if ok else None),
                 "energy (J/token)": (c.get("energy") or {}).get("joules_per_token") if ok else None,
                 "speedup vs base [95% CI]": speedup_text(c.get("vs_base"), "generation_speedup") if ok else "-",
                 "verdict vs base": speedup_verdict(c.get("vs_base"), "generation_speedup") if ok else "-",
@@ -367,7 +368,18 @@ def inference_table(rows: list[dict]) -> pd.DataFrame:
 INFERENCE_COLUMNS = ["variant", "kind", "of", "KV cache", "batch", "status", "TTFT median (ms)",
                      "decode tokens/s median", "decode tokens/s 95% CI or range", "per-token p50 (ms)",
                      "per-token p99 (ms)", "tail cause (p99/p50 > 1.5)", "peak delta (MiB)", "memory kind",
-                     "footprint (MiB)", "energy (J/token)", "speedup vs base [95% CI]", "verdict vs base", "env"]
+                     "footprint (MiB)", "MiB read per token", "% of bandwidth", "% of matmul ceiling", "bound",
+                     "energy (J/token)", "speedup vs base [95% CI]", "verdict vs base", "env"]
+
+
+def roofline_columns(roof: dict | None) -> dict:
+    """Where a cell's median decode rate stands between the machine's measured limits (measure.bandwidth): the
+    bytes a token reads, the fractions of the copy bandwidth and of the matmul ceiling reached, and what bounds it
+    (a record measured before the probe: empty)."""
+    if not roof:
+        return {"MiB read per token": None, "% of bandwidth": None, "% of matmul ceiling": None, "bound": "-"}
+    return {"MiB read per token": roof["bytes_per_token"] / MiB, "% of bandwidth": 100 * roof["bandwidth_fraction"],
+            "% of matmul ceiling": 100 * roof["compute_fraction"], "bound": roof["bound"]}
 
 
 def not_run_table(metrics: dict[str, list[dict]]) -> pd.DataFrame:
