@@ -51,7 +51,10 @@ def test_efflab_s_scores_equal_lm_eval_s_own_cli_on_the_generated_task(results, 
     assert [s["reference"] for s in record["samples"]] == [d["answer"] for d in docs[:e["samples"]]]
 
 
-def test_a_quantized_model_is_scored_as_its_quantized_modules_and_paired_with_the_base(results):
+def test_a_quantized_model_is_scored_as_its_quantized_modules_and_paired_with_the_base(results, monkeypatch):
+    import sys
+
+    monkeypatch.setattr(sys, "dont_write_bytecode", False)  # as under `make`: bytecode kept on first import
     run_stage("quantize", TEST_PARAMS, results, "baseline")
     run_stage("quantize", TEST_PARAMS, results, "int8")
     base = run_stage("evaluate", TEST_PARAMS, results, "base")
@@ -59,6 +62,8 @@ def test_a_quantized_model_is_scored_as_its_quantized_modules_and_paired_with_th
     linears = sum(1 for m in load_model(Layout(results).base_model(), "float32", torch.device("cpu")).modules()
                   if isinstance(m, torch.nn.Linear)) - 1  # bitsandbytes keeps the output head in full precision
     assert base["quantized_modules"] == {} and int8["quantized_modules"] == {"Linear8bitLt": linears}
+    assert not list((results / "prepare_data").rglob("__pycache__")), "lm-eval's import of the task folder's " \
+        "utils.py left bytecode in prepare_data's output, changing its content after its hash was recorded"
     assert int8["reference"] == "base" and int8["gate"]["verdict"] in ("passes", "fails", "undecided")
     bpb = int8["changes"][LL_TASK]["bits_per_byte"]
     assert bpb["n"] == base["tasks"][LL_TASK]["n_docs"] and bpb["ci95"][0] <= bpb["change"] <= bpb["ci95"][1]

@@ -6,8 +6,10 @@ lm_eval (and datasets under it) take seconds to import: they are imported inside
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -80,6 +82,18 @@ def run_task(lm, task_manager, task: str, docs: int | None, gen_kwargs: dict | N
             "n_docs": len(out["samples"][task]), "docs": _docs(out["samples"][task], list(metrics))}
 
 
+@contextlib.contextmanager
+def no_bytecode():
+    """lm-eval imports the task folder's utils.py, and the task folder is prepare_data's output: no __pycache__ may
+    appear in it, or its content changes after its provenance hash (and DVC's) was recorded."""
+    before = sys.dont_write_bytecode
+    sys.dont_write_bytecode = True
+    try:
+        yield
+    finally:
+        sys.dont_write_bytecode = before
+
+
 def evaluate(model, tokenizer, task_dir: Path, tasks: list[str], docs: int | None, max_new_tokens: int,
              batch_size: int, bootstrap_iters: int) -> dict[str, dict]:
     """Each task's result on `model`: lm-eval's metrics with their standard errors and the per-document items, or
@@ -93,12 +107,14 @@ def evaluate(model, tokenizer, task_dir: Path, tasks: list[str], docs: int | Non
     if lm.model is not model:  # what is scored must be what efflab loaded (quantized, adapted), not a reload
         raise RuntimeError("lm-eval's HFLM did not keep the model it was given")
     # Indexing lm-eval's ~14,000 built-in task files takes about 15 s: only when a task is not in the task folder.
-    manager = TaskManager(include_path=str(task_dir), include_defaults=not set(tasks) <= folder_tasks(task_dir))
+    with no_bytecode():
+        manager = TaskManager(include_path=str(task_dir), include_defaults=not set(tasks) <= folder_tasks(task_dir))
     results = {}
     for task in tasks:
         gen_kwargs = {"max_gen_toks": max_new_tokens} if task in TASKS else None
         try:
-            results[task] = run_task(lm, manager, task, docs, gen_kwargs, bootstrap_iters)
+            with no_bytecode():
+                results[task] = run_task(lm, manager, task, docs, gen_kwargs, bootstrap_iters)
         except (MemoryError, torch.OutOfMemoryError):
             raise  # the job's own status (oom), not one task's
         except Exception as err:  # noqa: BLE001 - lm-eval raises anything when a task's data cannot be loaded
