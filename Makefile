@@ -89,10 +89,11 @@ test: install
 	snakemake --lint
 	$(VENV)/bin/pytest -v
 
-# The supported-architecture matrix (tests/test_families_*.py: every stage on six families) and the pipeline through a
-# real SLURM cluster (root and apt only): about seven minutes on 2 cores beside `test`'s ten; CI runs both.
+# The long end-to-end checks (marker `integration`): the supported-architecture matrix (tests/test_families_*.py: every
+# stage on six families), the pipeline through a real SLURM cluster (root and apt only) and DVC experiments on an
+# adopted Snakemake run; CI runs them after `test`.
 test-integration: install
-	$(VENV)/bin/pytest -v -m "matrix or slurm"
+	$(VENV)/bin/pytest -v -m integration
 
 # The documentation site (docs/, mkdocs.yml) into site/: --strict makes any warning (a broken link or anchor, a page
 # left out of the nav) an error, as tests/test_docs.py does. Open site/index.html.

@@ -6,7 +6,7 @@ import pytest
 
 from tests.matrix import GROUPS, check_family, tokenizer_folder  # noqa: F401 (a fixture)
 
-pytestmark = pytest.mark.matrix  # make test-integration
+pytestmark = [pytest.mark.matrix, pytest.mark.integration]  # make test-integration
 
 
 @pytest.mark.parametrize("family", GROUPS["a"])

@@ -164,6 +164,7 @@ def job_files(stage, name):
 
 
 @pytest.mark.slurm
+@pytest.mark.integration
 def test_pipeline_through_slurm_equals_a_local_run(local_pipeline, slurm_cluster, test_cfg, tmp_path):
     jobs = slurm_jobs(test_cfg)
     targets = [job_files(stage, name)[0] for stage, names in jobs.items() for name in names]
@@ -290,6 +291,7 @@ def dvc_csv(cmd: list, work: Path) -> list[dict]:
     return list(csv.DictReader(io.StringIO(sh([BIN / "dvc", *cmd, "--csv"], work).stdout)))
 
 
+@pytest.mark.integration
 def test_dvc_tracks_the_snakemake_run_and_reruns_what_a_param_change_touches(local_pipeline, tmp_path,
                                                                              test_cfg_module):
     """DVC's stages are Snakemake's jobs (same commands, same outputs), so DVC can take over the outputs of the
