@@ -74,7 +74,9 @@ def check_results(work: Path, cfg: dict) -> None:
     assert {"quantize", "prune", "qat", "finetune", "merge", "bench_attention", "bench_inference", "bench_serving",
             "capacity", "bench_finetune"} <= set(summary.stage) and summary["value"].notna().all()
     assert (summary["lower"].notna() == summary["upper"].notna()).all() and summary["lower"].notna().any()
-    assert len((work / "results/report/report.md").read_bytes()) < 30_000
+    # the page stays one a person reads: the seeds' claims and the details are linked pages (32 KB: the decode
+    # roofline columns and the quantization schemes' LoRA column took the CI report past the earlier 30 KB)
+    assert len((work / "results/report/report.md").read_bytes()) < 32_000
     interleaved = json.loads((work / "results/bench_finetune/metrics.json").read_text())
     assert [(p["a"], p["b"], p["status"]) for p in interleaved["pairs"]] == [("lora-r8", "qlora-r8", "ok")]
     for run in cfg["finetune"]["runs"]:

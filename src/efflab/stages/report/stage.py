@@ -21,7 +21,7 @@ log = logging.getLogger("efflab")
 
 
 # The detailed sections in order: the stage whose records each reads, its title, and its facts.
-SECTIONS = [("quantize", "## Quantization (post-training, bitsandbytes)", sec.quantize_body),
+SECTIONS = [("quantize", "## Quantization (post-training: bitsandbytes, torchao, HQQ)", sec.quantize_body),
             ("prune", "## Structured pruning", sec.prune_body),
             ("qat", "## Quantization-aware training and the precision range test", sec.qat_body),
             ("finetune", "## Fine-tuning: full vs LoRA vs QLoRA", sec.finetune_body),
