@@ -93,18 +93,25 @@ def hqq_config(quant: dict):
     return HqqConfig(nbits=quant.get("bits", 4), group_size=quant.get("group_size", DEFAULT_GROUP_SIZE))
 
 
+def quantized_kind(module) -> str | None:
+    """The class that makes `module` a quantized layer: its own (bitsandbytes' Linear8bitLt and Linear4bit, HQQ's
+    HQQLinear) or its weight's (torchao's quantized tensors in an nn.Linear); None for any other module."""
+    if type(module).__module__.split(".")[0] in ("bitsandbytes", "hqq") and hasattr(module, "in_features"):
+        return type(module).__name__
+    weight = getattr(module, "weight", None)
+    if isinstance(weight, torch.Tensor) and type(weight).__module__.split(".")[0] == "torchao":
+        return type(weight).__name__
+    return None
+
+
 def quantized_parts(model) -> dict[str, int]:
-    """The quantized module classes (bitsandbytes' Linear8bitLt and Linear4bit, HQQ's HQQLinear) and quantized
-    weight tensor classes (torchao's) the model holds, with their counts: evidence that it runs quantized, not
-    de-quantized or reloaded in full precision."""
+    """The quantized layer classes the model holds (`quantized_kind`), with their counts: evidence that it runs
+    quantized, not de-quantized or reloaded in full precision."""
     counts: dict[str, int] = {}
     for module in model.modules():
-        kind = type(module)
-        if kind.__module__.split(".")[0] in ("bitsandbytes", "hqq"):
-            counts[kind.__name__] = counts.get(kind.__name__, 0) + 1
-        weight = getattr(module, "weight", None)
-        if isinstance(weight, torch.Tensor) and type(weight).__module__.split(".")[0] == "torchao":
-            counts[type(weight).__name__] = counts.get(type(weight).__name__, 0) + 1
+        kind = quantized_kind(module)
+        if kind:
+            counts[kind] = counts.get(kind, 0) + 1
     return counts
 
 

@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from .. import architecture
+from .. import architecture, quantization
 from ..config import base_quant, finetune_run
 from ..measure.device import DTYPES
 from ..measure.memory import live_tensor_bytes
@@ -353,8 +353,7 @@ def quantized_layer_transient(model, dtype: str) -> int:
     with torchao's quantized weight) allocates beyond its output, measured now with the live-tensor counter (CPU):
     the dequantized or cast weight that some CPU kernels build for each matmul and free after it. 0 for a model
     without quantized layers, or when unmeasurable."""
-    layers = [m for m in model.modules() if type(m).__module__.startswith("bitsandbytes") and hasattr(m, "in_features")
-              or isinstance(m, torch.nn.Linear) and type(m.weight).__module__.startswith("torchao")]
+    layers = [m for m in model.modules() if quantization.quantized_kind(m)]
     if not layers:
         return 0
     layer = max(layers, key=lambda m: m.in_features * m.out_features)

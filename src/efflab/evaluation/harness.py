@@ -109,16 +109,17 @@ def evaluate(model, tokenizer, task_dir: Path, tasks: list[str], docs: int | Non
     # Indexing lm-eval's ~14,000 built-in task files takes about 15 s: only when a task is not in the task folder.
     with no_bytecode():
         manager = TaskManager(include_path=str(task_dir), include_defaults=not set(tasks) <= folder_tasks(task_dir))
-    results = {}
-    for task in tasks:
-        gen_kwargs = {"max_gen_toks": max_new_tokens} if task in TASKS else None
-        try:
-            with no_bytecode():
-                results[task] = run_task(lm, manager, task, docs, gen_kwargs, bootstrap_iters)
-        except (MemoryError, torch.OutOfMemoryError):
-            raise  # the job's own status (oom), not one task's
-        except Exception as err:  # noqa: BLE001 - lm-eval raises anything when a task's data cannot be loaded
-            reason = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:300]
-            log.warning("evaluate: task %s did not run: %s", task, reason)
-            results[task] = {"status": "unavailable", "reason": reason}
-    return results
+        return {task: task_result(lm, manager, task, docs, max_new_tokens, bootstrap_iters) for task in tasks}
+
+
+def task_result(lm, manager, task: str, docs: int | None, max_new_tokens: int, bootstrap_iters: int) -> dict:
+    """One task's result, or {"status": "unavailable", "reason": ...} where lm-eval cannot run it."""
+    gen_kwargs = {"max_gen_toks": max_new_tokens} if task in TASKS else None
+    try:
+        return run_task(lm, manager, task, docs, gen_kwargs, bootstrap_iters)
+    except (MemoryError, torch.OutOfMemoryError):
+        raise  # the job's own status (oom), not one task's
+    except Exception as err:  # noqa: BLE001 - lm-eval raises anything when a task's data cannot be loaded
+        reason = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:300]
+        log.warning("evaluate: task %s did not run: %s", task, reason)
+        return {"status": "unavailable", "reason": reason}

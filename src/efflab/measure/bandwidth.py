@@ -40,8 +40,8 @@ def decode_roofline(shape: dict, weight_bytes: int, element_bytes: int, matmul_p
     """Bytes and FLOPs one generated token costs in a decode step (greedy, batch `batch`), averaged over the steps:
     every weight read once per step for the whole batch (`weight_bytes`: the footprint less an input embedding
     that is not also the output head, of which a step reads one row), plus each sequence's KV cache so far (with a
-    cache), and
-    2 FLOPs per matmul weight per token processed (without a cache every step runs the whole sequence again)."""
+    cache), and 2 FLOPs per matmul weight per token processed (without a cache every step runs the whole sequence
+    again)."""
     mean_context = prompt_len + (new_tokens - 2) / 2  # positions read by decode steps 1 .. new_tokens - 1
     kv_per_position = shape["layers"] * 2 * shape["kv_heads"] * shape["head_dim"] * element_bytes
     kv_bytes = kv_per_position * mean_context if kv_cache else 0

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from .. import cli, quality, quantization, records
+from .. import architecture, cli, quality, quantization, records
 from ..layout import Job
 from ..measure.device import DTYPES, pick_device, set_threads
 from ..measure.env import environment
@@ -101,15 +101,18 @@ def adapter_check(model, rows: list[dict], tokenizer, lora: dict) -> dict:
     one Adam step on a batch moves the adapter off its zero start, then `merge_and_unload`. The merge holds when
     the merged model's logits are nearer the adapter's than the model's own were (a re-quantized merge rounds
     the update, so it is not exact). Leaves `model` merged: run it last."""
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
 
     batch = {k: v.to(model.device) for k, v in next(batches(rows[:2], 2, tokenizer)).items()}
     inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
     with torch.no_grad():
         own = model(**inputs).logits.float()
-    settings = {"r": lora.get("r", 8), "lora_alpha": lora.get("alpha", 16), "target_modules": lora.get("target_modules")}
+    lora_config = architecture.lora_config(model.config, lora)  # the adapter fine-tuning would train
+    settings = {"r": lora_config.r, "lora_alpha": lora_config.lora_alpha,
+                "target_modules": sorted(lora_config.target_modules) if isinstance(lora_config.target_modules, set)
+                else lora_config.target_modules}
     try:
-        adapted = get_peft_model(model, LoraConfig(**settings))
+        adapted = get_peft_model(model, lora_config)
         trainable = [p for p in adapted.parameters() if p.requires_grad]
         adapted(**inputs, labels=batch["labels"]).loss.backward()
         grads = [p.grad for p in trainable if p.grad is not None]
