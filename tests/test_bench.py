@@ -54,14 +54,19 @@ def test_eager_attention_memory_grows_faster_than_linear_in_sequence_length(resu
     assert fit["exponent"] > 1.5, "eager materialises the seq x seq attention matrix"
 
 
-def test_inference_separates_prefill_from_decode_per_kv_cache_and_batch_cell(results, test_cfg):
+def test_inference_separates_prefill_from_decode_per_kv_cache_batch_and_generation_cell(results, test_cfg):
     b = test_cfg["bench_inference"]
     m = run_stage("bench_inference", TEST_PARAMS, results, "baseline")
     variant = b["variants"]["baseline"]
-    assert [(c["kv_cache"], c["batch_size"]) for c in m["cells"]] == [
-        (kv, bs) for kv in variant["kv_cache"] for bs in variant["batch_sizes"]]
+    assert [(c["kv_cache"], c["batch_size"], c["generation"]) for c in m["cells"]] == [
+        (kv, bs, mode) for kv in variant["kv_cache"] for bs in variant["batch_sizes"]
+        for mode in variant["generation"] if kv or mode == "dynamic"], "static cache and engines: KV cache on only"
     n = b["max_new_tokens"]
+    engine = [c for c in m["cells"] if c["generation"] == "vllm"]
+    assert engine and all(c["status"] == "unavailable" and "vllm is not installed" in c["reason"] for c in engine)
     for c in m["cells"]:
+        if c["generation"] == "vllm":
+            continue
         assert c["status"] == "ok"
         generations = b["repeats"] * -(-m["prompts"] // c["batch_size"])
         assert c["generations"] == c["ttft"]["n"] == c["decode_tokens_per_s"]["n"] == generations
@@ -77,15 +82,58 @@ def test_inference_separates_prefill_from_decode_per_kv_cache_and_batch_cell(res
         assert roof["bandwidth_fraction"] == pytest.approx(
             c["decode_tokens_per_s"]["median"] * roof["bytes_per_token"] / (m["limits"]["bandwidth"]["gb_per_s"] * 1e9))
         assert roof["bound"] in ("framework-bound", "memory-bound", "compute-bound")
-    cell = {(c["kv_cache"], c["batch_size"]): c for c in m["cells"]}
+    cell = {(c["kv_cache"], c["batch_size"]): c for c in m["cells"] if c["generation"] == "dynamic"}
     assert cell[(True, 1)]["samples"][0]["answer"] == cell[(False, 1)]["samples"][0]["answer"], \
         "greedy decoding gives the same tokens with and without the KV cache"
+    for static in (c for c in m["cells"] if c["generation"] == "static"):  # interleaved with the dynamic cache
+        dynamic = cell[(True, static["batch_size"])]
+        assert static["samples"] == dynamic["samples"] and static["vs_base"] is None
+        versus = static["vs_dynamic"]
+        assert versus["against"] == "dynamic" and len(versus["rounds"]) >= b["repeats"]
+        assert all(set(r["seconds"]) == {"baseline", "dynamic"} for r in versus["rounds"])
+        assert versus["generation_speedup"]["rounds"] == versus["stable_rounds"]
     # by default the models are asked the user's own validation questions, the reference answer kept beside
     validation = pd.read_parquet(results / "prepare_data" / "validation.parquet")
     assert m["prompts_from"] == "validation rows" and m["prompts"] == b["prompts"]["validation_rows"]
     for sample in cell[(True, 1)]["samples"]:
         row = validation[validation.question == sample["prompt"]]
         assert len(row) == 1 and row.answer.iloc[0] == sample["reference"] != ""
+
+
+def test_static_and_compiled_generation_give_dynamic_generations_greedy_tokens(results):
+    """The three transformers modes decode the same greedy tokens (left-padded batch of two prompts of unequal
+    length); compiled is torch.compile'd for real (its first call traces and generates code: ~20 s here)."""
+    import torch
+
+    from efflab.modeling import load_model, load_tokenizer
+    from efflab.stages.bench_inference import generate_timed, mode_kwargs, prompt_batches
+
+    tokenizer = load_tokenizer(results / "base_model" / "model")
+    model = load_model(results / "base_model" / "model", "float32", torch.device("cpu"))
+    (batch,) = prompt_batches(tokenizer, ["Is a permit needed for a fence?", "What is a building permit?"], 2,
+                              torch.device("cpu"))
+    assert batch["attention_mask"][1].sum() < batch["attention_mask"][0].sum(), "one prompt is padded"
+    texts = {mode: generate_timed(model, tokenizer, batch, 6, True, mode)["texts"]
+             for mode in ("dynamic", "static", "compiled")}
+    assert texts["static"] == texts["dynamic"] == texts["compiled"]
+    assert mode_kwargs("compiled", torch.device("cpu"))["compile_config"]._compile_all_devices, \
+        "transformers compiles off CUDA only when told to: without it, 'compiled' would silently run eagerly"
+
+
+def test_a_mode_a_quantizer_cannot_compile_is_unavailable_and_an_engine_without_its_package_too():
+    import types
+
+    import torch
+
+    from efflab import engines
+    from efflab.stages.bench_inference import mode_unavailable
+
+    bnb = types.SimpleNamespace(hf_quantizer=type("Bnb8BitHfQuantizer", (), {"is_compileable": False})())
+    assert "Bnb8BitHfQuantizer" in mode_unavailable("compiled", bnb) and mode_unavailable("static", bnb) is None
+    assert mode_unavailable("compiled", types.SimpleNamespace()) is None
+    assert engines.unavailable("dynamic", torch.device("cpu"), "base") is None
+    reason = engines.unavailable("vllm", torch.device("cpu"), "base")
+    assert reason.startswith("vllm is not installed") or "CUDA GPU only" in reason
 
 
 def test_explicit_prompts_are_chat_templated_and_the_default_draw_is_seeded(results, test_cfg):

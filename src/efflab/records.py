@@ -54,6 +54,14 @@ def not_run(by_stage: dict[str, list[dict]]) -> list[dict]:
             for stage, records in by_stage.items() for r in records if not is_ok(r)]
 
 
+def reference_cell(job: dict) -> dict | None:
+    """A bench_inference job's measured cell at batch 1 with the KV cache and generate()'s dynamic cache: the one
+    every variant has by default, the one variants are compared on (a record made before generation modes has
+    no `generation`: dynamic)."""
+    return next((c for c in ok(job.get("cells", [])) if c["kv_cache"] and c["batch_size"] == 1
+                 and c.get("generation", "dynamic") == "dynamic"), None)
+
+
 def interleaved_pair(bench_finetune: list[dict], a: str, b: str) -> dict | None:
     """bench_finetune's measured pair of runs a and b (paired as knob_pairs pairs them: a first), or None."""
     return next((pair for job in ok(bench_finetune) for pair in ok(job.get("pairs", []))

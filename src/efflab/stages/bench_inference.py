@@ -1,9 +1,15 @@
 """Stage bench_inference: greedy generation of a fixed length over a fixed prompt set, per variant.
 
 Variants: the base model, a quantized scheme, a merged run, or an adapter on its base; each over its
-cells of KV cache on/off × batch size, every cell in its own process (runtime.isolation). A streamer
-timestamps every token as generate() emits it, so one call gives the prefill (time to first token)
-and the decode (time per output token) apart; the generation length is forced so runs compare.
+cells of KV cache on/off × batch size × generation mode, every cell in its own process (runtime.isolation).
+A streamer timestamps every token as generate() emits it, so one call gives the prefill (time to first
+token) and the decode (time per output token) apart; the generation length is forced so runs compare.
+
+Generation modes (transformers' own): `dynamic`, generate()'s default growing KV cache; `static`, a
+preallocated StaticCache (no compile); `compiled`, the static cache with the forward compiled by
+torch.compile, its compile and first generations timed apart from the steady rate; `vllm`, vLLM's engine on
+the same prompts where it runs (efflab.engines). A mode other than dynamic is interleaved with the same model's
+dynamic generate(), round by round: what the mode buys, on the same prompts and forced length.
 """
 from __future__ import annotations
 
@@ -16,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from .. import architecture, cli, profiling, quantization, records
+from .. import architecture, cli, engines, profiling, quantization, records
 from ..config import UserError
 from ..estimators.memory import compared, generation_peak, quantized_layer_transient, variant_quant
 from ..layout import Job, Layout
@@ -121,13 +127,44 @@ def prompt_batches(tokenizer, texts: list[str], batch_size: int, device: torch.d
             for i in range(0, count, batch_size)]
 
 
-def generate_timed(model, tokenizer, batch: dict, new_tokens: int, kv_cache: bool = True) -> dict:
+MODES = ("dynamic", "static", "compiled") + engines.ENGINES
+NEEDS_CACHE = ("static", "compiled") + engines.ENGINES  # modes that are ways of keeping a KV cache
+
+
+def mode_kwargs(mode: str, device: torch.device) -> dict:
+    """generate()'s arguments for a generation mode (transformers' cache_implementation and compile_config)."""
+    if mode == "dynamic":
+        return {}
+    if mode == "static":  # transformers would compile a static-cache generate() on CUDA by itself: not here
+        return {"cache_implementation": "static", "disable_compile": True}
+    from transformers import CompileConfig
+
+    # transformers' defaults on CUDA (fullgraph off, static shapes, inductor, reduce-overhead: CUDA graphs);
+    # elsewhere it compiles only when told to, and CUDA graphs do not apply
+    config = CompileConfig() if device.type == "cuda" else CompileConfig(mode="default")
+    config._compile_all_devices = device.type != "cuda"
+    return {"cache_implementation": "static", "compile_config": config}
+
+
+def mode_unavailable(mode: str, model) -> str | None:
+    """Why `model` cannot generate in `mode` here (None: it can). transformers falls back to eager generation,
+    silently, for a quantizer it cannot compile: that is recorded here, not timed as if compiled."""
+    quantizer = getattr(model, "hf_quantizer", None)
+    if mode == "compiled" and quantizer is not None and not quantizer.is_compileable:
+        return (f"transformers does not compile {type(quantizer).__name__} models (hf_quantizer.is_compileable "
+                "is False): generate() would run them eagerly")
+    return None
+
+
+def generate_timed(model, tokenizer, batch: dict, new_tokens: int, kv_cache: bool = True,
+                   mode: str = "dynamic") -> dict:
     """One greedy generation of exactly `new_tokens` tokens per sequence, timestamped per token."""
     prompt_len = batch["input_ids"].shape[1]
     clock = TokenClock(batch["input_ids"].device)
     with torch.no_grad():
         out = model.generate(**batch, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                             num_beams=1, use_cache=kv_cache, streamer=clock, pad_token_id=tokenizer.pad_token_id)
+                             num_beams=1, use_cache=kv_cache, streamer=clock, pad_token_id=tokenizer.pad_token_id,
+                             **mode_kwargs(mode, batch["input_ids"].device))
     token_times = clock.seconds()[1:]  # the first put() is the prompt itself
     return {"ttft_s": token_times[0], "token_gaps_s": [b - a for a, b in zip(token_times, token_times[1:])],
             "decode_s": token_times[-1] - token_times[0], "new_tokens": out.shape[1] - prompt_len,
@@ -135,46 +172,67 @@ def generate_timed(model, tokenizer, batch: dict, new_tokens: int, kv_cache: boo
             "texts": tokenizer.batch_decode(out[:, prompt_len:], skip_special_tokens=True)}
 
 
-def timed_rounds(cfg: dict, layout: Layout, name: str, model, tokenizer, batches: list, kv_cache: bool,
+def timed_rounds(cfg: dict, layout: Layout, name: str, model, tokenizer, batches: list, kv_cache: bool, mode: str,
                  dtype: str, device: torch.device) -> tuple[list[dict], dict | None]:
-    """The timed generations of every prompt batch, `repeats` rounds: a base variant alone; any other interleaved
-    round by round with the base model on the same prompts (its speed against the base's with an interval, free
-    of the machine's drift between jobs). (the kept rounds' generations, the comparison with the base or None)"""
+    """The timed generations of every prompt batch, `repeats` rounds: the base variant's dynamic generation alone;
+    any other variant's interleaved round by round with the base model's (its speed against the base's with an
+    interval, free of the machine's drift between jobs); any other mode with the same model's dynamic generation
+    (what the mode buys). (the kept rounds' generations, the comparison or None)"""
     b, n = cfg["bench_inference"], cfg["bench_inference"]["max_new_tokens"]
     by_round = {}
 
     def mine(round_):
-        by_round[round_] = [generate_timed(model, tokenizer, batch, n, kv_cache) for batch in batches]
-    if b["variants"][name]["kind"] == "base":
+        by_round[round_] = [generate_timed(model, tokenizer, batch, n, kv_cache, mode) for batch in batches]
+    if mode == "dynamic" and b["variants"][name]["kind"] == "base":
         for r in range(b["repeats"]):
             mine(r)
         return [g for r in range(b["repeats"]) for g in by_round[r]], None
-    base = load_model(layout.base_model(), dtype, device)
-    timed = interleave({name: mine, "base": lambda r: [generate_timed(base, tokenizer, x, n, kv_cache)
+    against, other = ("dynamic", model) if mode != "dynamic" else ("base", load_model(layout.base_model(), dtype, device))
+    timed = interleave({name: mine, against: lambda r: [generate_timed(other, tokenizer, x, n, kv_cache)
                                                         for x in batches]},
                        b["repeats"], device, warmup=b["warmup"], tolerance=SENTINEL_TOLERANCE)
     kept = [b["warmup"] + i for i, r in enumerate(timed["rounds"]) if r["stable"] or "unstable" in timed]
-    vs_base = {"generation_speedup": speedup(timed, name, "base"),
-               "measured": "whole generations of every prompt batch per round; speedup = the base model's "
-                           "time over this variant's; the verdict is said of this variant",
-               "base_generation_s": timed["variants"]["base"],
-               **{k: timed[k] for k in INTERLEAVE_RECORD}}
+    versus = {"against": against, "generation_speedup": speedup(timed, name, against),
+              "measured": f"whole generations of every prompt batch per round; speedup = {against}'s time over "
+                          f"this cell's ({'the same model, dynamic cache' if against == 'dynamic' else 'the base model'}"
+                          "); the verdict is said of this cell",
+              f"{against}_generation_s": timed["variants"][against],
+              **{k: timed[k] for k in INTERLEAVE_RECORD}}
     if "unstable" in timed:
-        vs_base["unstable"] = timed["unstable"]
-    return [g for r in kept for g in by_round[r]], vs_base  # the rounds the figures are of (not the warmup's)
+        versus["unstable"] = timed["unstable"]
+    return [g for r in kept for g in by_round[r]], versus  # the rounds the figures are of (not the warmup's)
+
+
+def first_generations(model, tokenizer, batches: list, n: int, kv_cache: bool, mode: str, warmup: int) -> dict:
+    """The untimed generations before the timed ones, timed apart: each prompt batch's first generation (for
+    `compiled`, torch.compile's tracing and code generation for that batch's shapes), then `warmup` more of the
+    first batch
+    (one-time work: lazy initialisation, first allocations), `warmup` in all for a mode that compiles nothing."""
+    def wall(batch) -> float:
+        t0 = time.perf_counter()
+        generate_timed(model, tokenizer, batch, n, kv_cache, mode)  # returns once the tokens are read back
+        return time.perf_counter() - t0
+    firsts = [wall(batch) for batch in (batches if mode == "compiled" else batches[:min(1, warmup)])]
+    for _ in range(warmup - 1):
+        generate_timed(model, tokenizer, batches[0], n, kv_cache, mode)
+    return {"first_generations_s": firsts,
+            "measured": "wall clock of each prompt batch's first generation, before the timed ones" +
+                        (": torch.compile's work for that batch's shapes included" if mode == "compiled" else "")}
 
 
 def inference_cell(cfg: dict, results: str, name: str, dtype: str, device: str, kv_cache: bool,
-                   batch_size: int, limits: dict, profile_dir: str | None = None) -> dict:
-    """Measure one (variant, KV cache, batch size) cell: prefill and decode, apart, at a fixed length."""
+                   batch_size: int, limits: dict, generation: str = "dynamic", profile_dir: str | None = None) -> dict:
+    """Measure one (variant, KV cache, batch size, generation mode) cell: prefill and decode, apart, at a fixed
+    length."""
     b, layout, device = cfg["bench_inference"], Layout(Path(results)), torch.device(device)
     tokenizer = load_tokenizer(layout.base_model())
     model = load_variant(cfg, b["variants"][name], layout, dtype, device)
+    if reason := mode_unavailable(generation, model):
+        return {"status": "unavailable", "reason": reason}
     asked = prompts(b, layout, tokenizer)
     batches = prompt_batches(tokenizer, [a["text"] for a in asked], batch_size, device)
     n = b["max_new_tokens"]
-    for _ in range(b["warmup"]):  # one-time work (lazy init, first allocations) is paid by any batch
-        generate_timed(model, tokenizer, batches[0], n, kv_cache)
+    firsts = first_generations(model, tokenizer, batches, n, kv_cache, generation, b["warmup"])
     transient = quantized_layer_transient(model, dtype) if device.type == "cpu" else 0
     prediction = generation_peak(layout.base_model(), dtype, variant_quant(cfg, b["variants"][name]), batch_size,
                                  max(x["input_ids"].shape[1] for x in batches), n, kv_cache,
@@ -184,16 +242,17 @@ def inference_cell(cfg: dict, results: str, name: str, dtype: str, device: str, 
     # torch.profiler (tens of thousands of events per generation), which would slow the timed decode.
     with track_memory(device) as mem:
         for batch in batches:
-            generate_timed(model, tokenizer, batch, n, kv_cache)
-    # And energy in a pass of its own (this variant alone: the timed rounds interleave the base model)
-    energy = energy_per_token(*energy_of(lambda: sum(generate_timed(model, tokenizer, x, n, kv_cache)["batch_size"] * n
-                                                     for x in batches), device))
-    runs, vs_base = timed_rounds(cfg, layout, name, model, tokenizer, batches, kv_cache, dtype, device)
+            generate_timed(model, tokenizer, batch, n, kv_cache, generation)
+    # And energy in a pass of its own (this cell alone: the timed rounds interleave another)
+    energy = energy_per_token(*energy_of(lambda: sum(generate_timed(model, tokenizer, x, n, kv_cache, generation)
+                                                     ["batch_size"] * n for x in batches), device))
+    runs, versus = timed_rounds(cfg, layout, name, model, tokenizer, batches, kv_cache, generation, dtype, device)
     profile = None
     if profile_dir:  # after every timed pass: the profiler's cost lands in none of them
         folder = Path(profile_dir)
         profile = profiling.profile_generation(cfg["profile"], folder, f"{profiling.FOLDER}/{folder.name}", device,
-                                               lambda: generate_timed(model, tokenizer, batches[0], n, kv_cache))
+                                               lambda: generate_timed(model, tokenizer, batches[0], n, kv_cache,
+                                                                      generation))
     if any(r["new_tokens"] != n for r in runs):
         raise RuntimeError(f"generation length differs from max_new_tokens={n}")
     ttft = summarize([r["ttft_s"] for r in runs])
@@ -209,24 +268,70 @@ def inference_cell(cfg: dict, results: str, name: str, dtype: str, device: str, 
     per_token = summarize([g for r in runs for g in r["token_gaps_s"]], keep_samples=False)
     per_token |= {"p99_over_p50": per_token["p99"] / per_token["p50"] if per_token["p50"] else None,
                   "tail_cause": explain_tail(runs, kv_cache)}
-    log.info("%s kv_cache=%s batch %d: TTFT median %.3f s, decode %.1f tokens/s (per token p50 %.1f / p99 %.1f ms), "
-             "peak delta %s MiB (%s)", name, kv_cache, batch_size, ttft["median"], decode_tps["median"],
+    log.info("%s kv_cache=%s batch %d %s: TTFT median %.3f s, decode %.1f tokens/s (per token p50 %.1f / p99 %.1f ms), "
+             "peak delta %s MiB (%s)", name, kv_cache, batch_size, generation, ttft["median"], decode_tps["median"],
              1000 * per_token["median"], 1000 * per_token["p99"], _fmt(mem.get("delta_mib")), mem["kind"])
     return {"ttft": ttft, "decode_tokens_per_s": decode_tps, "per_token_latency": per_token, "memory": mem,
             "generations": len(runs), "prompt_tokens": [r["prompt_tokens"] for r in runs[:len(batches)]],
             "memory_footprint_bytes": footprint,
             "roofline": roofline(decode_tps["median"], costs, limits["bandwidth"], limits["matmul"]),
-            "memory_prediction": compared(prediction, mem), "vs_base": vs_base, "energy": energy, "profile": profile,
+            "memory_prediction": compared(prediction, mem), "first_generations": firsts,
+            "vs_base": None, **({f"vs_{versus['against']}": versus} if versus else {}), "energy": energy,
+            "profile": profile,
             "samples": [{"prompt": a["question"], "answer": t, "reference": a["reference"]}
                         for a, t in zip(asked, runs[0]["texts"])]}
+
+
+def engine_cell(cfg: dict, results: str, name: str, dtype: str, device: str, kv_cache: bool, batch_size: int,
+                generation: str, limits: dict, profile_dir: str | None = None) -> dict:
+    """An engine's cell (efflab.engines): the same prompt batches, as token ids, at the same forced length, through
+    the engine, interleaved round by round with the same model's dynamic generate(). An engine gives no per-token
+    stamps offline, so its rate is of whole generations (prefill included), and so is the speedup."""
+    b, layout, device = cfg["bench_inference"], Layout(Path(results)), torch.device(device)
+    tokenizer, variant, n = load_tokenizer(layout.base_model()), b["variants"][name], b["max_new_tokens"]
+    engine = engines.load(generation, layout.variant_folders(variant)[-1], dtype, cfg["base_model"]["seed"])
+    model = load_variant(cfg, variant, layout, dtype, device)
+    asked = prompts(b, layout, tokenizer)
+    batches = prompt_batches(tokenizer, [a["text"] for a in asked], batch_size, device)
+    ids = [[t for t, m in zip(row.tolist(), mask.tolist()) if m] for x in batches
+           for row, mask in zip(x["input_ids"], x["attention_mask"])]  # the very tokens generate() reads, unpadded
+    by_round = {}
+
+    def mine(round_):
+        by_round[round_] = [engine.generate(ids[i:i + batch_size], n) for i in range(0, len(ids), batch_size)]
+    timed = interleave({generation: mine, "dynamic": lambda r: [generate_timed(model, tokenizer, x, n, kv_cache)
+                                                                 for x in batches]},
+                       b["repeats"], device, warmup=b["warmup"], tolerance=SENTINEL_TOLERANCE)
+    if any(k != n for outs in by_round.values() for out in outs for k in out["new_tokens"]):
+        raise RuntimeError(f"{generation}'s generation length differs from max_new_tokens={n}")
+    kept = [r for r in timed["rounds"] if r["stable"] or "unstable" in timed]
+    return {"engine": {"name": generation, "version": engine.version},
+            "generation_tokens_per_s": summarize([len(ids) * n / r["seconds"][generation] for r in kept],
+                                                 unit="tokens/s"),
+            "vs_dynamic": {"against": "dynamic", "generation_speedup": speedup(timed, generation, "dynamic"),
+                           "measured": "whole generations of every prompt batch per round, prefill included; "
+                                       "speedup = the same model's dynamic generate() time over the engine's",
+                           "dynamic_generation_s": timed["variants"]["dynamic"],
+                           **{k: timed[k] for k in INTERLEAVE_RECORD}},
+            "generations": len(kept) * len(batches), "memory_footprint_bytes": quantization.footprint_bytes(model),
+            "samples": [{"prompt": a["question"], "answer": t, "reference": a["reference"]}
+                        for a, t in zip(asked, [t for out in by_round[max(by_round)] for t in out["texts"]])]}
 
 
 def _fmt(value) -> str:
     return "n/a" if value is None else f"{value:.0f}"
 
 
+def cells_of(b: dict, variant: dict) -> list[dict]:
+    """A variant's cells: KV cache × batch size × generation mode (its own lists, else the stage's), in that order.
+    A mode that is a way of keeping the KV cache (static, compiled, an engine) has no cell without one."""
+    return [{"kv_cache": kv, "batch_size": batch, "generation": mode}
+            for kv in variant.get("kv_cache", b["kv_cache"]) for batch in variant.get("batch_sizes", b["batch_sizes"])
+            for mode in variant.get("generation", b["generation"]) if kv or mode not in NEEDS_CACHE]
+
+
 def run(cfg: dict, job: Job) -> dict:
-    """Benchmark greedy generation of one variant over its KV-cache and batch-size cells."""
+    """Benchmark greedy generation of one variant over its KV-cache, batch-size and generation-mode cells."""
     b, rt, name, layout = cfg["bench_inference"], cfg["runtime"], job.name, job.layout
     variant = b["variants"][name]
     set_threads(rt)
@@ -249,20 +354,21 @@ def run(cfg: dict, job: Job) -> dict:
     profiles = layout.out("bench_inference") / f".{name}.{profiling.FOLDER}"  # beside the journal, until the end
     if journal.resumed == 0:
         shutil.rmtree(profiles, ignore_errors=True)  # a killed earlier run's
-    for kv_cache in variant.get("kv_cache", b["kv_cache"]):
-        for batch_size in variant.get("batch_sizes", b["batch_sizes"]):
-            cell = {"kv_cache": kv_cache, "batch_size": batch_size}
-            profile_dir = (str(profiles / f"kv-cache-{str(kv_cache).lower()}-batch-{batch_size}")
-                           if profiling.wanted(cfg, "bench_inference") else None)
-            result = journal.result(cell, lambda: run_cell(
-                inference_cell, dict(cfg=cfg, results=str(layout.root), name=name, dtype=dtype, device=str(device),
-                                     kv_cache=kv_cache, batch_size=batch_size, limits=limits,
-                                     profile_dir=profile_dir),
-                isolation=rt["isolation"], timeout_s=rt["cell_timeout_s"], memory_cap_mib=rt["cell_memory_cap_mib"]))
-            if not records.is_ok(result):
-                log.warning("%s kv_cache=%s batch %d: %s: %s", name, kv_cache, batch_size, result["status"],
-                            result.get("reason"))
-            cells.append(cell | result)
+    for cell in cells_of(b, variant):
+        if reason := engines.unavailable(cell["generation"], device, variant["kind"]):
+            cells.append(cell | {"status": "unavailable", "reason": reason})
+            continue
+        folder = f"kv-cache-{str(cell['kv_cache']).lower()}-batch-{cell['batch_size']}" + (
+            "" if cell["generation"] == "dynamic" else f"-{cell['generation']}")
+        profile_dir = str(profiles / folder) if profiling.wanted(cfg, "bench_inference") else None
+        result = journal.result(cell, lambda: run_cell(
+            engine_cell if cell["generation"] in engines.ENGINES else inference_cell,
+            dict(cfg=cfg, results=str(layout.root), name=name, dtype=dtype, device=str(device), **cell, limits=limits,
+                 profile_dir=profile_dir),
+            isolation=rt["isolation"], timeout_s=rt["cell_timeout_s"], memory_cap_mib=rt["cell_memory_cap_mib"]))
+        if not records.is_ok(result):
+            log.warning("%s %s: %s: %s", name, cell, result["status"], result.get("reason"))
+        cells.append(cell | result)
     journal.remove()
     if profiles.is_dir():
         shutil.move(str(profiles), str(job.out / profiling.FOLDER))

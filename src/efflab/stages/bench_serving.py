@@ -20,7 +20,6 @@ percentiles of TTFT and latency over the pooled requests of all bursts.
 from __future__ import annotations
 
 import csv
-import importlib.util
 import logging
 import random
 import time
@@ -28,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from .. import cli
+from .. import cli, engines
 from ..layout import Job
 from ..measure.device import pick_device, set_threads, synchronize
 from ..measure.env import environment
@@ -151,8 +150,8 @@ SERVERS = {"naive": serve_naive, "static": serve_static, "continuous": serve_con
 
 
 def unavailable_reason(method: str, model) -> str | None:
-    if method == "vllm":
-        return None if importlib.util.find_spec("vllm") else "vllm is not installed (pip install vllm; CUDA only)"
+    if method in engines.ENGINES:
+        return engines.unavailable(method, model.device, "base")
     if method == "continuous" and not hasattr(model, "continuous_batching_context_manager"):
         import transformers
 

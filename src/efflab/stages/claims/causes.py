@@ -40,28 +40,49 @@ def _listed(params: list[tuple[str, int]], total: int) -> str:
 
 
 def kept_in_16_bits(layout, m: dict) -> str:
-    """Which parameters a bitsandbytes scheme left unquantized, their bytes and share of the quantized model's
-    footprint, and the ratio of the quantized layers alone; the computed footprint is set beside the measured
-    one, so that the decomposition is checked, not assumed."""
-    if m.get("method") not in ("int8", "nf4", "fp4"):
+    """Which parameters a quantization scheme left unquantized, their bytes and share of the quantized model's
+    footprint, and the ratio of the quantized layers alone; the computed footprint (the estimator's, for every
+    scheme it covers) is set beside the measured one, so that the decomposition is checked, not assumed."""
+    if m.get("method") in (None, "none"):
         return ""
     if _named(layout) is None:
         return NO_SHAPES
+    fp = _scheme_footprint(layout, m, m["compute_dtype"])
+    if fp is None:
+        return ""
     name, params = _named(layout)
     quantized = {f"{lay['name']}.weight" for lay in analytic.linear_layers(name) if not lay["head"]}
     kept = [(n, k) for n, k in params if n not in quantized]
-    fp = analytic.bnb_footprint(name, m["method"], double_quant=m.get("double_quant", False),
-                                compute_dtype=m["compute_dtype"])
     computed, measured = fp["total"], m["memory_footprint_bytes"]
     layers16 = 2 * fp["quantized_params"]
     tied = getattr(analytic.meta_model(name).config, "tie_word_embeddings", False)
-    return (f"bitsandbytes kept in {m['compute_dtype']}: {_listed(kept, sum(k for _, k in params))}"
+    return (f"{m.get('library') or 'bitsandbytes'} kept in {m['compute_dtype']}: "
+            f"{_listed(kept, sum(k for _, k in params))}"
             f"{' (the embedding is tied with lm_head, which stays unquantized)' if tied else ''}, "
             f"{fp['kept_bytes']:,.0f} B = {fp['kept_bytes'] / measured:.1%} of the quantized footprint; the "
             f"{len(quantized)} quantized linear layers alone shrink {layers16 / fp['weight_bytes']:.2f}x from 16 bits "
             f"({layers16:,} B to {fp['weight_bytes']:,} B); computed from the base model's shapes, their weights and "
             f"the kept tensors and the quantization constants come to {computed:,.0f} B against the measured "
             f"{measured:,} B")
+
+
+def _scheme_footprint(layout, m: dict, compute_dtype: str) -> dict | None:
+    """The estimator's bytes of a quantize record's scheme at `compute_dtype` (None: no base model shapes here, or a
+    scheme the estimator does not cover)."""
+    if _named(layout) is None or m.get("method") in (None, "none"):
+        return None
+    quant = {"method": m["method"], "double_quant": m.get("double_quant", False), "group_size": m.get("group_size")}
+    return analytic.quant_footprint(str(layout.base_model()), quant, compute_dtype)
+
+
+def footprint_at_16_bits(layout, m: dict) -> float | None:
+    """A quantize record's measured footprint with what its compute dtype stores in it (the kept parameters, and
+    the scales a scheme keeps in that dtype) re-expressed at 16 bits, by the estimator's difference between the
+    two dtypes; None where the estimator has no model of the scheme."""
+    wide, narrow = _scheme_footprint(layout, m, m["compute_dtype"]), _scheme_footprint(layout, m, "float16")
+    if wide is None:
+        return None
+    return m["memory_footprint_bytes"] - (wide["total"] - narrow["total"])
 
 
 def prune_shares(layout, m: dict) -> str:

@@ -10,7 +10,13 @@ from ... import records
 from ...estimators import analytic
 from ...evaluation import scores
 from ...measure.stats import median_ci_order, percentile
-from .causes import attention_exponent_expected, kept_in_16_bits, prune_shares, serving_alternatives
+from .causes import (
+    attention_exponent_expected,
+    footprint_at_16_bits,
+    kept_in_16_bits,
+    prune_shares,
+    serving_alternatives,
+)
 from .verdict import UNIT_SCALE, Reading
 
 
@@ -40,19 +46,21 @@ def scale_note(layout) -> str:
 
 def _quantize_ratio(layout, metric: dict) -> Reading:
     """The base model's footprint over the quantized one's (weights and quantization state, efflab.quantization):
-    a count of bytes (exact), with which parameters bitsandbytes kept in 16 bits as the cause."""
+    a count of bytes (exact), with which parameters the scheme kept unquantized as the cause."""
     m = _read(layout.metrics("quantize", metric["scheme"]))
     dtype, cause = m["compute_dtype"], kept_in_16_bits(layout, m)
     if dtype in ("bfloat16", "float16"):
         return Reading(m["footprint_ratio_vs_base"],
                        f"weights and quantization state: {m['base_memory_footprint_bytes']:,} B {dtype} / "
                        f"{m['memory_footprint_bytes']:,} B {metric['scheme']}", exact=True, cause=cause)
-    # A float32 baseline (CPU without fast bf16): re-express the parts bitsandbytes leaves unquantized at
-    # 16 bits on both sides, so the ratio answers the seed's question (quantized vs 16-bit weights).
-    fp = analytic.bnb_footprint(str(layout.base_model()), "int8")
-    width = analytic.bytes_per_element(dtype)
-    base16 = m["base_memory_footprint_bytes"] * 2 / width
-    quant16 = m["memory_footprint_bytes"] - fp["kept_params"] * (width - 2)
+    # A float32 baseline (CPU without fast bf16): re-express what the scheme stores in the compute dtype (the
+    # parameters it leaves unquantized, its scales where they follow that dtype) at 16 bits on both sides, so
+    # the ratio answers the seed's question (quantized vs 16-bit weights).
+    quant16 = footprint_at_16_bits(layout, m)
+    if quant16 is None:
+        raise NotHere(f"quantize {metric['scheme']} ran with a {dtype} baseline, and the estimator has no model of "
+                      f"{m['method']}'s bytes to re-express it at 16 bits")
+    base16 = m["base_memory_footprint_bytes"] * 2 / analytic.bytes_per_element(dtype)
     return Reading(base16 / quant16, f"baseline ran in {dtype}: footprints re-expressed at 16 bits ({base16:,.0f} B / "
                                      f"{quant16:,.0f} B; measured vs {dtype}: {m['footprint_ratio_vs_base']:.2f}×)",
                    exact=True, cause=cause)
@@ -277,8 +285,9 @@ def _inference_speedup(layout, metric: dict) -> Reading:
     variant's, interleaved rounds), in its cell with the KV cache at batch 1, with its interval where the
     rounds give one."""
     m = _read(layout.metrics("bench_inference", metric["variant"]))
-    cell = next((c for c in m["cells"] if records.is_ok(c) and c.get("kv_cache") and c.get("batch_size") == 1
-                 and (c.get("vs_base") or {}).get("generation_speedup")), None)
+    cell = records.reference_cell(m)
+    if cell and not (cell.get("vs_base") or {}).get("generation_speedup"):
+        cell = None
     if cell is None:
         raise NotHere(f"bench_inference {metric['variant']} has no cell against the base model at batch 1 with "
                       f"the KV cache")

@@ -217,22 +217,48 @@ def plot_attention_memory(df: pd.DataFrame, exponents: pd.DataFrame, path: Path)
 
 
 def plot_inference(rows: list[dict], path: Path) -> None:
-    """Decode tokens/s per variant, one panel per batch size, each median with its interval or range. Each variant
-    runs in its own process: the interleaved speedups over the base model are in inference_pareto.png."""
-    cells = [(r["variant"], c) for r in records.ok(rows) for c in records.ok(r.get("cells", []))]
+    """Decode tokens/s per variant and generation mode, one panel per batch size, each median with its interval or
+    range, and above each bar the fractions of the machine's measured limits it reaches (memory bandwidth, matmul
+    ceiling) with what bounds it. Each variant runs in its own process: the interleaved speedups over the base
+    model are in inference_pareto.png."""
+    cells = [(r["variant"], c) for r in records.ok(rows) for c in records.ok(r.get("cells", []))
+             if "decode_tokens_per_s" in c]  # an engine's cell has whole generations only
     batches = sorted({c["batch_size"] for _, c in cells}) or [1]
     counts = [max(2, sum(c["batch_size"] == b for _, c in cells)) for b in batches]  # room for a panel's title
-    fig, axes = plt.subplots(1, len(batches), figsize=(max(7.0, 1.1 * sum(counts) + 2), 4.5), sharey=True,
+    fig, axes = plt.subplots(1, len(batches), figsize=(max(7.0, 1.3 * sum(counts) + 2), 4.8), sharey=True,
                              squeeze=False, gridspec_kw={"width_ratios": counts})
     kinds = set()
     for ax, batch in zip(axes[0], batches):
         mine = [(v, c) for v, c in cells if c["batch_size"] == batch]
         rates, x = [of_median(c["decode_tokens_per_s"]) for _, c in mine], list(range(len(mine)))
-        ax.bar(x, spread_values(rates), color=["tab:green" if c["kv_cache"] else "tab:orange" for _, c in mine], alpha=0.8)
+        ax.bar(x, spread_values(rates), color=[MODE_COLOURS.get(c.get("generation", "dynamic"), "tab:gray")
+                                              if c["kv_cache"] else "tab:orange" for _, c in mine], alpha=0.8)
         kinds |= spread_bars(ax, x, rates)
-        ax.set_xticks(x, [v + ("" if c["kv_cache"] else " (KV off)") for v, c in mine], rotation=30, ha="right")
+        for i, (_, c) in enumerate(mine):
+            if roof := c.get("roofline"):
+                ax.annotate(f"{100 * roof['bandwidth_fraction']:.1f}% BW\n{100 * roof['compute_fraction']:.1f}% MM\n"
+                            f"{roof['bound'].replace('-bound', '')}", (i, bar_top(rates[i])),
+                            xytext=(0, 3), textcoords="offset points", ha="center", va="bottom", fontsize=7)
+        ax.set_xticks(x, [inference_label(v, c) for v, c in mine], rotation=30, ha="right")
         ax.set_title(f"batch {batch}" + (f"\n(tokens of all {batch} sequences)" if batch > 1 else ""), fontsize=10)
+        ax.margins(y=0.25)  # room for the labels above the tallest bar
     axes[0][0].set_ylabel(f"decode tokens/s, median\n({spread_words(kinds)})")
-    fig.suptitle("Greedy generation by variant, each in its own process (orange: KV cache off)")
+    fig.suptitle("Greedy generation by variant and mode, each cell in its own process (green: dynamic KV cache, blue: "
+                 "static, purple: compiled, orange: KV cache off)\n"
+                 "above each bar: % of measured memory bandwidth (BW) and matmul ceiling (MM) reached, and the bound",
+                 fontsize=10)
     save_figure(fig, path)
+
+
+def bar_top(value: dict | None) -> float:
+    value = value or {}
+    return max((v for v in (value.get("hi"), value.get("value")) if v is not None), default=0.0)
+
+
+MODE_COLOURS = {"dynamic": "tab:green", "static": "tab:blue", "compiled": "tab:purple"}
+
+
+def inference_label(variant: str, cell: dict) -> str:
+    mode = cell.get("generation", "dynamic")
+    return variant + ("" if cell["kv_cache"] else " (KV off)") + ("" if mode == "dynamic" else f" ({mode})")
 

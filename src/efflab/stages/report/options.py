@@ -37,15 +37,10 @@ def _one() -> dict:
     return axis(1.0, exact=True)
 
 
-def inference_cell(job: dict) -> dict | None:
-    """A bench_inference variant's batch-1, KV-cache cell: the one every variant has, compared across them."""
-    return next((c for c in records.ok(job.get("cells", [])) if c["kv_cache"] and c["batch_size"] == 1), None)
-
-
 def decode_speedup(inference: list[dict], kind: str, of: str | None) -> dict | None:
     """A variant's interleaved decode speedup over the base model, its batch-1 KV-cache cell."""
     for job in records.ok(inference):
-        cell = inference_cell(job)
+        cell = records.reference_cell(job)
         if cell and job["kind"] == kind and (of is None or job.get("of") == of):
             return (cell.get("vs_base") or {}).get("generation_speedup")
     return None
@@ -66,7 +61,7 @@ def inference_options(inference: list[dict], quantize: list[dict]) -> list[dict]
     changes = {r["scheme"]: r.get("perplexity_change") for r in records.ok(quantize)}
     out = []
     for job in records.ok(inference):
-        cell = inference_cell(job)
+        cell = records.reference_cell(job)
         if cell is None or job["kind"] not in ("base", "quantized", "merged", "adapter"):
             continue
         base = job["kind"] == "base"

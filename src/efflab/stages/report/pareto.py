@@ -12,7 +12,6 @@ import pandas as pd
 
 from ... import records
 from . import advice
-from . import options as opts
 from .spread import of_axis, of_median, of_speedup, spread
 from .tables import tokens_per_s
 
@@ -44,7 +43,7 @@ def inference_pareto(inference_rows: list[dict], quantize_rows: list[dict]) -> l
     jobs = {j["variant"]: j for j in records.ok(inference_rows)}
     points = []
     for o in facts["options"]:
-        job, cell = jobs[o["name"]], opts.inference_cell(jobs[o["name"]])
+        job, cell = jobs[o["name"]], records.reference_cell(jobs[o["name"]])
         quality = of_axis(o["axes"]["quality"])
         point = 0.0 if o["baseline"] else unpaired.get(job["of"]) if job["kind"] == "quantized" else None
         speed = spread(1.0) if o["baseline"] else of_speedup(cell.get("vs_base"), "generation_speedup", "base")

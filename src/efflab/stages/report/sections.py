@@ -178,7 +178,7 @@ def samples(jobs: list[dict]) -> str:
     variant's greedy answer (first cell of each variant)."""
     answers: dict[str, dict] = {}
     for m in jobs:
-        cell = next(iter(records.ok(m.get("cells", []))), None)
+        cell = records.reference_cell(m) or next(iter(records.ok(m.get("cells", []))), None)
         for s in (cell or {}).get("samples", []):
             entry = answers.setdefault(s["prompt"], {"question": one_line(s["prompt"]),
                                                      "reference": one_line(s.get("reference")), "by": {}})
@@ -190,7 +190,8 @@ def profiles(metrics: dict) -> str:
     """Each profiled job's trace, linked, and its 10 operators with the most self time."""
     found = [(f"finetune {m['run']}", f"../finetune/{m['name']}", m["profile"])
              for m in records.ok(metrics["finetune"]) if m.get("profile")]
-    found += [(f"bench_inference {m['name']}, KV cache {c['kv_cache']}, batch {c['batch_size']}",
+    found += [(f"bench_inference {m['name']}, KV cache {c['kv_cache']}, batch {c['batch_size']}"
+               f"{'' if c.get('generation', 'dynamic') == 'dynamic' else ', ' + c['generation']}",
                f"../bench_inference/{m['name']}", c["profile"])
               for m in records.ok(metrics["bench_inference"]) for c in records.ok(m.get("cells", []))
               if c.get("profile")]

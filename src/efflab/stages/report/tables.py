@@ -339,10 +339,12 @@ def inference_table(rows: list[dict]) -> pd.DataFrame:
     out = []
     for r in rows:
         for c in r.get("cells", []):  # a job that failed outside its cells has none (table of jobs not run)
-            ok = records.is_ok(c)
+            ok = records.is_ok(c) and "decode_tokens_per_s" in c  # an engine's cell: whole generations only
+            versus = c.get("vs_base") or c.get("vs_dynamic")
             out.append({
                 "variant": r["variant"], "kind": r["kind"], "of": r["of"] or "-",
-                "KV cache": "on" if c["kv_cache"] else "off", "batch": c["batch_size"], "status": status_text(c),
+                "KV cache": "on" if c["kv_cache"] else "off", "batch": c["batch_size"],
+                "generation": c.get("generation", "dynamic"), "status": status_text(c),
                 "TTFT median (ms)": 1000 * c["ttft"]["median"] if ok else None,
                 "TTFT p90 (ms)": 1000 * c["ttft"]["p90"] if ok else None,
                 "decode tokens/s median": c["decode_tokens_per_s"]["median"] if ok else None,
@@ -352,24 +354,32 @@ def inference_table(rows: list[dict]) -> pd.DataFrame:
                 "per-token p99 (ms)": 1000 * c["per_token_latency"]["p99"] if ok else None,
                 "per-token p99/p50": c["per_token_latency"].get("p99_over_p50") if ok else None,
                 "tail cause (p99/p50 > 1.5)": (c["per_token_latency"].get("tail_cause") or "") if ok else "",
+                "first generation (s)": first_generation(c) if ok else None,
                 "peak delta (MiB)": c["memory"].get("delta_mib") if ok else None,
                 "memory kind": c["memory"]["kind"] if ok else None,
-                "footprint (MiB)": c["memory_footprint_bytes"] / MiB if ok else None,
+                "footprint (MiB)": c["memory_footprint_bytes"] / MiB if records.is_ok(c) else None,
                 **roofline_columns(c.get("roofline") if ok else None),
                 "energy (J/token)": (c.get("energy") or {}).get("joules_per_token") if ok else None,
-                "speedup vs base [95% CI]": speedup_text(c.get("vs_base"), "generation_speedup") if ok else "-",
-                "verdict vs base": speedup_verdict(c.get("vs_base"), "generation_speedup") if ok else "-",
+                "timed against": (versus or {}).get("against", "-") if records.is_ok(c) else "-",
+                "speedup [95% CI]": speedup_text(versus, "generation_speedup") if records.is_ok(c) else "-",
+                "verdict": speedup_verdict(versus, "generation_speedup") if records.is_ok(c) else "-",
                 "env": env_of(r),
             })
     return pd.DataFrame(out, columns=INFERENCE_COLUMNS)
 
 
+def first_generation(cell: dict) -> float | None:
+    """The first generation's wall time (compiled: torch.compile's work for the first prompt batch with it)."""
+    firsts = (cell.get("first_generations") or {}).get("first_generations_s")
+    return firsts[0] if firsts else None
+
+
 # TTFT p90, per-token p90 and p99/p50 are in summary.csv (the long results table).
-INFERENCE_COLUMNS = ["variant", "kind", "of", "KV cache", "batch", "status", "TTFT median (ms)",
+INFERENCE_COLUMNS = ["variant", "kind", "of", "KV cache", "batch", "generation", "status", "TTFT median (ms)",
                      "decode tokens/s median", "decode tokens/s 95% CI or range", "per-token p50 (ms)",
-                     "per-token p99 (ms)", "tail cause (p99/p50 > 1.5)", "peak delta (MiB)", "memory kind",
-                     "footprint (MiB)", "MiB read per token", "% of bandwidth", "% of matmul ceiling", "bound",
-                     "energy (J/token)", "speedup vs base [95% CI]", "verdict vs base", "env"]
+                     "per-token p99 (ms)", "tail cause (p99/p50 > 1.5)", "first generation (s)", "peak delta (MiB)",
+                     "memory kind", "footprint (MiB)", "MiB read per token", "% of bandwidth", "% of matmul ceiling",
+                     "bound", "energy (J/token)", "timed against", "speedup [95% CI]", "verdict", "env"]
 
 
 def roofline_columns(roof: dict | None) -> dict:
@@ -408,7 +418,8 @@ def memory_prediction_table(finetune_rows: list[dict], inference_rows: list[dict
     out = [row(f"finetune {r['run']}" + (f" (longest batch {p['batch']['rows']}x{p['batch']['padded_length']})"
                                          if p.get("batch") else f" ({p['phase']})" if p.get("phase") else ""), p, env_of(r))
            for r in finetune_rows if (p := r.get("memory_prediction"))]
-    out += [row(f"inference {r['variant']} (KV {'on' if c['kv_cache'] else 'off'}, batch {c['batch_size']})",
+    out += [row(f"inference {r['variant']} (KV {'on' if c['kv_cache'] else 'off'}, batch {c['batch_size']}"
+                f"{'' if c.get('generation', 'dynamic') == 'dynamic' else ', ' + c['generation']})",
                 c["memory_prediction"], env_of(r))
             for r in inference_rows for c in r.get("cells", []) if records.is_ok(c) and "memory_prediction" in c]
     return pd.DataFrame(out)
@@ -417,7 +428,7 @@ def memory_prediction_table(finetune_rows: list[dict], inference_rows: list[dict
 # How many leading columns name a row of each table: a table wider than the report allows is split into parts
 # that repeat them (fmt.markdown).
 KEYS = {"prune": 1, "qat": 1, "finetune": 1, "finetune_knobs": 3, "merge": 1, "merge_targets": 2,
-        "bench_attention": 4, "bench_inference": 5, "bench_serving": 2, "bench_serving_latency": 2,
+        "bench_attention": 4, "bench_inference": 6, "bench_serving": 2, "bench_serving_latency": 2,
         "capacity": 2}
 
 
