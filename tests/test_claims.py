@@ -257,6 +257,31 @@ def test_a_value_is_judged_by_equivalence_with_the_band():
     assert judge(99.6, bound, ci=[99.2, 99.9], measured=True)["verdict"] == "reproduced"
 
 
+def test_a_torchao_compression_claim_on_a_float32_baseline_is_re_expressed_at_16_bits_with_its_kept_tensors(
+        tmp_path, registry):
+    """torchao-int8 measured against a float32 base (a CPU without fast bf16): the seed's ~2x is of 16-bit weights,
+    so what the scheme keeps in float32 (the unquantized embedding and norms, its per-row scales) is re-expressed
+    at 16 bits by the estimator's difference between the two dtypes; the cause names the kept tensors."""
+    from efflab.estimators import analytic
+
+    layout = Layout(tmp_path / "results")
+    _with_base_config(layout)
+    name, quant = str(layout.base_model()), {"method": "torchao-int8"}
+    fp32, fp16 = analytic.quant_footprint(name, quant, "float32"), analytic.quant_footprint(name, quant, "float16")
+    params = fp32["quantized_params"] + fp32["kept_params"]
+    _write(layout.metrics("quantize", "torchao-int8"), {
+        "method": "torchao-int8", "library": "torchao", "compute_dtype": "float32",
+        "base_memory_footprint_bytes": 4 * params, "memory_footprint_bytes": fp32["total"],
+        "footprint_ratio_vs_base": 4 * params / fp32["total"]})
+    claim = next(c for c in registry if c["id"] == "int8-2x-measured-torchao-int8")
+    reading = stage.evaluate(claim, layout)
+    assert reading["reproduced"] == f"{2 * params / fp16['total']:.4g} x"
+    assert "torchao kept in float32: model.embed_tokens.weight" in reading["finding"]
+    assert f"against the measured {fp32['total']:,} B" in reading["finding"]
+    assert stage.evaluate(next(c for c in registry if c["id"] == "int4-4x-measured-hqq-4bit"), layout)[
+        "verdict"] == "not reproducible here", "no hqq-4bit record: not checked, not guessed"
+
+
 def test_measured_claims_read_this_pipelines_results(tmp_path, registry):
     layout = Layout(tmp_path / "results")
     _with_base_config(layout)
