@@ -87,6 +87,7 @@ def test_an_adapter_trains_and_merges_back_on_int8_bases_and_the_check_says_why_
 @pytest.mark.parametrize("scheme, reason", [
     ({"method": "torchao-int4", "group_size": 32}, "CUDA"),
     ({"method": "hqq", "bits": 2}, "hqq"),
+    ({"method": "gptq", "bits": 4, "calibration_rows": 8}, "gptqmodel package, which is not installed"),
 ])
 def test_a_scheme_this_machine_cannot_run_is_unavailable_with_the_reason_and_the_others_run(
         scheme, reason, results, write_params):

@@ -153,7 +153,8 @@ def validate(cfg: dict, source: str = "params") -> dict:
 
 # the settings each quantization method takes besides `method`
 SCHEME_SETTINGS = {"nf4": {"double_quant"}, "fp4": {"double_quant"},
-                   "torchao-int4": {"group_size"}, "hqq": {"bits", "group_size"}}
+                   "torchao-int4": {"group_size"}, "hqq": {"bits", "group_size"},
+                   "gptq": {"bits", "group_size", "calibration_rows"}}
 
 
 def _check_scheme(scheme: dict, where: str) -> None:

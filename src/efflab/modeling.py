@@ -125,7 +125,7 @@ def load_tokenizer(folder: str | Path, trust_remote_code: bool = False):
 
 
 def load_model(folder: str | Path, dtype: str, device: torch.device, quant: dict | None = None,
-               attn_implementation: str | None = None):
+               attn_implementation: str | None = None, calibration: dict | None = None):
     """Load a local HF folder (safetensors only, no remote code) onto `device`."""
     from transformers import AutoModelForCausalLM
 
@@ -133,7 +133,7 @@ def load_model(folder: str | Path, dtype: str, device: torch.device, quant: dict
     torch_dtype = DTYPES[dtype]
     kwargs = dict(dtype=torch_dtype, use_safetensors=True, trust_remote_code=False)
     if quant and quant["method"] != "none":
-        kwargs["quantization_config"] = quantization.config(quant, torch_dtype, device)
+        kwargs["quantization_config"] = quantization.config(quant, torch_dtype, device, calibration)
         # (HQQ refuses a device map naming the CPU; the plain device is the same placement)
         kwargs["device_map"] = {"": device.index or 0} if device.type == "cuda" else (
             "cpu" if quantization.library(quant) == "hqq" else {"": "cpu"})

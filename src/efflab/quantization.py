@@ -1,5 +1,6 @@
 """Post-training quantization schemes, one place for every library efflab quantizes with: a scheme (params
-`quant`) becomes the transformers quantization config that loads a model with it (bitsandbytes, torchao, HQQ),
+`quant`) becomes the transformers quantization config that loads a model with it (bitsandbytes, torchao, HQQ,
+GPTQ through gptqmodel),
 or `Unavailable` saying why it cannot run here. Also what every stage reads off a quantized model: which of its
 parts are quantized, and how many bytes its weights take.
 
@@ -14,8 +15,8 @@ import torch
 # method -> the library that quantizes with it
 LIBRARIES = {"int8": "bitsandbytes", "nf4": "bitsandbytes", "fp4": "bitsandbytes",
              "torchao-int8": "torchao", "torchao-int4": "torchao", "torchao-int8-dynamic": "torchao",
-             "hqq": "hqq"}
-# weight bits of each method (hqq: the scheme's `bits`)
+             "hqq": "hqq", "gptq": "gptqmodel"}
+# weight bits of each method (hqq, gptq: the scheme's `bits`)
 WEIGHT_BITS = {"int8": 8, "nf4": 4, "fp4": 4, "torchao-int8": 8, "torchao-int4": 4, "torchao-int8-dynamic": 8}
 DEFAULT_GROUP_SIZE = 64
 
@@ -32,12 +33,13 @@ def library(quant: dict | None) -> str | None:
 def weight_bits(quant: dict | None) -> int | None:
     if not quant or quant["method"] == "none":
         return None
-    return quant.get("bits", 4) if quant["method"] == "hqq" else WEIGHT_BITS[quant["method"]]
+    return quant.get("bits", 4) if quant["method"] in ("hqq", "gptq") else WEIGHT_BITS[quant["method"]]
 
 
-def config(quant: dict | None, compute_dtype: torch.dtype, device: torch.device):
+def config(quant: dict | None, compute_dtype: torch.dtype, device: torch.device, calibration: dict | None = None):
     """The transformers quantization config that loads a model with `quant`; None for full precision. Raises
-    Unavailable where the scheme's library or kernels are missing on `device`."""
+    Unavailable where the scheme's library or kernels are missing on `device`. A scheme that learns from data
+    (gptq) quantizes on `calibration`: {"texts": [...], "tokenizer": folder}."""
     lib = library(quant)
     if lib is None:
         return None
@@ -45,6 +47,8 @@ def config(quant: dict | None, compute_dtype: torch.dtype, device: torch.device)
         return bnb_config(quant, compute_dtype)
     if lib == "hqq":
         return hqq_config(quant)
+    if lib == "gptqmodel":
+        return gptq_config(quant, calibration)
     return torchao_config(quant, device)
 
 
@@ -93,10 +97,27 @@ def hqq_config(quant: dict):
     return HqqConfig(nbits=quant.get("bits", 4), group_size=quant.get("group_size", DEFAULT_GROUP_SIZE))
 
 
+def gptq_config(quant: dict, calibration: dict | None):
+    """GPTQ (Frantar et al. 2022: each layer's weights rounded to minimise its output error on calibration data)
+    through transformers' GPTQConfig and the gptqmodel package, at the scheme's bits and group size."""
+    if importlib.util.find_spec("gptqmodel") is None:
+        raise Unavailable("gptq needs the gptqmodel package, which is not installed (pip install gptqmodel: it "
+                          "builds its kernels from source; docs/stages/quantize.md says which versions match efflab's "
+                          "torch and transformers)")
+    from transformers import GPTQConfig
+
+    calibration = calibration or {}
+    return GPTQConfig(bits=quant.get("bits", 4), group_size=quant.get("group_size", GPTQ_GROUP_SIZE),
+                      dataset=calibration.get("texts"), tokenizer=calibration.get("tokenizer"))
+
+
+GPTQ_GROUP_SIZE = 128  # GPTQ's and gptqmodel's usual group
+
+
 def quantized_kind(module) -> str | None:
     """The class that makes `module` a quantized layer: its own (bitsandbytes' Linear8bitLt and Linear4bit, HQQ's
-    HQQLinear) or its weight's (torchao's quantized tensors in an nn.Linear); None for any other module."""
-    if type(module).__module__.split(".")[0] in ("bitsandbytes", "hqq") and hasattr(module, "in_features"):
+    HQQLinear, gptqmodel's QuantLinear kernels) or its weight's (torchao's quantized tensors in an nn.Linear); None for any other module."""
+    if type(module).__module__.split(".")[0] in ("bitsandbytes", "hqq", "gptqmodel") and hasattr(module, "in_features"):
         return type(module).__name__
     weight = getattr(module, "weight", None)
     if isinstance(weight, torch.Tensor) and type(weight).__module__.split(".")[0] == "torchao":

@@ -52,12 +52,21 @@ def run(cfg: dict, job: Job) -> dict:
     return described | measure(cfg, job, scheme, rows, tokenizer, dtype, device, reference)
 
 
+def calibration(layout, scheme: dict, tokenizer) -> dict | None:
+    """The training rows, as text, a scheme that learns from data (gptq) quantizes on; None for the others."""
+    if scheme["method"] != "gptq":
+        return None
+    rows = read_split(layout.split("train"), scheme.get("calibration_rows", 128))
+    return {"texts": [tokenizer.decode(r["input_ids"]) for r in rows], "tokenizer": str(layout.base_model())}
+
+
 def measure(cfg: dict, job: Job, scheme: dict, rows: list[dict], tokenizer, dtype: str, device, reference) -> dict:
     """Quantize, save, reload, then the footprint, the perplexity against the baseline's, and the adapter check."""
     q = cfg["quantize"]
     with track_memory(device) as load_mem:
         t0 = time.perf_counter()
-        model = load_model(job.layout.base_model(), dtype, device, quant=scheme)
+        model = load_model(job.layout.base_model(), dtype, device, quant=scheme,
+                           calibration=calibration(job.layout, scheme, tokenizer))
         quantize_s = time.perf_counter() - t0
     folder = job.out / "model"
     model.save_pretrained(folder, safe_serialization=True)
