@@ -1,28 +1,38 @@
-"""Benchmark: efflab's LoRA fine-tuning throughput vs the plain HF Trainer + peft script a user would write
-(benchmarks/trainer_baseline.py), same model, data, steps and hyperparameters, in one run on one machine.
+"""Benchmark: efflab's LoRA fine-tuning against the plain HF Trainer + peft script a user would write
+(benchmarks/trainer_baseline.py), same model, rows, steps and hyperparameters, and where each loop's step time
+goes, phase by phase.
 
 Cells (each a fresh process, interleaved over the repeats so drift hits every cell alike):
-  baseline       benchmarks/trainer_baseline.py: dynamic padding, the Trainer's defaults, the model in the
-                 dtype transformers 5 loads by default (the saved one: what efflab's base_model chose)
-  baseline-fp32  the same script loading the model in float32 (transformers 4's default)
-  efflab         `python -m efflab.stages.finetune` with the run's settings as shipped (padding-free packing,
-                 the precision the base_model probe found fastest here, step checkpoints on)
-  efflab-padded  the same with packing off: what packing alone buys, and efflab's overhead otherwise
-  efflab-bf16    the same with bf16 mixed precision forced on (the seeds' other speed-up)
+  script          benchmarks/trainer_baseline.py: dynamic padding, the Trainer's defaults, the model in its saved
+                  dtype (what efflab's base_model chose), no autocast
+  script-fp32     the same script loading the model in float32 (transformers 4's default)
+  efflab          `python -m efflab.stages.finetune` with the run's settings as shipped
+  efflab-equal    efflab at the script's numerics: the saved dtype, no autocast (mixed_precision: "no")
+  efflab-bare     efflab-equal without its instruments (instruments: false): what efflab's measurement costs
+  efflab-fused    efflab-equal with torch's fused AdamW (optimizer: adamw_torch_fused)
+  efflab-padded   efflab-equal with packing off (dynamic padding, as the script pads)
+  efflab-compile  efflab-equal with torch.compile (its compile time is in the first steps, left out)
+  efflab-bf16     efflab with bf16 autocast forced on (the seeds' other speed-up; other numerics)
+
+Both loops carry one instrument, efflab.measure.phases.PhaseClock, which stamps every step's phases (data,
+forward, backward, optimizer, step end, between steps, other): a cell's step time is its steady steps' median (the
+first step left out), its speed against the script the script's median step over its own, repeat by repeat (a
+95% interval from 6 repeats; fewer give a range). Every phase's difference from the script is named. The loss of
+every step is compared with the script's on the same batches.
 
 Needs the base model and the prepared data (`snakemake --cores all results/prepare_data/train.parquet
 results/base_model/model`, or any earlier `make run`).
 
-    python benchmarks/finetune_throughput.py --run lora-r8 --repeats 3
+    python benchmarks/finetune_throughput.py --run lora-r8 --repeats 6
 
-Reports per cell the median and range of real-token throughput, the ratio of medians vs the baseline and MFU
-(model FLOPs per token × tokens/s over the matmul ceiling efflab measured on this machine in the training
-dtype), and writes them to results/benchmarks/finetune_throughput.{json,md}.
+Writes results/benchmarks/finetune_throughput.{json,md}.
 """
 from __future__ import annotations
 
 import argparse
+import csv
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -36,10 +46,24 @@ from transformers import AutoConfig
 
 from efflab.architecture import lora_targets
 from efflab.config import finetune_run, load
+from efflab.measure.phases import PHASES, PHASES_ENV, summary
+from efflab.measure.stats import median_ci_order
+from efflab.registry import LOSS_CSV
 
 REPO = Path(__file__).resolve().parents[1]
-CELLS = ("baseline", "baseline-fp32", "efflab", "efflab-padded", "efflab-bf16")
-
+EQUAL = {"mixed_precision": "no"}
+CELLS = {  # name: (loop, its settings)
+    "script": ("script", {"dtype": "auto"}),
+    "script-fp32": ("script", {"dtype": "float32"}),
+    "efflab": ("efflab", {}),
+    "efflab-equal": ("efflab", EQUAL),
+    "efflab-bare": ("efflab", EQUAL | {"instruments": False}),
+    "efflab-fused": ("efflab", EQUAL | {"optimizer": "adamw_torch_fused"}),
+    "efflab-padded": ("efflab", EQUAL | {"packing": False}),
+    "efflab-compile": ("efflab", EQUAL | {"torch_compile": True}),
+    "efflab-bf16": ("efflab", {"mixed_precision": "bf16"}),
+}
+DEFAULT_CELLS = "script,efflab,efflab-equal,efflab-bare,efflab-fused"
 
 # The efflab cell's run is added beside the configured runs, so that every cross-check of the params
 # (merge.runs, capacity.runs, ...) still holds: the stage reads the same file it would in the pipeline.
@@ -48,7 +72,7 @@ BENCH_RUN = "throughput-bench"
 
 def efflab_cell(params: dict, run: str, overrides: dict, results: Path, work: Path) -> dict:
     """One efflab fine-tuning run through the stage's real CLI, in a scratch results folder that shares the
-    pipeline's base model and data."""
+    pipeline's base model and data, its phases stamped."""
     scratch = work / "results"
     shutil.rmtree(scratch, ignore_errors=True)
     scratch.mkdir()
@@ -58,29 +82,33 @@ def efflab_cell(params: dict, run: str, overrides: dict, results: Path, work: Pa
     cfg["finetune"]["runs"][BENCH_RUN] = {**cfg["finetune"]["runs"][run], **overrides}
     path = work / "params.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    _run([sys.executable, "-m", "efflab.stages.finetune", "--params", str(path), "--results", str(scratch),
-          "--name", BENCH_RUN])
-    m = json.loads((scratch / "finetune" / BENCH_RUN / "metrics.json").read_text())
+    phases = _run([sys.executable, "-m", "efflab.stages.finetune", "--params", str(path), "--results", str(scratch),
+                   "--name", BENCH_RUN], work)
+    out = scratch / "finetune" / BENCH_RUN
+    m = json.loads((out / "metrics.json").read_text())
+    with open(out / LOSS_CSV) as f:
+        losses = [float(row["loss"]) for row in csv.DictReader(f)]
     t = m["throughput"]
-    return {"tokens_per_s": m["tokens_per_s"], "train_s": m["train_s"], "tokens_seen": m["tokens_seen"],
-            "last_loss": m["last_loss"], "mfu": t["mfu_vs_measured_ceiling"], "mixed_precision": m["mixed_precision"],
-            "flops_per_token": t["flops"]["model_flops_per_token"], "ceiling_tflops": t["matmul_ceiling"]["tflops"],
-            "pad_fraction": m["pad_fraction"]}
+    return {"phases": phases, "tokens_seen": m["tokens_seen"], "steps": m["steps"], "train_s": m["train_s"],
+            "losses": losses, "mixed_precision": m["mixed_precision"], "pad_fraction": m["pad_fraction"],
+            "flops_per_token": t["flops"]["model_flops_per_token"], "ceiling_tflops": t["matmul_ceiling"]["tflops"]}
 
 
-def baseline_cell(settings: dict, results: Path, work: Path, dtype: str = "auto") -> dict:
+def script_cell(settings: dict, results: Path, work: Path, dtype: str) -> dict:
     lora = settings["lora"]
-    out = work / "baseline.json"
-    _run([sys.executable, str(REPO / "benchmarks" / "trainer_baseline.py"),
-                    "--model", str(results / "base_model" / "model"),
-                    "--train", str(results / "prepare_data" / "train.parquet"),
-                    "--max-steps", str(settings["max_steps"]), "--batch-size", str(settings["batch_size"]),
-                    "--learning-rate", str(settings["learning_rate"]), "--warmup-steps", str(settings["warmup_steps"]),
-                    "--r", str(lora["r"]), "--alpha", str(lora["alpha"]), "--dropout", str(lora["dropout"]),
-                    "--targets", _targets(results / "base_model" / "model", lora["target_modules"]),
-                    "--seed", str(settings["seed"]),
-                    "--dtype", dtype, "--json", str(out)])
-    return json.loads(out.read_text())
+    out = work / "script.json"
+    phases = _run([sys.executable, str(REPO / "benchmarks" / "trainer_baseline.py"),
+                   "--model", str(results / "base_model" / "model"),
+                   "--train", str(results / "prepare_data" / "train.parquet"),
+                   "--max-steps", str(settings["max_steps"]), "--batch-size", str(settings["batch_size"]),
+                   "--learning-rate", str(settings["learning_rate"]), "--warmup-steps", str(settings["warmup_steps"]),
+                   "--r", str(lora["r"]), "--alpha", str(lora["alpha"]), "--dropout", str(lora["dropout"]),
+                   "--targets", _targets(results / "base_model" / "model", lora["target_modules"]),
+                   "--seed", str(settings["seed"]), "--dtype", dtype, "--json", str(out)], work)
+    result = json.loads(out.read_text())
+    return {"phases": phases, "tokens_seen": result["tokens_seen"], "steps": result["steps"],
+            "train_s": result["train_s"], "losses": result["losses"],
+            "mixed_precision": f"no autocast, weights {result['dtype'].replace('torch.', '')}"}
 
 
 def _targets(model: Path, modules: str | list[str] | None) -> str:
@@ -90,12 +118,95 @@ def _targets(model: Path, modules: str | list[str] | None) -> str:
     return targets if isinstance(targets, str) else ",".join(targets)
 
 
-def _run(argv: list[str]) -> None:
-    """A cell's command; a failed one ends the benchmark with the command's own last words, not a traceback."""
-    done = subprocess.run(argv, capture_output=True, text=True)
+def _run(argv: list[str], work: Path) -> dict:
+    """A cell's command, its phases stamped into a file; a failed one ends the benchmark with the command's own
+    last words, not a traceback. Returns the phase summary of its steady steps."""
+    stamps = work / "phases.json"
+    stamps.unlink(missing_ok=True)
+    done = subprocess.run(argv, capture_output=True, text=True, env=os.environ | {PHASES_ENV: str(stamps)})
     if done.returncode:
         tail = (done.stderr or done.stdout).strip().splitlines()[-5:]
         sys.exit(f"finetune_throughput: error: {' '.join(argv[1:3])} exited {done.returncode}:\n" + "\n".join(tail))
+    return summary(json.loads(stamps.read_text())["steps"])
+
+
+def measure(args, params: dict, settings: dict, results: Path, cells: list[str]) -> dict[str, list[dict]]:
+    samples: dict[str, list[dict]] = {c: [] for c in cells}
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        for repeat in range(args.repeats):
+            for cell in cells if repeat % 2 == 0 else cells[::-1]:  # A B, then B A: drift hits both alike
+                loop, knobs = CELLS[cell]
+                t0 = time.perf_counter()
+                result = (script_cell(settings, results, work, knobs["dtype"]) if loop == "script"
+                          else efflab_cell(params, args.run, knobs, results, work))
+                samples[cell].append(result)
+                step = result["phases"]["median_s"]["total"]
+                print(f"[{repeat + 1}/{args.repeats}] {cell}: median step {1000 * step:.0f} ms over "
+                      f"{result['phases']['steps']} steady steps (cell {time.perf_counter() - t0:.0f} s)", flush=True)
+    return samples
+def summarise(samples: dict[str, list[dict]]) -> dict:
+    """Per cell: the median step and its spread over repeats, tokens/s, the speed against the script repeat by
+    repeat (an interval from 6), each phase's median and its difference from the script's, the loss curve's
+    largest difference from the script's on the same batches, and MFU where efflab measured the ceiling."""
+    script = samples.get("script")
+    out = {}
+    for cell, runs in samples.items():
+        steps = [r["phases"]["median_s"]["total"] for r in runs]
+        per_step_tokens = statistics.median(r["tokens_seen"] / r["steps"] for r in runs)
+        step = statistics.median(steps)
+        phases = {p: statistics.median(r["phases"]["median_s"][p] for r in runs) for p in PHASES}
+        entry = {"n": len(runs), "step_s_median": step, "step_s_min": min(steps), "step_s_max": max(steps),
+                 "tokens_per_step": per_step_tokens, "tokens_per_s": per_step_tokens / step, "phases_s": phases,
+                 "mixed_precision": runs[0]["mixed_precision"], "last_loss": [r["losses"][-1] for r in runs]}
+        if script:
+            speedups = sorted(s["phases"]["median_s"]["total"] / r["phases"]["median_s"]["total"]
+                              for s, r in zip(script, runs))
+            base = statistics.median(s["phases"]["median_s"]["total"] for s in script)
+            entry |= {"speedup_vs_script": {"median": statistics.median(speedups), "ci95": median_ci_order(speedups),
+                                            "min": speedups[0], "max": speedups[-1], "repeats": len(speedups)},
+                      "phase_delta_s": {p: phases[p] - statistics.median(s["phases"]["median_s"][p] for s in script)
+                                        for p in PHASES},
+                      "step_delta_pct": 100 * (step - base) / base,
+                      "max_abs_loss_diff_vs_script": max(abs(a - b) for r in runs for a, b in
+                                                         zip(r["losses"], script[0]["losses"]))}
+        if "flops_per_token" in runs[0]:
+            entry["mfu"] = entry["tokens_per_s"] * runs[0]["flops_per_token"] / (runs[0]["ceiling_tflops"] * 1e12)
+        out[cell] = entry
+    return out
+
+
+def _speed(entry: dict) -> str:
+    s = entry.get("speedup_vs_script")
+    if not s:
+        return "-"
+    if s["ci95"]:
+        return f"{s['median']:.2f} [{s['ci95'][0]:.2f}, {s['ci95'][1]:.2f}] (95% CI)"
+    return f"{s['median']:.2f} (range {s['min']:.2f}–{s['max']:.2f}, n={s['repeats']}: no 95% CI)"
+
+
+def table(args, settings: dict, summ: dict) -> str:
+    lines = [f"Fine-tuning step time, run `{args.run}` ({settings['max_steps']} steps of batch "
+             f"{settings['batch_size']}, the first left out), {args.repeats} interleaved repeats of every cell", "",
+             "| cell | n | median step (ms) | min–max | tokens/s | × script (script's step / this cell's) | MFU (%) | "
+             "max abs loss diff vs script | precision |", "|---|--:|--:|---|--:|---|--:|--:|---|"]
+    for cell, e in summ.items():
+        mfu = f"{100 * e['mfu']:.1f}" if e.get("mfu") else "-"
+        loss = f"{e['max_abs_loss_diff_vs_script']:.3g}" if "max_abs_loss_diff_vs_script" in e else "-"
+        lines.append(f"| {cell} | {e['n']} | {1000 * e['step_s_median']:.0f} | {1000 * e['step_s_min']:.0f}–"
+                     f"{1000 * e['step_s_max']:.0f} | {e['tokens_per_s']:.1f} | {_speed(e)} | {mfu} | {loss} | "
+                     f"{e['mixed_precision']} |")
+    shown = [p for p in PHASES if any(e["phases_s"][p] for e in summ.values())]
+    lines += ["", "Where the step time goes (median ms per step and phase; each step's phases add up to it exactly, "
+                  "their medians' sum is beside the median step):", "",
+              "| cell | " + " | ".join(shown) + " | sum of phases | median step |", "|---|" + "--:|" * (len(shown) + 2)]
+    for cell, e in summ.items():
+        lines.append(f"| {cell} | " + " | ".join(f"{1000 * e['phases_s'][p]:.1f}" for p in shown)
+                     + f" | {1000 * sum(e['phases_s'].values()):.1f} | {1000 * e['step_s_median']:.1f} |")
+    lines += [""] + [f"- {cell} against script: {e['step_delta_pct']:+.1f}% a step; " + ", ".join(
+        f"{p} {1000 * d:+.1f} ms" for p, d in e["phase_delta_s"].items() if abs(d) >= 0.0005)
+        for cell, e in summ.items() if cell != "script" and "phase_delta_s" in e]
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -103,10 +214,8 @@ def main() -> None:
     parser.add_argument("--params", default="params.yaml")
     parser.add_argument("--run", default="lora-r8", help="the finetune run whose settings both sides use")
     parser.add_argument("--results", default="results")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--cells", default="baseline,baseline-fp32,efflab,efflab-padded",
-                        help=f"comma-separated, of {', '.join(CELLS)} (efflab-bf16 differs from efflab only where "
-                             "the base_model probe chose fp32)")
+    parser.add_argument("--repeats", type=int, default=6)
+    parser.add_argument("--cells", default=DEFAULT_CELLS, help=f"comma-separated, of {', '.join(CELLS)}")
     parser.add_argument("--out", default="results/benchmarks/finetune_throughput")
     args = parser.parse_args()
     params, results = load(args.params), Path(args.results)
@@ -114,63 +223,22 @@ def main() -> None:
     if settings["method"] != "lora":
         sys.exit(f"finetune_throughput: error: --run {args.run!r} is a {settings['method']} run; the baseline "
                  "script is a LoRA script")
+    cells = args.cells.split(",")
+    if unknown := [c for c in cells if c not in CELLS]:
+        sys.exit(f"finetune_throughput: error: --cells: {unknown[0]!r} is not a cell (expected {', '.join(CELLS)})")
     for needed in (results / "base_model" / "model", results / "prepare_data" / "train.parquet"):
         if not needed.exists():
             sys.exit(f"finetune_throughput: error: {needed} does not exist (run the pipeline's base_model and "
                      "prepare_data first)")
-    cells = args.cells.split(",")
-    overrides = {"efflab": {}, "efflab-padded": {"packing": False}, "efflab-bf16": {"mixed_precision": "bf16"}}
-    samples: dict[str, list[dict]] = {c: [] for c in cells}
-    with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
-        for repeat in range(args.repeats):
-            for cell in cells:
-                t0 = time.perf_counter()
-                if cell.startswith("baseline"):
-                    result = baseline_cell(settings, results, work, "float32" if cell == "baseline-fp32" else "auto")
-                else:
-                    result = efflab_cell(params, args.run, overrides[cell], results, work)
-                samples[cell].append(result)
-                print(f"[{repeat + 1}/{args.repeats}] {cell}: {result['tokens_per_s']:.1f} tokens/s "
-                      f"({result['tokens_seen']} tokens in {result['train_s']:.1f} s; cell {time.perf_counter() - t0:.0f} s)",
-                      flush=True)
-
-    efflab = next((s for c, s in samples.items() if not c.startswith("baseline") and s), [])
-    flops = statistics.median(s["flops_per_token"] for s in efflab) if efflab else None
-    ceiling = statistics.median(s["ceiling_tflops"] for s in efflab) if efflab else None
-    base = statistics.median(s["tokens_per_s"] for s in samples["baseline"]) if samples.get("baseline") else None
-    base32 = statistics.median(s["tokens_per_s"] for s in samples["baseline-fp32"]) \
-        if samples.get("baseline-fp32") else None
-    summary = {}
-    for cell, runs in samples.items():
-        tps = [s["tokens_per_s"] for s in runs]
-        median = statistics.median(tps)
-        summary[cell] = {
-            "n": len(tps), "tokens_per_s_median": median, "tokens_per_s_min": min(tps), "tokens_per_s_max": max(tps),
-            "ratio_vs_baseline": median / base if base else None,
-            "ratio_vs_baseline_fp32": median / base32 if base32 else None,
-            "mfu": median * flops / (ceiling * 1e12) if flops and ceiling else None,
-            "last_loss": [s["last_loss"] for s in runs], "pad_fraction": runs[0].get("pad_fraction"),
-            "mixed_precision": runs[0].get("mixed_precision") or f"no autocast, weights {runs[0]['dtype']}",
-        }
-    lines = [f"Fine-tuning throughput, run `{args.run}` ({settings['max_steps']} steps, batch {settings['batch_size']}), "
-             f"{args.repeats} interleaved repeats; MFU over the measured {ceiling:.3f} TFLOP/s matmul ceiling" if ceiling
-             else "", "",
-             "| cell | n | tokens/s median | min–max | × baseline | × baseline-fp32 | MFU (%) | precision |",
-             "|---|---|---|---|---|---|---|---|"]
-    for cell, s in summary.items():
-        ratio = f"{s['ratio_vs_baseline']:.2f}" if s["ratio_vs_baseline"] else "-"
-        ratio32 = f"{s['ratio_vs_baseline_fp32']:.2f}" if s["ratio_vs_baseline_fp32"] else "-"
-        mfu = f"{100 * s['mfu']:.1f}" if s["mfu"] else "-"
-        lines.append(f"| {cell} | {s['n']} | {s['tokens_per_s_median']:.1f} | {s['tokens_per_s_min']:.1f}–"
-                     f"{s['tokens_per_s_max']:.1f} | {ratio} | {ratio32} | {mfu} | {s['mixed_precision']} |")
-    table = "\n".join(lines)
-    print(table)
+    samples = measure(args, params, settings, results, cells)
+    summ = summarise(samples)
+    text = table(args, settings, summ)
+    print(text)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"run": args.run, "settings": settings, "summary": summary,
+    out.with_suffix(".json").write_text(json.dumps({"run": args.run, "settings": settings, "summary": summ,
                                                     "samples": samples}, indent=2))
-    out.with_suffix(".md").write_text(table + "\n")
+    out.with_suffix(".md").write_text(text + "\n")
 
 
 if __name__ == "__main__":

@@ -9,10 +9,13 @@ the model in the dtype it was saved in, the Trainer's defaults for everything el
     python benchmarks/trainer_baseline.py --model results/base_model/model \
         --train results/prepare_data/train.parquet --max-steps 12 --json baseline.json
 
-Prints and writes: wall time of trainer.train(), real (non-padding) tokens seen, tokens/s, last loss.
+Prints and writes: wall time of trainer.train(), real (non-padding) tokens seen, tokens/s, the loss of every step.
+With $EFFLAB_PHASES set (by benchmarks/finetune_throughput.py), the one instrument the benchmark puts on both loops,
+efflab.measure.phases.PhaseClock, stamps each step's phases into that file; otherwise nothing of efflab is imported.
 """
 import argparse
 import json
+import os
 import tempfile
 import time
 
@@ -60,13 +63,21 @@ def main() -> None:
             include_num_input_tokens_seen="non_padding")
         trainer = Trainer(model=model, args=training_args, train_dataset=train,
                           data_collator=DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100))
+        clock = None
+        if os.environ.get("EFFLAB_PHASES"):
+            from efflab.measure.phases import PhaseClock
+
+            clock = PhaseClock(model.device).attach(trainer, model)
         t0 = time.perf_counter()
         trainer.train()
         train_s = time.perf_counter() - t0
+        if clock:
+            with open(os.environ["EFFLAB_PHASES"], "w") as f:
+                json.dump({"steps": clock.steps()}, f)
     tokens = trainer.state.num_input_tokens_seen
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     result = {"train_s": train_s, "steps": trainer.state.global_step, "tokens_seen": tokens,
-              "tokens_per_s": tokens / train_s, "last_loss": losses[-1], "dtype": str(model.dtype)}
+              "tokens_per_s": tokens / train_s, "last_loss": losses[-1], "losses": losses, "dtype": str(model.dtype)}
     print(json.dumps(result))
     if args.json:
         with open(args.json, "w") as f:

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from efflab.measure.phases import PHASES
 from tests.helpers import REPO, TEST_PARAMS
 
 BENCHMARKS = REPO / "benchmarks"
@@ -22,20 +23,29 @@ def bench(script: str, *args) -> subprocess.CompletedProcess:
     return proc
 
 
-def test_finetune_throughput_compares_efflab_with_the_trainer_baseline(prepared, tmp_path):
-    """Both sides train the same run on the same rows (trainer_baseline.py is the baseline cell), and the
-    comparison is written as JSON and as a Markdown table."""
+def test_finetune_throughput_compares_the_loops_phase_by_phase_on_the_same_batches(prepared, tmp_path):
+    """Both loops train the same run on the same rows, stamped by the same phase clock: each cell's phases add up to
+    its step, its speed against the script is the script's step over its own, its phases' differences from the
+    script's are named, and its loss curve is compared with the script's step by step."""
     out = tmp_path / "finetune_throughput"
     bench("finetune_throughput.py", "--params", TEST_PARAMS, "--results", prepared, "--run", "lora-r8",
-          "--repeats", 1, "--cells", "baseline,efflab", "--out", out)
+          "--repeats", 1, "--cells", "script,efflab-bare", "--out", out)
     written = json.loads(out.with_suffix(".json").read_text())
     summary, samples = written["summary"], written["samples"]
-    assert set(summary) == {"baseline", "efflab"} and all(s["n"] == 1 for s in summary.values())
-    assert all(samples[c][0]["tokens_seen"] > 0 and samples[c][0]["last_loss"] > 0 for c in summary)
-    base, mine = (summary[c]["tokens_per_s_median"] for c in ("baseline", "efflab"))
-    assert base > 0 and summary["efflab"]["ratio_vs_baseline"] == pytest.approx(mine / base)
+    assert set(summary) == {"script", "efflab-bare"} and all(s["n"] == 1 for s in summary.values())
+    for cell, entry in summary.items():
+        (run,) = samples[cell]
+        assert run["tokens_seen"] > 0 and len(run["losses"]) == run["steps"] and run["phases"]["steps"] >= 1
+        for step in run["phases"]["per_step"]:  # every step is cut into phases that add up to it
+            assert sum(step[p] for p in PHASES) == pytest.approx(step["total"], rel=1e-9)
+        assert entry["phases_s"]["forward"] > 0 and entry["phases_s"]["backward"] > 0
+        assert entry["phases_s"]["optimizer"] > 0
+    bare, script = summary["efflab-bare"], summary["script"]
+    assert bare["speedup_vs_script"]["median"] == pytest.approx(script["step_s_median"] / bare["step_s_median"])
+    assert bare["speedup_vs_script"]["ci95"] is None, "one repeat gives no interval"
+    assert bare["mixed_precision"] == "no" and bare["max_abs_loss_diff_vs_script"] >= 0
     table = out.with_suffix(".md").read_text()
-    assert "| baseline | 1 |" in table and "| efflab | 1 |" in table
+    assert "| script | 1 |" in table and "| efflab-bare | 1 |" in table and "- efflab-bare against script:" in table
 
 
 def test_harness_overhead_times_the_harness_and_bare_generation_alike(prepared, tmp_path):

@@ -411,3 +411,21 @@ def test_a_decode_rate_is_placed_between_the_bandwidth_and_the_matmul_ceilings()
     assert at(1000.0)["bound"] == "memory-bound"  # 50% and 4%
     compute_heavy = costs | {"bytes_per_token": 1000}
     assert bandwidth.roofline(10_000.0, compute_heavy, limits["bandwidth"], limits["matmul"])["bound"] == "compute-bound"
+
+
+def test_a_training_steps_phases_are_cut_at_its_marks_and_add_up_to_it():
+    """PhaseClock's arithmetic on known marks: two micro-batches (each forward's backward runs until the next
+    forward, the last one's until the optimizer), and a compiled model with no forward marks."""
+    from efflab.measure.phases import PHASES, step_phases
+
+    marks = [("data_begin", 0.0), ("data_end", 0.5), ("step_begin", 0.6), ("forward_begin", 0.7),
+             ("forward_end", 1.7), ("forward_begin", 3.7), ("forward_end", 4.7), ("optimizer_begin", 6.0),
+             ("optimizer_end", 6.4), ("step_end", 6.5), ("data_begin", 7.0), ("data_end", 7.2), ("step_begin", 7.2),
+             ("optimizer_begin", 9.2), ("optimizer_end", 9.3), ("step_end", 9.4), ("train_end", 9.5)]
+    first, compiled = step_phases(marks)
+    assert first == pytest.approx({"data": 0.5, "forward": 2.0, "backward": 2.0 + 1.3, "forward+backward": 0.0,
+                                   "optimizer": 0.4, "step_end": 0.1, "between": 0.5, "other": 0.2, "total": 7.0})
+    assert compiled["forward+backward"] == pytest.approx(2.0) and compiled["forward"] == 0
+    assert compiled["between"] == pytest.approx(0.1) and compiled["total"] == pytest.approx(2.5)
+    for step in (first, compiled):
+        assert sum(step[p] for p in PHASES) == pytest.approx(step["total"])

@@ -31,6 +31,7 @@ from ..measure.energy import EnergyMeter, energy_per_token
 from ..measure.env import environment
 from ..measure.flops import count_parameters, matmul_ceiling, mfu, published_peak_tflops, training_flops_per_token
 from ..measure.memory import CpuTensorPeak, track_memory
+from ..measure.phases import PHASES_ENV, PhaseClock
 from ..measure.stats import summarize
 from ..modeling import base_dtype, eval_loss, load_tokenizer, read_split
 from ..registry import LOSS_CSV
@@ -130,7 +131,11 @@ def _checkpoint_state(checkpoint: str | None) -> dict:
 
 def steady_steps(step_times, warmup: int) -> dict:
     """Step time (median and spread) and throughput of the steady steps: the first `warmup` steps (lazy
-    initialisation, allocator warm-up, kernel autotuning) are left out while later steps remain."""
+    initialisation, allocator warm-up, kernel autotuning) are left out while later steps remain. Without a step
+    timer (instruments: false), none."""
+    if step_times is None:
+        return {"step_time": None, "steps": 0, "excluded_steps": 0, "tokens": 0, "seconds": 0.0,
+                "tokens_per_s": None, "unavailable": "instruments: false (no step timer)"}
     durations, tokens = step_times.durations, step_times.tokens
     skip = warmup if len(durations) > warmup else 0
     steady_s, steady_tokens = durations[skip:], tokens[skip:]
@@ -231,7 +236,8 @@ def throughput(model, run_cfg: dict, device: torch.device, matmul_dtype: str, ce
     rate = steady["tokens_per_s"] or tokens / train_s
     return {
         "tokens_per_s": rate, "samples_per_s": samples / train_s, "whole_run_tokens_per_s": tokens / train_s,
-        "measured_over": f"{steady['steps']} steady steps ({steady['excluded_steps']} warm-up step(s) left out)",
+        "measured_over": (f"{steady['steps']} steady steps ({steady['excluded_steps']} warm-up step(s) left out)"
+                          if steady["tokens_per_s"] else "the whole run (no step timer)"),
         "tokens": "real (non-padding) input tokens", "flops": flops, "matmul_ceiling": ceiling,
         "mfu_vs_measured_ceiling": mfu(rate, flops["model_flops_per_token"], ceiling["tflops"]),
         "published_peak": published,
@@ -296,12 +302,16 @@ def train(cfg: dict, job: Job) -> dict:
                  r.matmul_dtype)
     scratch, resume = checkpoints(job.layout, job.name, run_cfg, r.rank)
     profiled = r.rank == 0 and profiling.wanted(cfg, "finetune")
-    tensors = CpuTensorPeak(unavailable=profiling.REPLACES_TENSOR_PEAK if profiled else None)
-    step_times = StepTimes(device)
-    callbacks = [step_times, FlushTensorCount(tensors)] + ([KillAfterCheckpoint()] if os.environ.get(KILL_ENV) else [])
+    on = run_cfg["instruments"]
+    tensors = CpuTensorPeak(unavailable=profiling.REPLACES_TENSOR_PEAK if profiled else
+                            None if on else "instruments: false (no live-tensor count)")
+    step_times = StepTimes(device) if on else None
+    callbacks = ([step_times, FlushTensorCount(tensors)] if on else []) + (
+        [KillAfterCheckpoint()] if os.environ.get(KILL_ENV) else [])
     trainer = Trainer(model=model, args=training_arguments(run_cfg, scratch, r.precision, device, r.rank),
                       train_dataset=Dataset.from_list(r.train_rows), data_collator=collator(run_cfg, r.tokenizer),
                       callbacks=callbacks)
+    phases = PhaseClock(device).attach(trainer, model) if os.environ.get(PHASES_ENV) and r.rank == 0 else None
     resumed = _checkpoint_state(resume)
     if resume:
         log.info("%s: resuming from %s (step %d)", job.name, resume, resumed["global_step"])
@@ -310,6 +320,8 @@ def train(cfg: dict, job: Job) -> dict:
                                [len(row["input_ids"]) for row in r.train_rows], device.type)
     done = fit(cfg, job, trainer, tensors, device, resume, profiled)
     processed.remove()
+    if phases:  # the benchmark's phase clock (benchmarks/finetune_throughput.py)
+        Path(os.environ[PHASES_ENV]).write_text(json.dumps({"steps": phases.steps()}))
     model.eval()
     after = eval_loss(model, r.val_rows, run_cfg["batch_size"], r.tokenizer)
     ranks = [{"rank": r.rank, "weights_sha256": _weights_sha256(model), "validation_after": after["loss"]}]
