@@ -146,10 +146,11 @@ def measure(args, params: dict, settings: dict, results: Path, cells: list[str])
                       f"{result['phases']['steps']} steady steps (cell {time.perf_counter() - t0:.0f} s)", flush=True)
     return samples
 def summarise(samples: dict[str, list[dict]]) -> dict:
-    """Per cell: the median step and its spread over repeats, tokens/s, the speed against the script repeat by
-    repeat (an interval from 6), each phase's median and its difference from the script's, the loss curve's
-    largest difference from the script's on the same batches, and MFU where efflab measured the ceiling."""
-    script = samples.get("script")
+    """Per cell: the median step and its spread over repeats, tokens/s, the speed against the script and against
+    efflab-equal repeat by repeat (an interval from 6), each phase's median and its difference from the script's,
+    the loss curve's largest difference from the script's on the same batches, and MFU where efflab measured the
+    ceiling."""
+    script, equal = samples.get("script"), samples.get("efflab-equal")
     out = {}
     for cell, runs in samples.items():
         steps = [r["phases"]["median_s"]["total"] for r in runs]
@@ -160,24 +161,32 @@ def summarise(samples: dict[str, list[dict]]) -> dict:
                  "tokens_per_step": per_step_tokens, "tokens_per_s": per_step_tokens / step, "phases_s": phases,
                  "mixed_precision": runs[0]["mixed_precision"], "last_loss": [r["losses"][-1] for r in runs]}
         if script:
-            speedups = sorted(s["phases"]["median_s"]["total"] / r["phases"]["median_s"]["total"]
-                              for s, r in zip(script, runs))
             base = statistics.median(s["phases"]["median_s"]["total"] for s in script)
-            entry |= {"speedup_vs_script": {"median": statistics.median(speedups), "ci95": median_ci_order(speedups),
-                                            "min": speedups[0], "max": speedups[-1], "repeats": len(speedups)},
+            entry |= {"speedup_vs_script": _paired(script, runs),
                       "phase_delta_s": {p: phases[p] - statistics.median(s["phases"]["median_s"][p] for s in script)
                                         for p in PHASES},
                       "step_delta_pct": 100 * (step - base) / base,
                       "max_abs_loss_diff_vs_script": max(abs(a - b) for r in runs for a, b in
                                                          zip(r["losses"], script[0]["losses"]))}
+        if equal and cell.startswith("efflab-") and cell != "efflab-equal":
+            entry["speedup_vs_efflab_equal"] = _paired(equal, runs)
         if "flops_per_token" in runs[0]:
             entry["mfu"] = entry["tokens_per_s"] * runs[0]["flops_per_token"] / (runs[0]["ceiling_tflops"] * 1e12)
         out[cell] = entry
     return out
 
 
-def _speed(entry: dict) -> str:
-    s = entry.get("speedup_vs_script")
+def _paired(reference: list[dict], runs: list[dict]) -> dict:
+    """The reference's median step over this cell's, repeat by repeat (the two ran side by side in each repeat):
+    the median, its 95% interval from 6 repeats, the range."""
+    ratios = sorted(a["phases"]["median_s"]["total"] / b["phases"]["median_s"]["total"] for a, b in zip(reference, runs))
+    ci = median_ci_order(ratios)
+    return {"median": statistics.median(ratios), "ci95": ci[0] if ci else None, "coverage": ci[1] if ci else None,
+            "min": ratios[0], "max": ratios[-1], "repeats": len(ratios)}
+
+
+def _speed(entry: dict, key: str = "speedup_vs_script") -> str:
+    s = entry.get(key)
     if not s:
         return "-"
     if s["ci95"]:
@@ -188,13 +197,15 @@ def _speed(entry: dict) -> str:
 def table(args, settings: dict, summ: dict) -> str:
     lines = [f"Fine-tuning step time, run `{args.run}` ({settings['max_steps']} steps of batch "
              f"{settings['batch_size']}, the first left out), {args.repeats} interleaved repeats of every cell", "",
-             "| cell | n | median step (ms) | min–max | tokens/s | × script (script's step / this cell's) | MFU (%) | "
-             "max abs loss diff vs script | precision |", "|---|--:|--:|---|--:|---|--:|--:|---|"]
+             "| cell | n | median step (ms) | min–max | tokens/s | × script (script's step / this cell's) | "
+             "× efflab-equal | MFU (%) | max abs loss diff vs script | precision |",
+             "|---|--:|--:|---|--:|---|---|--:|--:|---|"]
     for cell, e in summ.items():
         mfu = f"{100 * e['mfu']:.1f}" if e.get("mfu") else "-"
         loss = f"{e['max_abs_loss_diff_vs_script']:.3g}" if "max_abs_loss_diff_vs_script" in e else "-"
         lines.append(f"| {cell} | {e['n']} | {1000 * e['step_s_median']:.0f} | {1000 * e['step_s_min']:.0f}–"
-                     f"{1000 * e['step_s_max']:.0f} | {e['tokens_per_s']:.1f} | {_speed(e)} | {mfu} | {loss} | "
+                     f"{1000 * e['step_s_max']:.0f} | {e['tokens_per_s']:.1f} | {_speed(e)} | "
+                     f"{_speed(e, 'speedup_vs_efflab_equal')} | {mfu} | {loss} | "
                      f"{e['mixed_precision']} |")
     shown = [p for p in PHASES if any(e["phases_s"][p] for e in summ.values())]
     lines += ["", "Where the step time goes (median ms per step and phase; each step's phases add up to it exactly, "
@@ -217,7 +228,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=6)
     parser.add_argument("--cells", default=DEFAULT_CELLS, help=f"comma-separated, of {', '.join(CELLS)}")
     parser.add_argument("--out", default="results/benchmarks/finetune_throughput")
+    parser.add_argument("--summarise", metavar="JSON", help="summarise an earlier run's written samples again (no "
+                                                             "training); with its --run and --repeats")
     args = parser.parse_args()
+    if args.summarise:
+        written = json.loads(Path(args.summarise).read_text())
+        print(table(args, written["settings"], summarise(written["samples"])))
+        return
     params, results = load(args.params), Path(args.results)
     settings = finetune_run(params, args.run)
     if settings["method"] != "lora":
@@ -231,13 +248,14 @@ def main() -> None:
             sys.exit(f"finetune_throughput: error: {needed} does not exist (run the pipeline's base_model and "
                      "prepare_data first)")
     samples = measure(args, params, settings, results, cells)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    written = {"run": args.run, "settings": settings, "samples": samples}
+    out.with_suffix(".json").write_text(json.dumps(written, indent=2))  # first: a summary's bug loses no measurement
     summ = summarise(samples)
     text = table(args, settings, summ)
     print(text)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"run": args.run, "settings": settings, "summary": summ,
-                                                    "samples": samples}, indent=2))
+    out.with_suffix(".json").write_text(json.dumps(written | {"summary": summ}, indent=2))
     out.with_suffix(".md").write_text(text + "\n")
 
 

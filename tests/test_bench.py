@@ -100,9 +100,11 @@ def test_inference_separates_prefill_from_decode_per_kv_cache_batch_and_generati
         assert len(row) == 1 and row.answer.iloc[0] == sample["reference"] != ""
 
 
+@pytest.mark.integration  # torch.compile's first call: ~20 s of a 2-core CI machine (make test-integration)
 def test_static_and_compiled_generation_give_dynamic_generations_greedy_tokens(results):
     """The three transformers modes decode the same greedy tokens (left-padded batch of two prompts of unequal
-    length); compiled is torch.compile'd for real (its first call traces and generates code: ~20 s here)."""
+    length); compiled is torch.compile'd for real (its first call traces and generates code: ~20 s here). Static
+    against dynamic on the CI pipeline's prompts is in make test too (the inference cells' test above)."""
     import torch
 
     from efflab.modeling import load_model, load_tokenizer

@@ -79,3 +79,30 @@ def test_key_sets_names_a_lost_key_and_a_missing_job_and_passes_an_unchanged_run
     assert proc.returncode == 1
     assert "quantize/int8: - cells[].ttft.p90" in proc.stdout and "quantize/int8: + new" in proc.stdout
     assert "claims: only in the before run" in proc.stdout
+
+
+def test_finetune_throughput_gives_a_95_interval_from_six_repeats_and_names_each_phases_difference():
+    """The summary on known samples: six repeats of each cell, the efflab cell's step 10% shorter in each, all of it
+    in its forward phase."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("finetune_throughput", REPO / "benchmarks" / "finetune_throughput.py")
+    bench_module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_module)
+
+    def sample(step: float, forward: float) -> dict:
+        phases = dict.fromkeys(PHASES, 0.0) | {"forward": forward, "backward": step - forward, "total": step}
+        return {"phases": {"median_s": phases, "steps": 6}, "tokens_seen": 600, "steps": 6, "losses": [3.0, 2.0],
+                "mixed_precision": "no"}
+    steps = [1.0, 1.1, 0.9, 1.2, 1.0, 1.05]
+    samples = {"script": [sample(s, 0.4) for s in steps], "efflab-equal": [sample(0.9 * s, 0.4 - 0.1 * s)
+                                                                           for s in steps]}
+    summary = bench_module.summarise(samples)["efflab-equal"]
+    speed = summary["speedup_vs_script"]
+    assert speed["median"] == pytest.approx(1 / 0.9) and speed["ci95"] == pytest.approx([1 / 0.9, 1 / 0.9])
+    assert speed["coverage"] > 0.95 and speed["repeats"] == 6
+    assert summary["phase_delta_s"]["forward"] == pytest.approx(-0.1 * 1.025) and summary["step_delta_pct"] == (
+        pytest.approx(-10))
+    args = type("Args", (), {"run": "lora-r8", "repeats": 6})()
+    text = bench_module.table(args, {"max_steps": 7, "batch_size": 2}, bench_module.summarise(samples))
+    assert "1.11 [1.11, 1.11] (95% CI)" in text and "- efflab-equal against script: -10.0% a step; forward" in text
