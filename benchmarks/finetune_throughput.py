@@ -9,7 +9,8 @@ Cells (each a fresh process, interleaved over the repeats so drift hits every ce
   efflab          `python -m efflab.stages.finetune` with the run's settings as shipped
   efflab-equal    efflab at the script's numerics: the saved dtype, no autocast (mixed_precision: "no")
   efflab-bare     efflab-equal without its instruments (instruments: false): what efflab's measurement costs
-  efflab-fused    efflab-equal with torch's fused AdamW (optimizer: adamw_torch_fused)
+  efflab-loop     efflab-equal with torch's per-parameter AdamW loop (optimizer: adamw_torch) instead of the
+                  fused kernel both loops use by default (the Trainer's default, efflab's)
   efflab-padded   efflab-equal with packing off (dynamic padding, as the script pads)
   efflab-compile  efflab-equal with torch.compile (its compile time is in the first steps, left out)
   efflab-bf16     efflab with bf16 autocast forced on (the seeds' other speed-up; other numerics)
@@ -58,12 +59,12 @@ CELLS = {  # name: (loop, its settings)
     "efflab": ("efflab", {}),
     "efflab-equal": ("efflab", EQUAL),
     "efflab-bare": ("efflab", EQUAL | {"instruments": False}),
-    "efflab-fused": ("efflab", EQUAL | {"optimizer": "adamw_torch_fused"}),
+    "efflab-loop": ("efflab", EQUAL | {"optimizer": "adamw_torch"}),
     "efflab-padded": ("efflab", EQUAL | {"packing": False}),
     "efflab-compile": ("efflab", EQUAL | {"torch_compile": True}),
     "efflab-bf16": ("efflab", {"mixed_precision": "bf16"}),
 }
-DEFAULT_CELLS = "script,efflab,efflab-equal,efflab-bare,efflab-fused"
+DEFAULT_CELLS = "script,efflab,efflab-equal,efflab-bare,efflab-loop"
 
 # The efflab cell's run is added beside the configured runs, so that every cross-check of the params
 # (merge.runs, capacity.runs, ...) still holds: the stage reads the same file it would in the pipeline.
@@ -151,6 +152,10 @@ def summarise(samples: dict[str, list[dict]]) -> dict:
     the loss curve's largest difference from the script's on the same batches, and MFU where efflab measured the
     ceiling."""
     script, equal = samples.get("script"), samples.get("efflab-equal")
+    # one matmul ceiling for every cell: the median of what each efflab process measured (one process's probe
+    # varies with the machine's moment: MFU would move with it)
+    ceilings = [r["ceiling_tflops"] for runs in samples.values() for r in runs if "ceiling_tflops" in r]
+    ceiling = statistics.median(ceilings) if ceilings else None
     out = {}
     for cell, runs in samples.items():
         steps = [r["phases"]["median_s"]["total"] for r in runs]
@@ -160,18 +165,19 @@ def summarise(samples: dict[str, list[dict]]) -> dict:
         entry = {"n": len(runs), "step_s_median": step, "step_s_min": min(steps), "step_s_max": max(steps),
                  "tokens_per_step": per_step_tokens, "tokens_per_s": per_step_tokens / step, "phases_s": phases,
                  "mixed_precision": runs[0]["mixed_precision"], "last_loss": [r["losses"][-1] for r in runs]}
-        if script:
+        if script:  # the script's own repeats against its first: the loss curve's noise
+            entry["max_abs_loss_diff_vs_script"] = max(abs(a - b) for r in runs
+                                                       for a, b in zip(r["losses"], script[0]["losses"]))
+        if script and cell != "script":
             base = statistics.median(s["phases"]["median_s"]["total"] for s in script)
             entry |= {"speedup_vs_script": _paired(script, runs),
                       "phase_delta_s": {p: phases[p] - statistics.median(s["phases"]["median_s"][p] for s in script)
                                         for p in PHASES},
-                      "step_delta_pct": 100 * (step - base) / base,
-                      "max_abs_loss_diff_vs_script": max(abs(a - b) for r in runs for a, b in
-                                                         zip(r["losses"], script[0]["losses"]))}
+                      "step_delta_pct": 100 * (step - base) / base}
         if equal and cell.startswith("efflab-") and cell != "efflab-equal":
             entry["speedup_vs_efflab_equal"] = _paired(equal, runs)
-        if "flops_per_token" in runs[0]:
-            entry["mfu"] = entry["tokens_per_s"] * runs[0]["flops_per_token"] / (runs[0]["ceiling_tflops"] * 1e12)
+        if "flops_per_token" in runs[0] and ceiling:
+            entry["mfu"] = entry["tokens_per_s"] * runs[0]["flops_per_token"] / (ceiling * 1e12)
         out[cell] = entry
     return out
 
@@ -198,7 +204,7 @@ def table(args, settings: dict, summ: dict) -> str:
     lines = [f"Fine-tuning step time, run `{args.run}` ({settings['max_steps']} steps of batch "
              f"{settings['batch_size']}, the first left out), {args.repeats} interleaved repeats of every cell", "",
              "| cell | n | median step (ms) | min–max | tokens/s | × script (script's step / this cell's) | "
-             "× efflab-equal | MFU (%) | max abs loss diff vs script | precision |",
+             "× efflab-equal | MFU (%) | max abs loss diff vs the script's first repeat | precision |",
              "|---|--:|--:|---|--:|---|---|--:|--:|---|"]
     for cell, e in summ.items():
         mfu = f"{100 * e['mfu']:.1f}" if e.get("mfu") else "-"

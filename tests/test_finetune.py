@@ -277,7 +277,8 @@ def test_knobs_a_cpu_cannot_honour_are_unavailable_and_the_grid_goes_on(results,
 
     def edit(cfg):
         cfg["finetune"]["runs"]["fp16"] = {"method": "lora", "mixed_precision": "fp16"}
-        cfg["finetune"]["runs"]["tf32-pinned"] = {"method": "lora", "tf32": True, "pin_memory": True}
+        cfg["finetune"]["runs"]["tf32-pinned"] = {"method": "lora", "tf32": True, "pin_memory": True,
+                                                   "liger_kernel": True}
         cfg["bench_inference"]["variants"] = {"adapter-fp16": {"kind": "adapter", "of": "fp16"}}
         cfg["capacity"]["variants"] = []
     params = write_params(edit)
@@ -285,6 +286,7 @@ def test_knobs_a_cpu_cannot_honour_are_unavailable_and_the_grid_goes_on(results,
     both = run_stage("finetune", params, results, "tf32-pinned")
     assert fp16["status"] == "unavailable" and "fp16" in fp16["reason"] and "CUDA" in fp16["reason"]
     assert both["status"] == "unavailable" and "tf32" in both["reason"] and "pin_memory" in both["reason"]
+    assert "liger_kernel: Liger's kernels are Triton kernels for CUDA GPUs" in both["reason"]
     out = Layout(results).out("finetune", "fp16")
     assert sorted(p.name for p in out.iterdir()) == ["figures.json", "loss.csv", "metrics.json", "model"]
     merged = run_stage("merge", params, results, "fp16")

@@ -11,6 +11,7 @@ GradScaler for fp16, as accelerate does.
 """
 from __future__ import annotations
 
+import importlib.util
 from contextlib import nullcontext
 
 import torch
@@ -43,7 +44,11 @@ def unavailable_knobs(run: dict, device: torch.device) -> list[str]:
             reasons.append("tf32 needs an NVIDIA GPU of compute capability 8.0 (Ampere) or newer")
         if run["pin_memory"] is True:
             reasons.append("pin_memory: page-locked host memory only speeds up copies to a CUDA GPU")
-    elif run["tf32"] and torch.cuda.get_device_capability(device)[0] < 8:
+        if run.get("liger_kernel"):
+            reasons.append("liger_kernel: Liger's kernels are Triton kernels for CUDA GPUs")
+    elif run.get("liger_kernel") and importlib.util.find_spec("liger_kernel") is None:
+        reasons.append("liger_kernel needs the liger-kernel package, which is not installed (pip install liger-kernel)")
+    if device.type == "cuda" and run["tf32"] and torch.cuda.get_device_capability(device)[0] < 8:
         reasons.append(f"tf32 needs compute capability 8.0 or newer; {torch.cuda.get_device_name(device)} has "
                        f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}")
     return reasons
@@ -67,11 +72,15 @@ def build_model(run: dict, layout, dtype: str, device: torch.device):
 
     if run["method"] == "full":
         model = load_model(layout.base_model(), "float32", device)
+        if run.get("liger_kernel"):
+            with_liger_kernels(model)
         if run["gradient_checkpointing"]:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         return model
     quant = base_quant(run)
     model = load_model(layout.base_model(), dtype, device, quant=quant)
+    if run.get("liger_kernel"):
+        with_liger_kernels(model)
     if quant:
         keep_4bit_layers_differentiable(model)
         model = prepare_model_for_kbit_training(
@@ -84,6 +93,19 @@ def build_model(run: dict, layout, dtype: str, device: torch.device):
         return get_peft_model(model, architecture.lora_config(model.config, run["lora"]))
     except ValueError as err:
         raise UserError(f"finetune.lora.target_modules: {str(err).splitlines()[0]}") from None
+
+
+def with_liger_kernels(model) -> None:
+    """Liger's fused kernels patched into the model's own modules (what the HF Trainer's use_liger_kernel does), before
+    peft wraps it, so the Trainer's loop and the written-out step (training_step) train the same patched model. A
+    family Liger has no kernels for is a user-facing error naming it."""
+    from liger_kernel.transformers import _apply_liger_kernel_to_instance
+    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+
+    if model.config.model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
+        raise UserError(f"finetune.liger_kernel: Liger has no kernels for model_type {model.config.model_type!r} "
+                        f"(it has: {', '.join(sorted(MODEL_TYPE_TO_APPLY_LIGER_FN))})")
+    _apply_liger_kernel_to_instance(model=model)
 
 
 def keep_4bit_layers_differentiable(model) -> int:
