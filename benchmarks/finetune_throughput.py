@@ -140,7 +140,8 @@ def measure(args, params: dict, settings: dict, results: Path, cells: list[str])
                 loop, knobs = CELLS[cell]
                 t0 = time.perf_counter()
                 result = (script_cell(settings, results, work, knobs["dtype"]) if loop == "script"
-                          else efflab_cell(params, args.run, knobs, results, work))
+                          else efflab_cell(params, args.run, {"max_steps": settings["max_steps"]} | knobs, results,
+                                           work))
                 samples[cell].append(result)
                 step = result["phases"]["median_s"]["total"]
                 print(f"[{repeat + 1}/{args.repeats}] {cell}: median step {1000 * step:.0f} ms over "
@@ -233,6 +234,8 @@ def main() -> None:
     parser.add_argument("--results", default="results")
     parser.add_argument("--repeats", type=int, default=6)
     parser.add_argument("--cells", default=DEFAULT_CELLS, help=f"comma-separated, of {', '.join(CELLS)}")
+    parser.add_argument("--steps", type=int, help="optimizer steps of every cell (default: the run's max_steps; "
+                                                   "more give steadier medians)")
     parser.add_argument("--out", default="results/benchmarks/finetune_throughput")
     parser.add_argument("--summarise", metavar="JSON", help="summarise an earlier run's written samples again (no "
                                                              "training); with its --run and --repeats")
@@ -242,7 +245,7 @@ def main() -> None:
         print(table(args, written["settings"], summarise(written["samples"])))
         return
     params, results = load(args.params), Path(args.results)
-    settings = finetune_run(params, args.run)
+    settings = finetune_run(params, args.run) | ({"max_steps": args.steps} if args.steps else {})
     if settings["method"] != "lora":
         sys.exit(f"finetune_throughput: error: --run {args.run!r} is a {settings['method']} run; the baseline "
                  "script is a LoRA script")

@@ -54,9 +54,12 @@ def test_eager_attention_memory_grows_faster_than_linear_in_sequence_length(resu
     assert fit["exponent"] > 1.5, "eager materialises the seq x seq attention matrix"
 
 
-def test_inference_separates_prefill_from_decode_per_kv_cache_batch_and_generation_cell(results, test_cfg):
-    b = test_cfg["bench_inference"]
-    m = run_stage("bench_inference", TEST_PARAMS, results, "baseline")
+def test_inference_separates_prefill_from_decode_per_kv_cache_batch_and_generation_cell(results, write_params):
+    def with_static(cfg):
+        cfg["bench_inference"]["variants"]["baseline"]["generation"] = ["dynamic", "static", "vllm"]
+    params = write_params(with_static)
+    b = yaml.safe_load(params.read_text())["bench_inference"]
+    m = run_stage("bench_inference", params, results, "baseline")
     variant = b["variants"]["baseline"]
     assert [(c["kv_cache"], c["batch_size"], c["generation"]) for c in m["cells"]] == [
         (kv, bs, mode) for kv in variant["kv_cache"] for bs in variant["batch_sizes"]
@@ -68,7 +71,10 @@ def test_inference_separates_prefill_from_decode_per_kv_cache_batch_and_generati
         if c["generation"] == "vllm":
             continue
         assert c["status"] == "ok"
-        generations = b["repeats"] * -(-m["prompts"] // c["batch_size"])
+        versus = c.get("vs_dynamic")  # an interleaved cell's figures are of its stable rounds (all, if unstable)
+        rounds = b["repeats"] if not versus else (
+            len(versus["rounds"]) if "unstable" in versus else versus["stable_rounds"])
+        generations = rounds * -(-m["prompts"] // c["batch_size"])
         assert c["generations"] == c["ttft"]["n"] == c["decode_tokens_per_s"]["n"] == generations
         assert c["per_token_latency"]["n"] == generations * (n - 1)
         assert c["ttft"]["median"] > 0 and c["decode_tokens_per_s"]["median"] > 0

@@ -29,13 +29,13 @@ def test_finetune_throughput_compares_the_loops_phase_by_phase_on_the_same_batch
     script's are named, and its loss curve is compared with the script's step by step."""
     out = tmp_path / "finetune_throughput"
     bench("finetune_throughput.py", "--params", TEST_PARAMS, "--results", prepared, "--run", "lora-r8",
-          "--repeats", 1, "--cells", "script,efflab-bare", "--out", out)
+          "--repeats", 1, "--steps", 3, "--cells", "script,efflab-bare", "--out", out)
     written = json.loads(out.with_suffix(".json").read_text())
     summary, samples = written["summary"], written["samples"]
     assert set(summary) == {"script", "efflab-bare"} and all(s["n"] == 1 for s in summary.values())
     for cell, entry in summary.items():
         (run,) = samples[cell]
-        assert run["tokens_seen"] > 0 and len(run["losses"]) == run["steps"] and run["phases"]["steps"] >= 1
+        assert run["tokens_seen"] > 0 and len(run["losses"]) == run["steps"] == 3 and run["phases"]["steps"] >= 1
         for step in run["phases"]["per_step"]:  # every step is cut into phases that add up to it
             assert sum(step[p] for p in PHASES) == pytest.approx(step["total"], rel=1e-9)
         assert entry["phases_s"]["forward"] > 0 and entry["phases_s"]["backward"] > 0

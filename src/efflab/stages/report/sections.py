@@ -105,7 +105,20 @@ def inference_body(cfg: dict, metrics: dict, table) -> str:
     energy = energy_note([c.get("energy") for m in records.ok(metrics["bench_inference"])
                           for c in records.ok(m.get("cells", []))])
     return render("sections/inference.md.j2", i=cfg["bench_inference"], prompts=prompt_count(cfg, metrics),
-                  table=table("bench_inference"), energy=energy)
+                  table=table("bench_inference"), energy=energy, unavailable=unavailable_cells(metrics["bench_inference"]))
+
+
+def unavailable_cells(jobs: list[dict]) -> str:
+    """The cells that could not run here (a generation mode or engine a variant or machine lacks), one line per
+    mode and reason, naming the variants and batch sizes: not rows of dashes in every part of the table."""
+    where: dict[tuple[str, str], list[str]] = {}
+    for m in jobs:
+        for c in m.get("cells", []):
+            if c.get("status") == "unavailable":
+                where.setdefault((c.get("generation", "dynamic"), c.get("reason", "")), []).append(
+                    f"{m['variant']} at batch {c['batch_size']}")
+    lines = [f"- {mode} ({', '.join(cells)}): unavailable: {reason}" for (mode, reason), cells in where.items()]
+    return "Not measured here:\n\n" + "\n".join(lines) if lines else ""
 
 
 def serving_body(cfg: dict, metrics: dict, table) -> str:

@@ -339,6 +339,8 @@ def inference_table(rows: list[dict]) -> pd.DataFrame:
     out = []
     for r in rows:
         for c in r.get("cells", []):  # a job that failed outside its cells has none (table of jobs not run)
+            if c.get("status") == "unavailable":  # a line each under the table (sections.unavailable_cells)
+                continue
             ok = records.is_ok(c) and "decode_tokens_per_s" in c  # an engine's cell: whole generations only
             versus = c.get("vs_base") or c.get("vs_dynamic")
             out.append({
