@@ -23,6 +23,8 @@ def bench(script: str, *args) -> subprocess.CompletedProcess:
     return proc
 
 
+@pytest.mark.integration  # two training processes end to end: ~26 s (make test-integration); the summary's
+# arithmetic is tested below, in make test
 def test_finetune_throughput_compares_the_loops_phase_by_phase_on_the_same_batches(prepared, tmp_path):
     """Both loops train the same run on the same rows, stamped by the same phase clock: each cell's phases add up to
     its step, its speed against the script is the script's step over its own, its phases' differences from the

@@ -27,6 +27,7 @@ def _cli_results(out_dir) -> dict:
     return json.loads(found.read_text())["results"]
 
 
+@pytest.mark.integration  # lm-eval's own CLI run beside efflab's: ~35 s (make test-integration)
 def test_efflab_s_scores_equal_lm_eval_s_own_cli_on_the_generated_task(results, test_cfg, tmp_path):
     """The task prepare_data writes is a folder lm_eval itself runs; efflab's record of the base model holds the
     same scores as lm_eval's CLI gives on that folder, with the command efflab records for it."""
