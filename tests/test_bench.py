@@ -257,3 +257,21 @@ def test_a_forced_sdpa_backend_is_measured_beside_the_others_or_says_torch_has_n
     efficient = run_stage("bench_attention", params, results, "sdpa_efficient")
     for row in efficient["rows"]:
         assert row["status"] == "ok" or (row["status"] == "unavailable" and "EFFICIENT_ATTENTION" in row["reason"])
+
+
+def test_a_generation_mode_the_model_cannot_run_is_unavailable_with_the_reason(results, test_cfg, monkeypatch):
+    """A family whose cache or forward a mode cannot take (here: generate() refusing a static cache, as transformers
+    does for models without StaticCache support) is an unavailable cell naming the error, not a failed one."""
+    from efflab.stages import bench_inference
+
+    real = bench_inference.generate_timed
+
+    def refusing(model, tokenizer, batch, n, kv_cache=True, mode="dynamic"):
+        if mode == "static":
+            raise ValueError("This model does not support `cache_implementation='static'`")
+        return real(model, tokenizer, batch, n, kv_cache, mode)
+    monkeypatch.setattr(bench_inference, "generate_timed", refusing)
+    cell = bench_inference.inference_cell(test_cfg, str(results), "baseline", "float32", "cpu", True, 1,
+                                          {"bandwidth": {}, "matmul": {}}, generation="static")
+    assert cell["status"] == "unavailable" and "static generation is not supported" in cell["reason"]
+    assert "does not support `cache_implementation='static'`" in cell["reason"]

@@ -232,7 +232,13 @@ def inference_cell(cfg: dict, results: str, name: str, dtype: str, device: str, 
     asked = prompts(b, layout, tokenizer)
     batches = prompt_batches(tokenizer, [a["text"] for a in asked], batch_size, device)
     n = b["max_new_tokens"]
-    firsts = first_generations(model, tokenizer, batches, n, kv_cache, generation, b["warmup"])
+    try:
+        firsts = first_generations(model, tokenizer, batches, n, kv_cache, generation, b["warmup"])
+    except (ValueError, TypeError, NotImplementedError, RuntimeError) as err:
+        if generation == "dynamic" or isinstance(err, torch.OutOfMemoryError):
+            raise  # a failure of generate() itself, or memory: recorded as such by run_cell
+        return {"status": "unavailable", "reason": f"{generation} generation is not supported for this model here: "
+                                                   f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"}
     transient = quantized_layer_transient(model, dtype) if device.type == "cpu" else 0
     prediction = generation_peak(layout.base_model(), dtype, variant_quant(cfg, b["variants"][name]), batch_size,
                                  max(x["input_ids"].shape[1] for x in batches), n, kv_cache,
