@@ -15,9 +15,10 @@ phase, `forward+backward`.
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
+
+from .timing import seconds_since, stamp
 
 # Where a process writes its steps' phases when the benchmark asks (the finetune stage, the plain script)
 PHASES_ENV = "EFFLAB_PHASES"
@@ -32,15 +33,8 @@ class PhaseClock:
         self.marks: list[tuple[str, object]] = []
         self._hooks = []
 
-    def _stamp(self):
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
     def mark(self, label: str) -> None:
-        self.marks.append((label, self._stamp()))
+        self.marks.append((label, stamp(self.cuda)))
 
     def attach(self, trainer, model) -> "PhaseClock":
         """Stamp `trainer`'s steps: its batch fetching, `model`'s forward calls, and the step's callbacks."""
@@ -85,12 +79,8 @@ class PhaseClock:
         """Every mark with its time since the first, in seconds."""
         if not self.marks:
             return []
-        if self.cuda:
-            torch.cuda.synchronize()
-            first = self.marks[0][1]
-            return [(label, first.elapsed_time(stamp) / 1000) for label, stamp in self.marks]
-        first = self.marks[0][1]
-        return [(label, stamp - first) for label, stamp in self.marks]
+        labels, stamps = zip(*self.marks)
+        return list(zip(labels, seconds_since(stamps[0], list(stamps), self.cuda)))
 
     def steps(self) -> list[dict]:
         return step_phases(self.seconds())

@@ -14,6 +14,24 @@ from .stats import summarize
 clock = time.perf_counter
 
 
+def stamp(cuda: bool):
+    """A point in time for a clock that reads it later: a CUDA event recorded in the stream (it times the kernels,
+    not their asynchronous launch, and adds no synchronisation), else perf_counter."""
+    if cuda:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+    return time.perf_counter()
+
+
+def seconds_since(origin, stamps: list, cuda: bool) -> list[float]:
+    """Each stamp's time since `origin`, in seconds (stamp(); one synchronisation on a GPU, here)."""
+    if cuda:
+        torch.cuda.synchronize()
+        return [origin.elapsed_time(s) / 1000 for s in stamps]
+    return [s - origin for s in stamps]
+
+
 def time_fn(fn, device: torch.device, warmup: int, repeats: int) -> dict:
     """Run fn `warmup` times untimed, then `repeats` timed times; CUDA events on GPU."""
     for _ in range(warmup):
@@ -85,7 +103,7 @@ def interleave(variants: dict, rounds: int, device: torch.device, warmup: int = 
         if stable >= rounds or len(log) >= rounds + extra:
             break
     kept = [r for r in log if r["stable"]]
-    figures = kept if len(kept) >= rounds else log  # unstable: every round, flagged as such
+    figures = [log[i] for i in figure_rounds(log, rounds)]
     probes = [p for r in log for p in r["probe_gflops"]]
     out = {"rounds": log, "stable_rounds": len(kept), "set_aside": len(log) - len(kept), "warmup_rounds": warmup,
            "probe": summarize(probes, unit="GFLOP/s", keep_samples=False) | {"tolerance": tolerance},
@@ -96,6 +114,13 @@ def interleave(variants: dict, rounds: int, device: torch.device, warmup: int = 
                            f"probe outside ±{tolerance:.0%} of the median {out['probe']['median']:.1f} GFLOP/s "
                            f"(range {out['probe']['min']:.1f}–{out['probe']['max']:.1f})")
     return out
+
+
+def figure_rounds(log: list[dict], rounds: int) -> list[int]:
+    """The rounds an interleave() result's figures are of, by index: the stable ones, or every one where fewer than
+    `rounds` are stable (the result is then `unstable`, flagged as such)."""
+    stable = [i for i, r in enumerate(log) if r["stable"]]
+    return stable if len(stable) >= rounds else list(range(len(log)))
 
 
 def _mark_stable(log: list[dict], tolerance: float) -> int:

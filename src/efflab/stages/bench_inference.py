@@ -34,7 +34,7 @@ from ..measure.flops import matmul_ceiling, matmul_params
 from ..measure.isolation import CellJournal, prestart, run_cell
 from ..measure.memory import track_memory
 from ..measure.stats import percentile, speedup, summarize
-from ..measure.timing import INTERLEAVE_RECORD, SENTINEL_TOLERANCE, interleave
+from ..measure.timing import INTERLEAVE_RECORD, SENTINEL_TOLERANCE, figure_rounds, interleave, seconds_since, stamp
 from ..modeling import base_dtype, load_model, load_tokenizer, load_variant, require_input
 
 # pandas is imported inside the one function that reads a prompt file.
@@ -52,28 +52,18 @@ class TokenClock:
         self._stamps: list = []
         self.start()
 
-    def _stamp(self):
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
     def start(self):
-        self._origin = self._stamp()
+        self._origin = stamp(self.cuda)
 
     def put(self, value):
-        self._stamps.append(self._stamp())
+        self._stamps.append(stamp(self.cuda))
 
     def end(self):
         pass
 
     def seconds(self) -> list[float]:
         """Each put()'s time since start(), in seconds."""
-        if self.cuda:
-            torch.cuda.synchronize()
-            return [self._origin.elapsed_time(e) / 1000 for e in self._stamps]
-        return [t - self._origin for t in self._stamps]
+        return seconds_since(self._origin, self._stamps, self.cuda)
 
 
 TAIL_RATIO = 1.5
@@ -125,10 +115,6 @@ def prompt_batches(tokenizer, texts: list[str], batch_size: int, device: torch.d
     tokenizer.padding_side = "left"
     return [tokenizer(cycled[i:i + batch_size], return_tensors="pt", padding=True, add_special_tokens=False).to(device)
             for i in range(0, count, batch_size)]
-
-
-MODES = ("dynamic", "static", "compiled") + engines.ENGINES
-NEEDS_CACHE = ("static", "compiled") + engines.ENGINES  # modes that are ways of keeping a KV cache
 
 
 def mode_kwargs(mode: str, device: torch.device) -> dict:
@@ -191,23 +177,26 @@ def timed_rounds(cfg: dict, layout: Layout, name: str, model, tokenizer, batches
     timed = interleave({name: mine, against: lambda r: [generate_timed(other, tokenizer, x, n, kv_cache)
                                                         for x in batches]},
                        b["repeats"], device, warmup=b["warmup"], tolerance=SENTINEL_TOLERANCE)
-    kept = [b["warmup"] + i for i, r in enumerate(timed["rounds"]) if r["stable"] or "unstable" in timed]
-    versus = {"against": against, "generation_speedup": speedup(timed, name, against),
-              "measured": f"whole generations of every prompt batch per round; speedup = {against}'s time over "
-                          f"this cell's ({'the same model, dynamic cache' if against == 'dynamic' else 'the base model'}"
-                          "); the verdict is said of this cell",
-              f"{against}_generation_s": timed["variants"][against],
-              **{k: timed[k] for k in INTERLEAVE_RECORD}}
-    if "unstable" in timed:
-        versus["unstable"] = timed["unstable"]
+    kept = [b["warmup"] + i for i in figure_rounds(timed["rounds"], b["repeats"])]
+    whose = "the same model, dynamic cache" if against == "dynamic" else "the base model"
+    versus = compared_with(timed, name, against, "whole generations of every prompt batch per round; speedup = "
+                           f"{against}'s time over this cell's ({whose}); the verdict is said of this cell")
     return [g for r in kept for g in by_round[r]], versus  # the rounds the figures are of (not the warmup's)
 
 
+def compared_with(timed: dict, mine: str, against: str, measured: str) -> dict:
+    """A cell's interleave() against `against`: the speedup (against's time over mine) with its interval and
+    verdict, what was timed, against's own times, the rounds and probes, and `unstable` where the machine was."""
+    return {"against": against, "generation_speedup": speedup(timed, mine, against), "measured": measured,
+            f"{against}_generation_s": timed["variants"][against], **{k: timed[k] for k in INTERLEAVE_RECORD},
+            **({"unstable": timed["unstable"]} if "unstable" in timed else {})}
+
+
 def first_generations(model, tokenizer, batches: list, n: int, kv_cache: bool, mode: str, warmup: int) -> dict:
-    """The untimed generations before the timed ones, timed apart: each prompt batch's first generation (for
-    `compiled`, torch.compile's tracing and code generation for that batch's shapes), then `warmup` more of the
-    first batch
-    (one-time work: lazy initialisation, first allocations), `warmup` in all for a mode that compiles nothing."""
+    """The untimed generations before the timed ones, the first ones timed apart: for `compiled`, each prompt
+    batch's first generation (torch.compile's tracing and code generation for its shapes), for another mode the
+    first batch's; then more of the first batch, `warmup` in all (one-time work: lazy initialisation, first
+    allocations)."""
     def wall(batch) -> float:
         t0 = time.perf_counter()
         generate_timed(model, tokenizer, batch, n, kv_cache, mode)  # returns once the tokens are read back
@@ -310,15 +299,13 @@ def engine_cell(cfg: dict, results: str, name: str, dtype: str, device: str, kv_
                        b["repeats"], device, warmup=b["warmup"], tolerance=SENTINEL_TOLERANCE)
     if any(k != n for outs in by_round.values() for out in outs for k in out["new_tokens"]):
         raise RuntimeError(f"{generation}'s generation length differs from max_new_tokens={n}")
-    kept = [r for r in timed["rounds"] if r["stable"] or "unstable" in timed]
+    kept = [timed["rounds"][i] for i in figure_rounds(timed["rounds"], b["repeats"])]
     return {"engine": {"name": generation, "version": engine.version},
             "generation_tokens_per_s": summarize([len(ids) * n / r["seconds"][generation] for r in kept],
                                                  unit="tokens/s"),
-            "vs_dynamic": {"against": "dynamic", "generation_speedup": speedup(timed, generation, "dynamic"),
-                           "measured": "whole generations of every prompt batch per round, prefill included; "
-                                       "speedup = the same model's dynamic generate() time over the engine's",
-                           "dynamic_generation_s": timed["variants"]["dynamic"],
-                           **{k: timed[k] for k in INTERLEAVE_RECORD}},
+            "vs_dynamic": compared_with(timed, generation, "dynamic", "whole generations of every prompt batch per "
+                                        "round, prefill included; speedup = the same model's dynamic generate() time "
+                                        "over the engine's"),
             "generations": len(kept) * len(batches), "memory_footprint_bytes": quantization.footprint_bytes(model),
             "samples": [{"prompt": a["question"], "answer": t, "reference": a["reference"]}
                         for a, t in zip(asked, [t for out in by_round[max(by_round)] for t in out["texts"]])]}
@@ -333,7 +320,7 @@ def cells_of(b: dict, variant: dict) -> list[dict]:
     A mode that is a way of keeping the KV cache (static, compiled, an engine) has no cell without one."""
     return [{"kv_cache": kv, "batch_size": batch, "generation": mode}
             for kv in variant.get("kv_cache", b["kv_cache"]) for batch in variant.get("batch_sizes", b["batch_sizes"])
-            for mode in variant.get("generation", b["generation"]) if kv or mode not in NEEDS_CACHE]
+            for mode in variant.get("generation", b["generation"]) if kv or mode == "dynamic"]
 
 
 def run(cfg: dict, job: Job) -> dict:
