@@ -339,3 +339,37 @@ def test_the_validation_loss_avoids_kernels_that_have_no_deterministic_cuda_vers
     assert "nll_loss_forward" in ops.names and not any(n.startswith("nll_loss2d") for n in ops.names), ops.names
     expected = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), labels[:, 1:], reduction="sum")
     assert count == int((labels[:, 1:] != -100).sum()) and abs(total - expected.item()) < 1e-4
+
+
+def test_the_live_tensor_peak_counted_on_the_longest_steps_is_the_peak_counted_on_every_step(tmp_path):
+    """CountLongestSteps counts the first step and each step longer than every counted one, and leaves the
+    others to run without the profiler: the peak it finds is the one a count of every step finds."""
+    from datasets import Dataset
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+    from efflab.callbacks import CountLongestSteps
+    from efflab.measure.memory import CpuTensorPeak
+
+    lengths = [8, 32, 16, 24, 256, 8]  # batch 1, in order: steps 1, 2 and 5 can hold the peak (5 holds it)
+    rows = [{"input_ids": [i % 60 + 1 for i in range(n)], "labels": [i % 60 + 1 for i in range(n)]} for n in lengths]
+
+    def peak(sampled: bool) -> tuple[float, list[int]]:
+        torch.manual_seed(0)
+        config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=2, num_key_value_heads=2)
+        args = TrainingArguments(tmp_path / str(sampled), per_device_train_batch_size=1, max_steps=len(rows),
+                                 train_sampling_strategy="sequential", report_to=[], save_strategy="no",
+                                 use_cpu=True, disable_tqdm=True)
+        trainer = Trainer(model=LlamaForCausalLM(config), args=args, train_dataset=Dataset.from_list(rows))
+        tensors = CpuTensorPeak()
+        counted = CountLongestSteps(tensors, trainer) if sampled else None
+        if counted:
+            trainer.add_callback(counted)
+        tensors.start()
+        trainer.train()
+        return tensors.stop()["delta_mib"], counted.steps if counted else []
+
+    every, _ = peak(sampled=False)
+    longest, steps = peak(sampled=True)
+    assert steps == [1, 2, 5]
+    assert longest == pytest.approx(every, abs=0.01) and every > 0

@@ -131,14 +131,17 @@ def test_the_tensor_peak_counts_live_bytes_not_what_malloc_keeps():
     tensors = memory.CpuTensorPeak()
     with memory.track_memory(CPU, tensors) as mem:
         a = torch.zeros(16 * MiB // 4)
-        tensors.flush()  # folding the events so far keeps the running count
+        tensors.pause()  # folding the events so far keeps the running count
+        unseen = torch.zeros(64 * MiB // 4)  # allocated while paused: not counted
+        del unseen
+        tensors.resume()
         b = torch.zeros(8 * MiB // 4)  # live together with a: the peak, 24 MiB
         del a, b
         c = torch.zeros(12 * MiB // 4)  # reuses what malloc kept: no new RSS, but 12 MiB of live tensors
         del before
     assert mem["tensors"]["delta_mib"] == pytest.approx(24, abs=0.01)
     assert mem["tensors"]["end_delta_mib"] == pytest.approx(12, abs=0.01)
-    assert mem["tensors"]["flush_s"] > 0 and c.numel()
+    assert mem["tensors"]["pause_resume_s"] > 0 and c.numel()
     assert not torch.autograd._profiler_enabled(), "the profiler is stopped at the end of the block"
 
 

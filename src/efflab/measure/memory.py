@@ -86,8 +86,11 @@ class CpuTensorPeak:
     It sees the tensors of this thread and of the threads it hands work to (the autograd engine's), not
     Python objects, not allocator overhead. Frees of tensors allocated before the block are not reported
     (the allocator learns a block's size only while the profiler runs), so it counts the tensors allocated
-    inside the block. `flush()` folds the events recorded so far into the running count and restarts, so a
-    long run does not hold millions of events; its time is in `overhead_s`."""
+    inside the block. `pause()` folds the events recorded so far into the running count and stops counting,
+    `resume()` starts again (a long run then holds one step's events at a time, and the steps that cannot hold
+    the peak run without the profiler's per-allocation cost: callbacks.CountLongestSteps); what a pause and a
+    resume take is in `overhead_s`. While paused nothing is counted: not what is allocated, not the free of what
+    was counted before."""
 
     KIND = "cpu_tensor_peak"
     _warm = False
@@ -138,10 +141,19 @@ class CpuTensorPeak:
         self.events += len(events)
         self._profiler = None
 
-    def flush(self) -> None:
+    @property
+    def counting(self) -> bool:
+        return self._profiler is not None
+
+    def pause(self) -> None:
         if self._profiler is not None:
             t0 = time.perf_counter()
             self._fold()
+            self.overhead_s += time.perf_counter() - t0
+
+    def resume(self) -> None:
+        if self._profiler is None and not self.unavailable:
+            t0 = time.perf_counter()
             self.start()
             self.overhead_s += time.perf_counter() - t0
 
@@ -151,7 +163,7 @@ class CpuTensorPeak:
         if self.unavailable:
             return {"kind": self.KIND, "delta_mib": None, "unavailable": self.unavailable}
         return {"kind": self.KIND, "delta_mib": self.peak / MiB, "end_delta_mib": self.current / MiB,
-                "allocator_events": self.events, "flush_s": self.overhead_s}
+                "allocator_events": self.events, "pause_resume_s": self.overhead_s}
 
 
 def live_tensor_bytes(fn) -> float | None:
@@ -169,7 +181,7 @@ def track_memory(device: torch.device, tensors: CpuTensorPeak | None = None):
 
     On CPU the peak RSS is the process high-water mark after resetting it at entry, so earlier work
     in the process does not count; `delta_mib` is that peak over the RSS at entry, and `tensors` the
-    `cpu_tensor_peak` of the block (pass a CpuTensorPeak to flush it from inside, e.g. every N steps).
+    `cpu_tensor_peak` of the block (pass a CpuTensorPeak to pause and resume it from inside, e.g. on chosen steps).
     """
     result: dict = {}
     if device.type == "cuda":

@@ -198,6 +198,10 @@ def training_arguments(run_cfg: dict, scratch: Path, precision: str, device: tor
     )
 
 
+COUNTED_STEPS = ("the first step, from the start of training, and each later step with more token positions in a "
+                 "micro-batch than any counted step's (where the peak can be); the others were not counted")
+
+
 def fit(cfg: dict, job: Job, trainer, tensors, device: torch.device, resume: str | None, profiled: bool) -> dict:
     """trainer.train() with its memory tracked and its energy counted at the ends (and profiled where asked):
     the train result, seconds, memory, energy and profile."""
@@ -209,7 +213,7 @@ def fit(cfg: dict, job: Job, trainer, tensors, device: torch.device, resume: str
         meter = EnergyMeter(device).start()  # two counter reads, at the ends: nothing in between
         t0 = time.perf_counter()
         result = trainer.train(resume_from_checkpoint=resume)
-        seconds = time.perf_counter() - t0 - tensors.overhead_s  # the tensor count's flushes are not training
+        seconds = time.perf_counter() - t0 - tensors.overhead_s  # the tensor count's pauses are not training
         energy = meter.stop()
         profile = profiler.close() if profiler else None
     return {"result": result, "train_s": seconds, "memory": memory, "energy": energy, "profile": profile}
@@ -291,7 +295,7 @@ def train(cfg: dict, job: Job) -> dict:
     from datasets import Dataset
     from transformers import Trainer
 
-    from ..callbacks import KILL_ENV, FlushTensorCount, KillAfterCheckpoint, SequenceLengths, StepTimes
+    from ..callbacks import KILL_ENV, CountLongestSteps, KillAfterCheckpoint, SequenceLengths, StepTimes
 
     r = prepare(cfg, job)
     run_cfg, model, device = r.run_cfg, r.model, r.device
@@ -306,11 +310,13 @@ def train(cfg: dict, job: Job) -> dict:
     tensors = CpuTensorPeak(unavailable=profiling.REPLACES_TENSOR_PEAK if profiled else
                             None if on else "instruments: false (no live-tensor count)")
     step_times = StepTimes(device) if on else None
-    callbacks = ([step_times, FlushTensorCount(tensors)] if on else []) + (
-        [KillAfterCheckpoint()] if os.environ.get(KILL_ENV) else [])
+    callbacks = ([step_times] if on else []) + ([KillAfterCheckpoint()] if os.environ.get(KILL_ENV) else [])
     trainer = Trainer(model=model, args=training_arguments(run_cfg, scratch, r.precision, device, r.rank),
                       train_dataset=Dataset.from_list(r.train_rows), data_collator=collator(run_cfg, r.tokenizer),
                       callbacks=callbacks)
+    counted = CountLongestSteps(tensors, trainer) if on else None
+    if counted:
+        trainer.add_callback(counted)  # after StepTimes: it pauses once the step is timed
     phases = PhaseClock(device).attach(trainer, model) if os.environ.get(PHASES_ENV) and r.rank == 0 else None
     resumed = _checkpoint_state(resume)
     if resume:
@@ -319,6 +325,8 @@ def train(cfg: dict, job: Job) -> dict:
     prediction = training_peak(job.layout.base_model(), run_cfg, r.dtype, r.precision,  # from config and data only
                                [len(row["input_ids"]) for row in r.train_rows], device.type)
     done = fit(cfg, job, trainer, tensors, device, resume, profiled)
+    if counted and "tensors" in done["memory"]:
+        done["memory"]["tensors"] |= {"counted_steps": counted.steps, "counted": COUNTED_STEPS}
     processed.remove()
     if phases:  # the benchmark's phase clock (benchmarks/finetune_throughput.py)
         Path(os.environ[PHASES_ENV]).write_text(json.dumps({"steps": phases.steps()}))
