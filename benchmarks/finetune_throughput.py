@@ -108,7 +108,7 @@ def script_cell(settings: dict, results: Path, work: Path, dtype: str) -> dict:
                    "--seed", str(settings["seed"]), "--dtype", dtype, "--json", str(out)], work)
     result = json.loads(out.read_text())
     return {"phases": phases, "tokens_seen": result["tokens_seen"], "steps": result["steps"],
-            "train_s": result["train_s"], "losses": result["losses"],
+            "train_s": result["train_s"], "losses": result["losses"], "pad_fraction": result["pad_fraction"],
             "mixed_precision": f"no autocast, weights {result['dtype'].replace('torch.', '')}"}
 
 
@@ -140,8 +140,8 @@ def measure(args, params: dict, settings: dict, results: Path, cells: list[str])
                 loop, knobs = CELLS[cell]
                 t0 = time.perf_counter()
                 result = (script_cell(settings, results, work, knobs["dtype"]) if loop == "script"
-                          else efflab_cell(params, args.run, {"max_steps": settings["max_steps"]} | knobs, results,
-                                           work))
+                          else efflab_cell(params, args.run, {k: settings[k] for k in ("max_steps", "batch_size")}
+                                           | knobs, results, work))
                 samples[cell].append(result)
                 step = result["phases"]["median_s"]["total"]
                 print(f"[{repeat + 1}/{args.repeats}] {cell}: median step {1000 * step:.0f} ms over "
@@ -165,7 +165,8 @@ def summarise(samples: dict[str, list[dict]]) -> dict:
         phases = {p: statistics.median(r["phases"]["median_s"][p] for r in runs) for p in PHASES}
         entry = {"n": len(runs), "step_s_median": step, "step_s_min": min(steps), "step_s_max": max(steps),
                  "tokens_per_step": per_step_tokens, "tokens_per_s": per_step_tokens / step, "phases_s": phases,
-                 "mixed_precision": runs[0]["mixed_precision"], "last_loss": [r["losses"][-1] for r in runs]}
+                 "mixed_precision": runs[0]["mixed_precision"], "last_loss": [r["losses"][-1] for r in runs],
+                 "pad_fraction": runs[0].get("pad_fraction")}
         if script:  # the script's own repeats against its first: the loss curve's noise
             entry["max_abs_loss_diff_vs_script"] = max(abs(a - b) for r in runs
                                                        for a, b in zip(r["losses"], script[0]["losses"]))
@@ -201,18 +202,23 @@ def _speed(entry: dict, key: str = "speedup_vs_script") -> str:
     return f"{s['median']:.2f} (range {s['min']:.2f}–{s['max']:.2f}, n={s['repeats']}: no 95% CI)"
 
 
+def _pct(fraction: float | None) -> str:
+    return "-" if fraction is None else f"{100 * fraction:.1f}"
+
+
 def table(args, settings: dict, summ: dict) -> str:
     lines = [f"Fine-tuning step time, run `{args.run}` ({settings['max_steps']} steps of batch "
              f"{settings['batch_size']}, the first left out), {args.repeats} interleaved repeats of every cell", "",
              "| cell | n | median step (ms) | min–max | tokens/s | × script (script's step / this cell's) | "
-             "× efflab-equal | MFU (%) | max abs loss diff vs the script's first repeat | precision |",
-             "|---|--:|--:|---|--:|---|---|--:|--:|---|"]
+             "× efflab-equal | MFU (%) | max abs loss diff vs the script's first repeat | padding (% of positions) | "
+             "precision |",
+             "|---|--:|--:|---|--:|---|---|--:|--:|--:|---|"]
     for cell, e in summ.items():
         mfu = f"{100 * e['mfu']:.1f}" if e.get("mfu") else "-"
         loss = f"{e['max_abs_loss_diff_vs_script']:.3g}" if "max_abs_loss_diff_vs_script" in e else "-"
         lines.append(f"| {cell} | {e['n']} | {1000 * e['step_s_median']:.0f} | {1000 * e['step_s_min']:.0f}–"
                      f"{1000 * e['step_s_max']:.0f} | {e['tokens_per_s']:.1f} | {_speed(e)} | "
-                     f"{_speed(e, 'speedup_vs_efflab_equal')} | {mfu} | {loss} | "
+                     f"{_speed(e, 'speedup_vs_efflab_equal')} | {mfu} | {loss} | {_pct(e.get('pad_fraction'))} | "
                      f"{e['mixed_precision']} |")
     shown = [p for p in PHASES if any(e["phases_s"][p] for e in summ.values())]
     lines += ["", "Where the step time goes (median ms per step and phase; each step's phases add up to it exactly, "
@@ -236,6 +242,8 @@ def main() -> None:
     parser.add_argument("--cells", default=DEFAULT_CELLS, help=f"comma-separated, of {', '.join(CELLS)}")
     parser.add_argument("--steps", type=int, help="optimizer steps of every cell (default: the run's max_steps; "
                                                    "more give steadier medians)")
+    parser.add_argument("--batch-size", type=int, help="rows per step in every cell (default: the run's batch_size; "
+                                                        "larger batches have more padding for packing to remove)")
     parser.add_argument("--out", default="results/benchmarks/finetune_throughput")
     parser.add_argument("--summarise", metavar="JSON", help="summarise an earlier run's written samples again (no "
                                                              "training); with its --run and --repeats")
@@ -245,7 +253,8 @@ def main() -> None:
         print(table(args, written["settings"], summarise(written["samples"])))
         return
     params, results = load(args.params), Path(args.results)
-    settings = finetune_run(params, args.run) | ({"max_steps": args.steps} if args.steps else {})
+    settings = (finetune_run(params, args.run) | ({"max_steps": args.steps} if args.steps else {})
+                | ({"batch_size": args.batch_size} if args.batch_size else {}))
     if settings["method"] != "lora":
         sys.exit(f"finetune_throughput: error: --run {args.run!r} is a {settings['method']} run; the baseline "
                  "script is a LoRA script")

@@ -9,7 +9,8 @@ the model in the dtype it was saved in, the Trainer's defaults for everything el
     python benchmarks/trainer_baseline.py --model results/base_model/model \
         --train results/prepare_data/train.parquet --max-steps 12 --json baseline.json
 
-Prints and writes: wall time of trainer.train(), real (non-padding) tokens seen, tokens/s, the loss of every step.
+Prints and writes: wall time of trainer.train(), real (non-padding) tokens seen, tokens/s, the loss of every step,
+the fraction of the computed token positions that were padding.
 With $EFFLAB_PHASES set (by benchmarks/finetune_throughput.py), the one instrument the benchmark puts on both loops,
 efflab.measure.phases.PhaseClock, stamps each step's phases into that file; otherwise nothing of efflab is imported.
 """
@@ -68,6 +69,8 @@ def main() -> None:
             from efflab.measure.phases import PhaseClock
 
             clock = PhaseClock(model.device).attach(trainer, model)
+        positions = []  # every token position the model computes, pad tokens included
+        model.register_forward_pre_hook(lambda m, a, kw: positions.append(kw["input_ids"].numel()), with_kwargs=True)
         t0 = time.perf_counter()
         trainer.train()
         train_s = time.perf_counter() - t0
@@ -77,7 +80,8 @@ def main() -> None:
     tokens = trainer.state.num_input_tokens_seen
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     result = {"train_s": train_s, "steps": trainer.state.global_step, "tokens_seen": tokens,
-              "tokens_per_s": tokens / train_s, "last_loss": losses[-1], "losses": losses, "dtype": str(model.dtype)}
+              "tokens_per_s": tokens / train_s, "last_loss": losses[-1], "losses": losses, "dtype": str(model.dtype),
+              "pad_fraction": 1 - tokens / sum(positions)}
     print(json.dumps(result))
     if args.json:
         with open(args.json, "w") as f:
