@@ -48,7 +48,7 @@ from transformers import AutoConfig
 from efflab.architecture import lora_targets
 from efflab.config import finetune_run, load
 from efflab.measure.phases import PHASES, PHASES_ENV, summary
-from efflab.measure.stats import median_ci_order
+from efflab.measure.stats import ratio_verdict, said_of_faster_side
 from efflab.registry import LOSS_CSV
 
 REPO = Path(__file__).resolve().parents[1]
@@ -186,11 +186,11 @@ def summarise(samples: dict[str, list[dict]]) -> dict:
 
 def _paired(reference: list[dict], runs: list[dict]) -> dict:
     """The reference's median step over this cell's, repeat by repeat (the two ran side by side in each repeat):
-    the median, its 95% interval from 6 repeats, the range."""
-    ratios = sorted(a["phases"]["median_s"]["total"] / b["phases"]["median_s"]["total"] for a, b in zip(reference, runs))
-    ci = median_ci_order(ratios)
-    return {"median": statistics.median(ratios), "ci95": ci[0] if ci else None, "coverage": ci[1] if ci else None,
-            "min": ratios[0], "max": ratios[-1], "repeats": len(ratios)}
+    the median, its order-statistic interval (95% from 6 repeats), the range and the verdict said of this cell
+    (faster / slower only where the interval excludes 1; efflab.measure.stats.ratio_verdict)."""
+    ratios = [a["phases"]["median_s"]["total"] / b["phases"]["median_s"]["total"] for a, b in zip(reference, runs)]
+    return said_of_faster_side(ratio_verdict(ratios)) | {"min": min(ratios), "max": max(ratios),
+                                                          "repeats": len(ratios)}
 
 
 def _speed(entry: dict, key: str = "speedup_vs_script") -> str:
@@ -198,7 +198,8 @@ def _speed(entry: dict, key: str = "speedup_vs_script") -> str:
     if not s:
         return "-"
     if s["ci95"]:
-        return f"{s['median']:.2f} [{s['ci95'][0]:.2f}, {s['ci95'][1]:.2f}] (95% CI)"
+        verdict = s["verdict"].split(":")[0]
+        return f"{s['median']:.2f} [{s['ci95'][0]:.2f}, {s['ci95'][1]:.2f}] ({s['coverage']:.1%} CI): {verdict}"
     return f"{s['median']:.2f} (range {s['min']:.2f}–{s['max']:.2f}, n={s['repeats']}: no 95% CI)"
 
 
@@ -233,6 +234,31 @@ def table(args, settings: dict, summ: dict) -> str:
     return "\n".join(lines)
 
 
+def findings(summ: dict) -> str:
+    """What the numbers say, each sentence computed from them: every cell against the script, what efflab's
+    instruments cost, whether each loss curve stays within the script's own run-to-run difference."""
+    lines = ["What it says:", ""]
+    for cell, e in summ.items():
+        if e.get("speedup_vs_script"):
+            lines.append(f"- {cell} against the script: {_speed(e)}")
+    for cell, e in summ.items():
+        if e.get("speedup_vs_efflab_equal") and cell != "efflab-bare":
+            lines.append(f"- {cell} against efflab-equal: {_speed(e, 'speedup_vs_efflab_equal')}")
+    bare = summ.get("efflab-bare", {}).get("speedup_vs_efflab_equal")
+    if bare:  # efflab-equal's step over efflab-bare's: what the instruments add to a step
+        cost = [100 * (x - 1) for x in ([bare["median"]] + (bare["ci95"] or []))]
+        interval = f" [{cost[1]:+.1f}%, {cost[2]:+.1f}%] ({bare['coverage']:.1%} CI)" if bare["ci95"] else " (no 95% CI)"
+        lines.append(f"- efflab's instruments (step timer, live-tensor count) add {cost[0]:+.1f}%{interval} to a step "
+                     "(efflab-equal against efflab-bare)")
+    noise = summ.get("script", {}).get("max_abs_loss_diff_vs_script")
+    if noise is not None:
+        within = [c for c, e in summ.items() if c != "script" and e.get("max_abs_loss_diff_vs_script", 1e9) <= noise]
+        beyond = [c for c, e in summ.items() if c != "script" and c not in within]
+        lines.append(f"- loss curves within the script's own run-to-run difference ({noise:.3g}): "
+                     f"{', '.join(within) or 'none'}" + (f"; beyond it: {', '.join(beyond)}" if beyond else ""))
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--params", default="params.yaml")
@@ -250,7 +276,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.summarise:
         written = json.loads(Path(args.summarise).read_text())
-        print(table(args, written["settings"], summarise(written["samples"])))
+        summ = summarise(written["samples"])
+        print(table(args, written["settings"], summ) + "\n\n" + findings(summ))
         return
     params, results = load(args.params), Path(args.results)
     settings = (finetune_run(params, args.run) | ({"max_steps": args.steps} if args.steps else {})
@@ -271,7 +298,7 @@ def main() -> None:
     written = {"run": args.run, "settings": settings, "samples": samples}
     out.with_suffix(".json").write_text(json.dumps(written, indent=2))  # first: a summary's bug loses no measurement
     summ = summarise(samples)
-    text = table(args, settings, summ)
+    text = table(args, settings, summ) + "\n\n" + findings(summ)
     print(text)
     out.with_suffix(".json").write_text(json.dumps(written | {"summary": summ}, indent=2))
     out.with_suffix(".md").write_text(text + "\n")

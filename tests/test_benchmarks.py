@@ -107,4 +107,9 @@ def test_finetune_throughput_gives_a_95_interval_from_six_repeats_and_names_each
         pytest.approx(-10))
     args = type("Args", (), {"run": "lora-r8", "repeats": 6})()
     text = bench_module.table(args, {"max_steps": 7, "batch_size": 2}, bench_module.summarise(samples))
-    assert "1.11 [1.11, 1.11] (95% CI)" in text and "- efflab-equal against script: -10.0% a step; forward" in text
+    assert "1.11 [1.11, 1.11] (96.9% CI): faster" in text and "- efflab-equal against script: -10.0% a step; forward" in text
+    samples["efflab-bare"] = [sample(0.9 * s / 1.02, 0.4 - 0.1 * s) for s in steps]  # the instruments: 2% a step
+    said = bench_module.findings(bench_module.summarise(samples))
+    assert "- efflab-equal against the script: 1.11 [1.11, 1.11] (96.9% CI): faster" in said
+    assert "instruments (step timer, live-tensor count) add +2.0% [+2.0%, +2.0%] (96.9% CI)" in said
+    assert "loss curves within the script's own run-to-run difference (0): efflab-equal, efflab-bare" in said
