@@ -82,15 +82,18 @@ class CpuTensorPeak:
 
     Counted from the allocation and free events that PyTorch's CPU allocator reports to torch.profiler
     (profile_memory=True) in order. Operator events are switched off on this thread (RecordFunction), so the
-    profiler costs one small event per allocation (a 12-step LoRA run: 375k events, step time within noise).
-    It sees the tensors of this thread and of the threads it hands work to (the autograd engine's), not
-    Python objects, not allocator overhead. Frees of tensors allocated before the block are not reported
-    (the allocator learns a block's size only while the profiler runs), so it counts the tensors allocated
-    inside the block. `pause()` folds the events recorded so far into the running count and stops counting,
-    `resume()` starts again (a long run then holds one step's events at a time, and the steps that cannot hold
-    the peak run without the profiler's per-allocation cost: callbacks.CountLongestSteps); what a pause and a
-    resume take is in `overhead_s`. While paused nothing is counted: not what is allocated, not the free of what
-    was counted before."""
+    profiler costs one small event per allocation: a 12-step LoRA run of the default model makes 375k, which
+    lengthened each step by ~5% (its backward) on a 2-core AVX2 CPU (benchmarks/finetune_throughput.py), hence
+    `pause()` and `resume()`. It sees the tensors of this thread and of the threads it hands work to (the
+    autograd engine's), not Python objects, not allocator overhead. Frees of tensors allocated before the block
+    are not reported (the allocator learns a block's size only while the profiler runs), so it counts the
+    tensors allocated inside the block; except the frees of blocks allocated while an earlier counter ran in the
+    process, which are reported: collect the garbage before starting (track_memory does).
+
+    `pause()` folds the events recorded so far into the running count and stops counting, `resume()` starts
+    again: a long run holds one step's events at a time, and the steps that cannot hold the peak run without the
+    per-allocation cost (callbacks.CountLongestSteps). While paused nothing is counted: not what is allocated,
+    not the free of what was counted before. What pauses and resumes take is in `overhead_s`."""
 
     KIND = "cpu_tensor_peak"
     _warm = False
