@@ -253,6 +253,7 @@ def tensor_peak(device: torch.device):
         synchronize(device)
         result |= {"kind": "cuda_max_allocated", "delta_mib": (torch.cuda.max_memory_allocated(device) - base) / MiB}
         return
+    gc.collect()  # garbage an earlier counter in this process saw allocated would report its frees inside the block
     tensors = CpuTensorPeak().start()
     try:
         yield result
