@@ -143,6 +143,9 @@ def test_the_tensor_peak_counts_live_bytes_not_what_malloc_keeps():
     assert mem["tensors"]["end_delta_mib"] == pytest.approx(12, abs=0.01)
     assert mem["tensors"]["pause_resume_s"] > 0 and c.numel()
     assert not torch.autograd._profiler_enabled(), "the profiler is stopped at the end of the block"
+    idle = memory.CpuTensorPeak()
+    idle.resume()  # never started (a GPU run's counter): resuming starts nothing
+    assert not idle.counting and not torch.autograd._profiler_enabled()
 
 
 def test_auto_dtype_is_chosen_by_measurement_on_cpu():

@@ -93,7 +93,8 @@ class CpuTensorPeak:
     `pause()` folds the events recorded so far into the running count and stops counting, `resume()` starts
     again: a long run holds one step's events at a time, and the steps that cannot hold the peak run without the
     per-allocation cost (callbacks.CountLongestSteps). While paused nothing is counted: not what is allocated,
-    not the free of what was counted before. What pauses and resumes take is in `overhead_s`."""
+    not the free of what was counted before. A counter never started (on a GPU, where track_memory reads CUDA's
+    allocator instead) stays off through resume(). What pauses and resumes take is in `overhead_s`."""
 
     KIND = "cpu_tensor_peak"
     _warm = False
@@ -112,6 +113,7 @@ class CpuTensorPeak:
         self.current = self.peak = self.events = 0
         self.overhead_s = 0.0
         self._profiler = None
+        self._paused = False  # resume() restarts only a count that pause() stopped, never one not started
         self.unavailable: str | None = unavailable
 
     def start(self) -> "CpuTensorPeak":
@@ -152,15 +154,18 @@ class CpuTensorPeak:
         if self._profiler is not None:
             t0 = time.perf_counter()
             self._fold()
+            self._paused = True
             self.overhead_s += time.perf_counter() - t0
 
     def resume(self) -> None:
-        if self._profiler is None and not self.unavailable:
+        if self._paused:
             t0 = time.perf_counter()
+            self._paused = False
             self.start()
             self.overhead_s += time.perf_counter() - t0
 
     def stop(self) -> dict:
+        self._paused = False
         if self._profiler is not None:
             self._fold()
         if self.unavailable:

@@ -325,7 +325,7 @@ def train(cfg: dict, job: Job) -> dict:
     prediction = training_peak(job.layout.base_model(), run_cfg, r.dtype, r.precision,  # from config and data only
                                [len(row["input_ids"]) for row in r.train_rows], device.type)
     done = fit(cfg, job, trainer, tensors, device, resume, profiled)
-    if counted and "tensors" in done["memory"]:
+    if counted and counted.steps:  # none where the count did not run (a GPU, a profiled run)
         done["memory"]["tensors"] |= {"counted_steps": counted.steps, "counted": COUNTED_STEPS}
     processed.remove()
     if phases:  # the benchmark's phase clock (benchmarks/finetune_throughput.py)
