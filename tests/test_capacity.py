@@ -164,6 +164,13 @@ def test_each_maximum_passes_within_the_budget_and_the_next_size_runs_out_of_mem
             assert (mine["size"][mine.status == "oom"] > s["measured_max"]).all()
         assert s["predicted_max"] is not None and s["predicted_peak_mib"]
     assert bounded >= 2, "the tiny budget bounds the training searches"
+    # Training's two searches both start at batch 1 x capacity.train_seq_len (= seq_len_step here): one cell,
+    # run once; generation's start at different sizes (prompt_len is not a multiple of seq_len_step)
+    shared = {(s["kind"], s["dimension"]): s["cells_shared"] for s in searches}
+    assert shared == {("train", "batch_size"): 0, ("train", "seq_len"): 1,
+                      ("generate", "batch_size"): 0, ("generate", "seq_len"): 0}
+    train = cells[(cells.kind == "train") & (cells.batch_size == 1) & (cells.seq_len == 64)]
+    assert set(train.dimension) == {"batch_size", "seq_len"} and train.cell_wall_s.nunique() == 1
 
 
 def test_a_budget_below_the_loaded_model_says_nothing_fits(results, write_params):

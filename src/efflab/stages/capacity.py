@@ -24,6 +24,8 @@ steps untracked. An out-of-memory cell is a result.
    next size, which fails (or with the grid's end passing: "fits the whole range").
 3. Only a cell that is the maximum if it passes runs `capacity.timed` timed steps (see boundary_search): the
    tokens/s at the maximum has repeats, and the search's other cells pay for no timed step.
+A subject's two searches share a cell of the same size: both start at batch 1 x train_seq_len when train_seq_len
+is a multiple of seq_len_step (the default), and that cell runs once (`cells_shared` in the second's record).
 The estimator predicts live tensors; the budget holds more (on a CPU the resident set, which also holds what
 the allocator keeps and pages read from files). So every cell also measures the live-tensor growth of its
 warm-up (measure.memory.tensor_peak), and each search record sets, at the measured maximum, the predicted tensor
@@ -342,28 +344,41 @@ def _row(c: dict, kind: str, subject: str, dimension: str, size: tuple[int, int]
 
 
 def searched(cfg: dict, layout, journal, limit: dict, device, dtype: str, kind: str, subject: str,
-             dimension: str, sizes: list) -> tuple[list[dict], dict]:
+             dimension: str, sizes: list, subject_sizes: list, shared: dict) -> tuple[list[dict], dict]:
     """One (subject, dimension) boundary search, every cell in a fresh process under the budget: its rows for
-    cells.csv and its entry for the record."""
+    cells.csv and its entry for the record. A search cell the subject's other search already ran with the same
+    size and timed steps (both start at batch 1 when capacity.train_seq_len equals capacity.seq_len_step) is not
+    run again: `shared` keeps the subject's search cells, and a first cell predicts over all of `subject_sizes`."""
     c, rt = cfg["capacity"], cfg["runtime"]
     entry = {"subject": subject, "kind": kind, "dimension": dimension, "grid": [sizes[0], sizes[-1]]}
+    reused = []
 
     def measure(i: int, role: str, timed: int) -> dict:
         batch_size, seq_len = sizes[i]
+        predicts = i == 0 and role == "search"  # the first cell predicts over the subject's grids
         key = {"kind": kind, "subject": subject, "dimension": dimension, "batch_size": batch_size,
-               "seq_len": seq_len, "role": role, "timed": timed}
-        predicts = i == 0 and role == "search"  # the first cell predicts over its dimension's grid
-        result = journal.result(key, lambda: _judged(run_cell(
-            cell, dict(cfg=cfg, results=str(layout.root), kind=kind, subject=subject, batch_size=batch_size,
-                       seq_len=seq_len, dtype=dtype, device=str(device), budget_mib=limit["mib"],
-                       sizes=sizes if predicts else [], timed=timed),
-            isolation="subprocess", timeout_s=rt["cell_timeout_s"],
-            memory_cap_mib=limit["mib"] if device.type == "cpu" else None), limit["mib"]))
-        log.info("capacity %s %s batch %d x %d tokens%s: %s%s", kind, subject, batch_size, seq_len,
+               "seq_len": seq_len, "role": role, "timed": timed, "predicts_over": subject_sizes if predicts else []}
+        again = shared.get((batch_size, seq_len, timed)) if role == "search" else None
+        reuse = again is not None and (not predicts or _predicted(again) or not records.is_ok(again))
+        if reuse:
+            reused.append(i)
+            result = again
+        else:
+            result = journal.result(key, lambda: _judged(run_cell(
+                cell, dict(cfg=cfg, results=str(layout.root), kind=kind, subject=subject, batch_size=batch_size,
+                           seq_len=seq_len, dtype=dtype, device=str(device), budget_mib=limit["mib"],
+                           sizes=subject_sizes if predicts else [], timed=timed),
+                isolation="subprocess", timeout_s=rt["cell_timeout_s"],
+                memory_cap_mib=limit["mib"] if device.type == "cpu" else None), limit["mib"]))
+            result = _by_size(result, subject_sizes) if predicts else result
+            if role == "search":
+                shared[(batch_size, seq_len, timed)] = result
+        log.info("capacity %s %s batch %d x %d tokens%s: %s%s%s", kind, subject, batch_size, seq_len,
                  f" ({role}, {timed} timed)" if timed else "", result["status"],
                  f", peak {result['peak_mib']:.0f} MiB" if result.get("peak_mib") else
-                 f" ({result.get('reason')})" if not records.is_ok(result) else "")
-        return result
+                 f" ({result.get('reason')})" if not records.is_ok(result) else "",
+                 " (the cell the other search ran)" if reuse else "")
+        return _on_grid(result, sizes) if predicts else result
 
     found = boundary_search(len(sizes), measure, limit["mib"], c["timed"])
     first, best = found["seen"][0], found["best"]
@@ -383,7 +398,7 @@ def searched(cfg: dict, layout, journal, limit: dict, device, dtype: str, kind: 
     entry |= {"status": "ok", "measured_max": _size(sizes[best], dimension) if best >= 0 else None,
               "whole_range_fits": best == len(sizes) - 1,
               "first_failing": _size(sizes[best + 1], dimension) if best + 1 < len(sizes) else None,
-              "cells": len(found["seen"]), "timing_runs": len(found["timings"])}
+              "cells": len(found["seen"]), "cells_shared": len(reused), "timing_runs": len(found["timings"])}
     if best >= 0:
         rerun = best in found["timings"]
         maximum = found["timings"][best] if rerun else found["seen"][best]
@@ -409,15 +424,17 @@ def run(cfg: dict, job: Job) -> dict:
                            "budget": limit})
     cells, searches = [], []
     for kind, subject, skipped in subjects(cfg, layout):
-        for dimension in DIMENSIONS:
-            sizes = grid(c, kind, dimension, positions)
+        grids = {dimension: grid(c, kind, dimension, positions) for dimension in DIMENSIONS}
+        subject_sizes, shared = list(dict.fromkeys(size for sizes in grids.values() for size in sizes)), {}
+        for dimension, sizes in grids.items():
             if skipped or not sizes:
                 entry = {"subject": subject, "kind": kind, "dimension": dimension,
                          "grid": [sizes[0], sizes[-1]] if sizes else None}
                 searches.append(entry | (skipped or {"status": "skipped", "reason": "the grid is empty: the "
                                                      "fixed length does not fit the model's context"}))
                 continue
-            rows, entry = searched(cfg, layout, journal, limit, device, dtype, kind, subject, dimension, sizes)
+            rows, entry = searched(cfg, layout, journal, limit, device, dtype, kind, subject, dimension, sizes,
+                                   subject_sizes, shared)
             cells += rows
             searches.append(entry)
     with open(job.out / CELLS_CSV, "w", newline="") as f:
@@ -433,6 +450,22 @@ def run(cfg: dict, job: Job) -> dict:
             "tensors": {"kind": "cuda_max_allocated" if device.type == "cuda" else CpuTensorPeak.KIND,
                         "over": "the warm-up steps, over the loaded model"},
             "searches": searches, "environment": environment(device, c)}
+
+
+def _by_size(result: dict, sizes: list) -> dict:
+    """A first cell's result with its predictions keyed by size (a cell that did not run has none)."""
+    growth = result.get("predicted_growth_mib")
+    return result if growth is None else result | {"predicted_growth_mib": dict(zip(map(tuple, sizes), growth))}
+
+
+def _predicted(result: dict) -> bool:
+    return isinstance(result.get("predicted_growth_mib"), dict)
+
+
+def _on_grid(result: dict, sizes: list) -> dict:
+    """A first cell's result with its predictions for one search's grid, in the grid's order."""
+    growth = result.get("predicted_growth_mib")
+    return result | {"predicted_growth_mib": [growth[tuple(s)] for s in sizes]} if _predicted(result) else result
 
 
 def _size(size: tuple[int, int], dimension: str) -> int:
