@@ -435,3 +435,24 @@ def test_a_training_steps_phases_are_cut_at_its_marks_and_add_up_to_it():
     assert compiled["between"] == pytest.approx(0.1) and compiled["total"] == pytest.approx(2.5)
     for step in (first, compiled):
         assert sum(step[p] for p in PHASES) == pytest.approx(step["total"])
+
+
+def test_a_light_job_s_cells_fork_from_a_forkserver_without_the_trainer(monkeypatch):
+    """prestart(light=True): the forkserver imports the model machinery only (on a GPU it always does); a job's
+    extra modules are still added. Without it, a CPU forkserver imports what the job server does, lm-eval aside."""
+    from efflab import zygote
+    from efflab.measure import isolation
+
+    monkeypatch.setattr(isolation, "_LIGHT", False)
+    monkeypatch.setattr(isolation, "_EXTRA", [])
+    monkeypatch.setattr(isolation.torch.cuda, "is_available", lambda: False)
+    full = isolation.cell_preload()
+    assert "transformers.trainer" in full and "peft" in full and not set(full) & set(isolation.evaluation.PRELOAD)
+    assert set(full) <= set(zygote.PRELOAD)
+    monkeypatch.setattr(isolation, "_cell_context", lambda: type("Ctx", (), {"get_start_method": lambda s: "spawn"})())
+    isolation.prestart("subprocess", extra=["json"], light=True)
+    light = isolation.cell_preload()
+    assert light == isolation._CELL_PRELOAD_LIGHT + ["json"]
+    assert "transformers.trainer" not in light and "peft" not in light
+    isolation.prestart("inprocess", light=False)
+    assert isolation.cell_preload() == light, "a job's light choice is not undone by a later prestart"

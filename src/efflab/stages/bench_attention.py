@@ -185,7 +185,7 @@ def run(cfg: dict, job: Job) -> dict:
     """Benchmark one attention implementation over the configured grid."""
     b, rt, impl, layout = cfg["bench_attention"], cfg["runtime"], job.name, job.layout
     set_threads(rt)
-    prestart(rt["isolation"])  # the cells' forkserver imports beside this job
+    prestart(rt["isolation"], light=True)  # the cells' forkserver imports beside this job (a model: no Trainer)
     device = pick_device(rt)
     dtype = base_dtype(layout)
     skeleton = shape_only(layout.base_model())

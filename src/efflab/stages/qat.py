@@ -307,7 +307,8 @@ def run(cfg: dict, job: Job) -> dict:
     """Fine-tune in full precision, then PTQ and QAT at every bit width; the precision range test for each."""
     q, rt, layout = cfg["qat"], cfg["runtime"], job.layout
     set_threads(rt)
-    prestart(rt["isolation"], extra=harness.PRELOAD)  # the cells' forkserver imports beside this job
+    # the cells' forkserver imports beside this job (lm-eval only where the cells evaluate)
+    prestart(rt["isolation"], extra=harness.PRELOAD if q["eval_tasks"] else [])
     device = pick_device(rt)
     dtype = base_dtype(layout)
     check_family(shape_only(layout.base_model()), q["group_size"])
