@@ -465,3 +465,15 @@ def test_a_ratio_with_no_median_is_left_out_of_the_long_results_table():
                                           "other": {"median": 1.2, "ci95": [1.1, 1.3], "rounds": 6}}}
     rows = tidy.flatten(record)
     assert [r["metric"] for r in rows] == ["vs_base.other"] and rows[0]["value"] == 1.2
+
+
+def test_the_run_size_names_what_the_default_leaves_to_the_gpu_profile():
+    """The default params against the GPU profile: stages' jobs and the lists that multiply cells, QAT's lm-eval
+    tasks among them (the CPU default scores none)."""
+    from efflab import config
+    from efflab.stages.report import sections
+
+    out = {o["what"]: o["values"] for o in sections.left_out(config.load(config.REPO_ROOT / "params.yaml"),
+                                                             config.load(config.REPO_ROOT / sections.GPU_PROFILE))}
+    assert out["qat.eval_tasks"] == ["efflab_validation_gen", "efflab_validation_ll"]
+    assert out["qat.bits"] == [2, 3] and "lora-r8-padded" in out["finetune"]

@@ -151,7 +151,8 @@ DEFAULT_BUDGET_MIN = 15
 GPU_PROFILE = Path("workflow/profiles/gpu/params.yaml")
 # Lists of a stage's params whose values are cells of another kind, beside the stages' grids of jobs (sizes such
 # as sequence lengths or batch sizes differ between machines and are not "left out")
-CELL_LISTS = (("qat", "bits"), ("bench_attention", "modes"), ("capacity", "runs"), ("capacity", "variants"))
+CELL_LISTS = (("qat", "bits"), ("qat", "eval_tasks"), ("bench_attention", "modes"), ("capacity", "runs"),
+              ("capacity", "variants"))
 
 
 def left_out(cfg: dict, larger: dict) -> list[dict]:
