@@ -190,7 +190,10 @@ def test_int8_cells_show_each_warning_at_most_once_and_no_profiler_lines(results
     assert vs_base["base_generation_s"]["median"] > 0 and vs_base["probe"]["n"] >= 2
     if speedup.get("ci95"):
         assert speedup["ci95"][0] <= speedup["median"] <= speedup["ci95"][1]
-    assert speedup["verdict"].startswith(("faster", "slower", "no significant", "not a verdict", "inconclusive: 2 rounds"))
+    # the rounds are the repeats, plus any the speed sentinel set aside and re-ran on a busy machine: not fixed here
+    assert speedup["rounds"] >= 2 and (speedup["verdict"].startswith(("faster", "slower", "no significant")) or re.match(
+        rf"inconclusive: {speedup['rounds']} rounds cannot give|not a verdict|inconclusive: the 95% interval",
+        speedup["verdict"]))
     for err in (in_stage, proc.stderr):
         assert "USDT" not in err and "profiler_start" not in err
         assert err.count("MatMul8bitLt") <= 1
