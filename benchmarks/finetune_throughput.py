@@ -14,6 +14,9 @@ Cells (each a fresh process, interleaved over the repeats so drift hits every ce
   efflab-padded   efflab-equal with packing off (dynamic padding, as the script pads)
   efflab-compile  efflab-equal with torch.compile (its compile time is in the first steps, left out)
   efflab-bf16     efflab with bf16 autocast forced on (the seeds' other speed-up; other numerics)
+  script-bf16     the script loading the model in bfloat16 (peft keeps its adapters and their Adam moments fp32)
+  efflab-bf16w    efflab with bf16_weights: base and adapters in bf16, Adam moments in fp32, updates rounded
+                  stochastically (torchao's AdamW); against script-bf16 it differs in the adapters' dtype
 
 Both loops carry one instrument, efflab.measure.phases.PhaseClock, which stamps every step's phases (data,
 forward, backward, optimizer, step end, between steps, other): a cell's step time is its steady steps' median (the
@@ -63,6 +66,8 @@ CELLS = {  # name: (loop, its settings)
     "efflab-padded": ("efflab", EQUAL | {"packing": False}),
     "efflab-compile": ("efflab", EQUAL | {"torch_compile": True}),
     "efflab-bf16": ("efflab", {"mixed_precision": "bf16"}),
+    "script-bf16": ("script", {"dtype": "bfloat16"}),
+    "efflab-bf16w": ("efflab", {"bf16_weights": True}),
 }
 DEFAULT_CELLS = "script,efflab,efflab-equal,efflab-bare,efflab-loop"
 
@@ -91,8 +96,10 @@ def efflab_cell(params: dict, run: str, overrides: dict, results: Path, work: Pa
         losses = [float(row["loss"]) for row in csv.DictReader(f)]
     t = m["throughput"]
     return {"phases": phases, "tokens_seen": m["tokens_seen"], "steps": m["steps"], "train_s": m["train_s"],
-            "losses": losses, "mixed_precision": m["mixed_precision"], "pad_fraction": m["pad_fraction"],
-            "flops_per_token": t["flops"]["model_flops_per_token"], "ceiling_tflops": t["matmul_ceiling"]["tflops"]}
+            "losses": losses, "pad_fraction": m["pad_fraction"],
+            "mixed_precision": f"{m['mixed_precision']}, trainable weights {m['trainable_dtype']}",
+            "flops_per_token": t["flops"]["model_flops_per_token"], "ceiling_tflops": t["matmul_ceiling"]["tflops"],
+            "ceiling_dtype": t["matmul_ceiling"]["dtype"]}
 
 
 def script_cell(settings: dict, results: Path, work: Path, dtype: str) -> dict:
@@ -153,10 +160,12 @@ def summarise(samples: dict[str, list[dict]]) -> dict:
     the loss curve's largest difference from the script's on the same batches, and MFU where efflab measured the
     ceiling."""
     script, equal = samples.get("script"), samples.get("efflab-equal")
-    # one matmul ceiling for every cell: the median of what each efflab process measured (one process's probe
-    # varies with the machine's moment: MFU would move with it)
-    ceilings = [r["ceiling_tflops"] for runs in samples.values() for r in runs if "ceiling_tflops" in r]
-    ceiling = statistics.median(ceilings) if ceilings else None
+    # one matmul ceiling per dtype for every cell: the median of what each efflab process measured in that dtype
+    # (one process's probe varies with the machine's moment: MFU would move with it)
+    measured: dict[str, list[float]] = {}
+    for r in (r for runs in samples.values() for r in runs if "ceiling_tflops" in r):
+        measured.setdefault(r["ceiling_dtype"], []).append(r["ceiling_tflops"])
+    ceilings = {dtype: statistics.median(values) for dtype, values in measured.items()}
     out = {}
     for cell, runs in samples.items():
         steps = [r["phases"]["median_s"]["total"] for r in runs]
@@ -178,8 +187,10 @@ def summarise(samples: dict[str, list[dict]]) -> dict:
                       "step_delta_pct": 100 * (step - base) / base}
         if equal and cell.startswith("efflab-") and cell != "efflab-equal":
             entry["speedup_vs_efflab_equal"] = _paired(equal, runs)
+        ceiling = ceilings.get(runs[0].get("ceiling_dtype"))
         if "flops_per_token" in runs[0] and ceiling:
-            entry["mfu"] = entry["tokens_per_s"] * runs[0]["flops_per_token"] / (ceiling * 1e12)
+            entry |= {"mfu": entry["tokens_per_s"] * runs[0]["flops_per_token"] / (ceiling * 1e12),
+                      "mfu_of": f"the {runs[0]['ceiling_dtype']} matmul ceiling"}
         out[cell] = entry
     return out
 
@@ -211,8 +222,8 @@ def table(args, settings: dict, summ: dict) -> str:
     lines = [f"Fine-tuning step time, run `{args.run}` ({settings['max_steps']} steps of batch "
              f"{settings['batch_size']}, the first left out), {args.repeats} interleaved repeats of every cell", "",
              "| cell | n | median step (ms) | min–max | tokens/s | × script (script's step / this cell's) | "
-             "× efflab-equal | MFU (%) | max abs loss diff vs the script's first repeat | padding (% of positions) | "
-             "precision |",
+             "× efflab-equal | MFU (% of the ceiling in its matmul dtype) | max abs loss diff vs the script's "
+             "first repeat | padding (% of positions) | precision |",
              "|---|--:|--:|---|--:|---|---|--:|--:|--:|---|"]
     for cell, e in summ.items():
         mfu = f"{100 * e['mfu']:.1f}" if e.get("mfu") else "-"

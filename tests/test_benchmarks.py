@@ -45,7 +45,7 @@ def test_finetune_throughput_compares_the_loops_phase_by_phase_on_the_same_batch
     bare, script = summary["efflab-bare"], summary["script"]
     assert bare["speedup_vs_script"]["median"] == pytest.approx(script["step_s_median"] / bare["step_s_median"])
     assert bare["speedup_vs_script"]["ci95"] is None, "one repeat gives no interval"
-    assert bare["mixed_precision"] == "no" and bare["max_abs_loss_diff_vs_script"] >= 0
+    assert bare["mixed_precision"] == "no, trainable weights float32" and bare["max_abs_loss_diff_vs_script"] >= 0
     table = out.with_suffix(".md").read_text()
     assert "| script | 1 |" in table and "| efflab-bare | 1 |" in table and "- efflab-bare against script:" in table
 
@@ -113,3 +113,22 @@ def test_finetune_throughput_gives_a_95_interval_from_six_repeats_and_names_each
     assert "- efflab-equal against the script: 1.11 [1.11, 1.11] (96.9% CI): faster" in said
     assert "instruments (step timer, live-tensor count) add +2.0% [+2.0%, +2.0%] (96.9% CI)" in said
     assert "loss curves within the script's own run-to-run difference (0): efflab-equal, efflab-bare" in said
+
+
+def test_finetune_throughput_reads_each_cells_mfu_against_the_ceiling_of_its_own_matmul_dtype():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("finetune_throughput", REPO / "benchmarks" / "finetune_throughput.py")
+    bench_module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_module)
+
+    def sample(ceiling: float, dtype: str) -> dict:
+        phases = dict.fromkeys(PHASES, 0.0) | {"forward": 0.5, "backward": 0.5, "total": 1.0}
+        return {"phases": {"median_s": phases, "steps": 6}, "tokens_seen": 600, "steps": 6, "losses": [3.0, 2.0],
+                "mixed_precision": "no", "flops_per_token": 1e9, "ceiling_tflops": ceiling, "ceiling_dtype": dtype}
+    samples = {"efflab-equal": [sample(c, "float32") for c in (0.2, 0.1, 0.3)],
+               "efflab-bf16w": [sample(c, "bfloat16") for c in (0.02, 0.01, 0.03)]}
+    summary = bench_module.summarise(samples)
+    # 100 tokens/s x 1 GFLOP a token = 0.1 TFLOP/s: half the fp32 ceiling's median, five times the bf16 one's
+    assert summary["efflab-equal"]["mfu"] == pytest.approx(0.5)
+    assert summary["efflab-bf16w"]["mfu"] == pytest.approx(5.0) and "bfloat16" in summary["efflab-bf16w"]["mfu_of"]

@@ -376,3 +376,53 @@ def test_the_live_tensor_peak_counted_on_the_longest_steps_is_the_peak_counted_o
     longest, steps = peak(sampled=True)
     assert steps == [1, 2, 5]
     assert longest == pytest.approx(every, abs=0.01) and every > 0
+
+
+def test_bf16_weights_train_in_bf16_with_fp32_adam_moments(results, write_params, test_cfg):
+    def edit(cfg):
+        cfg["finetune"]["runs"]["bf16w"] = {"method": "lora", "bf16_weights": True, "max_steps": 3}
+    m = run_stage("finetune", write_params(edit), results, "bf16w")
+    trainable = m["parameters"]["trainable"]
+    assert trainable == _lora_param_count(test_cfg, "lora-r8")
+    assert m["trainable_dtype"] == "bfloat16" and m["mixed_precision"] == "no"
+    assert m["optimizer"].startswith("torchao AdamW")
+    tensors = 2 * test_cfg["base_model"]["config_overrides"]["num_hidden_layers"] * len(
+        finetune_run(test_cfg, "lora-r8")["lora"]["target_modules"])
+    assert m["optimizer_state_bytes"] == 2 * 4 * trainable + 4 * tensors, "two fp32 moments and a step count"
+    assert m["validation_after"]["loss"] < m["validation_before"]["loss"]
+    assert "bf16_weights" in m["memory_prediction"]["unavailable"]
+
+
+def test_stochastic_rounding_keeps_the_small_updates_that_round_to_nearest_bf16_drops():
+    """Adam's update (about lr per step) is smaller than half a bf16 step at |w| ~ 0.05: rounded to nearest it is
+    mostly lost; rounded stochastically it is kept on average, as the fp32 optimizer keeps it."""
+    from efflab.training import optimizer_cls_and_kwargs
+
+    gen = torch.Generator().manual_seed(0)
+    start = (torch.randn(64, 256, generator=gen) * 0.05).to(torch.bfloat16)
+    grad = torch.randn(64, 256, generator=gen)
+    lr, steps = 5e-5, 20
+    args = type("Args", (), {"learning_rate": lr, "adam_beta1": 0.9, "adam_beta2": 0.999, "adam_epsilon": 1e-8})
+    cls, kwargs = optimizer_cls_and_kwargs({"bf16_weights": True}, args)
+
+    def moved(weight, optimizer_cls, **kw) -> float:
+        """The mean distance each weight moved against its gradient's sign."""
+        p = torch.nn.Parameter(weight.clone())
+        opt = optimizer_cls([p], weight_decay=0.0, **kw)
+        for _ in range(steps):
+            p.grad = grad.to(p.dtype)
+            opt.step()
+        if optimizer_cls is cls:  # fp32 moments, and still fp32 and the same when a resumed run loads them
+            resumed = cls([torch.nn.Parameter(weight.clone())], weight_decay=0.0, **kw)
+            resumed.load_state_dict(opt.state_dict())
+            for state in (opt.state[p], next(iter(resumed.state.values()))):
+                assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.float32
+            assert torch.equal(next(iter(resumed.state.values()))["exp_avg_sq"], opt.state[p]["exp_avg_sq"])
+        return float(((weight.float() - p.detach().float()) * grad.sign()).mean())
+
+    reference = moved(start.float(), torch.optim.AdamW, lr=lr)
+    stochastic = moved(start, cls, **kwargs)
+    nearest = moved(start, torch.optim.AdamW, lr=lr)
+    assert reference == pytest.approx(steps * lr, rel=0.05)
+    assert stochastic == pytest.approx(reference, rel=0.1)
+    assert nearest < 0.5 * reference

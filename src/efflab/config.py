@@ -164,6 +164,21 @@ def _check_scheme(scheme: dict, where: str) -> None:
                         f"{', '.join(sorted(SCHEME_SETTINGS.get(scheme['method'], ()))) or 'none'})")
 
 
+# the optimizers bf16_weights replaces with torchao's AdamW (fp32 moments, stochastically rounded bf16 updates)
+BF16_WEIGHTS_OPTIMIZERS = ("adamw_torch", "adamw_torch_fused")
+
+
+def _check_bf16_weights(run: dict, where: str) -> None:
+    if not run["bf16_weights"]:
+        return
+    if run["optimizer"] not in BF16_WEIGHTS_OPTIMIZERS:
+        raise UserError(f"{where}.optimizer: bf16_weights trains with torchao's AdamW (fp32 moments), which replaces "
+                        f"{' or '.join(BF16_WEIGHTS_OPTIMIZERS)}; got {run['optimizer']!r}")
+    if run["mixed_precision"] == "fp16":
+        raise UserError(f"{where}.mixed_precision: bf16_weights computes in bf16; expected auto, no or bf16, "
+                        f"got 'fp16'")
+
+
 def _cross_check(cfg: dict, source: str) -> None:
     schemes = cfg["quantize"]["schemes"]
     runs = cfg["finetune"]["runs"]
@@ -179,6 +194,7 @@ def _cross_check(cfg: dict, source: str) -> None:
         if run["method"] == "qlora" and run["quant"]["method"] not in ("nf4", "fp4"):
             raise UserError(f"{source}: finetune.runs.{name}.quant.method: QLoRA needs a 4-bit base "
                             f"(nf4 or fp4), got {run['quant']['method']!r}")
+        _check_bf16_weights(run, f"{source}: finetune.runs.{name}")
     for name in cfg["merge"]["runs"] or []:
         if name not in runs or runs[name]["method"] not in ADAPTER_METHODS:
             raise UserError(f"{source}: merge.runs: {name!r} is not a lora/qlora run in finetune.runs")

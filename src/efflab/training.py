@@ -11,6 +11,7 @@ GradScaler for fp16, as accelerate does.
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 from contextlib import nullcontext
 
@@ -26,6 +27,8 @@ from .modeling import load_model
 def mixed_precision(run: dict, dtype: str, device: torch.device) -> str:
     """'bf16', 'fp16' or 'no'; 'auto' follows what the base_model stage measured to be fast."""
     want = run["mixed_precision"]
+    if want == "auto" and run.get("bf16_weights"):
+        return "no"  # the weights are bf16 already: their matmuls run in bf16 without autocast
     if want == "auto":
         if device.type == "cuda":
             return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
@@ -67,18 +70,20 @@ def collator(run: dict, tokenizer):
 
 
 def build_model(run: dict, layout, dtype: str, device: torch.device):
-    """The model to train: full weights in fp32, or the frozen base (4-bit for QLoRA) with LoRA."""
+    """The model to train: full weights in fp32, or the frozen base (4-bit for QLoRA) with LoRA; with
+    bf16_weights, full weights, or LoRA's base and adapters (QLoRA's adapters), in bf16."""
     from peft import get_peft_model, prepare_model_for_kbit_training
 
+    bf16 = run.get("bf16_weights")
     if run["method"] == "full":
-        model = load_model(layout.base_model(), "float32", device)
+        model = load_model(layout.base_model(), "bfloat16" if bf16 else "float32", device)
         if run.get("liger_kernel"):
             with_liger_kernels(model)
         if run["gradient_checkpointing"]:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         return model
     quant = base_quant(run)
-    model = load_model(layout.base_model(), dtype, device, quant=quant)
+    model = load_model(layout.base_model(), "bfloat16" if bf16 and not quant else dtype, device, quant=quant)
     if run.get("liger_kernel"):
         with_liger_kernels(model)
     if quant:
@@ -90,9 +95,53 @@ def build_model(run: dict, layout, dtype: str, device: torch.device):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
     try:
-        return get_peft_model(model, architecture.lora_config(model.config, run["lora"]))
+        model = get_peft_model(model, architecture.lora_config(model.config, run["lora"]))
     except ValueError as err:
         raise UserError(f"finetune.lora.target_modules: {str(err).splitlines()[0]}") from None
+    if bf16:  # peft keeps adapters in fp32 whatever the base's dtype
+        for p in model.parameters():
+            if p.requires_grad:
+                p.data = p.data.to(torch.bfloat16)
+    return model
+
+
+def optimizer_cls_and_kwargs(run: dict, args) -> tuple | None:
+    """The optimizer of a run with bf16_weights, for the Trainer's `optimizer_cls_and_kwargs` (the Trainer still
+    makes the weight-decay groups): torchao's AdamW, which computes each update in fp32 and rounds it to bf16
+    stochastically (round to nearest would drop most updates smaller than half a bf16 step), with its two moments
+    kept in fp32. None otherwise: the Trainer builds run["optimizer"]. `args` are the run's TrainingArguments."""
+    if not run.get("bf16_weights"):
+        return None
+    return _adamw_fp32_moments(), {"lr": args.learning_rate, "betas": (args.adam_beta1, args.adam_beta2),
+                                   "eps": args.adam_epsilon, "bf16_stochastic_round": True}
+
+
+def optimizer_name(run: dict) -> str:
+    """The optimizer a run trains with, as its records name it."""
+    return "torchao AdamW (fp32 moments, bf16 stochastic rounding)" if run.get("bf16_weights") else run["optimizer"]
+
+
+@functools.cache
+def _adamw_fp32_moments() -> type:
+    from torchao.optim import _AdamW  # AdamW whose update rounds stochastically to bf16; its moments in p's dtype
+
+    class AdamWFp32Moments(_AdamW):
+        """torchao's AdamW with its moments in fp32 whatever the weights' dtype."""
+
+        def _new_buffer(self, p: torch.Tensor, signed: bool) -> torch.Tensor:
+            return torch.zeros_like(p, dtype=torch.float32)
+
+        def load_state_dict(self, state_dict: dict) -> None:
+            """As torch loads it (a resumed run), then the moments put back in fp32: torch casts every floating
+            state but `step` to its weight's dtype, which would round them to bf16."""
+            super().load_state_dict(state_dict)
+            ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+            for p, i in zip([p for group in self.param_groups for p in group["params"]], ids):
+                for key, saved in state_dict["state"].get(i, {}).items():
+                    if key != "step" and torch.is_tensor(saved):
+                        self.state[p][key] = saved.to(p.device, torch.float32)
+
+    return AdamWFp32Moments
 
 
 def with_liger_kernels(model) -> None:
@@ -163,7 +212,7 @@ def training_step(run_cfg: dict, model, dtype: str, device: torch.device, steps:
                              learning_rate=run_cfg["learning_rate"], weight_decay=run_cfg["weight_decay"],
                              lr_scheduler_type=run_cfg["lr_scheduler"], warmup_steps=run_cfg["warmup_steps"],
                              use_cpu=device.type == "cpu", report_to=[])
-    trainer = Trainer(model=model, args=args)
+    trainer = Trainer(model=model, args=args, optimizer_cls_and_kwargs=optimizer_cls_and_kwargs(run_cfg, args))
     optimizer = trainer.create_optimizer()
     scheduler = trainer.create_scheduler(total_steps or len(steps), optimizer)
     autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)

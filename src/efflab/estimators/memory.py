@@ -241,7 +241,9 @@ def training_peak(folder, run: dict, dtype: str, precision: str, lengths: list[i
     unmodelled = (f"model type {a['model_type']!r} (modelled: {', '.join(DECODERS)})"
                   if a["model_type"] not in DECODERS else
                   "several processes (each rank draws its own shard of the batches)"
-                  if run["num_processes"] * run["num_machines"] > 1 or run["accelerate_config"] else None)
+                  if run["num_processes"] * run["num_machines"] > 1 or run["accelerate_config"] else
+                  "bf16_weights (the model assumes fp32 trainable weights and gradients)"
+                  if run.get("bf16_weights") else None)
     if unmodelled:
         return {"total_mib": None, "unavailable": f"not modelled: {unmodelled}", "compares_to": TRAINING_COMPARES_TO}
     p = _precisions(run, dtype, precision)

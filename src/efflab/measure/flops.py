@@ -97,14 +97,18 @@ def matmul_ceiling(dtype: str, device: torch.device, size: int | None = None) ->
 
 @functools.lru_cache(maxsize=None)
 def _matmul_ceiling(dtype: str, device: str, size: int, threads: int) -> dict:
-    """`dtype` float32 is IEEE fp32 (TF32 off), `tf32` fp32 tensors on TF32 tensor cores (CUDA only)."""
+    """`dtype` float32 is IEEE fp32 (TF32 off), `tf32` fp32 tensors on TF32 tensor cores (CUDA only).
+
+    Timed as nn.Linear computes (F.linear: x @ W.T), the layout of every matmul the models run: on a CPU without
+    native bf16 (AVX2 only), torch.mm of two row-major bf16 matrices takes a slow path, 1.0 GFLOP/s against
+    F.linear's 19.1 on a 2-core AMD EPYC, which would put a bf16 run's MFU far above its real share."""
     device = torch.device(device)
     a = torch.randn(size, size, device=device).to(DTYPES.get(dtype, torch.float32))
     b = torch.randn(size, size, device=device).to(DTYPES.get(dtype, torch.float32))
     tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = dtype == "tf32"
     try:
-        stats = time_fn(lambda: torch.mm(a, b), device, warmup=2, repeats=10)
+        stats = time_fn(lambda: torch.nn.functional.linear(a, b), device, warmup=2, repeats=10)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
     # A ceiling is the best rate reached: other work on the machine (a parallel job) only ever slows a repeat

@@ -35,7 +35,14 @@ from ..measure.phases import PHASES_ENV, PhaseClock
 from ..measure.stats import summarize
 from ..modeling import base_dtype, eval_loss, load_tokenizer, read_split
 from ..registry import LOSS_CSV
-from ..training import build_model, collator, mixed_precision, unavailable_knobs
+from ..training import (
+    build_model,
+    collator,
+    mixed_precision,
+    optimizer_cls_and_kwargs,
+    optimizer_name,
+    unavailable_knobs,
+)
 
 # datasets and transformers take seconds to import, and the Trainer callbacks import the Trainer: they are imported
 # inside train(), after cli.main has given the process its GPU.
@@ -286,7 +293,7 @@ def prepare(cfg: dict, job: Job) -> Prepared:
     return Prepared(run_cfg, world, rank, threads, device, dtype, precision, load_tokenizer(job.layout.base_model()),
                     read_split(job.layout.split("train")),
                     read_split(job.layout.split("validation"), run_cfg["eval_rows"]), model, params,
-                    {"bf16": "bfloat16", "fp16": "float16"}.get(
+                    "bfloat16" if run_cfg["bf16_weights"] else {"bf16": "bfloat16", "fp16": "float16"}.get(
                         precision, "float32" if run_cfg["method"] == "full" else dtype))
 
 
@@ -311,7 +318,8 @@ def train(cfg: dict, job: Job) -> dict:
                             None if on else "instruments: false (no live-tensor count)")
     step_times = StepTimes(device) if on else None
     callbacks = ([step_times] if on else []) + ([KillAfterCheckpoint()] if os.environ.get(KILL_ENV) else [])
-    trainer = Trainer(model=model, args=training_arguments(run_cfg, scratch, r.precision, device, r.rank),
+    args = training_arguments(run_cfg, scratch, r.precision, device, r.rank)
+    trainer = Trainer(model=model, args=args, optimizer_cls_and_kwargs=optimizer_cls_and_kwargs(run_cfg, args),
                       train_dataset=Dataset.from_list(r.train_rows), data_collator=collator(run_cfg, r.tokenizer),
                       callbacks=callbacks)
     counted = CountLongestSteps(tensors, trainer) if on else None
@@ -366,7 +374,9 @@ def record(name: str, r: Prepared, done: dict, trainer, processed, resumed: dict
         "effective_batch": run_cfg["batch_size"] * run_cfg["gradient_accumulation_steps"] * r.world,
         "padding_free": run_cfg["packing"], "tokens_processed": processed.positions,
         "pad_fraction": 1 - tokens / processed.positions if processed.positions else None,
-        "resumed_from": resumed["global_step"] or None, "optimizer": run_cfg["optimizer"],
+        "resumed_from": resumed["global_step"] or None,
+        "optimizer": optimizer_name(run_cfg),
+        "trainable_dtype": str(next(p.dtype for p in r.model.parameters() if p.requires_grad)).replace("torch.", ""),
         "optimizer_state_bytes": sum(t.numel() * t.element_size() for state in trainer.optimizer.state.values()
                                      for t in state.values() if torch.is_tensor(t)),
         "lora_scaling": _lora_scaling(r.model),
