@@ -18,7 +18,7 @@ export PATH := $(abspath $(VENV))/bin:$(PATH)
 # instead costs 50 s on 2 cores, most of it for modules no stage imports.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: install run gpu report-html test test-integration docs dry-run lint clean-results FORCE
+.PHONY: install run gpu gpu-smoke bundle report-html test test-integration test-floor docs dry-run lint clean-results FORCE
 .DEFAULT_GOAL := run
 
 define INSTALL_MK
@@ -75,6 +75,21 @@ gpu: install
 	snakemake --profile workflow/profiles/gpu
 	$(PY) -m efflab.reference
 
+# Every stage and every CUDA code path once, within 5 minutes on one H100 (workflow/profiles/gpu-smoke/params.yaml
+# says why it fits): the check that the GPU lane works before the GPU profile spends an hour.
+gpu-smoke: install
+	snakemake --profile workflow/profiles/gpu-smoke
+
+# The offline bundle for a machine without network whose image brings its own torch (docs/guides/gpu.md): the wheels
+# its `pip freeze` (FREEZE) lacks, for its Python and platform, in parts of at most PART_MIB MiB, with install.sh.
+FREEZE ?= workflow/envs/gpu-node.freeze.txt
+TARGET_PYTHON ?= 3.12
+TARGET_PLATFORM ?= manylinux_2_28_x86_64
+PART_MIB ?= 60
+bundle: install
+	$(PY) -m efflab.tools.bundle --freeze $(FREEZE) --python $(TARGET_PYTHON) --platform $(TARGET_PLATFORM) \
+		--part-mib $(PART_MIB) --out dist/bundle
+
 # Snakemake's self-contained HTML report of the last run (plots and tables by category, with captions).
 report-html: install
 	snakemake --cores $(CORES) --report results/report/report.html
@@ -94,6 +109,12 @@ test: install
 # adopted Snakemake run; CI runs them after `test`.
 test-integration: install
 	$(VENV)/bin/pytest -v -m integration
+	$(MAKE) test-floor
+
+# The suite (the CI pipeline and every stage's tests) on the oldest versions efflab supports, as CUDA images bring
+# them (constraints-floor.txt: transformers 5.17, huggingface_hub 1.33, tokenizers 0.23.2), in its own venv.
+test-floor:
+	$(MAKE) test VENV=.venv-floor CONSTRAINTS=constraints-floor.txt
 
 # The documentation site (docs/, mkdocs.yml) into site/: --strict makes any warning (a broken link or anchor, a page
 # left out of the nav) an error, as tests/test_docs.py does. Open site/index.html.

@@ -41,12 +41,14 @@ def config_file(cfg: dict) -> Path | None:
 
         found = try_to_load_from_cache(bm["source"], "config.json", revision=bm["revision"])
         return Path(found) if isinstance(found, str) else None
-    from .modeling import EMBEDDED_MODELS, gguf_cache_entry, package_folder
+    from .modeling import EMBEDDED_MODELS, embedded_model, gguf_cache_entry
 
     if bm["source"] not in EMBEDDED_MODELS:
         return None  # base_model names the embedded models there are
-    package, gguf_file, pip_name = EMBEDDED_MODELS[bm["source"]]
-    entry, _ = gguf_cache_entry(package_folder(package, pip_name) / gguf_file)
+    folder, gguf_file = embedded_model(bm["source"], bm["random_init"])
+    if gguf_file is None:
+        return folder / "config.json"  # the tokenizer-only export
+    entry, _ = gguf_cache_entry(folder / gguf_file)
     return entry / "config.json" if (entry / "complete").is_file() else None
 
 

