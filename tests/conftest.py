@@ -17,6 +17,8 @@ import yaml
 from efflab import zygote
 from tests.helpers import TEST_PARAMS, BackgroundPipeline, run_stage
 
+pytest_plugins = ["tests.fake_cuda"]  # the fake_cuda fixture: CUDA branches driven on a CPU
+
 # pytest-xdist runs tests in parallel worker processes. Their torch threads together must not outnumber the
 # cores: OpenMP threads spin while they wait for each other, and oversubscribed they made some ops ten times
 # slower on a 2-core machine. Subprocesses (stage commands, benchmark cells) inherit OMP_NUM_THREADS.

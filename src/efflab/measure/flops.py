@@ -3,6 +3,7 @@ that picks the dtype of 'auto'."""
 from __future__ import annotations
 
 import functools
+import re
 
 import torch
 
@@ -78,7 +79,7 @@ def published_peak_tflops(device: torch.device, dtype: str) -> dict:
         return {"tflops": None, "reason": "no published peak for a CPU; the measured matmul ceiling is used"}
     name = torch.cuda.get_device_name(device)
     for key, peaks in PUBLISHED_PEAK_TFLOPS.items():  # most specific names first
-        if key in name:
+        if re.search(rf"\b{re.escape(key)}\b", name):  # a whole word: "NVIDIA L40" is no L4
             if dtype in peaks:
                 return {"tflops": peaks[dtype], "gpu": key, "source": "NVIDIA datasheet, dense"}
             return {"tflops": None, "reason": f"{key} has no published {dtype} tensor peak"}
