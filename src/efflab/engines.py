@@ -3,13 +3,17 @@
 An engine serves plain model folders (the base model, a merged run) on a CUDA GPU: vLLM today. Where it is not
 installed, or the device or the variant is not one it serves, `unavailable` says why and nothing is timed.
 Offline, an engine gives no per-token timestamps: what it is timed on is whole generations (prefill included),
-the same prompt tokens and forced length as generate()'s.
+the same prompt tokens and forced length as generate()'s. Serving a burst (`Vllm.serve`), the engine is stepped
+by hand, and each request's first token and end are stamped as the step that produced them returns.
 """
 from __future__ import annotations
 
 import importlib.util
+import itertools
 
 import torch
+
+from .measure import timing
 
 ENGINES = ("vllm",)
 SERVED = ("base", "merged")  # variant kinds whose folder is a plain model an engine loads as it is
@@ -29,7 +33,8 @@ def unavailable(engine: str, device: torch.device, kind: str) -> str | None:
 
 
 class Vllm:
-    """vLLM's offline LLM on one model folder, greedy, every generation forced to `new_tokens` tokens."""
+    """vLLM's offline LLM on one model folder, greedy, every generation forced to its number of new tokens: whole
+    batches (generate) or a burst of requests served at a concurrency (serve)."""
 
     def __init__(self, folder, dtype: str, seed: int, memory_fraction: float = 0.3):
         import vllm
@@ -39,13 +44,50 @@ class Vllm:
         self.llm = vllm.LLM(model=str(folder), dtype=dtype, seed=seed, gpu_memory_utilization=memory_fraction,
                             trust_remote_code=False)
         self._vllm = vllm
+        self._request_ids = itertools.count()  # serve()'s request ids: unique in the engine, burst after burst
+
+    def _params(self, new_tokens: int):
+        """Greedy, exactly `new_tokens` new tokens (the end-of-sequence token does not stop it)."""
+        return self._vllm.SamplingParams(temperature=0.0, max_tokens=new_tokens, min_tokens=new_tokens,
+                                         ignore_eos=True)
 
     def generate(self, prompt_ids: list[list[int]], new_tokens: int) -> dict:
         """One batch of prompts (token ids, as generate() reads them) to exactly `new_tokens` new tokens each."""
-        params = self._vllm.SamplingParams(temperature=0.0, max_tokens=new_tokens, min_tokens=new_tokens,
-                                           ignore_eos=True)
-        outs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
+        outs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], self._params(new_tokens),
+                                 use_tqdm=False)
         return {"new_tokens": [len(o.outputs[0].token_ids) for o in outs], "texts": [o.outputs[0].text for o in outs]}
+
+    def serve(self, prompt_ids: list[list[int]], new_tokens: list[int], concurrency: int) -> list[dict]:
+        """A burst: every prompt (token ids) arrives at once, each to exactly its `new_tokens` tokens, at most
+        `concurrency` of them in the engine at a time: a finished request leaves and the next waiting one enters
+        before the next step, as a server with `concurrency` slots admits them (vLLM's scheduler batches the
+        requests in the engine continuously). The engine is stepped by hand (LLM.generate's own loop); each
+        step's outputs are stamped on measure.timing's clock as the step returns them. Per request, in order:
+        {first_token_s, finished_s, output_tokens}, the times in seconds since the burst arrived."""
+        engine = self.llm.llm_engine
+        ids = {f"efflab-{next(self._request_ids)}": i for i in range(len(prompt_ids))}
+        waiting, running = list(ids)[::-1], set()
+        first, finished, tokens = {}, {}, {}
+        t0 = timing.clock()
+        while waiting or running:
+            while waiting and len(running) < concurrency:
+                rid = waiting.pop()
+                engine.add_request(rid, {"prompt_token_ids": prompt_ids[ids[rid]]}, self._params(new_tokens[ids[rid]]))
+                running.add(rid)
+            outs = engine.step()
+            now = timing.clock() - t0
+            if not outs and not engine.has_unfinished_requests():
+                raise RuntimeError(f"vLLM holds no request but {len(running)} never finished")
+            for out in outs:
+                rid = out.request_id
+                count = len(out.outputs[0].token_ids)
+                if count and rid not in first:
+                    first[rid] = now
+                if out.finished:
+                    finished[rid], tokens[rid] = now, count
+                    running.discard(rid)
+        return [{"first_token_s": first.get(rid), "finished_s": finished[rid], "output_tokens": tokens[rid]}
+                for rid in ids]
 
 
 def load(engine: str, folder, dtype: str, seed: int):

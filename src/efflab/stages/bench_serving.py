@@ -8,7 +8,9 @@ how many the server works on at a time:
               is done and returned as a whole (a request's latency is its batch's end);
   continuous  transformers' continuous batching (paged KV cache; `max_requests_per_batch` = concurrency): a
               finished request leaves the batch at once and a waiting one takes its place;
-  vllm        vLLM's engine where it is installed, else `unavailable`.
+  vllm        vLLM's engine on the base model's folder (efflab.engines), where it is installed and the device is a
+              CUDA GPU, else `unavailable`: at most `concurrency` requests in the engine at a time, a finished one
+              replaced by a waiting one at once (vLLM batches those in the engine continuously, paged KV cache).
 After one untimed warm-up pass, each of `bursts` rounds serves the burst once with every (method, concurrency)
 cell, the cells in reverse order every other round (A B C, then C B A), so that a drift of the machine's speed
 hits every cell alike and cancels in the ratios of one round. Every request's burst, times (submitted, first
@@ -146,7 +148,35 @@ def _row(r: dict, t0: float, first: float | None, finished: float, output_tokens
             "first_token_s": None if first is None else first - t0, "finished_s": finished - t0}
 
 
-SERVERS = {"naive": serve_naive, "static": serve_static, "continuous": serve_continuous}
+def serve_engine(engine, tokenizer, reqs: list[dict], concurrency: int, device) -> list[dict]:
+    """An inference engine's server (efflab.engines: `engine.serve`), the engine in the model's place: each request's
+    first token and end as the engine's steps return them, and the tokens it generated."""
+    served = engine.serve([r["prompt"] for r in reqs], [r["new_tokens"] for r in reqs], concurrency)
+    return [_row(r, 0.0, s["first_token_s"], s["finished_s"], s["output_tokens"]) for r, s in zip(reqs, served)]
+
+
+SERVERS = {"naive": serve_naive, "static": serve_static, "continuous": serve_continuous, "vllm": serve_engine}
+
+
+def server(model, tokenizer, reqs: list[dict], device, load_engine):
+    """serve(cell, warm) for serve_rounds: the warm-up pass serves the first two requests, a burst all of them; an
+    engine's method (efflab.engines) by the engine, `load_engine(method)` once, at its first serving (a load that
+    fails is the failure of that method's cells, recorded, and is not tried again), every other method by the
+    transformers model."""
+    loaded = {}
+
+    def serve(cell: dict, warm: bool) -> list[dict]:
+        method = cell["method"]
+        if method in engines.ENGINES and method not in loaded:
+            try:
+                loaded[method] = load_engine(method)
+            except Exception as err:
+                loaded[method] = err
+        if isinstance(loaded.get(method), Exception):
+            raise loaded[method]
+        return SERVERS[method](loaded.get(method, model), tokenizer, reqs[:2] if warm else reqs, cell["concurrency"],
+                               device)
+    return serve
 
 
 def unavailable_reason(method: str, model) -> str | None:
@@ -235,6 +265,19 @@ def serve_rounds(serve, cells: list[dict], bursts: int) -> tuple[list[dict], lis
     return [r for c in live if c.get("status") != "failed" for r in rows[id(c)]], orders
 
 
+def measure(cells: list[dict], serve, bursts: int) -> tuple[list[dict], list[list[str]]]:
+    """Serve the burst with every cell not already marked (unavailable), `bursts` interleaved rounds (serve_rounds);
+    then each served cell's figures from its own per-request rows, and the paired comparisons (compare). Returns
+    the per-request rows and each round's order."""
+    log_rows, orders = serve_rounds(serve, [c for c in cells if "status" not in c], bursts)
+    for c in cells:
+        if "status" not in c:
+            c |= {"status": "ok"} | cell_figures([r for r in log_rows if (r["method"], r["concurrency"])
+                                                  == (c["method"], c["concurrency"])])
+    compare(cells)
+    return log_rows, orders
+
+
 def run(cfg: dict, job: Job) -> dict:
     """Serve the same burst of requests every way, at every concurrency level, `bursts` interleaved times; write
     the per-request log."""
@@ -247,18 +290,13 @@ def run(cfg: dict, job: Job) -> dict:
     reqs = requests(cfg, layout)
     cells = []
     for method in s["methods"]:
-        reason = unavailable_reason(method, model) or ("vllm serving is not wired in yet" if method == "vllm" else None)
+        reason = unavailable_reason(method, model)
         for concurrency in [1] if method == "naive" else s["concurrency"]:
             cells.append({"method": method, "concurrency": concurrency}
                          | ({"status": "unavailable", "reason": reason} if reason else {}))
-    serve = lambda c, warm: SERVERS[c["method"]](model, tokenizer, reqs[:2] if warm else reqs,  # noqa: E731
-                                                 c["concurrency"], device)
-    log_rows, orders = serve_rounds(serve, [c for c in cells if "status" not in c], s["bursts"])
-    for c in cells:
-        if "status" not in c:
-            c |= {"status": "ok"} | cell_figures([r for r in log_rows if (r["method"], r["concurrency"])
-                                                  == (c["method"], c["concurrency"])])
-    compare(cells)
+    serve = server(model, tokenizer, reqs, device, lambda method: engines.load(method, layout.base_model(), dtype,
+                                                                              s["seed"]))
+    log_rows, orders = measure(cells, serve, s["bursts"])
     for c in (c for c in cells if c["status"] == "ok"):
         log.info("%s at concurrency %d: median over %d bursts %.2f requests/s, %.1f output tokens/s; %s; "
                  "TTFT p50 %.3f s, latency p90 %.3f s", c["method"], c["concurrency"], c["bursts"],
