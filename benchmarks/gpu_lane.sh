@@ -56,7 +56,7 @@ PY
 fi
 
 # 2. the device smoke tests
-timeout $(( $(left) > 90 ? 90 : $(left) )) "$py" -m pytest -m gpu tests/test_gpu.py -p no:xdist -p no:cacheprovider \
+timeout $(( $(left) > 150 ? 150 : $(left) )) "$py" -m pytest -m gpu tests/test_gpu.py -p no:xdist -p no:cacheprovider \
   -o addopts="" -q -rs >"$work/pytest-gpu.txt" 2>&1
 say "pytest -m gpu: $(tail -1 "$work/pytest-gpu.txt")"
 

