@@ -86,9 +86,10 @@ FREEZE ?= workflow/envs/gpu-node.freeze.txt
 TARGET_PYTHON ?= 3.12
 TARGET_PLATFORM ?= manylinux_2_28_x86_64
 PART_MIB ?= 60
+LEAVE_OUT ?=
 bundle: install
 	$(PY) -m efflab.tools.bundle --freeze $(FREEZE) --python $(TARGET_PYTHON) --platform $(TARGET_PLATFORM) \
-		--part-mib $(PART_MIB) --out dist/bundle
+		--part-mib $(PART_MIB) --leave-out '$(LEAVE_OUT)' --out dist/bundle
 
 # Snakemake's self-contained HTML report of the last run (plots and tables by category, with captions).
 report-html: install

@@ -32,6 +32,7 @@ if [ -x "$bundle/install.sh" ] || [ -f "$bundle/install.sh" ]; then
 fi
 bin=$(dirname "$(command -v "$py")")
 export PATH="$bin:$PATH"
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"  # this tree's efflab, whatever wheel the bundle brought
 "$py" - >>"$log" 2>&1 <<'EOF'
 import torch, transformers, efflab
 print("torch", torch.__version__, "transformers", transformers.__version__, "cuda", torch.cuda.is_available())

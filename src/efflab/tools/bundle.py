@@ -148,29 +148,31 @@ def platform_tags(platform: str) -> list[str]:
 
 
 def download(names: list[str], resolved: dict, python: str, platform: str, into: Path) -> list[str]:
-    """Download each package's wheel for the target; build the pure-Python ones PyPI has only as source. The
-    names of those built here."""
+    """Download each package's wheel for the target in one pip call (a package with no such wheel comes as its
+    source), then build the sources here into pure-Python wheels. The packages built here."""
     into.mkdir(parents=True, exist_ok=True)
     abi = f"cp{python.replace('.', '')}"
-    base = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:", "-d", str(into),
-            "--python-version", python, "--implementation", "cp", "--abi", abi, "--abi", "abi3", "--abi", "none"]
-    base += [arg for tag in platform_tags(platform) for arg in ("--platform", tag)]
+    cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--prefer-binary", "-d", str(into),
+           "--python-version", python, "--implementation", "cp", "--abi", abi, "--abi", "abi3", "--abi", "none"]
+    cmd += [arg for tag in platform_tags(platform) for arg in ("--platform", tag)]
+    done = subprocess.run(cmd + [f"{name}=={resolved[name]['version']}" for name in names], capture_output=True,
+                          text=True)
+    if done.returncode != 0:
+        raise UserError(f"--platform: pip download for Python {python} on {platform} failed: "
+                        f"{done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}")
     built = []
-    for name in names:
-        spec = f"{name}=={resolved[name]['version']}"
-        print(f"  {spec}", flush=True)
-        if subprocess.run(base + [spec], capture_output=True, text=True).returncode == 0:
-            continue
-        if not build_pure(spec, into):
-            raise UserError(f"--platform: {spec} has no wheel for Python {python} on {platform}, and its source "
-                            f"does not build into a pure-Python wheel")
-        built.append(spec)
+    for source in sorted(p for p in into.iterdir() if not p.name.endswith(".whl")):
+        if not build_pure(source, into):
+            raise UserError(f"--platform: {source.name} has no wheel for Python {python} on {platform}, and "
+                            f"its source does not build into a pure-Python wheel")
+        built.append(source.name)
+        source.unlink()
     return built
 
 
-def build_pure(spec: str, into: Path) -> bool:
+def build_pure(source: Path, into: Path) -> bool:
     with tempfile.TemporaryDirectory() as tmp:
-        done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "-w", tmp, spec],
+        done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "-w", tmp, str(source)],
                               capture_output=True, text=True)
         wheels = list(Path(tmp).glob("*-none-any.whl"))
         if done.returncode != 0 or len(wheels) != 1:
@@ -263,6 +265,10 @@ def assemble(args, have: dict[str, str], reqs: list[str], staging: Path) -> dict
     print(f"resolving {len(reqs)} requirements for Python {args.python} on {args.platform}", flush=True)
     resolved = resolve(reqs, have, args.python, args.platform, staging)
     direct = {canonical(re.split(r"[<>=!~;\[ ]", r, maxsplit=1)[0]) for r in reqs}
+    unknown = sorted(set(args.leave_out) - direct)
+    if unknown:
+        raise UserError(f"--leave-out: {unknown[0]!r} is not one of efflab's requirements")
+    direct -= set(args.leave_out)
     kept = provided(resolved, have)
     names = wanted(resolved, kept, direct)
     replaced = sorted(n for n in names if n in have)
@@ -280,7 +286,7 @@ def assemble(args, have: dict[str, str], reqs: list[str], staging: Path) -> dict
     manifest = {"python": args.python, "platform": args.platform, "part_mib": args.part_mib,
                 "target_torch": have["torch"], "kept_from_target": sorted(kept),
                 "replaced_on_target": {n: [have[n], resolved[n]["version"]] for n in replaced},
-                "built_here": built, "embedded_exports": exported, "parts": parts}
+                "built_here": built, "left_out": args.leave_out, "embedded_exports": exported, "parts": parts}
     (staging / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
 
@@ -292,9 +298,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--platform", default="manylinux_2_28_x86_64", help="the target's platform tag")
     parser.add_argument("--extras", default="gpu", help="efflab extras to include, comma-separated ('' for none)")
     parser.add_argument("--part-mib", type=float, default=60.0, help="the largest part, MiB")
+    parser.add_argument("--leave-out", default="", help="requirements the target's runs do not need, comma-separated "
+                        "(e.g. dvc: its ~40 MiB of wheels), left out with what only they pull")
     parser.add_argument("--out", default="dist/bundle", help="the bundle's folder (replaced)")
     args = parser.parse_args(argv)
     args.extras = [e for e in args.extras.split(",") if e]
+    args.leave_out = [canonical(n) for n in args.leave_out.split(",") if n]
     if not re.fullmatch(r"3\.\d+", args.python):
         sys.exit(f"error: --python: {args.python!r} is not a Python version like 3.12")
     try:
