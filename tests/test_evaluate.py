@@ -3,7 +3,6 @@ the paired changes and the quality gate."""
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 
 import pandas as pd
@@ -13,7 +12,7 @@ import yaml
 
 from efflab import config
 from efflab.config import UserError
-from efflab.evaluation import harness, scores
+from efflab.evaluation import harness, scores, task
 from efflab.evaluation.task import GEN_TASK, LL_TASK
 from efflab.layout import Layout
 from efflab.modeling import base_dtype, load_model, load_tokenizer
@@ -27,29 +26,77 @@ def _cli_results(out_dir) -> dict:
     return json.loads(found.read_text())["results"]
 
 
-@pytest.mark.integration  # lm-eval's own CLI run beside efflab's: ~35 s (make test-integration)
-def test_efflab_s_scores_equal_lm_eval_s_own_cli_on_the_generated_task(results, test_cfg, tmp_path):
-    """The task prepare_data writes is a folder lm_eval itself runs; efflab's record of the base model holds the
-    same scores as lm_eval's CLI gives on that folder, with the command efflab records for it."""
-    record = run_stage("evaluate", TEST_PARAMS, results, "base")
+def answering(model, tokenizer):
+    """The tiny random model answers blank lines alone, whose chrF is 0 at any length: no generation setting could be
+    told apart by its scores. Given an output layer of its own with the rows of the line break and of " the"
+    swapped, it answers words instead, whose chrF changes with their length (1.27 at 1 token, 1.28 at 4, 4.4 at 64)."""
+    model.config.tie_word_embeddings = False
+    model.lm_head = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=False)
+    model.lm_head.weight.data = model.get_input_embeddings().weight.data.clone()
+    (line_break,), (the,) = tokenizer.encode("\n"), tokenizer.encode(" the")
+    weight = model.lm_head.weight.data
+    weight[[line_break, the]] = weight[[the, line_break]]
+    return model
+
+
+@pytest.mark.integration  # lm-eval's own CLI run beside efflab's: ~50 s (make test-integration)
+def test_the_rerun_line_of_the_task_file_gives_efflab_s_scores_with_lm_eval_s_own_cli(results, test_cfg, tmp_path):
+    """One score, one recipe: the task file the evaluate job scored with states, in its comment, the lm_eval command
+    that reruns it; that very line (the record's command too, with no --gen_kwargs), run by lm_eval's own CLI, gives
+    the scores efflab recorded for the base model, generated (chrF, exact match) and log-likelihood (bits per byte,
+    acc) alike."""
     layout, e = Layout(results), test_cfg["evaluate"]
-    (command,) = record["commands"].values()  # efflab's two tasks, in one lm_eval run
-    cmd = command.split() + ["--output_path", str(tmp_path / "cli")]
-    assert cmd[0] == "lm_eval" and f"--limit {e['docs']}" in command and ",".join(TASKS) in command
-    done = subprocess.run([str(BIN / "lm_eval"), *cmd[1:]], capture_output=True, text=True,
+    tokenizer = load_tokenizer(layout.base_model())
+    answering(load_model(layout.base_model(), "float32", torch.device("cpu")), tokenizer).save_pretrained(
+        layout.base_model())  # answers whose chrF depends on their length
+    record = run_stage("evaluate", TEST_PARAMS, results, "base")
+    assert record["tasks"][GEN_TASK]["metrics"]["chrf"]["value"] > 0
+    line = task.rerun_line(layout.lm_eval_task("base") / f"{GEN_TASK}.yaml")
+    assert line == task.rerun_line(layout.lm_eval_task("base") / f"{LL_TASK}.yaml")
+    assert list(record["commands"].values()) == [line]  # efflab's two tasks, in one lm_eval run
+    assert line.startswith("lm_eval ") and "--gen_kwargs" not in line and f"--limit {e['docs']}" in line
+    assert f"--include_path {layout.lm_eval_task('base')} " in line and f"--tasks {','.join(TASKS)} " in line
+    done = subprocess.run([str(BIN / "lm_eval"), *line.split()[1:], "--output_path", str(tmp_path / "cli")],
+                          capture_output=True, text=True,
                           env={"PATH": str(BIN), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
                                "DISABLE_MULTIPROC": "1", "HOME": str(tmp_path)}, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     theirs = _cli_results(tmp_path / "cli")
-    for task in TASKS:
-        for metric, mine in record["tasks"][task]["metrics"].items():
-            assert theirs[task][f"{metric},none"] == pytest.approx(mine["value"], rel=1e-6, abs=1e-9), (task, metric)
+    for t, metrics in {GEN_TASK: ("chrf", "exact_match"), LL_TASK: ("bits_per_byte", "acc")}.items():
+        mine = record["tasks"][t]["metrics"]
+        assert set(metrics) <= set(mine), (t, mine)
+        for metric, value in mine.items():
+            assert theirs[t][f"{metric},none"] == pytest.approx(value["value"], rel=1e-6, abs=1e-9), (t, metric)
     assert record["tasks"][GEN_TASK]["n_docs"] == e["docs"]
     # the documents are the validation split's, which no fine-tune trains on
-    docs = [json.loads(line) for line in (layout.lm_eval_task() / "validation.jsonl").read_text().splitlines()]
+    docs = [json.loads(line) for line in (layout.lm_eval_docs() / "validation.jsonl").read_text().splitlines()]
     train = set(pd.read_parquet(layout.split("train"))["question"])
     assert docs and not {d["question"] for d in docs} & train
     assert [s["reference"] for s in record["samples"]] == [d["answer"] for d in docs[:e["samples"]]]
+
+
+def test_the_task_file_carries_every_generation_setting_efflab_scores_with(results, test_cfg, tmp_path):
+    """efflab passes lm-eval no generation settings of its own: the task file's generation_kwargs are what it
+    generates with (a file that says 1 token gives the first word of what one that says evaluate.max_new_tokens
+    gives, and another chrF), and the evaluate job's file says evaluate.max_new_tokens, greedy, up to the end of
+    turn."""
+    layout, e = Layout(results), test_cfg["evaluate"]
+    tokenizer = load_tokenizer(layout.base_model())
+    model = answering(load_model(layout.base_model(), "float32", torch.device("cpu")), tokenizer)
+    answers, chrf = {}, {}
+    for n in (1, e["max_new_tokens"]):
+        folder = task.write_task(tmp_path / str(n), layout.lm_eval_docs(), task.generation_kwargs(n, tokenizer.eos_token))
+        out = harness.evaluate(model, tokenizer, folder, [GEN_TASK], e["docs"], e["batch_size"], 0)[GEN_TASK]
+        answers[n], chrf[n] = [d["response"] for d in out["docs"]], out["metrics"]["chrf"]["value"]
+    assert all(long.startswith(short) and long != short for short, long in zip(*answers.values())), answers
+    assert 0 < chrf[1] < chrf[e["max_new_tokens"]], chrf
+    written = task.write_task(tmp_path / "job", layout.lm_eval_docs(),
+                              task.generation_kwargs(e["max_new_tokens"], tokenizer.eos_token),
+                              {GEN_TASK: "lm_eval --tasks x"})
+    gen = yaml.load((written / f"{GEN_TASK}.yaml").read_text(), Loader=yaml.BaseLoader)["generation_kwargs"]
+    assert gen == {"max_gen_toks": str(e["max_new_tokens"]), "until": [tokenizer.eos_token], "do_sample": "false"}
+    assert task.rerun_line(written / f"{GEN_TASK}.yaml") == "lm_eval --tasks x"
+    assert "<model folder>" in task.rerun_line(written / f"{LL_TASK}.yaml")  # no command of its own: the form
 
 
 def test_a_quantized_model_is_scored_as_its_quantized_modules_and_paired_with_the_base(results, monkeypatch):
@@ -63,8 +110,12 @@ def test_a_quantized_model_is_scored_as_its_quantized_modules_and_paired_with_th
     linears = sum(1 for m in load_model(Layout(results).base_model(), "float32", torch.device("cpu")).modules()
                   if isinstance(m, torch.nn.Linear)) - 1  # bitsandbytes keeps the output head in full precision
     assert base["quantized_modules"] == {} and int8["quantized_modules"] == {"Linear8bitLt": linears}
-    assert not list((results / "prepare_data").rglob("__pycache__")), "lm-eval's import of the task folder's " \
-        "utils.py left bytecode in prepare_data's output, changing its content after its hash was recorded"
+    assert not list(results.rglob("__pycache__")), "lm-eval's import of the task folder's utils.py left bytecode " \
+        "in the job's output, changing its content after its hash was recorded"
+    for name, record in (("base", base), ("quantized-int8", int8)):  # the task folder it scored with, in its folder
+        (command,) = record["commands"].values()
+        assert task.rerun_line(Layout(results).lm_eval_task(name) / f"{GEN_TASK}.yaml") == command
+        assert "--gen_kwargs" not in command and f"--include_path {Layout(results).lm_eval_task(name)} " in command
     assert int8["reference"] == "base" and int8["gate"]["verdict"] in ("passes", "fails", "undecided")
     bpb = int8["changes"][LL_TASK]["bits_per_byte"]
     assert bpb["n"] == base["tasks"][LL_TASK]["n_docs"] and bpb["ci95"][0] <= bpb["change"] <= bpb["ci95"][1]
@@ -72,15 +123,16 @@ def test_a_quantized_model_is_scored_as_its_quantized_modules_and_paired_with_th
     assert bpb["change"] == pytest.approx(got - base["tasks"][LL_TASK]["metrics"]["bits_per_byte"]["value"], abs=1e-9)
 
 
-def test_a_broken_model_fails_the_gate(results, test_cfg):
+def test_a_broken_model_fails_the_gate(results, test_cfg, tmp_path):
     """The same lm-eval run on the base and on the base with its output layer scaled 100-fold (confidently wrong
     next-token distributions): the broken model's drop in the answer's log-likelihood is far beyond the tolerance,
     decided by the interval."""
     layout, e = Layout(results), test_cfg["evaluate"]
     tokenizer = load_tokenizer(layout.base_model())
     model = load_model(layout.base_model(), base_dtype(layout), torch.device("cpu"))
-    run = lambda m: harness.evaluate(m, tokenizer, layout.lm_eval_task(), [LL_TASK], e["docs"], e["max_new_tokens"],
-                                     e["batch_size"], 0)
+    folder = task.write_task(tmp_path / "lm_eval", layout.lm_eval_docs(),
+                             task.generation_kwargs(e["max_new_tokens"], tokenizer.eos_token))
+    run = lambda m: harness.evaluate(m, tokenizer, folder, [LL_TASK], e["docs"], e["batch_size"], 0)
     reference = run(model)
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(100.0)
@@ -144,8 +196,7 @@ def test_a_task_whose_data_cannot_be_loaded_is_unavailable_and_the_others_run(re
     """A task named in evaluate.tasks whose dataset is not at hand (offline: a hub dataset) is a cell with its
     reason; efflab's own task beside it still runs."""
     layout, e = Layout(results), test_cfg["evaluate"]
-    folder = tmp_path / "tasks"
-    shutil.copytree(layout.lm_eval_task(), folder)
+    folder = task.write_task(tmp_path / "tasks", layout.lm_eval_docs(), task.generation_kwargs(e["max_new_tokens"], None))
     (folder / "hub_only.yaml").write_text("task: hub_only\ndataset_path: efflab-tests/no-such-dataset\n"
                                           "output_type: loglikelihood\ntest_split: test\ndoc_to_text: '{{q}}'\n"
                                           "doc_to_target: '{{a}}'\nmetric_list: [{metric: acc}]\n")
@@ -153,6 +204,6 @@ def test_a_task_whose_data_cannot_be_loaded_is_unavailable_and_the_others_run(re
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     model = load_model(layout.base_model(), base_dtype(layout), torch.device("cpu"))
     out = harness.evaluate(model, load_tokenizer(layout.base_model()), folder, [LL_TASK, "hub_only"], e["docs"],
-                           e["max_new_tokens"], e["batch_size"], 0)
+                           e["batch_size"], 0)
     assert out[LL_TASK]["status"] == "ok" and out[LL_TASK]["n_docs"] == e["docs"]
     assert out["hub_only"]["status"] == "unavailable" and len(out["hub_only"]["reason"]) > 20

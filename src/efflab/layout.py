@@ -11,11 +11,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .records import is_ok, read
-from .registry import HEALED, LOSS_CSV, MODEL, QAT_MODEL, STAGES
+from .registry import HEALED, LM_EVAL, LOSS_CSV, MODEL, QAT_MODEL, STAGES
 
 METRICS = "metrics.json"
 LOSS_COLUMNS = ("step", "loss", "learning_rate", "grad_norm")  # finetune's loss curve (LOSS_CSV)
-FOLDERS = (MODEL, HEALED, QAT_MODEL)
+FOLDERS = (MODEL, HEALED, QAT_MODEL, LM_EVAL)
 NOT_RUN = "NOT_RUN.txt"
 
 
@@ -47,9 +47,14 @@ class Layout:
                 "pruned": [self.model("prune", of)], "healed": [self.out("prune", of) / HEALED],
                 "adapter": [self.base_model(), self.model("finetune", of)]}[kind]
 
-    def lm_eval_task(self) -> Path:
-        """efflab's local lm-eval tasks on the validation split (efflab.evaluation.task), written by prepare_data."""
-        return self.out("prepare_data") / "lm_eval"
+    def lm_eval_docs(self) -> Path:
+        """The documents of efflab's local lm-eval tasks (the validation split; efflab.evaluation.task), written by
+        prepare_data: each job that scores with the tasks writes their task folder from them."""
+        return self.out("prepare_data") / LM_EVAL
+
+    def lm_eval_task(self, name: str) -> Path:
+        """The task folder the evaluate job `name` scored with: its task files and their rerun line."""
+        return self.out("evaluate", name) / LM_EVAL
 
     def metrics(self, stage: str, name: str | None = None) -> Path:
         return self.out(stage, name) / METRICS

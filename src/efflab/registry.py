@@ -17,6 +17,7 @@ MODEL = "model"
 HEALED = "healed"  # prune's LoRA-healed model
 QAT_MODEL = "finetuned"  # qat's full-precision fine-tune
 LOSS_CSV = "loss.csv"  # finetune's loss curve
+LM_EVAL = "lm_eval"  # evaluate's task folder: efflab's lm-eval tasks as the job scored them (efflab.evaluation.task)
 
 
 @dataclass(frozen=True)
@@ -128,7 +129,7 @@ STAGES = _stages(
           outputs=("cells.csv",), gpu=True,
           figures=("searches[subject,kind,dimension].measured_max",)),
     Stage("evaluate", ("runtime", "evaluate.tasks", *EVALUATION, "evaluate.samples"),
-          runtime_min=20, mem_factor=3, grid=lambda cfg: list(evaluated_models(cfg)), outputs=(), gpu=True,
+          runtime_min=20, mem_factor=3, grid=lambda cfg: list(evaluated_models(cfg)), outputs=(LM_EVAL,), gpu=True,
           timed=False,
           figures=("tasks.*.metrics.*.value", "gate.verdict")),
     Stage("claims", ("claims",), runtime_min=10, outputs=("claims.csv", "claims.md", "summary.json"),

@@ -5,6 +5,7 @@ rule evaluate:
         base="results/base_model/metrics.json",
         task="results/prepare_data/lm_eval",
     output:
+        task=directory("results/evaluate/{name}/lm_eval"),
         metrics="results/evaluate/{name}/metrics.json",
         figures="results/evaluate/{name}/figures.json",
     params:

@@ -23,25 +23,25 @@ log = logging.getLogger("efflab")
 
 
 def cli_command(folders: list, dtype: str, device: str, task_dir: Path, task: str, docs: int | None,
-                max_new_tokens: int | None, batch_size: int) -> str:
+                batch_size: int) -> str:
     """The lm_eval command line that reruns one cell by hand on the model's folders (a base and its adapter, or one
-    folder; a quantized folder loads quantized from its own config), in the dtype and on the device efflab used."""
+    folder; a quantized folder loads quantized from its own config), in the dtype and on the device efflab used. No
+    --gen_kwargs: efflab's tasks generate as their task files say (task.write_task), as efflab scored them; other
+    tasks keep their own settings, in efflab as in lm_eval."""
     model = f"pretrained={folders[0]}" + (f",peft={folders[1]}" if len(folders) > 1 else "") + f",dtype={dtype}"
     cmd = (f"lm_eval --model hf --model_args {model} --device {device} --include_path {task_dir} --tasks {task} "
            f"--batch_size {batch_size}")
-    cmd += f" --limit {docs}" if docs else ""
-    return cmd + (f" --gen_kwargs max_gen_toks={max_new_tokens}" if max_new_tokens else "")
+    return cmd + (f" --limit {docs}" if docs else "")
 
 
 def cli_commands(folders: list, dtype: str, device: str, task_dir: Path, tasks: list[str], docs: int | None,
-                 max_new_tokens: int, batch_size: int) -> dict[str, str]:
-    """The lm_eval command lines that rerun a model's cells by hand: efflab's tasks in one (with efflab's generation
-    length), each other task in its own (with its own), keyed by the comma-joined tasks each runs."""
+                 batch_size: int) -> dict[str, str]:
+    """The lm_eval command lines that rerun a model's cells by hand: efflab's tasks in one, each other task in its
+    own, keyed by the comma-joined tasks each runs."""
     ours = [t for t in tasks if t in TASKS]
-    out = {",".join(ours): cli_command(folders, dtype, device, task_dir, ",".join(ours), docs, max_new_tokens,
-                                       batch_size)} if ours else {}
-    return out | {t: cli_command(folders, dtype, device, task_dir, t, docs, None, batch_size)
-                  for t in tasks if t not in TASKS}
+    out = {",".join(ours): cli_command(folders, dtype, device, task_dir, ",".join(ours), docs, batch_size)} \
+        if ours else {}
+    return out | {t: cli_command(folders, dtype, device, task_dir, t, docs, batch_size) for t in tasks if t not in TASKS}
 
 
 def _metrics(results: dict) -> dict:
@@ -72,10 +72,12 @@ def folder_tasks(task_dir: Path) -> set[str]:
     return declared_names(Path(task_dir).glob("*.yaml"))
 
 
-def run_task(lm, task_manager, task: str, docs: int | None, gen_kwargs: dict | None, bootstrap_iters: int) -> dict:
+def run_task(lm, task_manager, task: str, docs: int | None, bootstrap_iters: int) -> dict:
+    """lm-eval's simple_evaluate on one task, with no generation settings of efflab's: each task generates as its
+    task file says (efflab's: task.write_task's), as lm_eval's own command line without --gen_kwargs does."""
     from lm_eval import simple_evaluate
 
-    out = simple_evaluate(model=lm, tasks=[task], task_manager=task_manager, limit=docs, gen_kwargs=gen_kwargs,
+    out = simple_evaluate(model=lm, tasks=[task], task_manager=task_manager, limit=docs, gen_kwargs=None,
                           bootstrap_iters=bootstrap_iters, log_samples=True)
     metrics = _metrics(out["results"][task])
     return {"status": "ok", "metrics": metrics, "higher_is_better": out["higher_is_better"].get(task, {}),
@@ -84,8 +86,8 @@ def run_task(lm, task_manager, task: str, docs: int | None, gen_kwargs: dict | N
 
 @contextlib.contextmanager
 def no_bytecode():
-    """lm-eval imports the task folder's utils.py, and the task folder is prepare_data's output: no __pycache__ may
-    appear in it, or its content changes after its provenance hash (and DVC's) was recorded."""
+    """lm-eval imports the task folder's utils.py, and the task folder is a job's output: no __pycache__ may appear
+    in it, or its content changes after DVC recorded its hash."""
     before = sys.dont_write_bytecode
     sys.dont_write_bytecode = True
     try:
@@ -94,10 +96,11 @@ def no_bytecode():
         sys.dont_write_bytecode = before
 
 
-def evaluate(model, tokenizer, task_dir: Path, tasks: list[str], docs: int | None, max_new_tokens: int,
-             batch_size: int, bootstrap_iters: int) -> dict[str, dict]:
+def evaluate(model, tokenizer, task_dir: Path, tasks: list[str], docs: int | None, batch_size: int,
+             bootstrap_iters: int) -> dict[str, dict]:
     """Each task's result on `model`: lm-eval's metrics with their standard errors and the per-document items, or
-    {"status": "unavailable", "reason": ...}. efflab's own tasks generate `max_new_tokens`; other tasks keep theirs."""
+    {"status": "unavailable", "reason": ...}. `task_dir`: a task folder task.write_task wrote, whose YAML files say
+    how efflab's tasks generate (evaluate.max_new_tokens among them); other tasks keep their own settings."""
     os.environ.setdefault("DISABLE_MULTIPROC", "1")  # lm-eval's bootstrap would start a process pool per metric
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
@@ -109,14 +112,13 @@ def evaluate(model, tokenizer, task_dir: Path, tasks: list[str], docs: int | Non
     # Indexing lm-eval's ~14,000 built-in task files takes about 15 s: only when a task is not in the task folder.
     with no_bytecode():
         manager = TaskManager(include_path=str(task_dir), include_defaults=not set(tasks) <= folder_tasks(task_dir))
-        return {task: task_result(lm, manager, task, docs, max_new_tokens, bootstrap_iters) for task in tasks}
+        return {task: task_result(lm, manager, task, docs, bootstrap_iters) for task in tasks}
 
 
-def task_result(lm, manager, task: str, docs: int | None, max_new_tokens: int, bootstrap_iters: int) -> dict:
+def task_result(lm, manager, task: str, docs: int | None, bootstrap_iters: int) -> dict:
     """One task's result, or {"status": "unavailable", "reason": ...} where lm-eval cannot run it."""
-    gen_kwargs = {"max_gen_toks": max_new_tokens} if task in TASKS else None
     try:
-        return run_task(lm, manager, task, docs, gen_kwargs, bootstrap_iters)
+        return run_task(lm, manager, task, docs, bootstrap_iters)
     except (MemoryError, torch.OutOfMemoryError):
         raise  # the job's own status (oom), not one task's
     except Exception as err:  # noqa: BLE001 - lm-eval raises anything when a task's data cannot be loaded

@@ -1,4 +1,4 @@
-"""Helpers of efflab's local lm-eval tasks, copied beside them as utils.py by efflab's prepare_data.
+"""Helpers of efflab's local lm-eval tasks, copied beside them as utils.py by the efflab job that scores with them.
 
 The tasks read validation.jsonl from this folder, wherever the folder is, so that it can be rerun by hand:
 

@@ -2,10 +2,12 @@
 
 The model is loaded as its stage left it (a quantized folder as its quantized modules, an adapter on the base it
 trained on) and lm-eval's HF model class wraps that very object. The tasks are efflab's own on the user's
-validation split (written by prepare_data, rerunnable by hand with lm_eval) and any installed lm-eval task named
-in evaluate.tasks. Each model is paired, document by document, with its reference (the base; for a merged model,
-the adapter it came from), whose job it waits for: the change of every metric with its 95% interval, and the
-quality gate (evaluate.tolerance) decided by that interval.
+validation split and any installed lm-eval task named in evaluate.tasks. From prepare_data's documents the job
+writes the task folder it scores with into its own folder (lm_eval/): the generation task's file carries every
+generation setting (evaluate.max_new_tokens among them), and its comment, like the record's `commands`, the lm_eval
+command line that reruns this model's scores. Each model is paired, document by document, with its reference (the
+base; for a merged model, the adapter it came from), whose job it waits for: the change of every metric with its
+95% interval, and the quality gate (evaluate.tolerance) decided by that interval.
 """
 from __future__ import annotations
 
@@ -14,11 +16,12 @@ import time
 
 from .. import cli, quantization, records
 from ..config import evaluated_models
-from ..evaluation import harness, scores
+from ..evaluation import harness, scores, task
 from ..layout import Job
 from ..measure.device import pick_device, set_threads
 from ..measure.env import environment
 from ..modeling import base_dtype, load_tokenizer, load_variant
+from ..registry import LM_EVAL
 
 log = logging.getLogger("efflab")
 
@@ -36,32 +39,38 @@ def run(cfg: dict, job: Job) -> dict:
     about = {"model": job.name, "kind": kind, "of": of, "reference": reference}
     skipped = layout.skipped_because(UPSTREAM[kind], of) if kind in UPSTREAM else None
     if skipped:
+        layout.write_not_run("evaluate", job.out, skipped["status"], skipped["reason"])
         return {**skipped, **about, "environment": environment(device, e)}
 
     tokenizer = load_tokenizer(layout.base_model())
-    t0 = time.perf_counter()
     dtype = base_dtype(layout)
+    # The task folder it scores with, written where the job's outputs go (named by where they end up): its
+    # generation task's file carries every generation setting, and its comment the command that reruns this model.
+    folders = [str(f) for f in layout.variant_folders(model_cfg)]
+    commands = harness.cli_commands(folders, dtype, device.type, job.final / LM_EVAL, e["tasks"], e["docs"],
+                                    e["batch_size"])
+    task_dir = task.write_task(job.out / LM_EVAL, layout.lm_eval_docs(),
+                               task.generation_kwargs(e["max_new_tokens"], tokenizer.eos_token),
+                               {t: cmd for tasks, cmd in commands.items() for t in tasks.split(",") if t in task.TASKS})
+    t0 = time.perf_counter()
     model = load_variant(cfg, model_cfg, layout, dtype, device)
     load_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    results = harness.evaluate(model, tokenizer, layout.lm_eval_task(), e["tasks"], e["docs"], e["max_new_tokens"],
-                               e["batch_size"], e["bootstrap_iters"])
+    results = harness.evaluate(model, tokenizer, task_dir, e["tasks"], e["docs"], e["batch_size"],
+                               e["bootstrap_iters"])
     eval_s = time.perf_counter() - t0
     ref_record = records.read(layout, "evaluate", reference) if reference else None
     changes = scores.paired_changes(results, ref_record if ref_record and records.is_ok(ref_record) else None, e["tolerance"])
     gate = scores.gate_verdict(changes) if reference else {"verdict": "reference", "failed": []}
-    for task, result in results.items():
+    for name, result in results.items():
         shown = ", ".join(f"{m} {v['value']:.4g}" for m, v in result.get("metrics", {}).items())
-        log.info("%s: %s: %s", job.name, task, shown or result.get("reason"))
+        log.info("%s: %s: %s", job.name, name, shown or result.get("reason"))
     log.info("%s: gate %s (against %s)%s", job.name, gate["verdict"], reference or "itself",
              f": fails on {', '.join(gate['failed'])}" if gate["failed"] else "")
-    folders = [str(f) for f in layout.variant_folders(model_cfg)]
     return {**about, "tasks": results, "changes": changes, "gate": gate,
             "quantized_modules": quantization.quantized_parts(model),
             "samples": scores.samples(results, e["samples"], harness.GEN_TASK),
-            "load_s": load_s, "eval_s": eval_s,
-            "commands": harness.cli_commands(folders, dtype, device.type, layout.lm_eval_task(), e["tasks"],
-                                             e["docs"], e["max_new_tokens"], e["batch_size"]),
+            "load_s": load_s, "eval_s": eval_s, "commands": commands,
             "environment": environment(device, e)}
 
 

@@ -15,7 +15,7 @@ import torch
 
 from .. import cli
 from ..config import UserError, classify_source, local_source_files
-from ..evaluation.task import write_task
+from ..evaluation.task import write_docs
 from ..layout import Job
 from ..measure.env import environment
 from ..modeling import EMBEDDED_DATA, load_tokenizer, package_folder
@@ -147,10 +147,9 @@ def run(cfg: dict, job: Job) -> dict:
     splits = {"train": frame.iloc[train_idx], "validation": frame.iloc[val_idx]}
     for split, part in splits.items():
         part.to_parquet(job.out / f"{split}.parquet", index=False)
-    # The validation questions as lm-eval tasks (the evaluate stage runs them; so can lm_eval by hand): the rows
-    # no fine-tune trains on.
-    write_task(job.out / job.layout.lm_eval_task().name, splits["validation"].to_dict("records"),
-               tokenizer.eos_token)
+    # The documents of efflab's lm-eval tasks: the validation questions, which no fine-tune trains on (each job
+    # that scores a model writes the task folder it scores with from them, its generation settings in it).
+    write_docs(job.out / job.layout.lm_eval_docs().name, splits["validation"].to_dict("records"))
     stats = {split: _stats(part) for split, part in splits.items()}
     log.info("prepare_data: %d train / %d validation rows, median %d tokens",
              stats["train"]["rows"], stats["validation"]["rows"],

@@ -23,6 +23,7 @@ import csv
 import logging
 import math
 import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -31,14 +32,14 @@ import torch
 from .. import cli, quality, records
 from ..architecture import linear_layers, matmul_shape, undivided_layer
 from ..config import UserError
-from ..evaluation import harness, scores
+from ..evaluation import harness, scores, task
 from ..layout import Job, Layout
 from ..measure.device import pick_device, set_threads
 from ..measure.env import environment
 from ..measure.isolation import CellJournal, prestart, run_cell
 from ..measure.stats import summarize
 from ..modeling import base_dtype, forward_batches, load_model, load_tokenizer, read_split, row_nll, shape_only
-from ..registry import QAT_MODEL
+from ..registry import LM_EVAL, QAT_MODEL
 from ..training import batches, training_step
 
 # torchao, tqdm and transformers are imported inside the functions that use them: torchao's import is slow and noisy.
@@ -181,11 +182,19 @@ def cell(cfg: dict, results: str, method: str, bits: int | None, dtype: str, dev
             convert_qat(model, bits, q["group_size"])
     result["rows"] = per_row_nll(model, val_rows, tokenizer)
     result["weight_bytes"] = weight_bytes(model, bits, q["group_size"])
-    e = cfg["evaluate"]  # task quality, through the evaluate stage's code (QAT models live only in this cell)
-    result["tasks"] = harness.evaluate(model, tokenizer, layout.lm_eval_task(), q["eval_tasks"], e["docs"],
-                                       e["max_new_tokens"], e["batch_size"], e["bootstrap_iters"]) \
-        if q["eval_tasks"] else {}
+    result["tasks"] = score_tasks(cfg, layout, model, tokenizer) if q["eval_tasks"] else {}
     return result
+
+
+def score_tasks(cfg: dict, layout: Layout, model, tokenizer) -> dict:
+    """Task quality, through the evaluate stage's code (QAT models live only in this cell): a scratch task folder
+    with evaluate's generation settings, as an evaluate job writes its own."""
+    e = cfg["evaluate"]
+    with tempfile.TemporaryDirectory(prefix="efflab-qat-tasks-") as scratch:
+        folder = task.write_task(Path(scratch) / LM_EVAL, layout.lm_eval_docs(),
+                                 task.generation_kwargs(e["max_new_tokens"], tokenizer.eos_token))
+        return harness.evaluate(model, tokenizer, folder, cfg["qat"]["eval_tasks"], e["docs"], e["batch_size"],
+                                e["bootstrap_iters"])
 
 
 def verdicts(changes: dict[int, dict | None], threshold: float) -> dict[int, str]:
