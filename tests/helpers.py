@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -81,3 +82,13 @@ def serving_record(rates: dict[tuple[str, int], list[float]], requests: int = 8)
     return {"stage": "bench_serving", "status": "ok", "requests": requests, "bursts": len(next(iter(rates.values()))),
             "prompt_tokens": [40] * requests, "new_tokens": [10] * requests, "cells": cells,
             "environment": {"fingerprint": "e"}}
+
+
+def progress_then_hang() -> dict:
+    """A benchmark cell that shows a progress bar (as transformers' weight loading does) and then never ends: the
+    cell run_cell kills at its timeout."""
+    import tqdm
+
+    list(tqdm.tqdm(range(3), file=open(os.devnull, "w")))
+    time.sleep(600)
+    return {}

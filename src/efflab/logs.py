@@ -12,8 +12,25 @@ from pathlib import Path
 # not float16 (tens of thousands of lines per benchmark cell). torchao (imported by peft too) warns at import that
 # a CPU build of torch cannot load its CUDA kernels, which efflab does not use, and torch's pytree module that
 # torchao registers enums the deprecated way.
+# lm-eval logs its own advice to task authors ("Custom kwargs can be passed to --metadata ...") on every run.
 QUIET_LIBRARIES = ("transformers", "accelerate", "peft", "bitsandbytes", "torchao", "torch.utils._pytree", "urllib3",
-                   "filelock", "httpx")
+                   "filelock", "httpx", "lm-eval", "lm_eval")
+# Python warnings one library raises about another's use of it, which neither efflab nor its user can act on:
+# peft reads transformers' deprecated is_gradient_checkpointing and calls gradient_checkpointing_enable (efflab
+# itself calls activation_checkpointing_enable where transformers has it: training.checkpointing_enable); peft
+# warns on every 4-bit/8-bit merge that rounding may change generations, which the merge stage measures.
+LIBRARY_WARNINGS = (r"`is_gradient_checkpointing` is deprecated", r"`gradient_checkpointing_enable` is deprecated",
+                    r"(Un)?[Mm]erge lora module to (4|8)-bit linear may get different generations")
+
+
+def quiet_libraries() -> None:
+    """Set QUIET_LIBRARIES to errors and ignore LIBRARY_WARNINGS, before anything imports those libraries: torchao
+    and torch's pytree log their import-time warnings (a CPU build cannot load torchao's CUDA kernels; an enum
+    registered the deprecated way) before any stage's logging is configured. efflab/__init__ calls it."""
+    for noisy in QUIET_LIBRARIES:
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+    for message in LIBRARY_WARNINGS:
+        warnings.filterwarnings("ignore", message=message)
 
 
 class WarningOnce(logging.Filter):
@@ -44,8 +61,7 @@ def configure_logging(handlers: list[logging.Handler], fmt: str) -> None:
     for handler in handlers:
         handler.addFilter(WarningOnce())
     logging.basicConfig(level=logging.INFO, format=fmt, handlers=handlers, force=True)
-    for noisy in QUIET_LIBRARIES:
-        logging.getLogger(noisy).setLevel(logging.ERROR)
+    quiet_libraries()
     warnings.filterwarnings("once", append=True)
 
 

@@ -80,7 +80,7 @@ def build_model(run: dict, layout, dtype: str, device: torch.device):
         if run.get("liger_kernel"):
             with_liger_kernels(model)
         if run["gradient_checkpointing"]:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            checkpointing_enable(model)
         return model
     quant = base_quant(run)
     model = load_model(layout.base_model(), "bfloat16" if bf16 and not quant else dtype, device, quant=quant)
@@ -92,7 +92,7 @@ def build_model(run: dict, layout, dtype: str, device: torch.device):
             model, use_gradient_checkpointing=run["gradient_checkpointing"],
             gradient_checkpointing_kwargs={"use_reentrant": False})
     elif run["gradient_checkpointing"]:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        checkpointing_enable(model)
         model.enable_input_require_grads()
     try:
         model = get_peft_model(model, architecture.lora_config(model.config, run["lora"]))
@@ -103,6 +103,15 @@ def build_model(run: dict, layout, dtype: str, device: torch.device):
             if p.requires_grad:
                 p.data = p.data.to(torch.bfloat16)
     return model
+
+
+def checkpointing_enable(model) -> None:
+    """Activation (gradient) checkpointing, non-reentrant: transformers >= 5.2x names it
+    activation_checkpointing_enable and deprecates the old name; 5.17 (efflab's floor) has only the old one."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def optimizer_cls_and_kwargs(run: dict, args) -> tuple | None:

@@ -7,6 +7,7 @@ lm_eval (and datasets under it) take seconds to import: they are imported inside
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import os
 import sys
@@ -77,8 +78,12 @@ def run_task(lm, task_manager, task: str, docs: int | None, bootstrap_iters: int
     task file says (efflab's: task.write_task's), as lm_eval's own command line without --gen_kwargs does."""
     from lm_eval import simple_evaluate
 
-    out = simple_evaluate(model=lm, tasks=[task], task_manager=task_manager, limit=docs, gen_kwargs=None,
-                          bootstrap_iters=bootstrap_iters, log_samples=True)
+    printed = io.StringIO()  # lm-eval prints "bootstrapping for stddev: <metric>": to the log, not the console
+    with contextlib.redirect_stdout(printed):
+        out = simple_evaluate(model=lm, tasks=[task], task_manager=task_manager, limit=docs, gen_kwargs=None,
+                              bootstrap_iters=bootstrap_iters, log_samples=True)
+    for line in printed.getvalue().splitlines():
+        log.debug("lm-eval: %s", line)
     metrics = _metrics(out["results"][task])
     return {"status": "ok", "metrics": metrics, "higher_is_better": out["higher_is_better"].get(task, {}),
             "n_docs": len(out["samples"][task]), "docs": _docs(out["samples"][task], list(metrics))}

@@ -5,11 +5,13 @@ import json
 import multiprocessing
 import os
 import signal
+import threading
 import time
 import traceback
 from pathlib import Path
 
 import torch
+import tqdm
 
 from .. import evaluation, zygote
 from ..logs import log_file_path, setup_child_logging
@@ -29,6 +31,10 @@ def classify_failure(err: BaseException) -> dict:
 def _cell_child(fn, kwargs: dict, conn, log_file: str | None, threads: int) -> None:
     setup_child_logging(log_file, "cell")
     torch.set_num_threads(threads)
+    # tqdm's default lock is a multiprocessing semaphore, made on a cell's first progress bar (transformers'
+    # "Loading weights"); a cell killed at the memory cap or the timeout cannot release it, and the resource
+    # tracker then reports it leaked at shutdown. A cell is one process: a thread lock serves.
+    tqdm.tqdm.set_lock(threading.RLock())
     try:
         result = {"status": "ok"} | fn(**kwargs)
     except BaseException as err:  # the whole point: any failure becomes a recorded result
@@ -51,9 +57,11 @@ _LIGHT = False  # set by prestart(light=True): this job's cells need no Trainer,
 
 
 def cell_preload() -> list[str]:
+    """efflab first: its package import quiets the libraries' import-time noise (logs.quiet_libraries) before the
+    forkserver imports them."""
     if torch.cuda.is_available() or _LIGHT:
-        return _CELL_PRELOAD_LIGHT + _EXTRA
-    return [m for m in zygote.PRELOAD if m not in evaluation.PRELOAD] + _EXTRA  # lm-eval: only cells that evaluate
+        return ["efflab", *_CELL_PRELOAD_LIGHT, *_EXTRA]
+    return ["efflab", *(m for m in zygote.PRELOAD if m not in evaluation.PRELOAD), *_EXTRA]  # lm-eval: in evaluate
 
 
 def _cell_context():
