@@ -26,22 +26,23 @@ skipped=()
 
 # 1. install: every part of the bundle that is here, then pip check (all parts must be in by now)
 if [ -x "$bundle/install.sh" ] || [ -f "$bundle/install.sh" ]; then
-  parts=$(cd "$bundle" && ls -d part-* 2>/dev/null)
+  parts=$(cd "$bundle" && ls -d part-* 2>/dev/null | tr '\n' ' ')
   [ -n "$parts" ] && PYTHON="$py" bash "$bundle/install.sh" $parts >>"$log" 2>&1 && say "installed: $parts"
   PYTHON="$py" bash "$bundle/install.sh" --check >>"$log" 2>&1 && say "pip check: ok" || say "pip check: FAILED (see lane.log)"
 fi
 bin=$(dirname "$(command -v "$py")")
 export PATH="$bin:$PATH"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"  # this tree's efflab, whatever wheel the bundle brought
-"$py" - >>"$log" 2>&1 <<'EOF'
+versions=$("$py" - 2>&1 <<'EOF'
 import torch, transformers, efflab
-print("torch", torch.__version__, "transformers", transformers.__version__, "cuda", torch.cuda.is_available())
+print("torch", torch.__version__, "transformers", transformers.__version__, "cuda", torch.cuda.is_available(), end=" ")
 if torch.cuda.is_available():
     print(torch.cuda.get_device_name(0), f"{torch.cuda.get_device_properties(0).total_memory / 2**30:.1f} GiB")
 EOF
-say "$(tail -2 "$log" | tr '\n' ' ')"
+)
+say "$(echo "$versions" | tail -1)"
 if [ "$device" = cuda ]; then
-  nvidia-smi >"$work/nvidia-smi.txt" 2>&1 || say "nvidia-smi: not found"
+  nvidia-smi >>"$log" 2>&1 || say "nvidia-smi: not found"
   profile_args=(--profile workflow/profiles/gpu-smoke)
 else
   "$py" - "$work/rehearsal.yaml" <<'PY'
@@ -67,12 +68,15 @@ rm -rf results.lane && mkdir -p results.lane
 ln -sfn results.lane results
 smoke_s=$(( $(left) - 120 ))
 if [ "$smoke_s" -gt 60 ]; then
-  timeout "$smoke_s" snakemake "${profile_args[@]}" --cores all >"$work/gpu-smoke.log" 2>&1
+  # EFFLAB_PHASES: each fine-tune also times its steps phase by phase (measure.phases: CUDA events on a GPU)
+  EFFLAB_PHASES="$work/finetune-phases.json" timeout "$smoke_s" snakemake "${profile_args[@]}" --cores all \
+    >"$work/gpu-smoke.log" 2>&1
   say "gpu-smoke: exit $? ($(grep -c 'Finished job' "$work/gpu-smoke.log") jobs finished)"
 else
   skipped+=("gpu-smoke (only ${smoke_s}s left)")
 fi
 rm results && mv results.lane "$work/smoke-results"
+[ -f "$work/finetune-phases.json" ] && mv "$work/finetune-phases.json" "$work/smoke-results/"
 [ -d results.before-lane ] && mv results.before-lane results
 
 # 4. the headline measurements, most wanted first, each only where the time left allows it (the GPU profile's

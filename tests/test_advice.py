@@ -2,7 +2,7 @@
 from efflab.stages.report import advice
 
 MiB = 2**20
-CFG = {"report": {"quality_tolerance_pct": 5.0, "baseline_scheme": "baseline"},
+CFG = {"tolerance": {"perplexity_pct": 5.0}, "report": {"baseline_scheme": "baseline"},
        "finetune": {"defaults": {"max_steps": 6, "eval_rows": 8}}, "quantize": {"eval_rows": 16},
        "bench_inference": {"repeats": 6}}
 
@@ -26,7 +26,7 @@ def metrics(**stages):
 
 
 def render(**stages):
-    return "\n".join(advice.lines(metrics(**stages), CFG))
+    return "\n".join(advice.lines(advice.facts(metrics(**stages), CFG), CFG))
 
 
 QUANTIZE = [scheme("baseline", 256), scheme("int8", 155, change(3.4, 1.0, 4.5)),
@@ -39,11 +39,11 @@ def test_the_smallest_scheme_that_keeps_quality_is_named_with_its_slower_decode_
     facts = advice.quantize_facts(QUANTIZE, INFERENCE, "baseline", 5.0)
     assert facts["pick"]["name"] == "int8", "nf4 is beyond the tolerance, fp4's interval straddles it"
     assert facts["speed"] == "slower"
-    assert facts["by_status"] == {"within": ["int8"], "beyond": ["nf4"], "undecided": ["fp4"], "not measured": [],
+    assert facts["by_status"] == {"within": ["int8"], "beyond": ["nf4"], "not decided at this size": ["fp4"], "not measured": [],
                                   "fails the task gate": []}
     text = render(quantize=QUANTIZE, bench_inference=INFERENCE)
     assert "**int8**: 155 MiB (1.65× smaller)" in text and "0.58× [0.55, 0.61] the baseline's speed (slower)" in text
-    assert "Beyond the tolerance: **nf4**" in text and "Not decided at this validation size: **fp4**" in text
+    assert "Beyond the tolerance: **nf4**" in text and "Not decided at this size (the interval holds the tolerance): **fp4**" in text
 
 
 def test_no_scheme_is_recommended_when_none_is_shown_within_the_tolerance():
@@ -57,7 +57,7 @@ def test_the_fastest_variant_is_not_recommended_when_its_quality_is_beyond_the_t
     text = render(quantize=QUANTIZE, bench_inference=INFERENCE)
     assert "No variant is shown to be both faster than the base model and within the quality tolerance" in text
     assert ("Of the other variants, **nf4** has the highest median speed: 1.2× [1.1, 1.3] the base model's (faster), "
-            "with perplexity +28.9% [+20, +38], beyond the tolerance") in text
+            "with perplexity +28.9% [+20.0, +38.0], beyond the tolerance") in text
 
 
 def test_a_smaller_or_faster_model_that_fails_the_task_gate_is_not_recommended_and_is_named():
@@ -97,9 +97,9 @@ def test_a_lowest_loss_within_noise_is_no_winner_and_a_different_learning_rate_i
     runs = [_run("full", "full", [[10, 20.0]] * 8, lr=5e-5, memory=3600.0),
             _run("lora-r8", "lora", noisy, step=(0.5, 0.45, 0.55))]
     facts = advice.finetune_facts(runs)
-    assert facts["winners"] == {"memory": None, "step": "lora-r8", "quality": None}
+    assert facts["winners"] == {"memory": None, "step_ratio": "lora-r8", "quality": None}
     text = render(finetune=runs)
-    assert "Lowest validation perplexity after training: no difference measured" in text
+    assert "Lowest validation perplexity after training: not decided at this size;" in text
     assert "Shortest step: **lora-r8**" in text and "`learning_rate` (full: 5e-05, lora-r8: 0.001)" in text
 
 
@@ -109,5 +109,6 @@ def test_a_figure_measured_once_per_run_is_undecided_not_no_difference():
     rows = [[10, 20.0]] * 8
     runs = [_run("full", "full", rows, lr=5e-5, memory=3600.0), _run("lora-r8", "lora", rows)]
     text = render(finetune=runs)
-    assert "Least training memory: undecided: some runs have one measurement and no interval here (lora-r8" in text
-    assert "Least training memory: no difference measured" not in text
+    assert ("Least training memory: not decided at this size (some runs have one measurement and no interval); "
+            "lora-r8 has the best point value") in text
+    assert "no difference measured" not in text and "undecided" not in text

@@ -136,9 +136,9 @@ def test_a_broken_model_fails_the_gate(results, test_cfg, tmp_path):
     reference = run(model)
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(100.0)
-    changes = scores.paired_changes(run(model), {"tasks": reference}, e["tolerance"])
+    changes = scores.paired_changes(run(model), {"tasks": reference}, config.task_tolerance(test_cfg))
     bpb = changes[LL_TASK]["bits_per_byte"]
-    assert bpb["ci95"][0] > e["tolerance"]["bits_per_byte"], bpb
+    assert bpb["ci95"][0] > test_cfg["tolerance"]["bits_per_byte"], bpb
     assert scores.gate_verdict(changes) == {"verdict": "fails", "failed": [f"{LL_TASK}/bits_per_byte"]}
 
 

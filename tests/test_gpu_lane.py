@@ -35,7 +35,7 @@ def test_gpu_smoke_plans_every_stage_on_cuda_with_the_cuda_branches_in_its_grid(
     assert params["runtime"]["device"] == "cuda"
     runs = params["finetune"]["runs"].values()
     assert {r.get("mixed_precision") for r in runs} >= {"fp16", "no"} and any(r.get("tf32") for r in runs)
-    assert any(r.get("bf16_weights") for r in runs)
+    assert any(r.get("bf16_weights") for r in runs) and any(r.get("liger_kernel") for r in runs)
     assert {"compiled", "vllm"} <= set(params["bench_inference"]["variants"]["baseline"]["generation"])
     assert {"sdpa_flash", "flash_attention_2", "sdpa_cudnn"} <= set(params["bench_attention"]["implementations"])
     assert "vllm" in params["bench_serving"]["methods"] and params["capacity"]["budget_mib"]["cuda"]

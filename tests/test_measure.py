@@ -1,13 +1,15 @@
 import os
 import signal
 import statistics
+import subprocess
+import sys
 import time
 
 import pytest
 import torch
 
 from efflab.measure import energy, env, flops, isolation, memory, stats, timing
-from tests.helpers import SimulatedClock
+from tests.helpers import REPO, SimulatedClock
 
 CPU = torch.device("cpu")
 MiB = 1024 * 1024
@@ -254,6 +256,53 @@ def test_interleaved_rounds_alternate_the_order_and_find_a_known_slowdown(quiet_
     assert stats.paired_ratio(timed, "b", "a")["verdict"] == "faster"
 
 
+# Per-round jitter of the simulated timings (±5%), so that the intervals below are real order statistics, not [2, 2].
+JITTER = [1.00, 1.04, 0.97, 1.02, 0.95, 1.05, 0.99, 1.03, 0.96, 1.01, 0.98, 1.00]
+
+
+@pytest.mark.parametrize("rounds", [6, 12])
+@pytest.mark.parametrize("cell_over_reference, median, verdict", [(0.5, 2.0, "faster"), (2.0, 0.5, "slower")])
+def test_a_speedup_reads_faster_when_the_cell_takes_less_time_than_the_reference(quiet_machine, rounds,
+                                                                                 cell_over_reference, median, verdict):
+    """measure.stats.speedup is the reference's time over the cell's, said of the cell: a cell taking half the
+    reference's time is 2x and `faster`, one taking twice as long 0.5x and `slower`, their intervals excluding 1.
+    ratio_verdict alone speaks of the reference (b's time over a's): `slower` where the cell is faster, which
+    said_of_faster_side turns round."""
+    clock = quiet_machine
+    reference = [0.010 * JITTER[r] for r in range(rounds)]
+    cell = [cell_over_reference * 0.010 * JITTER[::-1][r] for r in range(rounds)]
+    timed = timing.interleave({"cell": _work(clock, lambda r: cell[r]),
+                               "reference": _work(clock, lambda r: reference[r])}, rounds, CPU, warmup=0)
+    assert timed["stable_rounds"] == rounds and timed["variants"]["cell"]["samples"] == pytest.approx(cell)
+    ratios = [ref / mine for ref, mine in zip(reference, cell)]
+    sp = stats.speedup(timed, "cell", "reference")
+    assert sp["median"] == pytest.approx(statistics.median(ratios)) == pytest.approx(median, rel=0.1)
+    lo, hi = sp["ci95"]
+    assert (1 < lo <= sp["median"] <= hi) if verdict == "faster" else (lo <= sp["median"] <= hi < 1)
+    assert sp["verdict"] == verdict and sp["rounds"] == rounds
+    of_reference = stats.ratio_verdict(ratios)
+    assert of_reference["verdict"] == {"faster": "slower", "slower": "faster"}[verdict]
+    assert of_reference["ci95"] == pytest.approx(sp["ci95"]) and of_reference["median"] == pytest.approx(sp["median"])
+    said = stats.said_of_faster_side(of_reference)
+    assert said["verdict"] == verdict and said["median"] == of_reference["median"], "only the verdict is turned round"
+    assert stats.paired_ratio(timed, "cell", "reference")["verdict"] == of_reference["verdict"]
+
+
+@pytest.mark.parametrize("cell_over_reference, median", [(0.5, 2.0), (2.0, 0.5)])
+def test_two_rounds_leave_a_speedup_undecided_however_large(quiet_machine, cell_over_reference, median):
+    """Two rounds give no 95% interval of the median: the verdict says so, in whichever direction the ratio goes,
+    and said_of_faster_side leaves it as it is."""
+    clock = quiet_machine
+    timed = timing.interleave({"cell": _work(clock, lambda r: cell_over_reference * 0.010),
+                               "reference": _work(clock, lambda r: 0.010)}, 2, CPU, warmup=0)
+    sp = stats.speedup(timed, "cell", "reference")
+    assert sp["median"] == pytest.approx(median) and sp["ci95"] is None and sp["rounds"] == 2
+    assert sp["verdict"] == "inconclusive: 2 rounds cannot give a 95% interval of the median (6 needed at 95%)"
+    assert sp["verdict"] not in ("faster", "slower", "no significant difference")
+    assert stats.said_of_faster_side(stats.ratio_verdict([median] * 2))["verdict"] == sp["verdict"]
+    assert stats.said_of_faster_side({"verdict": "no significant difference"})["verdict"] == "no significant difference"
+
+
 def test_a_drift_that_hits_both_variants_alike_cancels_in_the_paired_ratio(quiet_machine):
     """The machine gets slower every round (a neighbour job ramping up): timed A A A then B B B, B reads over
     twice as slow; the interleaved per-round ratio sees two identical variants."""
@@ -452,7 +501,17 @@ def test_a_light_job_s_cells_fork_from_a_forkserver_without_the_trainer(monkeypa
     monkeypatch.setattr(isolation, "_cell_context", lambda: type("Ctx", (), {"get_start_method": lambda s: "spawn"})())
     isolation.prestart("subprocess", extra=["json"], light=True)
     light = isolation.cell_preload()
-    assert light == isolation._CELL_PRELOAD_LIGHT + ["json"]
+    assert light == ["efflab", *isolation._CELL_PRELOAD_LIGHT, "json"]  # efflab first: it quiets the imports after
     assert "transformers.trainer" not in light and "peft" not in light
     isolation.prestart("inprocess", light=False)
     assert isolation.cell_preload() == light, "a job's light choice is not undone by a later prestart"
+
+
+def test_a_killed_cell_leaks_no_semaphore():
+    """A cell killed at its timeout after a progress bar (tqdm's lock is a multiprocessing semaphore by default)
+    leaves nothing for the resource tracker to report at shutdown: the console stays quiet."""
+    code = ("from efflab.measure.isolation import run_cell\nfrom tests.helpers import progress_then_hang\n"
+            "print(run_cell(progress_then_hang, {}, 'subprocess', timeout_s=3)['status'])")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert done.stdout.strip() == "timeout", done.stderr[-2000:]
+    assert "leaked" not in done.stderr and "Warning" not in done.stderr, done.stderr[-2000:]

@@ -32,7 +32,7 @@ def test_the_stage_s_perplexities_and_b_min_are_recomputed_from_its_per_row_log(
     assert ppl["base"] == pytest.approx(metrics["base_perplexity"], rel=1e-9)
     reference = ppl["full precision"]
     assert reference == pytest.approx(metrics["reference_perplexity"], rel=1e-9)
-    assert reference < ppl["base"], "the fine-tune the threshold is relative to lowered the validation loss"
+    assert reference < ppl["base"], "the fine-tune the tolerance is relative to lowered the validation loss"
     for v in metrics["variants"]:
         assert v["perplexity"] == pytest.approx(ppl[v["variant"]], rel=1e-9)
     fp_rows = evals[evals.variant == "full precision"].sort_values("row")
@@ -48,7 +48,8 @@ def test_the_stage_s_perplexities_and_b_min_are_recomputed_from_its_per_row_log(
         "mixed_precision"] == "no", "every model of the stage trains at the same precision"
     for method in ("ptq", "qat"):
         changes = {v["bits"]: v["perplexity_change"] for v in metrics["variants"] if v["method"] == method}
-        assert metrics["precision_range_test"][method] == json_round_trip(qat.range_test(changes, q["threshold"]))
+        tolerance = test_cfg["tolerance"]["perplexity_pct"]
+        assert metrics["precision_range_test"][method] == json_round_trip(quality.range_test(changes, tolerance))
     losses = pd.read_csv(results / "qat" / qat.LOSSES_CSV)
     assert set(losses.variant) == {"full precision"} | {f"qat-int{b}" for b in q["bits"]}
     assert all(len(g) == q["train"]["steps"] for _, g in losses.groupby("variant"))
@@ -108,21 +109,22 @@ def _change(lo: float, hi: float) -> dict:
 
 
 def test_the_precision_range_test_scans_from_the_lowest_width_up_deciding_by_intervals():
-    wide_but_below = _change(2.0, 9.0)  # within a 1.1x threshold (+10%) as a whole
+    wide_but_below = _change(2.0, 9.0)  # within a +10% tolerance as a whole
     changes = {2: _change(500, 900), 3: wide_but_below, 4: _change(12.0, 30.0), 8: _change(-1.0, 1.0)}
-    test = qat.range_test(changes, threshold=1.1)
+    test = quality.range_test(changes, tolerance_pct=10)
     assert test["b_min"] == 3 and test["passing"] == [3, 8] and test["fail_above_b_min"] == [4]
     assert test["verdicts"] == {2: "fails", 3: "passes", 4: "fails", 8: "passes"}
-    assert qat.range_test({2: _change(400, 900), 4: _change(50, 90)}, 1.1)["b_min"] is None
+    assert quality.range_test({2: _change(400, 900), 4: _change(50, 90)}, 10)["b_min"] is None
 
 
-def test_a_width_whose_interval_straddles_the_threshold_leaves_b_min_undecided():
-    """A point estimate under the threshold is not a pass when its interval reaches over it."""
-    test = qat.range_test({3: _change(100, 200), 4: _change(4.0, 16.0), 8: _change(-1.0, 1.0)}, threshold=1.1)
+def test_a_width_whose_interval_straddles_the_tolerance_leaves_b_min_undecided():
+    """A point estimate under the tolerance is not a pass when its interval reaches over it."""
+    test = quality.range_test({3: _change(100, 200), 4: _change(4.0, 16.0), 8: _change(-1.0, 1.0)},
+                              tolerance_pct=10)
     assert test["b_min"] is None and test["undecided_at"] == 4
     assert test["verdicts"][4] == "undecided" and test["passing"] == [8]
     few_rows = {"change_pct": 1.0, "ci95_change_pct": None, "n_rows": 4}
-    assert qat.range_test({8: few_rows}, 1.1)["verdicts"][8] == "undecided", "no interval from 4 rows: no verdict"
+    assert quality.range_test({8: few_rows}, 10)["verdicts"][8] == "undecided", "no interval from 4 rows: no verdict"
 
 
 def test_a_group_size_that_does_not_divide_a_layer_is_one_line_naming_the_key(prepared):

@@ -4,6 +4,7 @@ import pandas as pd
 import pytest
 import torch
 
+from efflab import records
 from efflab.measure import env
 from efflab.stages.report import bench_plots, environments, fmt, knobs, notes, pareto, plots
 
@@ -69,15 +70,15 @@ def test_a_step_time_verdict_pairs_the_same_batches_and_needs_the_interval_off_o
         "tokens_seen": 1000}
     # each run's own interval overlaps the other's, but every same-batch step is 1.3x: slower
     assert plain["step_time"]["ci95_median"][1] > recomputed["step_time"]["ci95_median"][0]
-    ratio = knobs.step_time_ratio(plain, recomputed)
-    assert ratio["paired"] and ratio["median"] == pytest.approx(1.3) and ratio["verdict"] == "slower"
-    assert knobs.step_time_ratio(recomputed, plain)["verdict"] == "faster"
-    assert knobs.step_time_ratio(plain, noisy)["verdict"] == "no significant difference"
+    ratio = records.step_ratio(plain, recomputed, [], 0.1)
+    assert ratio["source"] == "paired" and ratio["median"] == pytest.approx(1.3) and ratio["verdict"] == "slower"
+    assert records.step_ratio(recomputed, plain, [], 0.1)["verdict"] == "faster"
+    assert records.step_ratio(plain, noisy, [], 0.1)["verdict"].startswith("not decided at this size")
     other_batches = recomputed | {"tokens_seen": 2000}  # not the same batches: the runs' intervals decide
-    unpaired = knobs.step_time_ratio(plain, other_batches)
-    assert not unpaired["paired"] and unpaired["verdict"] == "no significant difference"
+    unpaired = records.step_ratio(plain, other_batches, [], 0.1)
+    assert unpaired["source"] == "runs" and unpaired["verdict"].startswith("not decided at this size")
     row = knobs.knob_table([plain, recomputed]).iloc[0]
-    assert row["step time verdict"] == "slower" and row["step time ratio [95% CI]"].endswith("(paired steps)")
+    assert row["step time verdict"] == "slower" and row["step time ratio [95% CI]"].endswith("(7 paired steps)")
 
 
 def test_reference_results_keep_the_numbers_and_no_weights_under_the_device_name(tmp_path):
@@ -148,7 +149,7 @@ def test_the_inference_frontier_is_the_advices_by_intervals_drawn_without_a_line
                  _variant("nf4", "quantized", 105, (1.2, 1.1, 1.3)),
                  _variant("close", "quantized", 256, (0.98, 0.9, 1.05)),
                  _variant("bad", "quantized", 260, (0.9, 0.85, 0.95))]
-    points = pareto.inference_pareto(inference, quantize)
+    points = pareto.inference_pareto(inference, quantize, advice.inference_facts(inference, quantize, 5.0))
     assert {p["name"]: p["dominated"] for p in points} == {"baseline": False, "int8": False, "nf4": False,
                                                            "close": False, "bad": True}
     front = advice.inference_facts(inference, quantize, 5.0)["front"]
@@ -200,10 +201,10 @@ def test_a_capacity_search_that_fit_its_whole_grid_is_drawn_as_at_least_its_ceil
 
 
 def _capacity_report(job) -> tuple[str, str, pd.DataFrame]:
-    from efflab.stages.report import sections, tables
+    from efflab.stages.report import decisions, glance, sections, tables
 
     metrics = {"qat": [], "capacity": [job], "finetune": [], "bench_attention": [], "base_model": [{"config": {}}]}
-    return (sections.capacity_body({}, metrics, lambda key: "TABLE"), "\n".join(notes.lines(metrics)),
+    return (sections.capacity_body({}, metrics, lambda key: "TABLE"), glance.capacity(decisions._capacity(job)),
             tables.capacity_table([job]))
 
 
@@ -218,7 +219,7 @@ def test_capacity_names_the_memory_beyond_live_tensors_when_the_estimator_s_tens
     assert "RSS grew 1,072 MiB, 420 beyond the live tensors (264 MiB of file pages read after loading)" in section
     assert "Cause: the miss is mostly memory beyond the live tensors." in section
     assert "outside" not in section and "estimator's, on live tensors" not in section
-    assert "lora-r8 5 (batch of 128-token rows)" in note and "why they missed: *Capacity* below" in note
+    assert "lora-r8 (training) 5 (batch of 128-token rows)" in note and "#capacity-" in note
     assert "estimator's miss" not in note
     row = table.iloc[0]
     assert (row["predicted max"], row["measured max"], row["tensors predicted (MiB)"], row["tensors measured (MiB)"],
@@ -229,7 +230,7 @@ def test_capacity_names_the_memory_beyond_live_tensors_when_the_estimator_s_tens
 def test_capacity_says_the_estimator_is_off_only_where_its_tensors_are():
     section, note, _ = _capacity_report(_capacity_job(_search("lora-r8", 7, 4, at_max=_at_max(640, 900, 1000))))
     assert "(1.41×, outside ±15%)" in section and "Cause: the miss is mostly the estimator's, on live tensors" in section
-    assert "lora-r8 4 (batch of 128-token rows)" in note, "the note says what fits; the section says why"
+    assert "lora-r8 (training) 4 (batch of 128-token rows)" in note, "the glance says what fits; the section why"
     # The QLoRA case of a run: the tensors within 3%, and this cell's loaded model held 253 MiB more than the first
     # cell's, where the prediction starts: that, not the estimator and not the 86 MiB gap, moved the maximum.
     loaded, _, _ = _capacity_report(_capacity_job(_search("qlora-r8", 6, 4, at_max=_at_max(855, 829, 915,
@@ -292,7 +293,7 @@ def test_a_knob_verdict_comes_from_the_interleaved_pair_and_never_from_runs_at_d
     gc = _run("lora-gc", 250, 0.5, gradient_checkpointing=True) | {
         "step_time": summarize([0.5 * t for t in lengths]), "tokens_seen": 1000} | ceiling(0.140)
     row = knobs.knob_table([plain, gc]).iloc[0]
-    assert row["step time verdict"].startswith("not a verdict: the machine's speed changed between the runs")
+    assert row["step time verdict"].startswith("not decided: the machine's speed changed between the runs")
     interleaved = {"status": "ok", "pairs": [{
         "status": "ok", "knob": "gradient_checkpointing", "a": "lora", "b": "lora-gc",
         "step_time_ratio": {"median": 1.31, "ci95": [1.22, 1.40], "rounds": 6, "verdict": "slower"},
@@ -421,7 +422,7 @@ def test_serving_reads_its_bursts_an_interval_from_six_a_range_below_and_an_old_
     table = tables.serving_table([three]).set_index("method")
     assert table.loc["static", "output tokens/s"] == "25 (range 22.5–35, n=3)"
     assert table.loc["continuous", "x static [95% CI]"] == "1.30 (no 95% interval: 3 rounds)"
-    assert table.loc["continuous", "verdict vs static"] == "undecided"
+    assert table.loc["continuous", "verdict vs static"] == "not decided at this size (n=3, no 95% interval)"
     table = tables.serving_table([one]).set_index(["method", "concurrency"])
     assert table.loc[("continuous", 12), "x naive [95% CI]"] == "3.19 (no 95% interval: 1 rounds)"
     assert table.loc[("continuous", 12), "output tokens/s"] == "74.2"
@@ -477,3 +478,20 @@ def test_the_run_size_names_what_the_default_leaves_to_the_gpu_profile():
                                                              config.load(config.REPO_ROOT / sections.GPU_PROFILE))}
     assert out["qat.eval_tasks"] == ["efflab_validation_gen", "efflab_validation_ll"]
     assert out["qat.bits"] == [2, 3] and "lora-r8-padded" in out["finetune"]
+
+
+def test_did_not_run_lists_the_failed_cells_of_a_job_that_ran_one_row_per_reason():
+    """A job that ran can still hold cells that did not (bench_serving's continuous batching failing on one
+    transformers version): each reason is one row naming its cells, and nothing disappears silently."""
+    metrics = {"bench_serving": [{"name": None, "status": "ok", "cells": [
+        {"method": "naive", "concurrency": 3, "status": "ok"},
+        {"method": "continuous", "concurrency": 3, "status": "failed", "reason": "TypeError: page_size"},
+        {"method": "continuous", "concurrency": 6, "status": "failed", "reason": "TypeError: page_size"},
+        {"method": "vllm", "concurrency": 3, "status": "unavailable", "reason": "vllm is not installed"}]}],
+        "quantize": [{"name": "nf4", "status": "oom", "reason": "OutOfMemoryError"}]}
+    assert records.not_run(metrics) == [
+        {"stage": "bench_serving", "name": "bench_serving: method=continuous concurrency=3, method=continuous "
+         "concurrency=6", "status": "failed", "reason": "TypeError: page_size"},
+        {"stage": "bench_serving", "name": "bench_serving: method=vllm concurrency=3", "status": "unavailable",
+         "reason": "vllm is not installed"},
+        {"stage": "quantize", "name": "nf4", "status": "oom", "reason": "OutOfMemoryError"}]

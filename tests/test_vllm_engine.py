@@ -267,6 +267,7 @@ def test_the_vllm_method_is_served_in_the_interleaved_bursts_beside_naive(result
     simulated clock), the figures recomputed from them, and the paired ratio over naive in the same rounds."""
     sim = SimulatedClock()
     monkeypatch.setattr(timing, "clock", sim)
+    monkeypatch.setattr(timing, "speed_probe", lambda device: 100.0)  # a quiet machine: no burst is set aside
     vllm = fake_vllm(sim, step_s=0.1)
     monkeypatch.setitem(sys.modules, "vllm", vllm)
     cfg = copy.deepcopy(test_cfg)
@@ -282,10 +283,11 @@ def test_the_vllm_method_is_served_in_the_interleaved_bursts_beside_naive(result
         return engines.load(method, layout.base_model(), "float32", s["seed"])
     cells = [{"method": "naive", "concurrency": 1}] + [{"method": "vllm", "concurrency": c} for c in (2, len(reqs))]
     serve = bench_serving.server(model, tokenizer, reqs, torch.device("cpu"), load_engine)
-    rows, orders = bench_serving.measure(cells, serve, s["bursts"])
+    rows, sentinel = bench_serving.measure(cells, serve, s["bursts"])
     assert loads == ["vllm"] and len(vllm.LLM.instances) == 1
     names = ["naive@1", "vllm@2", f"vllm@{len(reqs)}"]
-    assert orders == [names if b % 2 == 0 else names[::-1] for b in range(s["bursts"])]
+    assert [r["order"] for r in sentinel["rounds"]] == [timing.balanced_order(names, b) for b in range(s["bursts"])]
+    assert sentinel["set_aside"] == 0 and sentinel["figures_of_bursts"] == list(range(s["bursts"]))
     fake = vllm.LLM.instances[0].llm_engine
     assert len(fake.added) == 2 * 2 + 2 * s["bursts"] * len(reqs), "the warm-up's two requests per cell, then bursts"
     new_tokens = [r["new_tokens"] for r in reqs]

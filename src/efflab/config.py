@@ -270,6 +270,16 @@ def finetune_run(cfg: dict, name: str) -> dict:
     return _deep_merge(cfg["finetune"]["defaults"], cfg["finetune"]["runs"][name])
 
 
+# The lm-eval metrics the tolerance section gates, in their own units (the rest of a task's metrics are reported,
+# not gated); perplexity_pct is the tolerance of every perplexity change.
+TASK_TOLERANCES = ("bits_per_byte", "chrf", "exact_match", "acc")
+
+
+def task_tolerance(cfg: dict) -> dict[str, float]:
+    """The tolerance of each gated lm-eval metric: evaluate's gate and qat's task scores."""
+    return {m: cfg["tolerance"][m] for m in TASK_TOLERANCES}
+
+
 def base_quant(run: dict) -> dict | None:
     """The bitsandbytes scheme a fine-tuning run's frozen base is loaded with: QLoRA's 4-bit scheme, else None
     (full precision). Training, merging, inference and the memory estimates all load that same base."""

@@ -63,6 +63,35 @@ def against_tolerance(change: dict | None, tolerance_pct: float) -> str:
     return "within" if hi <= tolerance_pct else "beyond" if lo > tolerance_pct else "undecided"
 
 
+# The precision range test (qat's and the report's): one verdict per weight width, then B_min.
+def width_verdicts(changes: dict[int, dict | None], tolerance_pct: float) -> dict[int, str]:
+    """Each width's verdict against the perplexity tolerance (tolerance.perplexity_pct), decided by the interval of
+    its paired perplexity change over the full-precision fine-tune (against_tolerance): `passes` when the
+    whole interval is within +tolerance_pct %, `fails` when it is wholly beyond, `undecided` otherwise (or with too
+    few rows for one)."""
+    said = {"within": "passes", "beyond": "fails", "undecided": "undecided"}
+    return {b: "not run" if c is None else said[against_tolerance(c, tolerance_pct)]
+            for b, c in changes.items()}
+
+
+def range_test(changes: dict[int, dict | None], tolerance_pct: float) -> dict:
+    """The precision range test: from the lowest width up, the first that passes is B_min. A width whose
+    interval straddles the tolerance leaves B_min undecided from there (`undecided_at`): the scan cannot say
+    whether it passes. Widths above B_min that fail again are named (the scan is not monotone)."""
+    widths, verdict = sorted(changes), width_verdicts(changes, tolerance_pct)
+    b_min = undecided_at = None
+    for b in widths:
+        if verdict[b] == "passes":
+            b_min = b
+            break
+        if verdict[b] != "fails":
+            undecided_at = b
+            break
+    return {"b_min": b_min, "undecided_at": undecided_at, "verdicts": verdict,
+            "passing": [b for b in widths if verdict[b] == "passes"],
+            "fail_above_b_min": [b for b in widths if b_min is not None and b > b_min and verdict[b] == "fails"]}
+
+
 def direction(change: dict | None) -> str:
     """`better` / `worse` when the interval of the change excludes zero, else `no difference measured`;
     `undecided` without an interval."""

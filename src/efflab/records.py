@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 
-from .measure.stats import ratio_verdict, said_of_faster_side
+from .measure.stats import median_ci_order, percentile, ratio_verdict, ratio_words, said_of_faster_side
 
 # Settings that change what a run costs or buys; the others do not make two runs a knob comparison.
 NOT_KNOBS = {"eval_rows", "checkpoint_every", "timing_warmup_steps", "num_machines", "accelerate_config"}
@@ -48,10 +48,28 @@ def read_stage(layout, stage: str, names: list[str] | None) -> list[dict]:
     return [read(layout, stage, n) for n in (names or [None])]
 
 
+CELL_LISTS = ("cells", "rows", "pairs", "searches")  # where a job's grid cells are recorded
+CELL_KEYS = ("method", "variant", "implementation", "mode", "generation", "kv_cache", "batch_size", "concurrency",
+             "seq_len", "subject", "dimension", "a", "b")
+
+
 def not_run(by_stage: dict[str, list[dict]]) -> list[dict]:
-    """Every job that did not produce numbers, and why."""
-    return [{"stage": stage, "name": r.get("name"), "status": r["status"], "reason": r.get("reason", "")}
-            for stage, records in by_stage.items() for r in records if not is_ok(r)]
+    """Every job that did not produce numbers, and every grid cell of a job that did, and why: the cells of one job
+    that did not run for the same reason are one row."""
+    rows = []
+    for stage, records in by_stage.items():
+        for r in records:
+            if not is_ok(r):
+                rows.append({"stage": stage, "name": r.get("name"), "status": r["status"],
+                             "reason": r.get("reason", "")})
+                continue
+            alike: dict[tuple, list[str]] = {}
+            for cell in (c for key in CELL_LISTS for c in r.get(key) or () if isinstance(c, dict) and not is_ok(c)):
+                label = " ".join(f"{k}={cell[k]}" for k in CELL_KEYS if k in cell)
+                alike.setdefault((cell["status"], cell.get("reason") or ""), []).append(label)
+            rows += [{"stage": stage, "name": f"{r.get('name') or stage}: {', '.join(labels)}", "status": status,
+                      "reason": reason} for (status, reason), labels in alike.items()]
+    return rows
 
 
 def reference_cell(job: dict) -> dict | None:
@@ -87,6 +105,52 @@ def paired_step_times(a: dict, b: dict) -> list[float] | None:
             or a.get("tokens_seen") != b.get("tokens_seen"):
         return None
     return sorted(y / x for x, y in zip(xs, ys))
+
+
+def speed_changed(a: dict, b: dict, tolerance: float) -> str | None:
+    """Why two runs' own step times cannot be compared, when the matmul ceilings their processes measured
+    differ by more than `tolerance` (measure.timing.SENTINEL_TOLERANCE): the machine ran at another speed."""
+    ca, cb = (r.get("throughput", {}).get("matmul_ceiling", {}).get("tflops") for r in (a, b))
+    if ca and cb and abs(cb / ca - 1) > tolerance:
+        return (f"the machine's speed changed between the runs (matmul ceiling {1000 * ca:.0f} vs "
+                f"{1000 * cb:.0f} GFLOP/s)")
+    return None
+
+
+def step_ratio(a: dict, b: dict, bench_finetune: list[dict], tolerance: float) -> dict | None:
+    """Run b's step time over run a's, measured one way for every reader (the report's knob table and its
+    fine-tuning decision, the claims): `median`, `ci95` (None where n gives none), `n`, `source` and `verdict`
+    (stats.ratio_words: slower / faster / same within ±10% / not decided), `why` where there is no comparison.
+
+    Sources, best first: bench_finetune's interleaved steps of the pair (`interleaved`, `pair`); the two runs'
+    steps paired step by step where they drew the same batches in the same order (`paired`, `ratios`, the
+    interval's `coverage`); else the two runs' medians (`runs`), whose interval is the ratio of their
+    intervals' far ends (apart only where the intervals are). The runs' own steps compare only where the matmul
+    ceilings of their processes agree within `tolerance` (speed_changed). None without two timed runs."""
+    for x, y, flip in ((a, b, False), (b, a, True)):
+        pair = interleaved_pair(bench_finetune, x["run"], y["run"])
+        if pair:
+            r = pair["step_time_ratio"]
+            median, ci = r.get("median"), r.get("ci95")
+            if flip and median is not None:
+                median, ci = 1 / median, ci and [1 / ci[1], 1 / ci[0]]
+            out = {"median": median, "ci95": ci, "n": r.get("rounds"), "source": "interleaved", "pair": pair,
+                   "why": r["verdict"] if median is None else None}
+            return out | {"verdict": ratio_words(out, "slower", "faster")}
+    sa, sb = a.get("step_time"), b.get("step_time")
+    if not sa or not sb or sa.get("n", 0) < 2 or sb.get("n", 0) < 2:
+        return None
+    ratios = paired_step_times(a, b)
+    if ratios:
+        interval = median_ci_order(ratios)
+        out = {"median": percentile(ratios, 0.5), "ci95": interval and interval[0], "n": len(ratios),
+               "coverage": interval and interval[1], "source": "paired", "ratios": ratios}
+    else:
+        ia, ib = sa.get("ci95_median"), sb.get("ci95_median")
+        out = {"median": sb["median"] / sa["median"], "ci95": [ib[0] / ia[1], ib[1] / ia[0]] if ia and ib else None,
+               "n": min(sa["n"], sb["n"]), "source": "runs"}
+    out["why"] = speed_changed(a, b, tolerance)
+    return out | {"verdict": ratio_words(out, "slower", "faster")}
 
 
 def flat_settings(settings: dict, prefix: str = "") -> dict:

@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable
 
-from .config import evaluated_models, finetune_run, lookup, merge_runs
+from .config import TASK_TOLERANCES, evaluated_models, finetune_run, lookup, merge_runs
 
 # What stages write besides metrics.json, by name (layout says where).
 MODEL = "model"
@@ -52,7 +52,7 @@ class Stage:
 
 # How a model is scored (the evaluate stage; qat scores its models in its own job through the same code).
 EVALUATION = ("evaluate.docs", "evaluate.max_new_tokens", "evaluate.batch_size",
-              "evaluate.bootstrap_iters", "evaluate.tolerance")
+              "evaluate.bootstrap_iters", *(f"tolerance.{m}" for m in TASK_TOLERANCES))
 
 
 def _stages(*stages: Stage) -> dict[str, Stage]:
@@ -80,7 +80,7 @@ STAGES = _stages(
           figures=("parameter_ratio", "footprint_ratio", "pruned.perplexity_change.change_pct",
                    "pruned.perplexity_change.ci95_change_pct", "generation_speedup.median", "generation_speedup.ci95",
                    "generation_speedup.verdict")),
-    Stage("qat", ("runtime", "qat", *EVALUATION), runtime_min=40, mem_factor=6,
+    Stage("qat", ("runtime", "qat", "tolerance.perplexity_pct", *EVALUATION), runtime_min=40, mem_factor=6,
           left_out=("qat.bits is empty", lambda cfg: not cfg["qat"]["bits"]),
           outputs=(QAT_MODEL, "evals.csv", "losses.csv"), gpu=True,
           figures=("variants[variant].perplexity",)),
@@ -130,12 +130,13 @@ STAGES = _stages(
           figures=("searches[subject,kind,dimension].measured_max",)),
     Stage("evaluate", ("runtime", "evaluate.tasks", *EVALUATION, "evaluate.samples"),
           runtime_min=20, mem_factor=3, grid=lambda cfg: list(evaluated_models(cfg)), outputs=(LM_EVAL,), gpu=True,
+          left_out=("evaluate.models is empty", lambda cfg: not evaluated_models(cfg)),
           timed=False,
           figures=("tasks.*.metrics.*.value", "gate.verdict")),
-    Stage("claims", ("claims",), runtime_min=10, outputs=("claims.csv", "claims.md", "summary.json"),
+    Stage("claims", ("claims", "tolerance"), runtime_min=10, outputs=("claims.csv", "claims.md", "summary.json"),
           figures=("by_verdict",)),
-    Stage("report", ("report",), runtime_min=10,
-          figures=("not_run",)),
+    Stage("report", ("report", "tolerance"), runtime_min=10,
+          figures=("not_run", "decisions.*")),
 )
 
 

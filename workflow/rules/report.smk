@@ -31,6 +31,7 @@ rule report:
         pareto=expand("results/report/{kind}_pareto.csv", kind=["finetune", "inference"]),
         metrics="results/report/metrics.json",
         figures="results/report/figures.json",
+        decisions="results/report/decisions.json",
     params:
         file=PARAMS,
         settings=settings("report"),

@@ -1,5 +1,5 @@
 """Per-document scores of two models on the same documents, paired: the change of each metric with its interval,
-and the quality gate (evaluate.tolerance) decided by that interval.
+and the quality gate (the tolerance section of params.yaml) decided by that interval.
 
 A metric's per-document item is lm-eval's own: a number (exact_match, acc), a (log-likelihood, weight) pair
 (bits_per_byte: weight = bytes of the answer), or a (reference, response) pair of a corpus metric (chrf, bleu),

@@ -3,6 +3,7 @@
 No torch here: records and the report read verdicts without loading it."""
 from __future__ import annotations
 
+import math
 import statistics
 from math import comb
 
@@ -78,6 +79,77 @@ def ratio_verdict(ratios: list[float], level: float = 0.95) -> dict:
                f"inconclusive: the {level:.0%} interval [{lo:.3g}, {hi:.3g}] holds 1 but also a {m:.0%} difference")
     return {"median": median, "ci95": [lo, hi], "coverage": coverage, "level": level, "rounds": len(ordered),
             "interval": "order statistics (distribution-free)", "verdict": verdict}
+
+
+# The one vocabulary of every comparison the report and the claims state (the report's reading guide defines it):
+# the interval excludes the centre: `higher` / `lower` (faster / slower); it lies inside the equivalence band:
+# "same within ±X%"; anything else: "not decided at this size", with about how many rounds would decide it.
+NOT_DECIDED = "not decided at this size"
+
+
+def same_within(band: float, relative: bool = True, unit: str = "") -> str:
+    return f"same within ±{100 * band:g}%" if relative else f"same within ±{band:g}{unit}"
+
+
+def rounds_to_decide(median: float, lo: float, hi: float, n: int | None, centre: float, band_lo: float,
+                     band_hi: float) -> int | None:
+    """About how many rounds would decide a comparison whose interval [lo, hi] from n rounds holds the centre:
+    an interval narrows as 1/sqrt(n), so n (half-width / room)², for the room to exclude the centre or to fit the
+    band, whichever is less. None where n is unknown or there is no room (the median on the centre or an edge)."""
+    if not n:
+        return None
+    half = (hi - lo) / 2
+    rooms = [r for r in (abs(median - centre), min(band_hi - median, median - band_lo)) if r > 0]
+    return math.ceil(n * (half / max(rooms)) ** 2) if rooms and half > 0 else None
+
+
+def compare(median: float | None, lo: float | None, hi: float | None, *, n: int | None = None,
+            centre: float = 1.0, band: float = EQUIVALENCE_MARGIN, relative: bool = True, unit: str = "",
+            higher: str = "faster", lower: str = "slower", why: str | None = None) -> str:
+    """The verdict of one comparison in the one vocabulary: `higher` / `lower` where the interval lies wholly
+    above / below `centre`; "same within ±band" where it lies inside the band around it (relative: a ratio
+    within [c/(1+band), c(1+band)]; else c ± band in `unit`); else "not decided at this size", with the rounds
+    that would decide it where computable. `why`: the reason there is no comparison (e.g. the machine's speed
+    changed)."""
+    if why:
+        return f"not decided: {why.removeprefix('not a verdict: ')}"
+    if median is None:
+        return "not measured"
+    if lo is None or hi is None:
+        return f"{NOT_DECIDED} ({'n=' + str(n) + ', ' if n else ''}no 95% interval)"
+    if lo > centre:
+        return higher
+    if hi < centre:
+        return lower
+    band_lo, band_hi = (centre / (1 + band), centre * (1 + band)) if relative else (centre - band, centre + band)
+    if band_lo <= lo and hi <= band_hi:
+        return same_within(band, relative, unit)
+    need = rounds_to_decide(median, lo, hi, n, centre, band_lo, band_hi)
+    return NOT_DECIDED + (f" (about n={need} would decide it; n={n} here)" if need and need > n else "")
+
+
+def ratio_words(ratio: dict | None, higher: str = "faster", lower: str = "slower") -> str:
+    """A ratio record (paired_ratio, speedup, a step-time ratio: median, ci95, rounds or n) in the vocabulary;
+    `higher` is what a ratio above 1 means (a speedup: faster; a time ratio: slower)."""
+    if not ratio:
+        return "not measured"
+    lo, hi = ratio.get("ci95") or (None, None)
+    why = ratio.get("why") or (ratio["verdict"] if ratio.get("median") is None and ratio.get("verdict") else None)
+    return compare(ratio.get("median"), lo, hi, n=ratio.get("rounds") or ratio.get("n"), higher=higher,
+                   lower=lower, why=why)
+
+
+def against_tolerance(value: float | None, lo: float | None, hi: float | None, tolerance: float, unit: str = "%",
+                      n: int | None = None) -> str:
+    """A quality change (higher is worse) against its one tolerance, in the same vocabulary: "within +X" where the
+    whole interval is at or below it, "beyond +X" where the whole interval is above it, else "not decided at this
+    size"."""
+    if value is None:
+        return "not measured"
+    if lo is None or hi is None:
+        return f"{NOT_DECIDED} ({'n=' + str(n) + ', ' if n else ''}no 95% interval)"
+    return (f"within +{tolerance:g}{unit}" if hi <= tolerance else f"beyond +{tolerance:g}{unit}" if lo > tolerance
+            else NOT_DECIDED)
 
 
 def said_of_faster_side(ratio: dict) -> dict:

@@ -226,6 +226,8 @@ def run(cfg: dict, job: Job) -> dict:
     journal.remove()
     statuses = {r["status"] for r in rows}
     status = "unavailable" if statuses == {"unavailable"} else "ok"
+    if status == "unavailable" and not reason:  # every cell said why: the job says it too (the report's Did not run)
+        reason = "; ".join(dict.fromkeys(r["reason"] for r in rows if r.get("reason"))) or None
     return {"status": status, "implementation": impl, "reason": reason, "dtype": dtype,
             "measured": "decoder stack (no LM head) on random tokens", "rows": rows, "memory_exponents": fits,
             "environment": environment(device, b)}

@@ -12,16 +12,22 @@ how many the server works on at a time:
               CUDA GPU, else `unavailable`: at most `concurrency` requests in the engine at a time, a finished one
               replaced by a waiting one at once (vLLM batches those in the engine continuously, paged KV cache).
 After one untimed warm-up pass, each of `bursts` rounds serves the burst once with every (method, concurrency)
-cell, the cells in reverse order every other round (A B C, then C B A), so that a drift of the machine's speed
-hits every cell alike and cancels in the ratios of one round. Every request's burst, times (submitted, first
-token, finished) and lengths go to requests.csv, from which every figure of the metrics is computed: each burst's
-requests/s and output tokens/s, their median over the bursts with its 95% interval where the bursts give one,
-the paired per-round ratios over naive and of continuous over static batching (measure.stats.ratio_verdict), and
-percentiles of TTFT and latency over the pooled requests of all bursts.
+cell, measured as bench_inference's rounds are (measure.timing): the cells in a balanced order (balanced_order:
+rotated by one every two rounds, every other round the reverse of the one before, A B C, C B A, B C A, A C B, ...),
+so that a drift of the machine's speed hits every cell alike and each pair of cells runs in either order equally
+often; a speed probe before the first burst and after each (sentinel_rounds); a burst whose probes strayed beyond
+±`sentinel_tolerance` of the median probe set aside, with why, and another served in its place (at most `bursts`
+more). Every request's burst, times (submitted, first token, finished) and lengths go to requests.csv (set-aside
+bursts too: the record's `sentinel` names them), from which every figure of the metrics is computed, of the stable
+bursts only: each burst's requests/s and output tokens/s, their median over the bursts with its 95% interval
+where the bursts give one, the paired per-round ratios over naive and of continuous over static batching
+(measure.stats.ratio_verdict; no verdict where too few bursts were stable), and percentiles of TTFT and latency
+over the pooled requests of those bursts.
 """
 from __future__ import annotations
 
 import csv
+import inspect
 import logging
 import random
 import time
@@ -31,14 +37,17 @@ import torch
 
 from .. import cli, engines
 from ..layout import Job
+from ..measure import timing
 from ..measure.device import pick_device, set_threads, synchronize
 from ..measure.env import environment
 from ..measure.stats import format_ratio, percentile, ratio_verdict, said_of_faster_side, summarize
+from ..measure.timing import SENTINEL_TOLERANCE, balanced_order
 from ..modeling import base_dtype, load_model, load_tokenizer, read_split
 
 # transformers takes seconds to import: it is imported inside the functions that use it.
 
 log = logging.getLogger("efflab")
+CPU = torch.device("cpu")
 
 REQUEST_COLUMNS = ("method", "concurrency", "burst", "request", "prompt_tokens", "output_tokens", "submitted_s",
                    "first_token_s", "finished_s")
@@ -115,7 +124,9 @@ def serve_continuous(model, tokenizer, reqs: list[dict], concurrency: int, devic
     # left to itself it takes most of the free memory, 14 GB here, which a CPU spends seconds zeroing.
     page = 256
     pages = sum(-(-(len(r["prompt"]) + r["new_tokens"]) // page) for r in reqs)
-    cb = ContinuousBatchingConfig(max_requests_per_batch=concurrency, page_size=page, num_blocks=2 * pages + 2,
+    # transformers 5.17 (efflab's floor) names the page block_size; later versions page_size (block_size deprecated)
+    size_key = "page_size" if "page_size" in inspect.signature(ContinuousBatchingConfig).parameters else "block_size"
+    cb = ContinuousBatchingConfig(max_requests_per_batch=concurrency, num_blocks=2 * pages + 2, **{size_key: page},
                                   max_batch_tokens=max(page, concurrency * max(len(r["prompt"]) for r in reqs)))
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.WARNING)
     results = {}
@@ -206,9 +217,11 @@ def figures(rows: list[dict]) -> dict:
 
 
 def cell_figures(rows: list[dict]) -> dict:
-    """A cell's figures over its bursts: each burst's, the median requests/s and output tokens/s over them (with
-    the 95% interval of the median where there are 6 bursts or more), and percentiles over the pooled requests."""
-    by_burst = [figures([r for r in rows if r["burst"] == b]) for b in sorted({r["burst"] for r in rows})]
+    """A cell's figures over its bursts: each burst's (with its index), the median requests/s and output tokens/s
+    over them (with the 95% interval of the median where there are 6 bursts or more), and percentiles over the
+    pooled requests."""
+    by_burst = [{"burst": b} | figures([r for r in rows if r["burst"] == b])
+                for b in sorted({r["burst"] for r in rows})]
     rate = lambda key, unit: summarize([f[key] for f in by_burst], unit)  # noqa: E731
     return {"requests": by_burst[0]["requests"], "output_tokens": by_burst[0]["output_tokens"],
             "bursts": len(by_burst), "makespan_s": rate("makespan_s", "s"),
@@ -218,32 +231,46 @@ def cell_figures(rows: list[dict]) -> dict:
             "by_burst": by_burst}
 
 
-def paired_throughput(mine: dict, reference: dict) -> dict:
+def paired_throughput(mine: dict, reference: dict, unstable: str | None = None) -> dict:
     """`mine`'s output tokens/s over `reference`'s, burst round by burst round (served in the same round, so a
     drift between rounds cancels): ratio_verdict's median, 95% interval and verdict, said of `mine` (`faster`:
-    more tokens/s), and each round's ratio."""
+    more tokens/s), and each round's ratio. Where the speed sentinel found the machine `unstable` (too few stable
+    bursts), no verdict, as measure.stats.paired_ratio gives none: the ratios are kept, the median is not read."""
     ratios = [a["output_tokens_per_s"] / b["output_tokens_per_s"]
               for a, b in zip(mine["by_burst"], reference["by_burst"])]
+    if unstable:
+        return {"median": None, "ci95": None, "rounds": len(ratios), "verdict": f"not a verdict: {unstable}",
+                "ratios": ratios}
     return said_of_faster_side(ratio_verdict(ratios)) | {"ratios": ratios}
 
 
-def compare(cells: list[dict]) -> None:
+def compare(cells: list[dict], unstable: str | None = None) -> None:
     """Each measured batching cell's paired throughput over naive serving (`throughput_vs_naive`), and each
-    continuous batching cell's over static batching at its concurrency (`continuous_vs_static`)."""
+    continuous batching cell's over static batching at its concurrency (`continuous_vs_static`); no verdicts where
+    the bursts were `unstable` (paired_throughput)."""
     ok = {(c["method"], c["concurrency"]): c for c in cells if c["status"] == "ok"}
     naive = ok.get(("naive", 1))
     for (method, concurrency), c in ok.items():
         if naive and method != "naive":
-            c["throughput_vs_naive"] = paired_throughput(c, naive)
+            c["throughput_vs_naive"] = paired_throughput(c, naive, unstable)
         if method == "continuous" and ("static", concurrency) in ok:
-            c["continuous_vs_static"] = paired_throughput(c, ok["static", concurrency])
+            c["continuous_vs_static"] = paired_throughput(c, ok["static", concurrency], unstable)
 
 
-def serve_rounds(serve, cells: list[dict], bursts: int) -> tuple[list[dict], list[list[str]]]:
+def cell_name(cell: dict) -> str:
+    return f"{cell['method']}@{cell['concurrency']}"
+
+
+def serve_rounds(serve, cells: list[dict], bursts: int, device: torch.device = CPU,
+                 tolerance: float = SENTINEL_TOLERANCE, extra_bursts: int | None = None) -> tuple[list[dict], dict]:
     """One warm-up pass (`serve(cell, warm=True)`: first-call work stays out), then `bursts` rounds, each serving
-    the burst once with every cell (`serve(cell, warm=False)`: the burst's per-request rows), in reverse order every
-    other round. A cell whose serving raises is marked failed and leaves the rounds: a serving path this stack
-    cannot run is a row, not a crash. Returns the rows, each with its burst, and each round's order."""
+    the burst once with every cell (`serve(cell, warm=False)`: the burst's per-request rows), in measure.timing's
+    balanced order (rotated every two rounds, every other round reversed), the rounds watched by the speed sentinel
+    (measure.timing.sentinel_rounds: a speed probe between bursts; a burst whose probes strayed beyond ±tolerance of
+    the median is set aside and another served in its place, at most `extra_bursts` more, default `bursts`). A cell
+    whose serving raises is marked failed and leaves the rounds: a serving path this stack cannot run is a row, not
+    a crash. Returns the rows, each with its burst, and the sentinel's record: each burst's order, probes, whether
+    it is stable and, for one set aside, why (`set_aside_because`); None where no cell is left to serve."""
     def attempt(cell, warm: bool):
         try:
             return serve(cell, warm)
@@ -253,29 +280,42 @@ def serve_rounds(serve, cells: list[dict], bursts: int) -> tuple[list[dict], lis
             return None
 
     live = [c for c in cells if attempt(c, True) is not None]
-    rows, orders = {id(c): [] for c in live}, []
-    for burst in range(bursts):
-        order = [c for c in (live if burst % 2 == 0 else live[::-1]) if c.get("status") != "failed"]
-        orders.append([f"{c['method']}@{c['concurrency']}" for c in order])
+    if not live:
+        return [], None
+    rows = {id(c): [] for c in live}
+
+    def burst(index: int) -> dict:
+        order = [c for c in balanced_order(live, index) if c.get("status") != "failed"]
         for c in order:
             served = attempt(c, False)
             if served is not None:
-                rows[id(c)] += [{"method": c["method"], "concurrency": c["concurrency"], "burst": burst, **r}
+                rows[id(c)] += [{"method": c["method"], "concurrency": c["concurrency"], "burst": index, **r}
                                 for r in served]
-    return [r for c in live if c.get("status") != "failed" for r in rows[id(c)]], orders
+        return {"burst": index, "order": [cell_name(c) for c in order]}
+
+    sentinel = timing.sentinel_rounds(burst, bursts, device, tolerance, extra_bursts)
+    for i, why in timing.set_aside_why(sentinel["rounds"], tolerance).items():
+        sentinel["rounds"][i]["set_aside_because"] = why
+    sentinel["figures_of_bursts"] = [sentinel["rounds"][i]["burst"]
+                                     for i in timing.figure_rounds(sentinel["rounds"], bursts)]
+    return [r for c in live if c.get("status") != "failed" for r in rows[id(c)]], sentinel
 
 
-def measure(cells: list[dict], serve, bursts: int) -> tuple[list[dict], list[list[str]]]:
-    """Serve the burst with every cell not already marked (unavailable), `bursts` interleaved rounds (serve_rounds);
-    then each served cell's figures from its own per-request rows, and the paired comparisons (compare). Returns
-    the per-request rows and each round's order."""
-    log_rows, orders = serve_rounds(serve, [c for c in cells if "status" not in c], bursts)
+def measure(cells: list[dict], serve, bursts: int, device: torch.device = CPU, tolerance: float = SENTINEL_TOLERANCE,
+            extra_bursts: int | None = None) -> tuple[list[dict], dict | None]:
+    """Serve the burst with every cell not already marked (unavailable), `bursts` stable interleaved rounds
+    (serve_rounds); then each served cell's figures from its own per-request rows of the bursts the figures are of
+    (the stable ones; every one, flagged `unstable`, where too few are), and the paired comparisons (compare).
+    Returns the per-request rows of every burst served, set-aside ones included, and the sentinel's record."""
+    log_rows, sentinel = serve_rounds(serve, [c for c in cells if "status" not in c], bursts, device, tolerance,
+                                      extra_bursts)
+    kept = set(sentinel["figures_of_bursts"]) if sentinel else set()
     for c in cells:
         if "status" not in c:
-            c |= {"status": "ok"} | cell_figures([r for r in log_rows if (r["method"], r["concurrency"])
-                                                  == (c["method"], c["concurrency"])])
-    compare(cells)
-    return log_rows, orders
+            c |= {"status": "ok"} | cell_figures([r for r in log_rows if r["burst"] in kept and
+                                                  (r["method"], r["concurrency"]) == (c["method"], c["concurrency"])])
+    compare(cells, (sentinel or {}).get("unstable"))
+    return log_rows, sentinel
 
 
 def run(cfg: dict, job: Job) -> dict:
@@ -296,7 +336,10 @@ def run(cfg: dict, job: Job) -> dict:
                          | ({"status": "unavailable", "reason": reason} if reason else {}))
     serve = server(model, tokenizer, reqs, device, lambda method: engines.load(method, layout.base_model(), dtype,
                                                                               s["seed"]))
-    log_rows, orders = measure(cells, serve, s["bursts"])
+    log_rows, sentinel = measure(cells, serve, s["bursts"], device, s["sentinel_tolerance"])
+    if sentinel and sentinel["set_aside"]:
+        log.warning("%d of %d bursts set aside by the speed sentinel: %s", sentinel["set_aside"],
+                    len(sentinel["rounds"]), sentinel.get("unstable") or "served again")
     for c in (c for c in cells if c["status"] == "ok"):
         log.info("%s at concurrency %d: median over %d bursts %.2f requests/s, %.1f output tokens/s; %s; "
                  "TTFT p50 %.3f s, latency p90 %.3f s", c["method"], c["concurrency"], c["bursts"],
@@ -310,7 +353,9 @@ def run(cfg: dict, job: Job) -> dict:
         writer.writerows(log_rows)
     return {"dtype": dtype, "requests": len(reqs), "prompt_tokens": [len(r["prompt"]) for r in reqs],
             "new_tokens": [r["new_tokens"] for r in reqs], "arrival": "all requests at once (offline burst)",
-            "bursts": s["bursts"], "round_orders": orders, "cells": cells, "environment": environment(device, s)}
+            "bursts": s["bursts"], "sentinel_tolerance": s["sentinel_tolerance"],
+            "round_orders": [r["order"] for r in sentinel["rounds"]] if sentinel else [], "sentinel": sentinel,
+            "cells": cells, "environment": environment(device, s)}
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ writes the task folder it scores with into its own folder (lm_eval/): the genera
 generation setting (evaluate.max_new_tokens among them), and its comment, like the record's `commands`, the lm_eval
 command line that reruns this model's scores. Each model is paired, document by document, with its reference (the
 base; for a merged model, the adapter it came from), whose job it waits for: the change of every metric with its
-95% interval, and the quality gate (evaluate.tolerance) decided by that interval.
+95% interval, and the quality gate (the `tolerance` section: one per metric) decided by that interval.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import logging
 import time
 
 from .. import cli, quantization, records
-from ..config import evaluated_models
+from ..config import evaluated_models, task_tolerance
 from ..evaluation import harness, scores, task
 from ..layout import Job
 from ..measure.device import pick_device, set_threads
@@ -60,7 +60,8 @@ def run(cfg: dict, job: Job) -> dict:
                                e["bootstrap_iters"])
     eval_s = time.perf_counter() - t0
     ref_record = records.read(layout, "evaluate", reference) if reference else None
-    changes = scores.paired_changes(results, ref_record if ref_record and records.is_ok(ref_record) else None, e["tolerance"])
+    changes = scores.paired_changes(results, ref_record if ref_record and records.is_ok(ref_record) else None,
+                                     task_tolerance(cfg))
     gate = scores.gate_verdict(changes) if reference else {"verdict": "reference", "failed": []}
     for name, result in results.items():
         shown = ", ".join(f"{m} {v['value']:.4g}" for m, v in result.get("metrics", {}).items())

@@ -1,9 +1,9 @@
 """Stage qat: quantization-aware training against post-training quantization at each bit width, and the
 precision range test of the QAT notes (004): from the lowest width up, B_min is the first width whose
-quality passes a threshold.
+perplexity stays within the one perplexity tolerance (tolerance.perplexity_pct).
 
 Every model here trains on the same batches, in the same order, with the same schedule:
-- `full precision`: the base model fine-tuned `train.steps` steps. The threshold is relative to it.
+- `full precision`: the base model fine-tuned `train.steps` steps. The tolerance is relative to it.
 - PTQ at b bits: that fine-tuned model, its weights quantized after training.
 - QAT at b bits: the base model fine-tuned with the same weights fake-quantized in every forward pass
   (quantized and dequantized, gradients passed straight through), then quantized.
@@ -31,7 +31,7 @@ import torch
 
 from .. import cli, quality, records
 from ..architecture import linear_layers, matmul_shape, undivided_layer
-from ..config import UserError
+from ..config import UserError, task_tolerance
 from ..evaluation import harness, scores, task
 from ..layout import Job, Layout
 from ..measure.device import pick_device, set_threads
@@ -197,33 +197,6 @@ def score_tasks(cfg: dict, layout: Layout, model, tokenizer) -> dict:
                                 e["bootstrap_iters"])
 
 
-def verdicts(changes: dict[int, dict | None], threshold: float) -> dict[int, str]:
-    """Each width's verdict against the threshold, decided by the interval of its paired perplexity change
-    over the full-precision fine-tune (quality.against_tolerance): `passes` when the whole interval is within
-    `threshold`x, `fails` when it is wholly beyond, `undecided` otherwise (or with too few rows for one)."""
-    said = {"within": "passes", "beyond": "fails", "undecided": "undecided"}
-    return {b: "not run" if c is None else said[quality.against_tolerance(c, 100 * (threshold - 1))]
-            for b, c in changes.items()}
-
-
-def range_test(changes: dict[int, dict | None], threshold: float) -> dict:
-    """The precision range test: from the lowest width up, the first that passes is B_min. A width whose
-    interval straddles the threshold leaves B_min undecided from there (`undecided_at`): the scan cannot say
-    whether it passes. Widths above B_min that fail again are named (the scan is not monotone)."""
-    widths, verdict = sorted(changes), verdicts(changes, threshold)
-    b_min = undecided_at = None
-    for b in widths:
-        if verdict[b] == "passes":
-            b_min = b
-            break
-        if verdict[b] != "fails":
-            undecided_at = b
-            break
-    return {"b_min": b_min, "undecided_at": undecided_at, "verdicts": verdict,
-            "passing": [b for b in widths if verdict[b] == "passes"],
-            "fail_above_b_min": [b for b in widths if b_min is not None and b > b_min and verdict[b] == "fails"]}
-
-
 def _rows(variant: str, method: str, bits, rows: list[dict]) -> list[dict]:
     return [{"variant": variant, "method": method, "bits": "" if bits is None else bits} | r for r in rows]
 
@@ -267,7 +240,7 @@ def run_cells(cfg: dict, layout, journal, bits: list[int], dtype: str, device) -
 
 def tables(cells: dict, tolerance: dict) -> tuple[list, list, list]:
     """(evals rows, loss rows, one entry per model) from the cells' results; each PTQ and QAT model's task scores
-    paired with the full-precision fine-tune's, gated by `tolerance` (evaluate.tolerance)."""
+    paired with the full-precision fine-tune's, gated by `tolerance` (config.task_tolerance)."""
     evals, losses, variants = [], [], []
     fp = cells["full precision"]
     if records.is_ok(fp):
@@ -297,18 +270,18 @@ def tables(cells: dict, tolerance: dict) -> tuple[list, list, list]:
     return evals, losses, variants
 
 
-def precision_tests(variants: list[dict], q: dict, reference: float | None, bits: list[int]) -> dict:
+def precision_tests(variants: list[dict], tolerance_pct: float, reference: float | None, bits: list[int]) -> dict:
     """The precision range test of PTQ and of QAT: the lowest width whose perplexity change passes."""
     tests = {}
     for method in ("ptq", "qat"):
         changes = {v["bits"]: v.get("perplexity_change") for v in variants if v["method"] == method}
-        tests[method] = range_test(changes, q["threshold"]) if reference else None
+        tests[method] = quality.range_test(changes, tolerance_pct) if reference else None
         if reference:
             t = tests[method]
-            log.info("precision range test, %s: B_min %s (threshold: the whole 95%% interval of perplexity "
-                     "within %.2f x %.2f)", method, f"{t['b_min']} bits" if t["b_min"] else
+            log.info("precision range test, %s: B_min %s (the whole 95%% interval of the perplexity change "
+                     "within +%g%% of %.2f)", method, f"{t['b_min']} bits" if t["b_min"] else
                      f"undecided at {t['undecided_at']} bits" if t["undecided_at"] else f"none of {bits}",
-                     q["threshold"], reference)
+                     tolerance_pct, reference)
     return tests
 
 
@@ -325,10 +298,10 @@ def run(cfg: dict, job: Job) -> dict:
     journal = CellJournal(layout.out("qat") / ".cells.jsonl",
                           {"qat": q, "runtime": rt, "base": layout.metrics("base_model").read_text()})
     cells = run_cells(cfg, layout, journal, bits, dtype, device)
-    evals, losses, variants = tables(cells, cfg["evaluate"]["tolerance"])
+    evals, losses, variants = tables(cells, task_tolerance(cfg))
     fp = cells["full precision"]
     reference = perplexity(fp["rows"]) if records.is_ok(fp) else None
-    tests = precision_tests(variants, q, reference, bits)
+    tests = precision_tests(variants, cfg["tolerance"]["perplexity_pct"], reference, bits)
     out = job.out
     _write_csv(out / EVALS_CSV, EVAL_COLUMNS, evals)
     _write_csv(out / LOSSES_CSV, LOSS_COLUMNS, losses)
@@ -341,7 +314,7 @@ def run(cfg: dict, job: Job) -> dict:
     shutil.rmtree(layout.out("qat") / ".trainer", ignore_errors=True)
     return {
         "status": "ok" if records.is_ok(fp) else "failed", "dtype": dtype, "bits": bits,
-        "group_size": q["group_size"], "threshold": q["threshold"], "quantized": QUANTIZED,
+        "group_size": q["group_size"], "tolerance_pct": cfg["tolerance"]["perplexity_pct"], "quantized": QUANTIZED,
         "quantizer": "torchao IntxWeightOnlyConfig (symmetric, per group, round to nearest); QAT: QATConfig "
                      "with IntxFakeQuantizeConfig, converted with the same quantizer",
         "base_perplexity": perplexity(fp["base_rows"]) if records.is_ok(fp) else None,

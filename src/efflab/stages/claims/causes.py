@@ -8,7 +8,7 @@ import re
 
 from ... import records
 from ...estimators import analytic
-from ...measure.stats import EQUIVALENCE_MARGIN
+from ...measure.stats import EQUIVALENCE_MARGIN, ratio_words
 from .verdict import fmt
 
 # A decoder layer's parameters, in the families' module names (model.layers.3., transformer.h.3., ...).
@@ -124,13 +124,13 @@ def _ratio_said(ratio: dict) -> str:
 
 def _versus_static(concurrency: int, ratio: dict) -> str:
     """Whether continuous batching beat static batching at one concurrency, by the interval of their paired ratio."""
-    said, verdict = _ratio_said(ratio), ratio["verdict"]
+    said, verdict = _ratio_said(ratio), ratio_words(ratio)
     if verdict == "faster":
         return f"continuous batching beat static batching at concurrency {concurrency}: {said} its output tokens/s"
     if verdict == "slower":
         return (f"static batching beat continuous batching at concurrency {concurrency} (continuous reached {said} "
                 f"static's output tokens/s), so the batching, not its continuous scheduling, earned the speedup here")
-    if verdict == "no significant difference":
+    if verdict.startswith("same within"):
         return (f"continuous and static batching were within {EQUIVALENCE_MARGIN:.0%} of each other at concurrency "
                 f"{concurrency} ({said}): the batching, not its continuous scheduling, earned the speedup here")
     return f"this run cannot tell continuous from static batching at concurrency {concurrency} ({said}: {verdict})"

@@ -9,7 +9,8 @@ from pathlib import Path
 from ... import records
 from ...estimators import analytic
 from ...evaluation import scores
-from ...measure.stats import median_ci_order, percentile
+from ...measure.timing import SENTINEL_TOLERANCE
+from ...registry import STAGES
 from .causes import (
     attention_exponent_expected,
     footprint_at_16_bits,
@@ -25,8 +26,9 @@ class NotHere(Exception):
 
 
 def _read(path: Path) -> dict:
-    if not path.is_file():
-        raise NotHere(f"no {path} (run the stage that writes it)")
+    if not path.is_file():  # named from its stage's folder on: the same words wherever the results folder is
+        stage = max(i for i, part in enumerate(path.parts) if part in STAGES or i == 0)
+        raise NotHere(f"no {'/'.join(path.parts[stage:])} (run the stage that writes it)")
     metrics = records.load(path)
     if not records.is_ok(metrics):  # a job that failed or was skipped measured nothing
         raise NotHere(f"{path.parent.name} is {metrics['status']}: {metrics.get('reason', 'no reason given')}")
@@ -82,39 +84,6 @@ def _finetune_trainable(layout, metric: dict) -> Reading:
                                              f"parameters", exact=True)
 
 
-def _paired_step_ratios(a: dict, b: dict, key: str) -> list[float] | None:
-    """Run a's `key` over run b's, step by step, sorted (records.paired_step_times: the same batches in the same
-    order). A step's tokens/s ratio is the other run's step time over this one's (the same tokens)."""
-    if key not in ("step_s", "tokens_per_s"):
-        return None
-    ratios = records.paired_step_times(a, b)  # b's step time over a's: a's tokens/s over b's
-    if ratios is None or key == "tokens_per_s":
-        return ratios
-    return sorted(1 / r for r in ratios)
-
-
-def _interleaved_ratio(layout, a: dict, b: dict, key: str) -> tuple[float, list | None, dict] | None:
-    """Run a's `key` over run b's from bench_finetune's interleaved steps of the pair: (median, its 95% interval
-    or None where the rounds give none, the pair), or None where bench_finetune did not measure the pair. NotHere
-    when it measured the pair on a machine whose speed kept changing (no median at all)."""
-    path = layout.metrics("bench_finetune")
-    if key not in ("step_s", "tokens_per_s") or not path.is_file():
-        return None
-    bench = [records.load(path)]
-    for x, y in ((a, b), (b, a)):
-        pair = records.interleaved_pair(bench, x["run"], y["run"])
-        if pair is None:
-            continue
-        ratio = pair["step_time_ratio"]  # step time of y over x
-        if ratio.get("median") is None:
-            raise NotHere(f"bench_finetune measured {y['run']} vs {x['run']} but gave {ratio['verdict']}")
-        med, ci = ratio["median"], ratio.get("ci95")
-        if (x is a) == (key == "step_s"):  # a's step time over b's is 1/ratio when x is a; tokens/s inverts it
-            med, ci = 1 / med, ci and [1 / ci[1], 1 / ci[0]]
-        return med, ci, pair
-    return None
-
-
 def _finetune_pair(layout, metric: dict) -> Reading:
     """The claim's statistic of run a's `key` over run b's, for the runs that differ only in `differ`: from
     bench_finetune's interleaved steps where it measured the pair (median of the per-round ratios, its 95%
@@ -135,31 +104,42 @@ def _finetune_pair(layout, metric: dict) -> Reading:
 
 
 def _pair_reading(layout, a: dict, b: dict, key: str, stat) -> Reading:
+    """Run a's `key` (step_s or tokens_per_s) over run b's, from the one step-time ratio the report's knob table
+    shows (records.step_ratio: interleaved, paired steps or the runs' intervals, with the speed-changed guard);
+    the runs' whole-run figures where they carry no per-step times."""
     whole = f"{key}: run {a['run']} {a[key]:.4g} vs run {b['run']} {b[key]:.4g}"
-    interleaved = _interleaved_ratio(layout, a, b, key)
-    if interleaved:
-        median, ci, pair = interleaved
-        rounds = pair["step_time_ratio"]["rounds"]
-        spread = f"95% interval [{ci[0]:.4g}, {ci[1]:.4g}] from order statistics" if ci else \
-            f"no 95% interval ({pair['step_time_ratio']['verdict']})"
-        return Reading(stat(median), f"{key} of run {a['run']} over run {b['run']}: {median:.4g}, {spread} over "
-                                     f"bench_finetune's {rounds} interleaved rounds of both runs' steps over the same "
-                                     f"batches; the runs' own whole-run figures: {whole}",
-                       ci and tuple(sorted([stat(ci[0]), stat(ci[1])])))
-    ratios = _paired_step_ratios(a, b, key)
-    if ratios is None:
+    path = layout.metrics("bench_finetune")
+    bench = [records.load(path)] if path.is_file() else []
+    ratio = records.step_ratio(a, b, bench, SENTINEL_TOLERANCE) if key in ("step_s", "tokens_per_s") else None
+    if ratio is None:
         return Reading(stat(a[key] / b[key]), f"the two runs' whole-run figures, {whole}")
-    median, interval = percentile(ratios, 0.5), median_ci_order(sorted(ratios))
+    if ratio["why"]:
+        raise NotHere(f"{ratio['source']} step times of {b['run']} vs {a['run']}: {ratio['why']}")
+    median, ci = ratio["median"], ratio["ci95"]
+    if key == "step_s":  # b's step time over a's: a's over b's is its inverse; tokens/s (same tokens) is not
+        median, ci = 1 / median, ci and [1 / ci[1], 1 / ci[0]]
+    interval = ci and tuple(sorted([stat(ci[0]), stat(ci[1])]))
+    said = f"{key} of run {a['run']} over run {b['run']}: {median:.4g}"
+    if ratio["source"] == "interleaved":
+        spread = f"95% interval [{ci[0]:.4g}, {ci[1]:.4g}] from order statistics" if ci else \
+            f"no 95% interval ({ratio['pair']['step_time_ratio']['verdict']})"
+        return Reading(stat(median), f"{said}, {spread} over bench_finetune's {ratio['n']} interleaved rounds of "
+                                     f"both runs' steps over the same batches; the runs' own whole-run figures: "
+                                     f"{whole}", interval)
+    if ratio["source"] == "runs":
+        spread = f"[{ci[0]:.4g}, {ci[1]:.4g}] from the far ends of the runs' own intervals" if ci else \
+            "no interval (too few steps in a run for one)"
+        return Reading(stat(median), f"{said}, the ratio of the runs' median steps, {spread}; {whole}", interval)
+    n = ratio["n"]
     per_step = "step time" if key == "step_s" else f"tokens/s (run {b['run']}'s step time over run {a['run']}'s)"
-    said = (f"{key} of run {a['run']} over run {b['run']}: median of {len(ratios)} paired steps' {per_step} ratios "
-            f"{median:.4g}")
-    if interval is None:
-        return Reading(stat(median), f"{said}, range [{min(ratios):.4g}, {max(ratios):.4g}] ({len(ratios)} steps give "
-                                     f"no 95% interval; 6 needed); over whole runs, {whole}")
-    (lo, hi), coverage = interval
-    return Reading(stat(median), f"{said}, {coverage:.1%} interval [{lo:.4g}, {hi:.4g}] from order statistics (the "
-                                 f"same {a['tokens_seen']:,} tokens in the same order); over whole runs, {whole}",
-                   tuple(sorted([stat(lo), stat(hi)])))
+    said = f"{key} of run {a['run']} over run {b['run']}: median of {n} paired steps' {per_step} ratios {median:.4g}"
+    if ci is None:
+        xs = ratio["ratios"] if key == "tokens_per_s" else [1 / r for r in ratio["ratios"]]
+        return Reading(stat(median), f"{said}, range [{min(xs):.4g}, {max(xs):.4g}] ({n} steps give no 95% "
+                                     f"interval; 6 needed); over whole runs, {whole}")
+    return Reading(stat(median), f"{said}, {ratio['coverage']:.1%} interval [{ci[0]:.4g}, {ci[1]:.4g}] from order "
+                                 f"statistics (the same {a['tokens_seen']:,} tokens in the same order); over whole "
+                                 f"runs, {whole}", interval)
 
 
 def _first_ran(layout, impls, ran) -> tuple[str, dict]:

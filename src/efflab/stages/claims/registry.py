@@ -23,9 +23,25 @@ SCHEMA = REPO_ROOT / "workflow" / "schemas" / "claims.schema.yaml"
 NUMBER = re.compile(r"(?<![\w.])(?<!\w-)\d[\d,]*(?:\.\d+)?")
 
 
-def load(path: Path = REGISTRY) -> dict:
+def default_tolerance() -> dict:
+    """params.yaml's `tolerance` section: the quality tolerances of a registry read outside a run."""
+    return yaml.safe_load((REPO_ROOT / "params.yaml").read_text())["tolerance"]
+
+
+def with_tolerance(claim: dict, tolerance: dict) -> dict:
+    """A claim whose figure is a quality tolerance (`reported.tolerance`) gets that tolerance's value; `band_of`
+    says where its band comes from."""
+    metric = claim["reported"].get("tolerance")
+    if metric is None:
+        return claim
+    return {**claim, "reported": {"value": tolerance[metric], "unit": claim["reported"]["unit"]},
+            "band_of": f"tolerance.{metric}"}
+
+
+def load(path: Path = REGISTRY, tolerance: dict | None = None) -> dict:
     """Read and validate the registry: {"seeds", "claims", "not_claims"}, each claim with its seed's unit
-    convention (`units`) where its figure is in bytes. UserError names the first bad key."""
+    convention (`units`) where its figure is in bytes, and a quality tolerance's value where the figure is one
+    (`tolerance`: the run's tolerance section, else params.yaml's). UserError names the first bad key."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{path}: claims registry not found")
@@ -35,6 +51,7 @@ def load(path: Path = REGISTRY) -> dict:
     if errors:
         raise UserError(f"{path}: {schema_message(errors[0])}")
     seeds, seen, claims = doc["seeds"], set(), []
+    tolerance = tolerance or default_tolerance()
     for claim in doc["claims"]:
         if claim["id"] in seen:
             raise UserError(f"{path}: claim id {claim['id']!r} appears twice")
@@ -45,7 +62,7 @@ def load(path: Path = REGISTRY) -> dict:
         if claim["source"] not in seeds:
             raise UserError(f"{path}: {claim['id']}.source: {claim['source']!r} is not one of the seeds "
                             f"({', '.join(seeds)})")
-        claims.append(_with_units(path, claim, seeds[claim["source"]]))
+        claims.append(_with_units(path, with_tolerance(claim, tolerance), seeds[claim["source"]]))
     for entry in doc.get("not_claims", []):
         if entry["source"] not in seeds:
             raise UserError(f"{path}: not_claims.source: {entry['source']!r} is not one of the seeds")

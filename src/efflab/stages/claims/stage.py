@@ -13,7 +13,7 @@ from ...layout import Job
 from .page import markdown
 from .quantities import DEFINITIONS, compute
 from .readings import DEFINITION_METRICS, METRICS, NotHere, scale_note
-from .registry import REGISTRY, load
+from .registry import REGISTRY, default_tolerance, load
 from .verdict import EVIDENCE, VERDICTS, band, band_text, judge, reported_text, units_label, verdict_class
 
 log = logging.getLogger("efflab")
@@ -39,14 +39,26 @@ def _quantity(claim: dict) -> str:
     return claim.get("estimate", {}).get("quantity", "")
 
 
-def _row(claim: dict) -> dict:
+def band_said(claim: dict, tolerance: dict) -> str:
+    """The band, and beside a quality claim where it comes from: params.yaml's tolerance of its metric, or the
+    seed's own words where that band differs from the tolerance."""
+    said = band_text(claim)
+    if claim.get("band_of"):
+        return f"{said} (`{claim['band_of']}`)"
+    metric = claim.get("metric", {})
+    if metric.get("kind") == "task_change" and metric.get("metric") in tolerance:
+        return f"{said} (the seed's words; `tolerance.{metric['metric']}` is {tolerance[metric['metric']]:g})"
+    return said
+
+
+def _row(claim: dict, tolerance: dict) -> dict:
     lo, hi = band(claim)
     return {"id": claim["id"], "source": claim["source"], "quote": claim["quote"], "kind": claim["kind"],
             "evidence": evidence_of(claim),
             "quantity": _quantity(claim),
             "reported": f"{reported_text(claim['reported']['value'])} {claim['reported']['unit']}"
                         + {"at_least": " (at least)", "at_most": " (at most)"}.get(claim.get("compare"), ""),
-            "units": units_label(claim), "band": band_text(claim),
+            "units": units_label(claim), "band": band_said(claim, tolerance),
             "band_low": None if math.isinf(lo) else lo, "band_high": None if math.isinf(hi) else hi,
             "reproduced": "", "ratio": None, "finding": ""}
 
@@ -59,8 +71,8 @@ def _judged(row: dict, j: dict, reasons: list[str], cause: str = "") -> dict:
             "unit_fit": j["fit"], "reason": "; ".join(filter(None, [why, *reasons])), "finding": why}
 
 
-def evaluate(claim: dict, layout) -> dict:
-    row = _row(claim)
+def evaluate(claim: dict, layout, tolerance: dict | None = None) -> dict:
+    row = _row(claim, tolerance or {})
     notes = [claim["assumption"]] if claim.get("assumption") else []
     if claim.get("unreproducible"):
         return {**row, "verdict": "not reproducible here", "reason": claim["unreproducible"]}
@@ -99,8 +111,8 @@ def _needs_gpu(row: dict, claim: dict, notes: list[str]) -> dict:
                                               how, *notes]))}
 
 
-def evaluate_all(claims: list[dict], layout) -> pd.DataFrame:
-    return pd.DataFrame([evaluate(c, layout) for c in claims], columns=COLUMNS).fillna({"finding": "",
+def evaluate_all(claims: list[dict], layout, tolerance: dict | None = None) -> pd.DataFrame:
+    return pd.DataFrame([evaluate(c, layout, tolerance) for c in claims], columns=COLUMNS).fillna({"finding": "",
                                                                                         "unit_fit": ""})
 
 
@@ -123,8 +135,9 @@ def summary(df: pd.DataFrame, seeds: dict) -> dict:
 def run(cfg: dict, job: Job) -> dict:
     """Evaluate every registered claim against the estimator and this pipeline's results."""
     registry = (cfg.get("claims") or {}).get("registry") if isinstance(cfg, dict) else None
-    reg = load(REPO_ROOT / registry if registry else REGISTRY)
-    df = evaluate_all(reg["claims"], job.layout)
+    tolerance = cfg.get("tolerance") if isinstance(cfg, dict) else None
+    reg = load(REPO_ROOT / registry if registry else REGISTRY, tolerance)
+    df = evaluate_all(reg["claims"], job.layout, tolerance or default_tolerance())
     counts = summary(df, reg["seeds"])
     out = Path(job.out)
     out.mkdir(parents=True, exist_ok=True)

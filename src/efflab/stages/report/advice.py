@@ -12,30 +12,30 @@ import pandas as pd
 
 from ... import records
 from ...config import evaluated_name
+from ...measure.stats import NOT_DECIDED, against_tolerance, compare
 from . import options as opts
 from .decide import beats, best_point, frontier, winner
 from .fmt import markdown
+from .glance import fact
+from .glance import lines as question_lines
 from .render import render, value_text
 
 SPEED, QUALITY = {"speed": "max"}, {"quality": "min"}
 
 
 def quality_status(a: dict | None, tolerance_pct: float) -> str:
-    """A perplexity change against the tolerance, by its interval: within / beyond / undecided / not measured."""
+    """A perplexity change against the tolerance, by its interval (stats.against_tolerance): within / beyond /
+    not decided at this size / not measured."""
     if not a:
         return "not measured"
-    if a["lo"] is None:
-        return "undecided"
-    return "within" if a["hi"] <= tolerance_pct else "beyond" if a["lo"] > tolerance_pct else "undecided"
+    return against_tolerance(a["value"], a["lo"], a["hi"], tolerance_pct, n=a.get("n")).split(" +")[0].split(" (")[0]
 
 
 def speed_word(a: dict | None) -> str:
-    """An interleaved ratio over the baseline: faster / slower only where its interval excludes 1."""
+    """An interleaved ratio over the baseline in the one vocabulary (stats.compare)."""
     if not a:
         return "not measured"
-    if a["lo"] is None:
-        return "undecided"
-    return "faster" if a["lo"] > 1 else "slower" if a["hi"] < 1 else "no difference measured"
+    return compare(a["value"], a["lo"], a["hi"], n=a.get("n"))
 
 
 def task_gates(evaluate: list[dict]) -> dict[str, str]:
@@ -81,7 +81,7 @@ def quantize_facts(quantize: list[dict], inference: list[dict], baseline: str, t
             "smaller": smaller,
             "speed": speed_word(pick["axes"]["speed"]) if pick else None,
             "by_status": {s: [n for n, v in status.items() if v == s and n != baseline]
-                          for s in ("within", "beyond", "undecided", "not measured", "fails the task gate")},
+                          for s in ("within", "beyond", NOT_DECIDED, "not measured", "fails the task gate")},
             "table": _table(options, {"memory": ("footprint", " MiB"), "quality": ("perplexity change", "%"),
                                       "speed": ("decode speed × baseline", "")}, front,
                             lambda o: {"quality vs tolerance": status[o["name"]],
@@ -89,8 +89,9 @@ def quantize_facts(quantize: list[dict], inference: list[dict], baseline: str, t
 
 
 def inference_facts(inference: list[dict], quantize: list[dict], tolerance: float,
-                    gates: dict[str, str] | None = None) -> dict | None:
-    options = opts.inference_options(inference, quantize)
+                    gates: dict[str, str] | None = None, finetune: list[dict] = (),
+                    merge: list[dict] = ()) -> dict | None:
+    options = opts.inference_options(inference, quantize, finetune, merge)
     if not options:
         return None
     model_of = {o["name"]: evaluated_name(o["kind"], o["of"]) for o in options}
@@ -119,13 +120,13 @@ LEARNING_SETTINGS = ("learning_rate", "max_steps", "batch_size", "gradient_accum
                      "warmup_steps", "seed")
 
 
-def finetune_facts(finetune: list[dict]) -> dict | None:
-    options = opts.finetune_options(finetune)
+def finetune_facts(finetune: list[dict], bench_finetune: list[dict] = ()) -> dict | None:
+    options = opts.finetune_options(finetune, bench_finetune)
     if not options:
         return None
     confounds = [{"setting": k, "values": {o["name"]: o["settings"].get(k) for o in options}}
                  for k in LEARNING_SETTINGS if len({repr(o["settings"].get(k)) for o in options}) > 1]
-    axes = {"memory": "min", "step": "min", "quality": "min"}
+    axes = {"memory": "min", "step_ratio": "min", "quality": "min"}
     front = frontier(options, axes)
     return {"options": options, "front": front, "reference": options[0], "confounds": confounds,
             "kind": options[0]["memory_kind"],
@@ -133,8 +134,17 @@ def finetune_facts(finetune: list[dict]) -> dict | None:
             "best": {k: best_point(options, k, d) for k, d in axes.items()},
             "without_interval": {k: any((o["axes"].get(k) or {}).get("lo") is None for o in options) for k in axes},
             "table": _table(options, {"memory": ("peak memory", " MiB"), "step": ("median step", " s"),
+                                      "step_ratio": (f"step × {options[0]['name']}'s", ""),
                                       "quality": ("val perplexity change", "%")}, front,
-                            lambda o: {"method": o["method"]})}
+                            lambda o: {"method": o["method"], "step verdict": "baseline" if o["baseline"] else
+                                       step_word(o["axes"]["step_ratio"])})}
+
+
+def step_word(a: dict | None) -> str:
+    """A step-time ratio over the reference run in the one vocabulary (above 1: slower)."""
+    if not a:
+        return "not measured"
+    return compare(a["value"], a["lo"], a["hi"], n=a.get("n"), higher="slower", lower="faster", why=a.get("why"))
 
 
 def attention_facts(attention: list[dict]) -> dict | None:
@@ -169,13 +179,14 @@ def merge_facts(merge: list[dict]) -> list[dict]:
 
 
 def facts(metrics: dict, cfg: dict) -> dict:
-    tolerance = cfg["report"]["quality_tolerance_pct"]
+    tolerance = cfg["tolerance"]["perplexity_pct"]
     gates = task_gates(metrics.get("evaluate", []))
     return {"tolerance": tolerance, "baseline": cfg["report"]["baseline_scheme"], "gates": gates,
             "quantize": quantize_facts(metrics["quantize"], metrics["bench_inference"], cfg["report"]["baseline_scheme"],
                                        tolerance, gates),
-            "finetune": finetune_facts(metrics["finetune"]),
-            "inference": inference_facts(metrics["bench_inference"], metrics["quantize"], tolerance, gates),
+            "finetune": finetune_facts(metrics["finetune"], metrics.get("bench_finetune", [])),
+            "inference": inference_facts(metrics["bench_inference"], metrics["quantize"], tolerance, gates,
+                                         metrics["finetune"], metrics["merge"]),
             "attention": attention_facts(metrics["bench_attention"]),
             "merge": merge_facts(metrics["merge"])}
 
@@ -186,8 +197,17 @@ def run_size(cfg: dict) -> dict:
             "inference_repeats": cfg["bench_inference"]["repeats"]}
 
 
-def lines(metrics: dict, cfg: dict) -> list[str]:
-    return [render("advice.md.j2", size=run_size(cfg), **facts(metrics, cfg))]
+def lines(facts: dict, cfg: dict) -> list[str]:
+    """The decisions option by option (details.md), rendered from the decisions' facts (decisions.build), never
+    computed here again."""
+    return [render("advice.md.j2", size=run_size(cfg), **facts)]
+
+
+def glance(decisions: dict, cfg: dict) -> list[str]:
+    """The glance at the top of report.md: one line per question (report.glance) and the facts that hold."""
+    return [render("glance.md.j2", size=run_size(cfg), tolerance=decisions["tolerance_pct"],
+                   questions=question_lines(decisions),
+                   facts=[fact(f) for f in decisions.get("facts", [])])]
 
 
 def beaten_by(options: list[dict], name: str, key: str, better: str) -> list[str]:

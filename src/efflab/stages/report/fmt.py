@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pandas as pd
 
 from ... import records
 from ...measure.env import fingerprint
-from ...measure.stats import format_ratio
+from ...measure.stats import format_ratio, ratio_words
 
 MiB = 2**20
 
@@ -60,16 +61,10 @@ def speedup_text(pair: dict | None, key: str) -> str:
     return format_ratio(ratio)
 
 
-def short_verdict(verdict: str | None) -> str:
-    """A verdict as a table cell: 'slower', 'faster', 'no significant difference', or 'undecided' where the
-    comparison could not give one (its reason is in summary.csv and the record)."""
-    if not verdict:
-        return "-"
-    return verdict if verdict in ("slower", "faster", "no significant difference") else "undecided"
-
-
 def speedup_verdict(pair: dict | None, key: str) -> str:
-    return short_verdict(((pair or {}).get(key) or {}).get("verdict"))
+    """A speedup's verdict as a table cell, in the one vocabulary (stats.ratio_words); '-' where none was timed."""
+    ratio = (pair or {}).get(key)
+    return ratio_words(ratio) if ratio else "-"
 
 
 def setting_text(value) -> str:
@@ -89,12 +84,40 @@ def one_line(text: str | None, limit: int = 240) -> str:
 MAX_COLUMNS = 10  # wider tables are split into parts that repeat the identifying columns
 
 
+# Below this a figure is float noise (a KL of -5e-09, a change of -3.6e-05 %): it reads as 0.
+NOISE = 1e-6
+
+
+def number(x: float, digits: int = 4, signed: bool = False) -> str:
+    """A number for reading: `digits` significant digits, never in exponent form, thousands separated; float noise
+    and negative zero as 0."""
+    if abs(x) < NOISE:
+        return "0"
+    decimals = min(8, max(0, digits - 1 - math.floor(math.log10(abs(x)))))
+    return _trimmed(f"{x:{'+' if signed else ''},.{decimals}f}")
+
+
+def percent(x: float, signed: bool = True) -> str:
+    """A change in percent for reading: one decimal below 100 (-0.0 and float noise as 0), none above,
+    thousands separated."""
+    text = f"{x:{'+' if signed else ''},.{1 if abs(x) < 100 else 0}f}"
+    return "0" if float(text.replace(",", "")) == 0 else text
+
+
+def _trimmed(text: str) -> str:
+    text = text.rstrip("0").rstrip(".") if "." in text else text
+    return "0" if text in ("-0", "+0") else text
+
+
 def cell_text(value) -> str:
-    """A table cell: numbers to 4 significant digits, no value (a failed or unavailable row) as '-'."""
+    """A table cell: numbers to 4 significant digits for reading (fmt.number), no value (a failed or unavailable
+    row) as '-'."""
     if value is None or (isinstance(value, float) and value != value):
         return "-"
-    if isinstance(value, float):
-        return f"{value:.4g}"
+    if isinstance(value, bool):
+        return str(value)
+    if isinstance(value, float | int):
+        return number(value)
     return str(value).replace("|", "\\|").replace("\n", " ")
 
 

@@ -1,10 +1,9 @@
 """Notes beside the answers, each computed from the records: runs that make the same updates, what a result
-that may surprise comes from, the precision range test, what fits, and the seed-claims check in brief."""
+that may surprise comes from, and the seed-claims check in brief."""
 from __future__ import annotations
 
 from ... import records
 from .render import render
-from .tables import capacity_cause
 
 
 def same_updates(finetune: list[dict]) -> list[list[str]]:
@@ -16,27 +15,6 @@ def same_updates(finetune: list[dict]) -> list[list[str]]:
                round(r["validation_after"]["loss"], 4))
         groups.setdefault(key, []).append(r["run"])
     return [g for g in groups.values() if len(g) > 1]
-
-
-def qat_facts(qat: list[dict]) -> dict | None:
-    job = next(iter(records.ok(qat)), None)
-    if job is None:
-        return None
-    tests = job["precision_range_test"]
-    return {"threshold": job["threshold"], "bits": job["bits"],
-            "b_min": {m: tests[m]["b_min"] for m in ("ptq", "qat")},
-            "undecided_at": {m: tests[m].get("undecided_at") for m in ("ptq", "qat")}}
-
-
-def capacity_facts(capacity: list[dict]) -> dict | None:
-    job = next(iter(records.ok(capacity)), None)
-    if job is None:
-        return None
-    found = [{"subject": s["subject"], "dimension": s["dimension"], "max": s["measured_max"],
-              "whole_range": s.get("whole_range_fits"), "predicted": s.get("predicted_max"),
-              "cause": capacity_cause(s)}
-             for s in job["searches"] if s["kind"] == "train" and records.is_ok(s)]
-    return {"budget": job["budget"], "seq_len": job["fixed"]["train_seq_len"], "found": found} if found else None
 
 
 def claims_facts(claims: list[dict]) -> dict | None:
@@ -80,8 +58,7 @@ def attention_law(bench_attention: list[dict], config: dict) -> dict | None:
 
 
 def lines(metrics: dict) -> list[str]:
-    return [render("notes.md.j2", qat=qat_facts(metrics["qat"]), capacity=capacity_facts(metrics["capacity"]),
-                   qlora=qlora_above_lora(metrics["finetune"]),
+    return [render("notes.md.j2", qlora=qlora_above_lora(metrics["finetune"]),
                    attention=attention_law(metrics["bench_attention"], metrics["base_model"][0].get("config", {})))]
 
 

@@ -9,11 +9,12 @@ exactly 1), `step` (a run's median step time in s with its interval: runs in sep
 from __future__ import annotations
 
 from ... import quality, records
+from ...measure.timing import SENTINEL_TOLERANCE
 from .decide import axis
 from .fmt import MiB, peak_mib
 
 
-def _ratio_axis(ratio: dict | None) -> dict | None:
+def ratio_axis(ratio: dict | None) -> dict | None:
     """An interleaved speedup (measure.stats.speedup) as an axis: its median and 95% interval, or no interval."""
     if not ratio or ratio.get("median") is None:
         return None
@@ -21,7 +22,7 @@ def _ratio_axis(ratio: dict | None) -> dict | None:
     return axis(ratio["median"], lo, hi, n=ratio.get("rounds"))
 
 
-def _change_axis(change: dict | None) -> dict | None:
+def change_axis(change: dict | None) -> dict | None:
     """A paired perplexity change (quality.paired_change) in %, with its interval where n gives one."""
     if not change or change.get("change_pct") is None:  # none, or unavailable (e.g. evaluated on other rows)
         return None
@@ -52,23 +53,46 @@ def quantize_options(quantize: list[dict], inference: list[dict], baseline: str)
         base = r["scheme"] == baseline
         out.append({"name": r["scheme"], "baseline": base, "axes": {
             "memory": axis(r["memory_footprint_bytes"] / MiB, exact=True),
-            "quality": _zero() if base else _change_axis(r.get("perplexity_change")),
-            "speed": _one() if base else _ratio_axis(decode_speedup(inference, "quantized", r["scheme"]))}})
+            "quality": _zero() if base else change_axis(r.get("perplexity_change")),
+            "speed": _one() if base else ratio_axis(decode_speedup(inference, "quantized", r["scheme"]))}})
     return out
 
 
-def inference_options(inference: list[dict], quantize: list[dict]) -> list[dict]:
+def fine_tuned_quality(finetune: list[dict], merge: list[dict]) -> dict[tuple[str, str], dict | None]:
+    """The perplexity change over the untouched base model of each adapter and merged model, paired on the
+    fine-tuning validation rows: (kind, run) -> axis. The base's rows are a full-precision run's validation before
+    training; a model evaluated on other rows has none."""
+    runs = records.ok(finetune)
+    base = next((r["validation_before"] for r in runs if r["method"] != "qlora" and r.get("validation_before")), None)
+
+    def over_base(evaluation: dict | None) -> dict | None:
+        try:
+            return change_axis(quality.paired_change(base["per_row"], evaluation["per_row"]))
+        except (KeyError, TypeError, ValueError):  # no base rows, or not the same rows
+            return None
+
+    out = {("adapter", r["run"]): over_base(r.get("validation_after")) for r in runs}
+    out |= {("merged", m["run"]): over_base((m.get("merged") or {}).get("validation")) for m in records.ok(merge)}
+    return out
+
+
+def inference_options(inference: list[dict], quantize: list[dict], finetune: list[dict] = (),
+                      merge: list[dict] = ()) -> list[dict]:
+    """Each inference variant: its footprint, its interleaved speed over the base, and its perplexity change over
+    the base (a quantized scheme's on quantize's rows; an adapter's or merged model's on the fine-tuning rows)."""
     changes = {r["scheme"]: r.get("perplexity_change") for r in records.ok(quantize)}
+    tuned = fine_tuned_quality(finetune, merge)
     out = []
     for job in records.ok(inference):
         cell = records.reference_cell(job)
         if cell is None or job["kind"] not in ("base", "quantized", "merged", "adapter"):
             continue
         base = job["kind"] == "base"
-        quality_axis = _zero() if base else _change_axis(changes.get(job["of"])) if job["kind"] == "quantized" else None
+        quality_axis = _zero() if base else change_axis(changes.get(job["of"])) if job["kind"] == "quantized" \
+            else tuned.get((job["kind"], job.get("of")))
         out.append({"name": job["variant"], "baseline": base, "kind": job["kind"], "of": job.get("of"), "axes": {
             "memory": axis(cell["memory_footprint_bytes"] / MiB, exact=True),
-            "speed": _one() if base else _ratio_axis((cell.get("vs_base") or {}).get("generation_speedup")),
+            "speed": _one() if base else ratio_axis((cell.get("vs_base") or {}).get("generation_speedup")),
             "quality": quality_axis}})
     return [o for o in out if o["baseline"] or not any(p["name"] == o["name"] for p in out if p is not o)]
 
@@ -77,10 +101,23 @@ def _per_row(record: dict) -> list | None:
     return (record.get("validation_after") or {}).get("per_row")
 
 
-def finetune_options(finetune: list[dict]) -> list[dict]:
+def step_ratio_axis(reference: dict, run: dict, bench_finetune: list[dict]) -> dict | None:
+    """A run's step time over the reference run's (records.step_ratio: the knob table's and the claims' one
+    measurement), with its interval; `why` where the runs cannot be compared."""
+    if run is reference:
+        return _one()
+    ratio = records.step_ratio(reference, run, bench_finetune, SENTINEL_TOLERANCE)
+    if not ratio or ratio["median"] is None:
+        return None
+    lo, hi = ratio["ci95"] or (None, None)
+    return axis(ratio["median"], None if ratio["why"] else lo, None if ratio["why"] else hi, n=ratio["n"]) | {
+        "why": ratio["why"], "source": ratio["source"]}
+
+
+def finetune_options(finetune: list[dict], bench_finetune: list[dict] = ()) -> list[dict]:
     """Each run: its peak training memory (one measurement), its median step time (interval from its own steady
-    steps, a separate process per run) and its validation perplexity after training over the first run's, paired
-    on the same rows where both recorded them."""
+    steps, a separate process per run), its step time over the first run's (step_ratio_axis) and its validation
+    perplexity after training over the first run's, paired on the same rows where both recorded them."""
     runs = records.ok(finetune)
     if not runs:
         return []
@@ -94,12 +131,13 @@ def finetune_options(finetune: list[dict]) -> list[dict]:
             change = _zero(len(_per_row(r) or []) or None)
         elif _per_row(r) and _per_row(reference):
             try:
-                change = _change_axis(quality.paired_change(_per_row(reference), _per_row(r)))
+                change = change_axis(quality.paired_change(_per_row(reference), _per_row(r)))
             except ValueError:  # different validation rows: not paired
                 change = None
         out.append({"name": r["run"], "baseline": r is reference, "method": r["method"], "axes": {
             "memory": axis(peak_mib(r["train_memory"]), n=1),
             "step": axis(step.get("median"), lo, hi, n=step.get("n")) if step else None,
+            "step_ratio": step_ratio_axis(reference, r, bench_finetune),
             "quality": change}, "settings": r.get("settings", {}),
             "memory_kind": r["train_memory"]["kind"]})
     return out
@@ -121,7 +159,7 @@ def attention_options(attention: list[dict]) -> tuple[list[dict], dict | None]:
     for impl, row in cells[key].items():
         eager = impl == "eager"
         out.append({"name": impl, "baseline": eager, "axes": {
-            "speed": _one() if eager else _ratio_axis((row.get("vs_eager") or {}).get("speedup")),
+            "speed": _one() if eager else ratio_axis((row.get("vs_eager") or {}).get("speedup")),
             "memory": axis(row["memory"].get("delta_mib"), n=1),
             "agreement": axis(row.get("max_abs_diff_vs_eager"), exact=True)}})
     return out, {"mode": key[0], "seq_len": key[1], "batch": key[2]}
@@ -132,5 +170,5 @@ def merge_options(job: dict) -> list[dict]:
     adapter on the same rows (paired, where the record has it)."""
     return [{"name": target, "baseline": False, "axes": {
         "kl": axis(t["kl_mean"], exact=True),
-        "quality": _change_axis(t.get("perplexity_change"))},
+        "quality": change_axis(t.get("perplexity_change"))},
         "perplexity": t["validation"]["perplexity"]} for target, t in (job.get("targets") or {}).items()]

@@ -1,7 +1,7 @@
 """Pareto frontiers: the options the report's advice finds no other beats, their points as the plots draw them,
 and their data for `dvc plots`.
 
-The frontier is the advice's own (report.decide.frontier over each option's intervals), never one of point
+The frontier is the decision's own (decisions.build, report.decide.frontier over each option's intervals), never one of point
 values: an option is dominated only where another beats it on some axis by separated intervals and loses on none.
 """
 from __future__ import annotations
@@ -11,15 +11,14 @@ from pathlib import Path
 import pandas as pd
 
 from ... import records
-from . import advice
 from .spread import of_axis, of_median, of_speedup, spread
 from .tables import tokens_per_s
 
 
-def finetune_pareto(rows: list[dict]) -> list[dict]:
+def finetune_pareto(rows: list[dict], facts: dict | None) -> list[dict]:
     """Each run: its peak training memory (one measurement), its median step time with its spread, and its
-    validation perplexity change over the first run (paired, where both carry per-row losses)."""
-    facts = advice.finetune_facts(rows)
+    validation perplexity change over the first run (paired, where both carry per-row losses); dominated or not
+    as the fine-tuning decision (decisions.build) says."""
     if not facts:
         return []
     runs = {r["run"]: r for r in records.ok(rows)}
@@ -30,14 +29,12 @@ def finetune_pareto(rows: list[dict]) -> list[dict]:
              "dominated": o["name"] not in facts["front"]} for o in facts["options"]]
 
 
-def inference_pareto(inference_rows: list[dict], quantize_rows: list[dict]) -> list[dict]:
+def inference_pareto(inference_rows: list[dict], quantize_rows: list[dict], facts: dict | None) -> list[dict]:
     """Each inference variant's batch-1 KV-cache cell: its footprint, its interleaved decode speedup over the base
     model (with its interval, or the range of its rounds) and the paired perplexity change its quantization costs
     (quantized variants; fine-tuned ones have none comparable). An old record's unpaired change is kept as a
     point (`quality_point`), which decides nothing."""
-    # The frontier does not depend on the tolerance, which only sorts options into within / beyond it.
-    facts = advice.inference_facts(inference_rows, quantize_rows, tolerance=0.0, gates={})
-    if not facts:
+    if not facts:  # the inference decision (decisions.build): its options and frontier
         return []
     unpaired = {r["scheme"]: r.get("perplexity_change_pct") for r in records.ok(quantize_rows)}
     jobs = {j["variant"]: j for j in records.ok(inference_rows)}

@@ -34,8 +34,9 @@ from .results import absent
 from .spread import as_ratio, of_axis, of_change, of_median, spread, text
 
 
-def plot_quantize(rows: list[dict], path: Path) -> None:
-    """Footprint from zero; the perplexity change over the baseline with its paired interval, against zero."""
+def plot_quantize(rows: list[dict], path: Path, tolerance_pct: float) -> None:
+    """Footprint from zero; the perplexity change over the baseline with its paired interval, against zero and the
+    tolerance line that decides which scheme keeps quality (tolerance.perplexity_pct)."""
     ok = records.ok(rows)
     x, names = list(range(len(ok))), [r["scheme"] for r in ok]
     changes = [of_change(r.get("perplexity_change")) or spread(r.get("perplexity_change_pct")) for r in ok]
@@ -46,6 +47,9 @@ def plot_quantize(rows: list[dict], path: Path) -> None:
     ppl_ax.bar(x, spread_values(changes), color="tab:red", alpha=0.7)
     kinds = spread_bars(ppl_ax, x, changes)
     ppl_ax.axhline(0, color="black", lw=0.8)
+    ppl_ax.axhline(tolerance_pct, color="grey", lw=0.8, ls="--",
+                   label=f"tolerance (+{tolerance_pct:g}%): kept only where the whole interval is below")
+    ppl_ax.legend(fontsize=8, loc="upper left")
     ppl_ax.set_ylabel("validation perplexity change vs baseline (%)\n"
                       + spread_words(kinds, "no paired interval recorded"))
     ppl_ax.set_title("Perplexity paid (same validation rows)")
@@ -97,7 +101,7 @@ def plot_prune(rows: list[dict], path: Path) -> None:
 
 
 def plot_qat(df: pd.DataFrame, job: dict | None, path: Path) -> None:
-    """Perplexity vs bits for PTQ and QAT (log scale), the full-precision reference and the threshold line."""
+    """Perplexity vs bits for PTQ and QAT (log scale), the full-precision reference and the tolerance line."""
     fig, ax = plt.subplots(figsize=(7, 4))
     for label, color in (("PTQ", "tab:red"), ("QAT", "tab:blue")):
         ok = df.dropna(subset=[f"{label} perplexity"])
@@ -105,8 +109,8 @@ def plot_qat(df: pd.DataFrame, job: dict | None, path: Path) -> None:
     if job and job.get("reference_perplexity"):
         reference = job["reference_perplexity"]
         ax.axhline(reference, color="grey", lw=0.8, label="full precision (fine-tuned)")
-        ax.axhline(job["threshold"] * reference, color="grey", lw=0.8, ls="--",
-                   label=f"threshold ({job['threshold']:g}x)")
+        ax.axhline((1 + job["tolerance_pct"] / 100) * reference, color="grey", lw=0.8, ls="--",
+                   label=f"tolerance (+{job['tolerance_pct']:g}%, tolerance.perplexity_pct)")
     ax.set_yscale("log")
     ax.set_xticks(sorted(df["bits"].unique()) if not df.empty else [])
     ax.set_xlabel("weight bits (per-group symmetric, round to nearest)")
@@ -244,7 +248,7 @@ PLOT_STAGES = {"quantize.png": "quantize", "prune.png": "prune", "qat.png": "qat
 
 def draw_plots(cfg: dict, metrics: dict, tables: dict, fronts: dict, layout, out: Path) -> list[str]:
     names = registry.names(cfg, "finetune") or []
-    plots = {"quantize.png": lambda p: plot_quantize(metrics["quantize"], p),
+    plots = {"quantize.png": lambda p: plot_quantize(metrics["quantize"], p, cfg["tolerance"]["perplexity_pct"]),
              "prune.png": lambda p: plot_prune(metrics["prune"], p),
              "qat.png": lambda p: plot_qat(tables["qat"], next(iter(records.ok(metrics["qat"])), None), p),
              "finetune_loss.png": lambda p: plot_loss(layout, names, p, same_updates(metrics["finetune"])),

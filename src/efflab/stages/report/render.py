@@ -4,8 +4,9 @@ from __future__ import annotations
 from functools import cache
 from pathlib import Path
 
-# jinja2 is imported when the first template is rendered: the report's other modules do not need it.
+from .fmt import number, percent
 
+# jinja2 is imported when the first template is rendered: the report's other modules do not need it.
 TEMPLATES = Path(__file__).parent / "templates"
 
 
@@ -14,13 +15,17 @@ def value_text(a: dict | None, unit: str = "", digits: int = 3, signed: bool = F
     with its n and 'no interval'; 'not measured' without a value."""
     if not a:
         return "not measured"
-    spec = ",.0f" if "MiB" in unit else f"{'+' if signed else ''}.{digits}g"
-    v = f"{a['value']:{spec}}{unit}"
+    def said(x: float) -> str:
+        if "MiB" in unit:
+            return f"{x:,.0f}"
+        return percent(x, signed) if unit == "%" else number(x, digits, signed)
+
+    v = f"{said(a['value'])}{unit}"
     if a["lo"] is None:
         return v + (f" (n={a['n']}, no interval)" if a.get("n") else "")
     if a["lo"] == a["hi"] == a["value"]:
         return v
-    return f"{v} [{a['lo']:{spec}}, {a['hi']:{spec}}]"
+    return f"{v} [{said(a['lo'])}, {said(a['hi'])}]"
 
 
 @cache

@@ -6,7 +6,7 @@ from pathlib import Path
 import pandas as pd
 
 from ... import config, records, registry
-from ...measure.stats import format_ratio
+from ...measure.stats import EQUIVALENCE_MARGIN, format_ratio
 from ...measure.timing import SENTINEL_TOLERANCE
 from . import task_quality
 from .environments import comparison
@@ -39,7 +39,7 @@ def header(base: dict, data: dict) -> str:
 
 def how_to_read(cfg: dict) -> str:
     isolation = "each in a fresh process" if cfg["runtime"]["isolation"] == "subprocess" else "in the stage process"
-    return render("sections/how_to_read.md.j2", isolation=isolation)
+    return render("sections/how_to_read.md.j2", isolation=isolation, band=f"{100 * EQUIVALENCE_MARGIN:g}")
 
 
 def energy_note(jobs: list[dict]) -> str:
@@ -73,7 +73,7 @@ def prune_body(cfg: dict, metrics: dict, table) -> str:
 def b_min_text(job: dict, method: str) -> str:
     t = job["precision_range_test"][method]
     said = (f"**{t['b_min']} bits**" if t["b_min"] else
-            f"undecided (the interval at {t['undecided_at']} bits straddles the threshold)" if t.get("undecided_at")
+            f"not decided at this size (the interval at {t['undecided_at']} bits holds the tolerance)" if t.get("undecided_at")
             else f"none of {job['bits']} bits")
     return said + (f" (but {', '.join(map(str, t['fail_above_b_min']))} bits fail again)"
                    if t.get("fail_above_b_min") else "")

@@ -6,7 +6,7 @@ import logging
 from ... import provenance
 from ...config import UserError
 from ...layout import Job
-from . import advice, notes, task_quality
+from . import advice, decisions, notes, task_quality
 from . import sections as sec
 from .environments import comparison, environment_table, provenance_table
 from .fmt import env_of, markdown
@@ -40,12 +40,12 @@ def refuse_stale(layout, jobs: dict[str, dict]) -> None:
                                                               else "") + "; rerun it (snakemake reruns what changed)")
 
 
-def report_text(cfg: dict, metrics: dict, tables: dict, environments: dict) -> str:
+def report_text(cfg: dict, metrics: dict, tables: dict, environments: dict, made: dict) -> str:
     """report.md: the answers first, then each stage in detail, then what did not run and the run's size."""
     def table(key: str) -> str:
         return comparison(tables[key], environments, cfg["report"]["allow_mixed_environments"])
 
-    parts = [sec.header(metrics["base_model"][0], metrics["prepare_data"][0]), *advice.lines(metrics, cfg),
+    parts = [sec.header(metrics["base_model"][0], metrics["prepare_data"][0]), *advice.glance(made, cfg),
              *notes.lines(metrics), *notes.claims_lines(metrics["claims"], "../claims/claims.md"),
              sec.how_to_read(cfg)]
     for stage, title, body in SECTIONS:
@@ -62,9 +62,13 @@ def run(cfg: dict, job: Job) -> dict:
     metrics = read_results(cfg, layout)
     jobs = {f"{s}/{m['name']}" if m.get("name") else s: m for s, ms in metrics.items() for m in ms}
     refuse_stale(layout, jobs)
+    metrics = decisions.against_tolerance(cfg, metrics)
     tables = build_tables(metrics)
-    fronts = {"finetune": finetune_pareto(metrics["finetune"]),
-              "inference": inference_pareto(metrics["bench_inference"], metrics["quantize"])}
+    made = decisions.build(cfg, metrics)  # every verdict, once: the glance, the plots and figures.json read it
+    decisions.write(made, out / "decisions.json")
+    facts = made["_facts"]
+    fronts = {"finetune": finetune_pareto(metrics["finetune"], facts["finetune"]),
+              "inference": inference_pareto(metrics["bench_inference"], metrics["quantize"], facts["inference"])}
     plots = draw_plots(cfg, metrics, tables, fronts, layout, out)
     write_fronts(fronts, out)
     results_table(metrics).to_csv(out / "summary.csv", index=False)
@@ -73,11 +77,13 @@ def run(cfg: dict, job: Job) -> dict:
                                 cfg["report"]["allow_mixed_environments"])
     answers = task_quality.answers(metrics["evaluate"])
     (out / "details.md").write_text(render(
-        "details.md.j2", memory=memory, provenance=markdown(provenance_table(jobs)),
+        "details.md.j2", decisions="\n".join(advice.lines(facts, cfg)), memory=memory,
+        provenance=markdown(provenance_table(jobs)),
         environments=markdown(environment_table(environments)),
         answers=render("answers.md.j2", answers=answers, max_new_tokens=cfg["evaluate"]["max_new_tokens"])
         if answers else ""))
-    (out / "report.md").write_text(report_text(cfg, metrics, tables, environments))
+    (out / "report.md").write_text(report_text(cfg, metrics, tables, environments, made))
     log.info("report: %s", job.final / "report.md")
     return {"tables": {k: len(v) for k, v in tables.items()}, "plots": plots,
-            "not_run": len(not_run_table(metrics)), "environments": len(environments)}
+            "not_run": len(not_run_table(metrics)), "environments": len(environments),
+            "decisions": decisions.answers(made)}

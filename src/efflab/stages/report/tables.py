@@ -5,7 +5,7 @@ import pandas as pd
 
 from ... import records
 from ...measure.memory import allocated_delta
-from ...measure.stats import format_ratio
+from ...measure.stats import NOT_DECIDED, format_ratio, ratio_words
 from . import spread
 from .fmt import (
     MiB,
@@ -14,7 +14,6 @@ from .fmt import (
     median_text,
     pct,
     peak_mib,
-    short_verdict,
     speedup_text,
     speedup_verdict,
     status_text,
@@ -128,7 +127,8 @@ def qat_table(jobs: list[dict]) -> pd.DataFrame:
 def verdict_of(test: dict | None, bits: int) -> str:
     """A width's verdict in the precision range test; a record from before intervals has none to give."""
     verdicts = (test or {}).get("verdicts") or {}  # JSON keys: the width as a string
-    return verdicts.get(str(bits), verdicts.get(bits, "undecided"))
+    said = verdicts.get(str(bits), verdicts.get(bits, "undecided"))  # the stage's words, in the vocabulary
+    return {"passes": "within", "fails": "beyond", "undecided": NOT_DECIDED}.get(said, said)
 
 
 SERVING_COLUMNS = ["method", "concurrency", "status", "requests/s", "output tokens/s", "x naive [95% CI]",
@@ -137,7 +137,7 @@ SERVING_COLUMNS = ["method", "concurrency", "status", "requests/s", "output toke
 
 def _serving_ratio(cell: dict, key: str) -> tuple[str, str]:
     ratio = records.serving_ratio(cell, key)
-    return (format_ratio(ratio), short_verdict(ratio["verdict"])) if ratio else ("-", "-")
+    return (format_ratio(ratio), ratio_words(ratio)) if ratio else ("-", "-")
 
 
 def serving_table(jobs: list[dict]) -> pd.DataFrame:
@@ -259,7 +259,8 @@ def finetune_table(rows: list[dict]) -> pd.DataFrame:
         "run": r["run"], "method": r["method"], "precision": r["mixed_precision"],
         "effective batch": r.get("effective_batch"),
         "pad tokens computed (%)": pct(r.get("pad_fraction")),
-        "trainable (%)": r["parameters"]["trainable_pct"], "steps": r["steps"], "step (s)": r["step_s"],
+        "trainable (%)": r["parameters"]["trainable_pct"], "steps": r["steps"],
+        "median step (s) [95%], warm-up excluded": median_text(r.get("step_time")),
         "tokens/s": tokens_per_s(r),
         "MFU (% of measured matmul)": pct(r.get("throughput", {}).get("mfu_vs_measured_ceiling")),
         "MFU (% of published peak)": pct(r.get("throughput", {}).get("mfu_vs_published_peak")),

@@ -8,6 +8,7 @@ import statistics
 import pandas as pd
 
 from ... import records
+from ...config import task_tolerance
 from .fmt import markdown, one_line
 
 
@@ -88,7 +89,9 @@ def facts(cfg: dict, jobs: list[dict]) -> dict:
     ok = records.ok(jobs)
     gates = {v: sorted(j["model"] for j in ok if j["gate"]["verdict"] == v) for v in ("passes", "fails", "undecided")}
     unavailable = sorted({f"{t} ({r['reason']})" for j in ok for t, r in j["tasks"].items() if r["status"] != "ok"})
-    return {"e": e, "table": markdown(table(jobs)), "gates": gates, "resolution": resolution(jobs, e["tolerance"]),
+    tolerance = task_tolerance(cfg)
+    return {"e": e, "tolerance": tolerance, "table": markdown(table(jobs)), "gates": gates,
+            "resolution": resolution(jobs, tolerance),
             "failed_on": {j["model"]: j["gate"]["failed"] for j in ok if j["gate"]["failed"]},
             "unavailable": unavailable, "answers": answers(jobs),
             "commands": next((j["commands"] for j in ok if j["model"] == "base"), {})}

@@ -1,0 +1,268 @@
+"""Every decision the report answers, computed once from the records and written as decisions.json.
+
+For each question: its baseline, the options with every axis (value, kind, interval (lo, hi), n and verdict
+against the baseline, in the one vocabulary of measure.stats: faster / slower / same within ±X% / not decided at
+this size; quality against its tolerance), the frontier and the answer. The glance (advice), the tables' verdict
+columns, the Pareto plots and figures.json render these; none decides again. A question whose stage did not run is
+absent from `questions` and named in `absent` with why.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ... import quality, records
+from ...config import task_tolerance
+from ...evaluation import scores
+from ...measure.stats import NOT_DECIDED, compare, ratio_words
+from . import advice
+from . import options as opts
+from .results import absent
+from .tables import verdict_of
+
+# What each axis is, for a reader of decisions.json: its kind and which way is better.
+AXES = {"memory": ("MiB", "min"), "speed": ("ratio over the baseline (higher is faster)", "max"),
+        "step": ("median step time, s", "min"), "step_ratio": ("step time over the baseline's", "min"),
+        "quality": ("perplexity change over the baseline, %", "min"), "kl": ("mean KL to the adapter", "min"),
+        "agreement": ("max abs difference from the baseline's output", "min")}
+
+
+def against_tolerance(cfg: dict, metrics: dict) -> dict:
+    """The records' verdicts against a tolerance, decided again from their paired changes against the one tolerance
+    of params.yaml's `tolerance` section (the same unless the records were made under another): qat's precision
+    range test (tolerance.perplexity_pct) and evaluate's gate (the lm-eval metrics' tolerances)."""
+    pct, tasks = cfg["tolerance"]["perplexity_pct"], task_tolerance(cfg)
+
+    def qat(job: dict) -> dict:
+        if not records.is_ok(job) or not job.get("reference_perplexity"):
+            return job
+        tests = {m: quality.range_test({v["bits"]: v.get("perplexity_change") for v in job["variants"]
+                                        if v["method"] == m}, pct) for m in ("ptq", "qat")}
+        return job | {"precision_range_test": tests, "tolerance_pct": pct}
+
+    def gated(job: dict) -> dict:
+        if not records.is_ok(job) or not job.get("reference"):
+            return job
+        changes = {t: {m: c | {"tolerance": tasks.get(m), "gate": scores.gate(c, tasks[m], c["higher_is_better"])
+                               if m in tasks else "not gated"} for m, c in by.items()}
+                   for t, by in job["changes"].items()}
+        return job | {"changes": changes, "gate": scores.gate_verdict(changes)}
+
+    return metrics | {"qat": [qat(j) for j in metrics.get("qat", [])],
+                      "evaluate": [gated(j) for j in metrics.get("evaluate", [])]}
+
+
+def axis_verdict(key: str, a: dict | None, base: dict | None, tolerance: float) -> str:
+    """One option's verdict on one axis against the baseline's value, in the one vocabulary."""
+    if not a:
+        return "not measured"
+    if key == "quality":
+        return advice.quality_status(a, tolerance)
+    if key == "speed":
+        return compare(a["value"], a["lo"], a["hi"], n=a.get("n"))
+    if key == "step_ratio":
+        return compare(a["value"], a["lo"], a["hi"], n=a.get("n"), higher="slower", lower="faster",
+                       why=a.get("why"))
+    if key == "memory" and base and base.get("value"):
+        lo, hi = (a["lo"] / base["value"], a["hi"] / base["value"]) if a["lo"] is not None else (None, None)
+        if (base["lo"] is None or base["lo"] != base["hi"]) and lo is not None:
+            lo, hi = None, None  # the baseline's own value has no interval: the ratio has none either
+        return compare(a["value"] / base["value"], lo, hi, n=a.get("n"), higher="more", lower="less")
+    return "-"
+
+
+def _option(o: dict, base: dict | None, tolerance: float, extra: dict | None = None) -> dict:
+    axes = {}
+    for key, a in o["axes"].items():
+        kind, better = AXES[key]
+        axes[key] = None if a is None else {
+            "value": a["value"], "lo": a["lo"], "hi": a["hi"], "n": a.get("n"), "kind": kind, "better": better,
+            "verdict": "baseline" if o.get("baseline") else axis_verdict(key, a, (base or {}).get("axes", {}).get(key),
+                                                                           tolerance)}
+    return {"name": o["name"], "baseline": bool(o.get("baseline")), "axes": axes, **(extra or {})}
+
+
+def _question(text: str, facts: dict, baseline: str | None, answer, why: str, tolerance: float,
+              status: dict | None = None) -> dict:
+    base = next((o for o in facts["options"] if o.get("baseline")), None)
+    return {"question": text, "baseline": baseline, "answer": answer, "why": why,
+            "frontier": facts.get("front", []),
+            "options": [_option(o, base, tolerance, {"status": status[o["name"]]} if status else None)
+                        for o in facts["options"]]}
+
+
+def _finetune_answer(f: dict) -> dict:
+    return {k: f["winners"][k] for k in ("memory", "step_ratio", "quality")}
+
+
+def _qat(job: dict, tolerance: float) -> dict:
+    tests = job["precision_range_test"]  # decided against tolerance.perplexity_pct (against_tolerance)
+    options = []
+    for method in ("ptq", "qat"):
+        for bits in job["bits"]:
+            v = next((v for v in job["variants"] if (v["method"], v["bits"]) == (method, bits)), {})
+            o = {"name": f"{method} {bits} bits", "baseline": False, "method": method, "bits": bits,
+                 "axes": {"quality": opts.change_axis(v.get("perplexity_change"))}}
+            options.append({**_option(o, None, tolerance), "method": method, "bits": bits,
+                            "verdict": verdict_of(tests[method], bits)})
+    return {"question": "Fewest weight bits, quantized after training (ptq) or during it (qat)",
+            "baseline": "the full-precision fine-tune", "frontier": [],
+            "answer": {m: tests[m]["b_min"] for m in ("ptq", "qat")},
+            "undecided_at": {m: tests[m].get("undecided_at") for m in ("ptq", "qat")},
+            "why": "the fewest bits whose perplexity interval lies within the tolerance",
+            "options": options}
+
+
+def _serving(job: dict) -> dict:
+    top = {}
+    for c in records.ok(job["cells"]):
+        if c["method"] not in top or c["concurrency"] > top[c["method"]]["concurrency"]:
+            top[c["method"]] = c
+    options = []
+    for method, c in top.items():
+        ratio = records.serving_ratio(c, "throughput_vs_naive") if method != "naive" else None
+        versus = records.serving_ratio(c, "continuous_vs_static") if method == "continuous" else None
+        options.append({"name": method, "baseline": method == "naive", "concurrency": c["concurrency"], "axes": {
+            "speed": None if ratio is None else {
+                "value": ratio["median"], "lo": (ratio.get("ci95") or [None])[0],
+                "hi": (ratio.get("ci95") or [None, None])[1], "n": ratio.get("rounds"), "kind": AXES["speed"][0],
+                "better": "max", "verdict": "baseline" if method == "naive" else ratio_words(ratio)}},
+            **({"versus_static": ratio_words(versus)} if versus else {})})
+    decided = [o for o in options if (o["axes"]["speed"] or {}).get("verdict") == "faster"]
+    answer = max(decided, key=lambda o: o["axes"]["speed"]["value"])["name"] if decided else None
+    return {"question": "Which serving method?", "baseline": "naive", "answer": answer, "frontier": [],
+            "why": "the fastest over naive by its paired burst ratio, where that is decided", "options": options}
+
+
+def _prune(rows: list[dict], tolerance: float) -> dict:
+    options = []
+    for r in records.ok(rows):
+        o = {"name": r["strategy"], "baseline": False, "axes": {
+            "speed": opts.ratio_axis(r.get("generation_speedup")),
+            "quality": opts.change_axis((r.get("pruned") or {}).get("perplexity_change"))}}
+        options.append(_option(o, None, tolerance))
+    kept = [o for o in options if (o["axes"]["quality"] or {}).get("verdict") == "within"
+            and (o["axes"]["speed"] or {}).get("verdict") == "faster"]
+    return {"question": "Which pruning strategy?", "baseline": "the base model", "frontier": [],
+            "answer": kept[0]["name"] if len(kept) == 1 else None,
+            "why": "faster than the base model with perplexity within the tolerance", "options": options}
+
+
+def _capacity(job: dict) -> dict:
+    options = [{"name": f"{s['subject']} {s['kind']} {s['dimension']}", "baseline": False, "axes": {},
+                "measured_max": s.get("measured_max"), "whole_range_fits": s.get("whole_range_fits", False),
+                "first_failing": s.get("first_failing")} for s in job["searches"] if records.is_ok(s)]
+    return {"question": "What fits the memory budget?", "baseline": None, "frontier": [], "budget": job["budget"],
+            "train_seq_len": job["fixed"].get("train_seq_len"),
+            "answer": {o["name"]: o["measured_max"] for o in options},
+            "why": "the largest measured size that fits, per subject (None: nothing fits)", "options": options}
+
+
+def _paired(reference: dict | None, variant: dict | None) -> dict | None:
+    """The paired perplexity change of two evaluations of the same rows as an axis; None where they differ."""
+    try:
+        return opts.change_axis(quality.paired_change(reference["per_row"], variant["per_row"]))
+    except (KeyError, TypeError, ValueError):  # not evaluated, or not on the same rows
+        return None
+
+
+def _step_cost(job: dict) -> dict | None:
+    """QAT's median training step over the full-precision fine-tune's (one run each, its steps' medians)."""
+    steps = {v["variant"]: (v.get("step_time") or {}).get("median") for v in job.get("variants", [])}
+    qat_steps = [t for name, t in steps.items() if name.startswith("qat-") and t]
+    if not steps.get("full precision") or not qat_steps:
+        return None
+    return {"fact": "qat_step_cost", "value": max(qat_steps) / steps["full precision"], "lo": None, "hi": None,
+            "n": 1, "verdict": "one run each: the ratio of their steps' medians, no interval"}
+
+
+def said_facts(metrics: dict) -> list[dict]:
+    """Facts a user should hear that no question asks, each stored with its figure and interval where it holds:
+    QLoRA's trained model against the untouched base; a QLoRA merge re-quantized to 4 bits against the untrained
+    4-bit base (the fine-tune lost); what a QAT step costs."""
+    out = []
+    runs = records.ok(metrics.get("finetune", []))
+    untouched = next((r for r in runs if r["method"] != "qlora"), None)  # its validation_before: the base as loaded
+    for r in (r for r in runs if r["method"] == "qlora"):
+        a = _paired((untouched or {}).get("validation_before"), r.get("validation_after"))
+        if a and a["lo"] is not None and a["lo"] > 0:
+            out.append({"fact": "qlora_worse_than_base", "run": r["run"], **a, "verdict": "worse"})
+        for m in (m for m in records.ok(metrics.get("merge", [])) if m["run"] == r["run"]):
+            target = m.get("targets", {}).get("round-trip merge re-quantized to nf4")
+            merged = _paired(r.get("validation_before"), (target or {}).get("validation"))
+            adapter = _paired(r.get("validation_before"), m.get("adapter_validation"))
+            if merged and adapter and adapter["hi"] is not None and adapter["hi"] < 0 and merged["hi"] is not None \
+                    and merged["hi"] >= 0:
+                out.append({"fact": "requantized_merge_loses_the_fine_tune", "run": r["run"], **merged,
+                            "verdict": "not better than the untrained 4-bit base", "adapter": adapter,
+                            "perplexity": target["validation"]["perplexity"],
+                            "base_perplexity": r["validation_before"]["perplexity"]})
+    job = next(iter(records.ok(metrics.get("qat", []))), None)
+    cost = _step_cost(job) if job else None
+    return out + ([cost] if cost else [])
+
+
+def build(cfg: dict, metrics: dict) -> dict:
+    """Every question the records support, its options, verdicts, frontier and answer."""
+    metrics = against_tolerance(cfg, metrics)
+    facts = advice.facts(metrics, cfg)
+    tolerance = facts["tolerance"]
+    q: dict[str, dict] = {}
+    if facts["quantize"]:
+        f = facts["quantize"]
+        q["quantize"] = _question("Which quantization scheme?", f, f["baseline"], (f["pick"] or {}).get("name"),
+                                  "the smallest scheme whose perplexity interval lies within the tolerance and "
+                                  "whose task gate does not fail", tolerance, f["status"])
+    if facts["finetune"]:
+        f = facts["finetune"]
+        q["finetune"] = _question("Which fine-tuning method?", f, f["reference"]["name"], _finetune_answer(f),
+                                  "per axis, the run that beats every other by separated intervals", tolerance)
+    if facts["inference"]:
+        f = facts["inference"]
+        q["inference"] = _question("Which inference variant and generation mode?", f, "base",
+                                   (f["pick"] or {}).get("name"), "faster than the base model and within the "
+                                   "quality tolerance; the fastest of those where intervals separate",
+                                   tolerance, f["status"])
+    if facts["attention"]:
+        f = facts["attention"]
+        q["attention"] = _question("Which attention implementation?", f, "eager", (f["pick"] or {}).get("name"),
+                                   "faster than eager; the fastest where intervals separate", tolerance)
+        q["attention"]["cell"] = f["cell"]
+    for m in facts["merge"]:
+        q[f"merge:{m['run']}"] = _question(f"Which merge route for {m['run']}?", m, "the adapter",
+                                           {"closest": m["closest"], "best_quality": m["best_quality"]},
+                                           "lowest mean KL to the adapter; lowest perplexity where its interval "
+                                           "separates", tolerance)
+    if records.ok(metrics.get("qat", [])):
+        q["qat"] = _qat(records.ok(metrics["qat"])[0], tolerance)
+    if records.ok(metrics.get("prune", [])):
+        q["prune"] = _prune(metrics["prune"], tolerance)
+    if records.ok(metrics.get("bench_serving", [])):
+        q["serving"] = _serving(records.ok(metrics["bench_serving"])[0])
+    if records.ok(metrics.get("capacity", [])):
+        q["capacity"] = _capacity(records.ok(metrics["capacity"])[0])
+    stages = {"quantize": "quantize", "finetune": "finetune", "inference": "bench_inference",
+              "attention": "bench_attention", "qat": "qat", "prune": "prune", "serving": "bench_serving",
+              "capacity": "capacity"}
+    missing = {k: absent(cfg, metrics, s) or "its records give no comparison" for k, s in stages.items()
+               if k not in q}
+    return {"tolerance_pct": tolerance, "vocabulary": VOCABULARY, "questions": q, "facts": said_facts(metrics),
+            "absent": missing,
+            "_facts": facts}
+
+
+VOCABULARY = {"faster / slower": "the 95% interval of the ratio excludes 1",
+              "same within ±X%": "the interval lies inside the equivalence band",
+              "within / beyond +X%": "a quality change's whole interval is at or below / above its tolerance",
+              NOT_DECIDED: "everything else, with about the n that would decide it where computable",
+              "not decided: <why>": "no comparison (the machine's speed changed, too few stable rounds)"}
+
+
+def write(decisions: dict, path: Path) -> None:
+    path.write_text(json.dumps({k: v for k, v in decisions.items() if not k.startswith("_")}, indent=1,
+                               default=str) + "\n")
+
+
+def answers(decisions: dict) -> dict:
+    """The answers alone (the report's figures.json: what `dvc exp show` compares)."""
+    return {k: q["answer"] for k, q in decisions["questions"].items()}

@@ -1,0 +1,181 @@
+"""The glance: one line per question, each rendered from its decision (decisions.build: the answer, its verdicts
+and its cost on the other axes) with the link to its table, then the facts of this run that hold (decisions'
+`facts`). Nothing here decides: every word of a verdict is the one decisions.json holds."""
+from __future__ import annotations
+
+from .fmt import number
+from .render import value_text
+
+# Where each question's table is: the glance's option tables in details.md, the stages' sections in report.md.
+LINKS = {"quantize": "details.md#quantization-scheme", "finetune": "details.md#fine-tuning-method",
+         "inference": "details.md#inference-variant", "attention": "details.md#attention-implementation",
+         "merge": "details.md#merge-route", "qat": "#quantization-aware-training-and-the-precision-range-test",
+         "prune": "#structured-pruning", "serving": "#serving-naive-vs-static-vs-continuous-batching",
+         "capacity": "#capacity-the-largest-batch-and-sequence-that-fit"}
+
+
+def _pct(a):
+    return value_text(a, "%", signed=True)
+
+
+def _x(a):
+    return value_text(a, "×")
+
+
+def _mib(a):
+    return value_text(a, " MiB")
+
+
+def _said(a, text) -> str:
+    """An axis with its verdict in the one vocabulary: '0.56× [0.53, 0.59], slower'."""
+    return f"{text(a)}, {a['verdict']}" if a else "not measured"
+
+
+def _link(key: str) -> str:
+    return f" ([table]({LINKS[key]}))"
+
+
+def quantize(d: dict, tolerance: float) -> str:
+    opts = {o["name"]: o for o in d["options"]}
+    base = next((o for o in d["options"] if o["baseline"]), None)
+    others = [o for o in d["options"] if not o["baseline"] and o["name"] != d["answer"]]
+    rest = "; ".join(f"{o['name']} {_pct(o['axes']['quality'])} ({o['status']})" for o in others)
+    if d["answer"] and not opts[d["answer"]]["baseline"]:
+        o = opts[d["answer"]]
+        smaller = base["axes"]["memory"]["value"] / o["axes"]["memory"]["value"] if base else None
+        head = (f"**{o['name']}**: perplexity {_pct(o['axes']['quality'])}, within +{tolerance:g}%; "
+                f"{_mib(o['axes']['memory'])}" + (f" ({smaller:.2f}× smaller)" if smaller else "")
+                + f"; decodes {_said(o['axes']['speed'], _x)}")
+    else:
+        head = f"none shown within +{tolerance:g}% perplexity"
+    return f"- **Quantization scheme** (vs {d['baseline']}): {head}" + (f". Others: {rest}" if rest else "") + \
+        "." + _link("quantize")
+
+
+def finetune(d: dict) -> str:
+    said = {"memory": ("least memory", _mib), "step_ratio": ("shortest step", _x), "quality": ("lowest perplexity", _pct)}
+    base = d["baseline"]
+    parts = []
+    for key, (what, text) in said.items():
+        name = d["answer"][key]
+        if name:
+            parts.append(f"{what} **{name}** ({text(next(o for o in d['options'] if o['name'] == name)['axes'][key])})")
+        else:
+            parts.append(f"{what} not decided at this size")
+    steps = "; ".join(f"{o['name']} step {_said(o['axes'].get('step_ratio'), _x)}" for o in d["options"]
+                      if not o["baseline"])
+    return (f"- **Fine-tuning method** (vs {base}): " + ", ".join(parts) + f". Step time over {base}'s: {steps}."
+            + _link("finetune"))
+
+
+def inference(d: dict, tolerance: float) -> str:
+    opts = {o["name"]: o for o in d["options"]}
+    if d["answer"]:
+        o = opts[d["answer"]]
+        head = (f"**{o['name']}**, decodes {_said(o['axes']['speed'], _x)}, {_mib(o['axes']['memory'])}, "
+                f"perplexity {_pct(o['axes'].get('quality'))}")
+    else:
+        head = f"no variant shown both faster than the base and within +{tolerance:g}% perplexity"
+    rest = "; ".join(f"{o['name']} {_said(o['axes']['speed'], _x)}, perplexity {_pct(o['axes'].get('quality'))} "
+                     f"({o['status']})" for o in d["options"] if not o["baseline"] and o["name"] != d["answer"])
+    return f"- **Inference variant** (vs the base model): {head}" + (f". Others: {rest}" if rest else "") + "." + \
+        _link("inference")
+
+
+def attention(d: dict) -> str:
+    cell = d.get("cell") or {}
+    where = f" at {cell.get('seq_len')} tokens, {str(cell.get('mode', '')).replace('_', '+')}" if cell else ""
+    rest = "; ".join(f"{o['name']} {_said(o['axes']['speed'], _x)}" for o in d["options"] if not o["baseline"])
+    head = f"**{d['answer']}**" if d["answer"] else "none shown faster than all the others"
+    return f"- **Attention implementation** (vs eager{where}): {head}. Speed: {rest}." + _link("attention")
+
+
+def merge(key: str, d: dict) -> str:
+    run = key.split(":", 1)[1]
+    a = d["answer"]
+    opts = {o["name"]: o for o in d["options"]}
+    closest = a["closest"]
+    text = f"**{closest}** is closest to the adapter (mean KL {number(opts[closest]['axes']['kl']['value'], 3)})" \
+        if closest else "no route"
+    if a["best_quality"] and a["best_quality"] != closest:
+        text += f"; **{a['best_quality']}** has the lower perplexity ({_pct(opts[a['best_quality']]['axes']['quality'])} vs the adapter)"
+    return f"- **Merge route for {run}**: {text}." + _link("merge")
+
+
+def qat(d: dict) -> str:
+    def said(method: str) -> str:
+        bits, at = d["answer"][method], d["undecided_at"].get(method)
+        return f"**{bits} bits**" if bits else f"not decided at this size from {at} bits" if at else "none"
+    widths = "; ".join(f"{o['name']} {_said(o['axes']['quality'], _pct)}" for o in d["options"])
+    return (f"- **Fewest weight bits** (vs the full-precision fine-tune): quantized after training {said('ptq')}, "
+            f"with quantization-aware training {said('qat')}. {widths}." + _link("qat"))
+
+
+def prune(d: dict) -> str:
+    rest = "; ".join(f"{o['name']}: generates {_said(o['axes']['speed'], _x)}, perplexity "
+                     f"{_said(o['axes']['quality'], _pct)}" for o in d["options"])
+    head = f"**{d['answer']}**" if d["answer"] else "no strategy shown faster with perplexity within the tolerance"
+    return f"- **Pruning strategy** (vs the base model): {head}. {rest}." + _link("prune")
+
+
+def serving(d: dict) -> str:
+    rest = "; ".join(f"{o['name']} at {o['concurrency']} requests {_said(o['axes']['speed'], _x)}"
+                     + (f" ({o['versus_static']} than static)" if o.get("versus_static") in ("faster", "slower")
+                        else f" (vs static: {o['versus_static']})" if o.get("versus_static") else "")
+                     for o in d["options"] if not o["baseline"])
+    head = f"**{d['answer']}**" if d["answer"] else "no method shown faster than naive"
+    return f"- **Serving method** (vs naive, throughput): {head}. {rest}." + _link("serving")
+
+
+def capacity(d: dict) -> str:
+    by: dict[str, list[str]] = {}
+    for o in d["options"]:
+        subject, kind, dimension = o["name"].rsplit(" ", 2)
+        size = "nothing" if not o["measured_max"] else f"{'at least ' if o['whole_range_fits'] else ''}" \
+            f"{o['measured_max']:,}"
+        what = f"batch of {d['train_seq_len']}-token rows" if dimension == "batch_size" else "tokens at batch 1"
+        by.setdefault(f"{subject} ({'training' if kind == 'train' else 'generating'})", []).append(f"{size} ({what})")
+    rest = "; ".join(f"{s} {', '.join(v)}" for s, v in by.items())
+    budget = d["budget"]
+    return f"- **What fits {budget['mib']:,.0f} MiB** (`{budget['source']}`): {rest}." + _link("capacity")
+
+
+def fact(f: dict) -> str:
+    """One of decisions.json's `facts` as a sentence."""
+    if f["fact"] == "qlora_worse_than_base":
+        return (f"**QLoRA after training ({f['run']}) is worse than the untouched base model**: perplexity "
+                f"{_pct(f)}, paired on the same rows.")
+    if f["fact"] == "requantized_merge_loses_the_fine_tune":
+        return (f"**Re-quantizing the {f['run']} merge to 4 bits loses the fine-tune**: perplexity "
+                f"{number(f['perplexity'])} against the untrained 4-bit base's {number(f['base_perplexity'])} "
+                f"({_pct(f)}), where the adapter was {_pct(f['adapter'])}.")
+    if f["fact"] == "qat_step_cost":
+        return (f"**A QAT training step costs {f['value']:.1f}× a full-precision one** (one run each, the ratio of "
+                "their steps' medians).")
+    return ""
+
+
+def lines(decisions: dict) -> list[str]:
+    """The glance's question lines, in the report's order, for the questions the records answer."""
+    q, tolerance = decisions["questions"], decisions["tolerance_pct"]
+    out = []
+    for key, d in q.items():
+        if key == "quantize":
+            out.append(quantize(d, tolerance))
+        elif key == "finetune":
+            out.append(finetune(d))
+        elif key == "inference":
+            out.append(inference(d, tolerance))
+        elif key == "attention":
+            out.append(attention(d))
+        elif key.startswith("merge:"):
+            out.append(merge(key, d))
+        elif key == "qat":
+            out.append(qat(d))
+        elif key == "prune":
+            out.append(prune(d))
+        elif key == "serving":
+            out.append(serving(d))
+        elif key == "capacity":
+            out.append(capacity(d))
+    return out
