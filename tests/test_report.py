@@ -495,3 +495,12 @@ def test_did_not_run_lists_the_failed_cells_of_a_job_that_ran_one_row_per_reason
         {"stage": "bench_serving", "name": "bench_serving: method=vllm concurrency=3", "status": "unavailable",
          "reason": "vllm is not installed"},
         {"stage": "quantize", "name": "nf4", "status": "oom", "reason": "OutOfMemoryError"}]
+
+
+def test_an_axis_measured_without_a_figure_reads_so_and_does_not_break_the_glance():
+    """A serving ratio left with no stable burst (the machine's speed changed) has no median: the report says so."""
+    from efflab.stages.report.render import value_text
+
+    assert value_text({"value": None, "lo": None, "hi": None, "n": 6}, "×") == "no figure"
+    assert value_text(None) == "not measured"
+    assert value_text({"value": 1.5, "lo": 1.2, "hi": 1.8, "n": 6}, "×") == "1.5× [1.2, 1.8]"

@@ -7,6 +7,8 @@ metadata is cached and for a hub id once its config.json is in the local cache; 
 has the config in hand whatever the source. Each problem is one line naming the key, the model and what it
 offers. An attention implementation the model's class does not support is a note, not an error: the default
 list must work on any family, so its job records `unavailable` with what the family offers, said at the dry run.
+Before any of it, a local folder that cannot load at all (a config.json that does not parse, no safetensors weights,
+a truncated one, no tokenizer) is one line too (model_folder), and so is a config transformers cannot load.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import json
 from importlib.metadata import version
 from pathlib import Path
 
+from . import model_folder
 from .config import ADAPTER_METHODS, UserError, classify_source, finetune_run
 from .registry import not_asked
 
@@ -57,7 +60,10 @@ def load_config(cfg: dict, path: Path):
     from transformers import AutoConfig
 
     bm = cfg["base_model"]
-    config = AutoConfig.from_pretrained(path.parent, trust_remote_code=bm["trust_remote_code"])
+    try:
+        config = AutoConfig.from_pretrained(path.parent, trust_remote_code=bm["trust_remote_code"])
+    except (OSError, ValueError, KeyError) as err:  # an unknown model_type is a ValueError, a bad file an OSError
+        raise model_folder.config_error(bm, err, path) from None
     if hasattr(config, "quantization_config") and bm["source"].startswith("embedded:"):
         del config.quantization_config  # what GGUF loading adds; the saved folder has none
     for key, value in bm["config_overrides"].items():
@@ -184,17 +190,22 @@ def check(cfg: dict, source: str | Path = "params", config=None) -> list[str]:
     """Raise UserError naming the first param the model cannot take; else return the notes to show. `config`:
     the model's config in hand (base_model); else the config file at hand, if any, with a verdict already
     reached for the same params, config and code reused (a Snakemake dry run stays fast); nothing to check when
-    no config is at hand."""
+    no config is at hand. A local folder that cannot load is refused first, whatever verdict was reached."""
     if config is not None:
         found, notes = problems(cfg, config)
     else:
-        path = config_file(cfg)
-        if path is None or not path.is_file():
-            return []
-        marker = _verdict_marker(cfg, path)
-        if marker.is_file():
-            return json.loads(marker.read_text())
-        found, notes = problems(cfg, load_config(cfg, path))
+        try:
+            model_folder.check(cfg["base_model"])  # a local folder that cannot load: one line, on every plan
+            path = config_file(cfg)
+            if path is None or not path.is_file():
+                return []
+            marker = _verdict_marker(cfg, path)
+            if marker.is_file():
+                return json.loads(marker.read_text())
+            config = load_config(cfg, path)
+        except UserError as err:
+            raise UserError(f"{source}: {err}") from None
+        found, notes = problems(cfg, config)
         if not found:
             try:
                 marker.parent.mkdir(parents=True, exist_ok=True)

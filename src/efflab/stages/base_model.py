@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from .. import cli, model_check
-from ..config import UserError, classify_source, local_source_files
+from .. import cli, model_check, model_folder
+from ..config import UserError, classify_source
 from ..layout import Job
 from ..measure.device import DTYPES, pick_device, set_threads
 from ..measure.env import environment
@@ -39,6 +39,23 @@ def _from_pretrained_kwargs(bm: dict, kind: str) -> tuple[str, dict]:
     return bm["source"], kwargs
 
 
+def source_tokenizer_and_config(cfg: dict, where: str, kwargs: dict):
+    """A hub id's or local folder's tokenizer and config, each failure one line (model_folder): the config first,
+    so that a hub id that does not resolve fails once, and says so before the tokenizer tries it too."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    bm = cfg["base_model"]
+    try:
+        model_config = AutoConfig.from_pretrained(where, **kwargs)
+    except (OSError, ValueError, KeyError) as err:  # an unknown model_type is a ValueError, a hub error an OSError
+        raise model_folder.config_error(bm, err, model_check.config_file(cfg)) from None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
+    except Exception as err:  # tokenizers' own errors are of any type (a KeyError for a tokenizer.json it cannot read)
+        raise model_folder.load_error(bm, err, "the tokenizer") from None
+    return tokenizer, model_config
+
+
 def tokenizer_and_config(cfg: dict, job: Job, kind: str, where: str, kwargs: dict):
     """The source's tokenizer and config, with base_model.config_overrides applied: (tokenizer, config, where
     the tokenizer's metadata came from). An unloadable source or an unknown override is the user's error."""
@@ -53,8 +70,7 @@ def tokenizer_and_config(cfg: dict, job: Job, kind: str, where: str, kwargs: dic
             tokenizer, model_config, metadata_from = (AutoTokenizer.from_pretrained(where),
                                                       AutoConfig.from_pretrained(where), "export")
         else:
-            tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
-            model_config = AutoConfig.from_pretrained(where, **kwargs)
+            tokenizer, model_config = source_tokenizer_and_config(cfg, where, kwargs)
     except (OSError, ValueError) as err:
         raise UserError(f"base_model.source: cannot load {bm['source']!r}: {str(err).splitlines()[0]}") from None
     bad = sorted(set(bm["config_overrides"]) - set(model_config.to_dict()))
@@ -78,9 +94,18 @@ def materialize(bm: dict, kind: str, where: str, kwargs: dict, model_config, dty
     if bm["random_init"]:
         torch.manual_seed(bm["seed"])
         return AutoModelForCausalLM.from_config(model_config, dtype=dtype, trust_remote_code=bm["trust_remote_code"])
-    loaded = AutoModelForCausalLM.from_pretrained(where, config=model_config, dtype=dtype, **kwargs)
-    if kind != "embedded":
-        return loaded
+    if kind == "embedded":
+        loaded = AutoModelForCausalLM.from_pretrained(where, config=model_config, dtype=dtype, **kwargs)
+    else:  # safetensors only: efflab unpickles no weights file, a local folder's or a hub repo's
+        from safetensors import SafetensorError
+
+        try:
+            return AutoModelForCausalLM.from_pretrained(where, config=model_config, dtype=dtype, use_safetensors=True,
+                                                        **kwargs)
+        except (OSError, ValueError, RuntimeError, SafetensorError) as err:
+            if isinstance(err, torch.OutOfMemoryError):
+                raise
+            raise model_folder.load_error(bm, err, "the weights") from None
     # A GGUF-loaded model refuses save_pretrained; rebuild it as a plain model.
     model = AutoModelForCausalLM.from_config(model_config, dtype=dtype)
     model.load_state_dict(loaded.state_dict())
@@ -94,7 +119,7 @@ def run(cfg: dict, job: Job) -> dict:
     bm = cfg["base_model"]
     set_threads(cfg["runtime"])
     kind = classify_source(bm["source"], "base_model.source")
-    local_source_files("base_model", bm["source"])  # a local folder must hold a model: one line if not
+    model_folder.check(bm)  # a local folder that cannot load: one line naming the file, before anything loads
     where, kwargs = _from_pretrained_kwargs(bm, kind)
     device = pick_device(cfg["runtime"])
     dtype_name, dtype_choice = resolve_dtype(bm["dtype"], device)

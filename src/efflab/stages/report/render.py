@@ -12,9 +12,12 @@ TEMPLATES = Path(__file__).parent / "templates"
 
 def value_text(a: dict | None, unit: str = "", digits: int = 3, signed: bool = False) -> str:
     """An axis as a reader sees it: '+3.4% [+1.2, +5.6]', '1.09 [1.02, 1.15]', '847 MiB' (exact), or the value
-    with its n and 'no interval'; 'not measured' without a value."""
+    with its n and 'no interval'; 'not measured' without an axis, 'no figure' for an axis measured without one (a
+    serving ratio whose bursts the machine's speed change left no stable round)."""
     if not a:
         return "not measured"
+    if a["value"] is None:
+        return "no figure"
     def said(x: float) -> str:
         if "MiB" in unit:
             return f"{x:,.0f}"
