@@ -106,7 +106,7 @@ test: install
 	$(VENV)/bin/pytest -v
 
 # The long end-to-end checks (marker `integration`): the supported-architecture matrix (tests/test_families_*.py: every
-# stage on six families), the pipeline through a real SLURM cluster (root and apt only) and DVC experiments on an
+# stage on nine families), the pipeline through a real SLURM cluster (root and apt only) and DVC experiments on an
 # adopted Snakemake run; CI runs them after `test`.
 test-integration: install
 	$(VENV)/bin/pytest -v -m integration

@@ -21,6 +21,12 @@ FAMILIES = {
                     sliding_window=None),  # mixture of experts
     "gpt_neox": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4),
     "gpt2": dict(n_embd=64, n_layer=2, n_head=4, n_inner=128),  # Conv1D projections, not nn.Linear
+    # separate q/k/v with out_proj, the stack at model.decoder.layers, learned positions, biases, ffn_dim
+    "opt": dict(hidden_size=64, word_embed_proj_dim=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4),
+    # Falcon-7B's layout: multi-query query_key_value and dense as FalconLinear, parallel attention, rotary
+    "falcon": dict(hidden_size=64, ffn_hidden_size=128, num_hidden_layers=2, num_attention_heads=4),
+    # per-head interleaved query_key_value, ALiBi, n_layer/n_head, no MLP width field (4 x hidden)
+    "bloom": dict(hidden_size=64, n_layer=2, n_head=4),
 }
 
 

@@ -1,6 +1,7 @@
 """The architecture adapter on tiny models of several families (tests/families.py): shapes read whatever the
 family calls its fields, matrix-multiply layers of every layer type, peft's own LoRA defaults, and prune's
-head cutting, exact on separate and fused q/k/v projections."""
+layer and head cutting: layers off any family's stack, heads exact on separate and fused q/k/v projections, and
+refused, for head strategies only, where the family's config cannot describe fewer heads."""
 from __future__ import annotations
 
 import copy
@@ -32,8 +33,11 @@ def test_every_family_s_shape_is_read_through_one_adapter(folders, family):
     model = tiny(folders, family)
     a = architecture.shape(model.config)
     assert (a["layers"], a["hidden"], a["heads"], a["head_dim"]) == (2, 64, 4, 16)
-    assert a["intermediate"] == FAMILIES[family].get("intermediate_size", FAMILIES[family].get("n_inner"))
-    assert a["kv_heads"] == FAMILIES[family].get("num_key_value_heads", 4)
+    widths = [v for k, v in FAMILIES[family].items() if k in ("intermediate_size", "n_inner", "ffn_dim",
+                                                              "ffn_hidden_size")]
+    assert a["intermediate"] == (widths or [4 * 64])[0], "Bloom has no width field: 4 x hidden"
+    assert a["kv_heads"] == FAMILIES[family].get("num_key_value_heads", 1 if family == "falcon" else 4), \
+        "Falcon-7B's multi-query attention has one key/value head"
     assert a["experts"] == FAMILIES[family].get("num_local_experts", 0)
     assert len(architecture.decoder_layers(model)) == 2
     layers = architecture.matmul_layers(model)
@@ -81,16 +85,16 @@ def test_lora_targets_default_to_peft_s_choice_for_the_family(folders, family, e
 def _masked(model, kept: dict, d: int):
     """The base model with the removed heads' output-projection columns zeroed and the removed layers skipped."""
     masked = copy.deepcopy(model)
-    where = prune.attention_modules(masked)
     heads = prune.attention_shape(model.config)[1]
-    for i in range(len(architecture.decoder_layers(masked))):
-        output = masked.get_submodule(f"{where['attention'][i]}.{prune.OUTPUT}")
-        for h in set(range(heads)) - set(kept["kept_heads"].get(i, [])):
-            output.weight.data[:, h * d:(h + 1) * d] = 0
     stack = architecture.decoder_layers(masked)
+    if kept["heads"] < heads:
+        where = prune.attention_modules(masked)
+        for i in range(len(stack)):
+            output = masked.get_submodule(f"{where['attention'][i]}.{where['output']}")
+            for h in set(range(heads)) - set(kept["kept_heads"].get(i, [])):
+                output.weight.data[:, h * d:(h + 1) * d] = 0
     kept_layers = torch.nn.ModuleList([stack[i] for i in kept["kept_layers"]])
-    parent, _, name = where["layers"].rpartition(".")
-    setattr(masked.get_submodule(parent), name, kept_layers)
+    masked.set_submodule(prune.layer_stack(masked), kept_layers)
     for i, layer in enumerate(kept_layers):
         for m in layer.modules():
             if hasattr(m, "layer_idx"):
@@ -99,21 +103,68 @@ def _masked(model, kept: dict, d: int):
     return masked
 
 
-@pytest.mark.parametrize("family", ["qwen2", "phi3", "gemma2", "mixtral"])
+IDS = torch.tensor([[1, 5, 9, 200, 3000, 7]])
+
+
+def phi(heads: int = 4, kv_heads: int = 2):
+    """A tiny Phi-2-style model: separate biased q/k/v with a `dense` output projection and partial rotary, whose
+    config, unlike OPT's, takes a head size of its own. Not in the matrix: it stands for the out_proj/dense
+    naming on a family whose heads can be cut."""
+    from transformers import AutoConfig
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("phi", vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=heads, num_key_value_heads=kv_heads)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.mark.parametrize("family", ["qwen2", "phi3", "gemma2", "mixtral", "phi"])
 def test_pruning_heads_is_exact_on_separate_biased_and_fused_projections(folders, family):
-    """Qwen2's biased q/k/v, Phi-3's fused qkv_proj, Gemma-2's soft-capped attention, Mixtral's experts: the
-    pruned model computes what the base computes with the removed heads masked, under grouped-query attention."""
-    model = tiny(folders, family)
+    """Qwen2's biased q/k/v, Phi-3's fused qkv_proj, Gemma-2's soft-capped attention, Mixtral's experts, Phi's
+    `dense` output projection: the pruned model computes what the base computes with the removed heads masked,
+    under grouped-query attention."""
+    model = phi() if family == "phi" else tiny(folders, family)
     scores = {"heads": [[4.0, 3.0, 2.0, 1.0]] * 2, "layers": [2.0, 1.0]}
     pruned, kept = prune.prune(model, {"remove_heads": 0.5, "remove_layers": 1}, scores)
     assert (kept["heads"], kept["kv_heads"], kept["layers"]) == (2, 2, 1), "one query head of each group"
-    ids = torch.tensor([[1, 5, 9, 200, 3000, 7]])
     with torch.no_grad():
-        torch.testing.assert_close(pruned(ids).logits, _masked(model, kept, 16)(ids).logits, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(pruned(IDS).logits, _masked(model, kept, 16)(IDS).logits, atol=1e-5, rtol=1e-4)
     assert sum(p.numel() for p in pruned.parameters()) < sum(p.numel() for p in model.parameters())
 
 
-@pytest.mark.parametrize("family", ["gpt_neox", "gpt2"])
-def test_a_family_whose_attention_prune_cannot_cut_says_what_it_lacks(folders, family):
-    with pytest.raises(prune.Unprunable, match="has no nn.Linear q_proj/k_proj/v_proj or qkv_proj"):
-        prune.attention_modules(tiny(folders, family))
+@pytest.mark.parametrize("family", ["opt", "falcon", "bloom", "gpt_neox", "gpt2"])
+def test_removing_half_the_layers_needs_only_a_stack_of_decoder_layers(folders, family, tmp_path):
+    """layers-half on families whose heads prune cannot cut (OPT's model.decoder.layers, Falcon's and Bloom's
+    transformer.h, GPT-NeoX, GPT-2's Conv1D): half the layers are left, the smaller config (its own layer-count
+    field: num_hidden_layers or n_layer) reloads in plain transformers, and the model computes what the base
+    computes with the removed layer skipped."""
+    model = tiny(folders, family)
+    pruned, kept = prune.prune(model, {"remove_layers": 0.5}, {"heads": None, "layers": [1.0, 2.0]})
+    assert (kept["layers"], kept["kept_layers"], kept["heads"]) == (1, [1], 4)
+    pruned.save_pretrained(tmp_path, safe_serialization=True)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    field = "n_layer" if family in ("bloom", "gpt2") else "num_hidden_layers"
+    assert reloaded.config.to_dict()[field] == architecture.shape(reloaded.config)["layers"] == 1
+    assert len(architecture.decoder_layers(reloaded)) == 1
+    with torch.no_grad():
+        logits = reloaded(IDS).logits
+        assert logits.shape == (1, IDS.shape[1], model.config.vocab_size)
+        torch.testing.assert_close(logits, _masked(model, kept, 16)(IDS).logits, atol=1e-5, rtol=1e-4)
+    assert sum(p.numel() for p in reloaded.parameters()) < sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("family", ["opt", "falcon", "bloom", "gpt_neox", "gpt2"])
+def test_a_family_whose_config_cannot_hold_fewer_heads_refuses_head_strategies_only(folders, family):
+    """OPT (separate q/k/v and out_proj), Falcon and Bloom (fused query_key_value and dense), GPT-NeoX and GPT-2
+    (Conv1D c_attn and c_proj): prune finds their attention, but their configs derive the head size from
+    hidden_size, so no config describes fewer heads of the same size. A strategy that removes heads is refused
+    saying so; one that removes only layers is not."""
+    model = tiny(folders, family)
+    for strategy in ({"remove_heads": 2}, {"keep_heads": 1, "remove_layers": 1}):
+        with pytest.raises(prune.Unprunable, match="config cannot describe fewer heads of the same size: with [12] query heads"):
+            prune.cut_plan(model, strategy)
+    for strategy in ({"remove_layers": 0.5}, {"remove_heads": 0, "remove_layers": 1}):
+        plan, layers = prune.cut_plan(model, strategy)
+        assert (plan["heads"], layers) == (4, 1)
+    where = prune.attention_modules(model)
+    assert where["output"] == {"opt": "out_proj", "gpt2": "c_proj"}.get(family, "dense")

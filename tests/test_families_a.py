@@ -1,5 +1,6 @@
 """The supported-architecture matrix (tests/matrix.py), part a: Llama-style decoders with separate, biased
-and fused projections, and soft-capping."""
+and fused projections, and soft-capping; OPT's out_proj and learned positions; Falcon's multi-query fused
+query_key_value in FalconLinear layers."""
 from __future__ import annotations
 
 import pytest

@@ -1,5 +1,5 @@
 """The supported-architecture matrix (tests/matrix.py), part b: a mixture of experts, fused query_key_value
-and Conv1D projections."""
+and Conv1D projections, Bloom's ALiBi."""
 from __future__ import annotations
 
 import pytest

@@ -58,3 +58,51 @@ def test_only_the_round_trip_merge_keeps_what_the_qlora_adapter_learned(qlora_me
     assert roundtrip["kl_mean"] < requantized["kl_mean"], "re-quantizing the merged weights adds new rounding error"
     assert m["closest_target"] == "nf4 round-trip base"
     assert all(r["kl_mean"] > -1e-6 for r in t.values()), "KL is non-negative up to float rounding"
+
+
+def test_a_family_bitsandbytes_cannot_quantize_is_unavailable_never_recorded_as_quantized(prepared, tmp_path):
+    """Falcon's FalconLinear layers are not nn.Linear by type: transformers' bitsandbytes integration leaves them in
+    full precision (and its dequantize() then failed on a model with no 4-bit layer). Loading it as nf4 is
+    `unavailable` with that reason, so no quantize, QLoRA or merge job records a full-precision model as 4-bit."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tests.families import family_folder
+
+    folder = family_folder("falcon", tmp_path / "base", prepared / "base_model" / "model")
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder)).save_pretrained(folder)
+    with pytest.raises(NotImplementedError, match=r"nf4: transformers' bitsandbytes integration quantized no layer "
+                                                  r"of FalconForCausalLM: its linear layers are FalconLinear"):
+        load_model(folder, "float32", torch.device("cpu"), quant={"method": "nf4", "double_quant": True})
+
+
+@pytest.mark.parametrize("family", ["opt", "gpt2"])
+def test_the_qlora_round_trip_merge_keeps_the_adapter_s_logits_on_any_family(prepared, tmp_path, family):
+    """Without transformers' dequantize(): OPT's nn.Linear layers are 4-bit; GPT-2's Conv1D layers are stored
+    transposed. Each merge into the round-trip base gives the adapter's logits within the stage test's tolerance,
+    and the merge into the original base does not."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from efflab.architecture import lora_targets
+    from efflab.stages.merge import merged_into, round_trip_base
+    from tests.families import family_folder
+
+    cpu, nf4 = torch.device("cpu"), {"method": "nf4", "double_quant": True}
+    folder = family_folder(family, tmp_path / "base", prepared / "base_model" / "model")
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder)).save_pretrained(folder)
+    four_bit = load_model(folder, "float32", cpu, quant=nf4)
+    lora = LoraConfig(task_type="CAUSAL_LM", r=4, lora_alpha=8, init_lora_weights=False,
+                      target_modules=lora_targets(four_bit.config, None))
+    get_peft_model(four_bit, lora).save_pretrained(tmp_path / "adapter")
+    reference = PeftModel.from_pretrained(load_model(folder, "float32", cpu, quant=nf4), tmp_path / "adapter").eval()
+    base, replayed = round_trip_base(folder, "float32", cpu, nf4)
+    merged = merged_into(base, tmp_path / "adapter", "float32")
+    original = merged_into(load_model(folder, "float32", cpu), tmp_path / "adapter", "float32")
+    # 2 layers x OPT's q/k/v/out_proj/fc1/fc2, x GPT-2's c_attn/c_proj/c_fc/c_proj
+    assert replayed == {"opt": 12, "gpt2": 8}[family]
+    ids = torch.tensor([[1, 5, 9, 200, 3000, 7]])
+    with torch.no_grad():
+        ref = reference(ids).logits
+        assert (merged(ids).logits - ref).abs().max() < 1e-3
+        assert ((original(ids).logits - ref).abs().max() > 1e-3) == bool(replayed)

@@ -2,12 +2,10 @@
 
 Families name their sizes differently (GPT-2's n_embd and n_inner, Mixtral's num_local_experts, Gemma-3's
 text sub-config), and some build their projections from other layer types (GPT-2's Conv1D). Stages and
-estimators read a model's shape and its matrix-multiply weights only through here, never a family's own
-config field or module name.
+estimators read a model's shape and its matrix-multiply weights, and prune writes a smaller model's config, only
+through here, never a family's own config field or module name.
 """
 from __future__ import annotations
-
-import copy
 
 import torch
 
@@ -16,6 +14,8 @@ import torch
 # The MLP width under each family's name; absent in all of them (GPT-2's n_inner: null), 4 x hidden.
 INTERMEDIATE_FIELDS = ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size", "d_ff")
 EXPERT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+# The decoder-layer count under each family's name (GPT-2's and Bloom's n_layer are also mapped to num_hidden_layers).
+LAYER_FIELDS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
 
 
 def text_config(config):
@@ -28,15 +28,25 @@ def _first(config, fields: tuple[str, ...]):
     return next((getattr(config, f) for f in fields if getattr(config, f, None)), None)
 
 
+def _kv_heads(c, heads: int) -> int:
+    """Key/value heads: num_key_value_heads; Falcon's and GPT-BigCode's multi-query attention has one (Falcon's
+    new decoder architecture, num_kv_heads)."""
+    if getattr(c, "num_key_value_heads", None):
+        return c.num_key_value_heads
+    if getattr(c, "new_decoder_architecture", False):
+        return c.num_kv_heads
+    return 1 if getattr(c, "multi_query", False) else heads
+
+
 def shape(config) -> dict:
     """Layers, hidden size, MLP width, query and key/value heads, head dim, vocabulary, tied embeddings and
     experts of any family's config (read through its attribute map, so GPT-2's n_layer is num_hidden_layers)."""
     c = text_config(config)
     hidden, heads = c.hidden_size, c.num_attention_heads
     experts = _first(c, EXPERT_FIELDS) or 0
-    return {"model_type": c.model_type, "layers": c.num_hidden_layers, "hidden": hidden,
+    return {"model_type": c.model_type, "layers": _first(c, LAYER_FIELDS), "hidden": hidden,
             "intermediate": _first(c, INTERMEDIATE_FIELDS) or 4 * hidden, "heads": heads,
-            "kv_heads": getattr(c, "num_key_value_heads", None) or heads,
+            "kv_heads": _kv_heads(c, heads),
             "head_dim": getattr(c, "head_dim", None) or getattr(c, "d_kv", None) or hidden // heads,
             "vocab": c.vocab_size,
             "tied_embeddings": bool(getattr(config, "tie_word_embeddings", getattr(c, "tie_word_embeddings", False))),
@@ -89,11 +99,35 @@ def expert_weights(model) -> list[torch.nn.Parameter]:
 
 
 def decoder_layers(model) -> torch.nn.ModuleList | None:
-    """The stack of decoder layers, wherever the family keeps it (model.layers, transformer.h,
-    gpt_neox.layers, ...): the ModuleList with one entry per config layer; None where there is none."""
+    """The stack of decoder layers, wherever the family keeps it (model.layers, model.decoder.layers,
+    transformer.h, gpt_neox.layers, ...): the outermost ModuleList with one entry per config layer; without a layer
+    count in the config, the longest ModuleList of blocks of one class; None where there is none."""
     count = shape(model.config)["layers"]
-    stacks = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == count]
-    return stacks[0] if stacks else None
+    stacks = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m)]
+    exact = [m for m in stacks if len(m) == count]
+    if count is None:
+        exact = sorted((m for m in stacks if len({type(block) for block in m}) == 1), key=len, reverse=True)
+    return exact[0] if exact else None
+
+
+def resized_config(config, keep_layers: list[int], heads: tuple[int, int, int] | None = None):
+    """A copy of `config` for a model that keeps the layers `keep_layers` (in order) and, given heads =
+    (query heads, key/value heads, head dim), that many heads of that size in every layer. The layer count is
+    written under whichever of LAYER_FIELDS the family uses, and each per-layer list (Gemma-2's layer_types, ...)
+    keeps the kept layers' entries."""
+    config = config.__class__.from_dict(config.to_dict())
+    c, layers = text_config(config), shape(config)["layers"]
+    fields = c.to_dict()
+    for field in [f for f in LAYER_FIELDS if f in fields] or ["num_hidden_layers"]:
+        setattr(c, field, len(keep_layers))
+    for field, value in fields.items():
+        if isinstance(value, list) and len(value) == layers and not field.endswith(("token_id", "token_ids")):
+            setattr(c, field, [value[i] for i in keep_layers])
+    if heads is not None:
+        c.num_attention_heads, c.num_key_value_heads = heads[0], heads[1]
+        if not isinstance(getattr(type(c), "head_dim", None), property):  # Falcon's is hidden_size / heads
+            c.head_dim = heads[2]
+    return config
 
 
 def lora_targets(config, targets: str | list[str] | None) -> str | list[str]:
@@ -105,29 +139,6 @@ def lora_targets(config, targets: str | list[str] | None) -> str | list[str]:
     from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_DEFAULTS
 
     return sorted(PEFT_DEFAULTS.get(text_config(config).model_type) or []) or "all-linear"
-
-
-def restore_conv1d(model) -> int:
-    """Put back the Conv1D layers a dequantized model lost: transformers' dequantize() turns every 4-bit layer
-    into an nn.Linear, so a GPT-2-style model's projections would save with transposed weights that its own
-    class cannot load. Returns how many layers it restored (0 for a family without Conv1D)."""
-    from transformers.pytorch_utils import Conv1D
-
-    config = copy.deepcopy(model.config)
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    restored = 0
-    for name, module in skeleton(config).named_modules():
-        current = model.get_submodule(name) if name else model
-        if isinstance(module, Conv1D) and type(current) is torch.nn.Linear:
-            layer = Conv1D(current.out_features, current.in_features).to(current.weight.device, current.weight.dtype)
-            with torch.no_grad():
-                layer.weight.copy_(current.weight.T)
-                if current.bias is not None:
-                    layer.bias.copy_(current.bias)
-            model.set_submodule(name, layer)
-            restored += 1
-    return restored
 
 
 def lora_config(config, lora: dict):

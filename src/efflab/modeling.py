@@ -184,9 +184,23 @@ def load_model(folder: str | Path, dtype: str, device: torch.device, quant: dict
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
+    if quantization.library(quant) == "bitsandbytes" and not quantization.quantized_parts(model):
+        raise NotImplementedError(unquantized_reason(model, quant))
     if "device_map" not in kwargs:
         model.to(device)
     return model.eval()
+
+
+def unquantized_reason(model, quant: dict) -> str:
+    """Why a bitsandbytes scheme left every layer in full precision: transformers converts modules whose type is
+    exactly nn.Linear, and some families subclass it (Falcon's FalconLinear). A model that ran unquantized must
+    never be recorded as quantized."""
+    linear = sorted({type(m).__name__ for m in model.modules()
+                     if isinstance(m, torch.nn.Linear) and type(m) is not torch.nn.Linear})
+    kinds = f"its linear layers are {', '.join(linear)}, subclasses of nn.Linear, which" if linear else "it has no " \
+        "nn.Linear layer, and"
+    return (f"{quant['method']}: transformers' bitsandbytes integration quantized no layer of "
+            f"{type(model).__name__}: {kinds} it converts only exact nn.Linear modules")
 
 
 def base_dtype(layout) -> str:

@@ -70,8 +70,8 @@ def warn_mixed_drivers():
     if jobs:
         print(f"efflab: warning: {len(jobs)} results here were written by dvc repro / dvc exp run ({', '.join(jobs[:3])}"
               f"{', ...' if len(jobs) > 3 else ''}): Snakemake has no record of their params and code and will not "
-              "rerun them when those change. Take them over with `snakemake --forceall`, and run DVC experiments "
-              "with `dvc exp run --temp`, which leaves this workspace alone (README, \"Two drivers\").",
+              "rerun them when those change. Take them over with `snakemake --forceall --cores all`, and run DVC "
+              "experiments with `dvc exp run --temp`, which leaves this workspace alone (README, \"Two drivers\").",
               file=sys.stderr)
 
 

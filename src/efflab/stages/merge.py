@@ -13,7 +13,6 @@ import logging
 import torch
 
 from .. import cli, quality
-from ..architecture import restore_conv1d
 from ..config import base_quant, finetune_run
 from ..layout import Job
 from ..measure.device import pick_device, set_threads
@@ -52,16 +51,40 @@ def compare(model, reference: list[torch.Tensor], reference_eval: dict, rows, ba
             "perplexity_change": quality.paired_change(reference_eval["per_row"], per_row)}
 
 
-def merged_into(layout, adapter, dtype: str, merge_dtype: str, device, quant: dict | None, roundtrip: bool):
-    """The adapter merged into the base: the base as loaded in full precision, or (roundtrip) after the
-    same 4-bit quantize→dequantize round trip the QLoRA adapter was trained against."""
+def round_trip_base(folder, dtype: str, device, quant: dict) -> tuple[torch.nn.Module, int]:
+    """The base as the QLoRA adapter saw it, in `dtype`, and how many layers went through the 4-bit round trip.
+
+    Each layer that the 4-bit base holds as a bitsandbytes Linear4bit gets bitsandbytes' dequantize_4bit of that
+    layer's own 4-bit weight, with the QuantState (quant type, blocksize, double quant) it was stored with: the
+    quantize half of the round trip is the one loading did (bitsandbytes' quantize_4bit with the scheme's settings),
+    so these are exactly the weights the adapter trained against. Layers that loading left in full precision stay
+    as they are.
+
+    Not transformers' dequantize(): in transformers 5.23 its dequantize_and_replace (integrations/bitsandbytes.py)
+    sets `has_been_replaced` only inside its loop, so a model without a Linear4bit raises UnboundLocalError. Falcon
+    is one: replace_with_bnb_linear converts only modules whose type is exactly nn.Linear (or Conv1D), and
+    Falcon's FalconLinear subclasses it, so its QLoRA base is not 4-bit at all. dequantize() also turns GPT-2's
+    Conv1D layers into nn.Linear, which their class cannot load; writing into the base as loaded keeps them."""
+    import bitsandbytes as bnb
+    from transformers.pytorch_utils import Conv1D
+
+    target = load_model(folder, dtype, device)
+    four_bit = load_model(folder, dtype, device, quant=quant)
+    replayed = 0
+    with torch.no_grad():
+        for name, module in four_bit.named_modules():
+            if isinstance(module, bnb.nn.Linear4bit):
+                weight = bnb.functional.dequantize_4bit(module.weight.data, module.weight.quant_state)
+                layer = target.get_submodule(name)
+                layer.weight.copy_(weight.T if isinstance(layer, Conv1D) else weight)  # Conv1D stores in x out
+                replayed += 1
+    return target, replayed
+
+
+def merged_into(target, adapter, merge_dtype: str):
+    """The adapter merged into `target` (a base model) in merge_dtype."""
     from peft import PeftModel
 
-    target = load_model(layout.base_model(), merge_dtype if quant is None else dtype, device,
-                        quant=quant if roundtrip else None)
-    if quant is not None and roundtrip:
-        target = target.dequantize()
-        restore_conv1d(target)  # GPT-2-style families: dequantize() leaves nn.Linear where the class has Conv1D
     target = target.to(getattr(torch, merge_dtype))
     return PeftModel.from_pretrained(target, adapter).merge_and_unload().eval()
 
@@ -90,7 +113,15 @@ def run(cfg: dict, job: Job) -> dict:
     ref_logits, ref_eval = reference_logits(reference, rows, batch_size, tokenizer)
     del reference, base
 
-    merged = merged_into(layout, adapter, dtype, m["dtype"], device, quant, roundtrip=True)
+    if quant is None:
+        target, replayed = load_model(layout.base_model(), m["dtype"], device), None
+    else:
+        target, replayed = round_trip_base(layout.base_model(), dtype, device, quant)
+        if not replayed:
+            log.warning("%s: the %s base has no 4-bit layer (transformers gives bitsandbytes only plain nn.Linear "
+                        "and Conv1D layers): the adapter was trained on full-precision weights, and they are the "
+                        "merge target", name, quant["method"])
+    merged = merged_into(target, adapter, m["dtype"])
     in_memory = compare(merged, ref_logits, ref_eval, rows, batch_size, tokenizer)
 
     folder = job.out / "model"
@@ -100,7 +131,7 @@ def run(cfg: dict, job: Job) -> dict:
     saved = compare(load_model(folder, dtype, device), ref_logits, ref_eval, rows, batch_size, tokenizer)
     targets = {}
     if quant is not None:  # which merge keeps the fine-tune? (the saved folder is the round-trip merge)
-        naive = merged_into(layout, adapter, dtype, m["dtype"], device, quant, roundtrip=False)
+        naive = merged_into(load_model(layout.base_model(), dtype, device), adapter, m["dtype"])
         targets["original base"] = compare(naive, ref_logits, ref_eval, rows, batch_size, tokenizer)
         del naive
         targets[f"{quant['method']} round-trip base"] = in_memory
@@ -118,7 +149,7 @@ def run(cfg: dict, job: Job) -> dict:
         "run": name, "method": run_cfg["method"],
         "reference": "adapter on the 4-bit base it was trained on" if quant else "adapter on the base",
         "merge_target": f"dequantized {quant['method']} base" if quant else "full-precision base",
-        "merge_dtype": m["dtype"], "saved_dtype": dtype,
+        "merge_dtype": m["dtype"], "saved_dtype": dtype, "round_trip_layers": replayed,
         "adapter_validation": ref_eval, "merged": in_memory, "merged_saved": saved,
         "targets": targets, "closest_target": min(targets, key=lambda t: targets[t]["kl_mean"]) if targets else None,
         "environment": environment(device, m),

@@ -1,12 +1,14 @@
 """Stage prune: structured pruning of attention heads and whole decoder layers, one job per strategy.
 
-Heads come off the q/k/v/o projections and layers out of the stack for real, and the pruned model is
+Heads come off the q/k/v and output projections and layers out of the stack for real, and the pruned model is
 rebuilt from its smaller config and saved, so that plain transformers loads the folder and parameter count,
 footprint and latency shrink (the seed's pruning function only addressed the weights and changed nothing).
+Removing layers needs only the family's stack of decoder layers; removing heads needs an attention whose heads
+prune can cut and a config that can describe fewer of them (cut_plan), else the strategy is unavailable.
 Grouped-query attention is respected: every layer must keep the same number of key/value heads and of query
 heads per key/value head, so the query-head count a strategy asks for is met by the nearest count that
 shape allows (both are recorded). Which heads and layers go is decided by `prune.importance`:
-`activation_norm` (measured on calibration rows: each query head's mean output norm, the input of o_proj;
+`activation_norm` (measured on calibration rows: each query head's mean output norm, the input of the output projection;
 each layer's block influence, 1 - cos(hidden in, hidden out), as in ShortGPT) or `seed` (the seed's order:
 the last heads of every group, the last layers). Each job measures the base and the pruned model in the
 same process: parameters, footprint, validation perplexity, a sample generation, and greedy-generation
@@ -51,36 +53,82 @@ def attention_shape(config) -> tuple[int, int, int, int]:
     return a["layers"], a["heads"], a["kv_heads"], a["head_dim"]
 
 
-# The attention projections prune can cut, by their module names: separate q/k/v (Llama, Qwen2, Gemma,
-# Mistral, Mixtral...) or one fused q|k|v matrix (Phi-3's qkv_proj), and the output projection.
-SEPARATE, FUSED, OUTPUT = ("q_proj", "k_proj", "v_proj"), "qkv_proj", "o_proj"
+# The attention projections prune recognises, by their module names: separate q/k/v, or one fused q|k|v matrix
+# (Phi-3's qkv_proj; Falcon's, Bloom's and GPT-NeoX's query_key_value; GPT-2's Conv1D c_attn), and the output
+# projection. Heads are cut from separate q/k/v and from BLOCKED, whose rows are the query heads', then the key heads',
+# then the value heads'; the other fused matrices order their rows per head in the family's own way.
+SEPARATE, FUSED, BLOCKED = ("q_proj", "k_proj", "v_proj"), ("qkv_proj", "query_key_value", "c_attn"), "qkv_proj"
+OUTPUTS = ("o_proj", "out_proj", "dense", "c_proj")
 
 
 class Unprunable(Exception):
-    """The model's architecture is not one whose heads and layers prune can cut: the job is unavailable."""
+    """The model cannot lose what the strategy removes (its layers, or its heads): the job is unavailable."""
 
 
-def attention_modules(model) -> dict:
-    """Where the decoder layers and each layer's attention live: {"layers": qualified name of the layer stack,
-    "attention": [qualified name of each layer's attention module], "fused": bool}. Raises Unprunable naming
-    what the family lacks where its attention is not one of the layouts above (GPT-NeoX's per-head
-    interleaved query_key_value, GPT-2's Conv1D c_attn, ...)."""
+def layer_stack(model) -> str:
+    """The qualified name of the model's stack of decoder layers (architecture.decoder_layers)."""
     stack = architecture.decoder_layers(model)
     if stack is None:
         raise Unprunable(f"{type(model).__name__} has no stack of decoder layers (a ModuleList of "
-                         f"{attention_shape(model.config)[0]} layers)")
-    names = {m: n for n, m in model.named_modules()}
-    attention, fused = [], set()
-    for layer in stack:
-        found = [(name, FUSED in children) for name, module in layer.named_modules()
-                 if (children := {k for k, c in module.named_children() if isinstance(c, torch.nn.Linear)})
-                 and OUTPUT in children and (set(SEPARATE) <= children or FUSED in children)]
-        if not found:
-            raise Unprunable(f"{type(model).__name__}'s attention has no nn.Linear {'/'.join(SEPARATE)} or "
-                             f"{FUSED}, with {OUTPUT}, to cut heads from")
-        attention.append(f"{names[layer]}.{found[0][0]}")
-        fused.add(found[0][1])
-    return {"layers": names[stack], "attention": attention, "fused": fused.pop() if len(fused) == 1 else None}
+                         f"{attention_shape(model.config)[0]} layers) to remove layers from")
+    return next(name for name, module in model.named_modules() if module is stack)
+
+
+def attention_modules(model) -> dict:
+    """Each decoder layer's attention: {"attention": [its qualified name, per layer], "qkv": the names of its q, k
+    and v projections (one name where they are fused), "output": its output projection's name}. Raises
+    Unprunable naming what the family lacks where a layer's attention has none of the layouts above."""
+    stack = layer_stack(model)
+    attention, layouts = [], set()
+    for i, layer in enumerate(model.get_submodule(stack)):
+        for name, module in layer.named_modules():
+            children = {k for k, c in module.named_children() if architecture.matmul_shape(c)}
+            output = next((o for o in OUTPUTS if o in children), None)
+            qkv = SEPARATE if set(SEPARATE) <= children else next(((f,) for f in FUSED if f in children), None)
+            if output and qkv:
+                attention.append(f"{stack}.{i}" + (f".{name}" if name else ""))
+                layouts.add((qkv, output))
+                break
+        else:
+            raise Unprunable(f"{type(model).__name__}'s attention has no q/k/v projections ({'/'.join(SEPARATE)}, or "
+                             f"fused as {', '.join(FUSED)}) with an output projection ({', '.join(OUTPUTS)}) to cut "
+                             "heads from")
+    if len(layouts) != 1:
+        raise Unprunable(f"{type(model).__name__}'s layers name their attention projections differently: "
+                         f"{sorted(layouts)}")
+    (qkv, output), = layouts
+    return {"attention": attention, "qkv": qkv, "output": output}
+
+
+def cut_plan(model, strategy: dict) -> tuple[dict, int]:
+    """The heads (head_plan) and the number of layers `strategy` keeps of `model`. Raises Unprunable where the
+    model has no stack of layers, or where the strategy removes heads and the family cannot lose them: its
+    attention is not one of the layouts above, its config cannot describe fewer heads of the same size (OPT,
+    Falcon, Bloom, GPT-NeoX and GPT-2 derive the head size from hidden_size), or its fused q/k/v rows are in an
+    order of the family's own."""
+    layers, heads, kv, d = attention_shape(model.config)
+    layer_stack(model)
+    plan, n_layers = head_plan(strategy, heads, kv), layer_count(strategy, layers)
+    if plan["heads"] == heads:
+        return plan, n_layers
+    where, name = attention_modules(model), type(model).__name__
+    try:
+        smaller = architecture.skeleton(architecture.resized_config(model.config, list(range(layers)),
+                                                                    (plan["heads"], plan["kv_heads"], d)))
+    except ValueError as err:  # a family that checks its sizes when it builds its attention
+        raise Unprunable(f"{name} cannot be built with {plan['heads']} query heads: {err}") from err
+    takes = architecture.matmul_shape(smaller.get_submodule(f"{where['attention'][0]}.{where['output']}"))[0]
+    if takes != plan["heads"] * d:
+        hidden = architecture.shape(model.config)["hidden"]
+        raise Unprunable(f"{name}'s config cannot describe fewer heads of the same size: with {plan['heads']} query "
+                         f"heads its {where['output']} takes {takes} inputs, not {plan['heads']} x {d}"
+                         + (f" (its head size is hidden_size {hidden} / heads)" if takes == hidden else ""))
+    projections = [model.get_submodule(f"{where['attention'][0]}.{p}") for p in (*where["qkv"], where["output"])]
+    if where["qkv"] not in (SEPARATE, (BLOCKED,)) or not all(isinstance(p, torch.nn.Linear) for p in projections):
+        raise Unprunable(f"{name}'s {where['qkv'][0]} holds its heads' q, k and v in an order of the family's own: "
+                         f"prune cuts heads from separate {'/'.join(SEPARATE)} or a q|k|v-blocked {BLOCKED}, "
+                         "all nn.Linear")
+    return plan, n_layers
 
 
 def head_plan(strategy: dict, heads: int, kv: int) -> dict:
@@ -110,7 +158,8 @@ def layer_count(strategy: dict, layers: int) -> int:
 
 def importance(model, rows: list[dict], tokenizer, how: str) -> dict:
     """Per layer, each query head's importance, and each layer's: measured on `rows` (activation_norm) or
-    the seed's order (earlier heads and layers first)."""
+    the seed's order (earlier heads and layers first). A family whose attention prune does not recognise has
+    its layers measured, and no head scores (None)."""
     layers, heads, _, head_dim = attention_shape(model.config)
     if how == "seed":
         return {"heads": [[float(heads - h) for h in range(heads)] for _ in range(layers)],
@@ -119,10 +168,12 @@ def importance(model, rows: list[dict], tokenizer, how: str) -> dict:
     influence = torch.zeros(layers, dtype=torch.float64)
     tokens = [0]
     hooks = []
-    where = attention_modules(model)
-    decoder_layers = model.get_submodule(where["layers"])
+    try:
+        where = attention_modules(model)
+    except Unprunable:
+        where = None
 
-    def on_o_proj(i):
+    def on_output(i):
         def hook(module, args):
             x = args[0].detach().float()
             norms = x.reshape(*x.shape[:-1], heads, head_dim).norm(dim=-1)  # [batch, seq, heads]
@@ -139,9 +190,10 @@ def importance(model, rows: list[dict], tokenizer, how: str) -> dict:
                 tokens[0] += cos.numel()
         return hook
 
-    for i, layer in enumerate(decoder_layers):
-        output = model.get_submodule(f"{where['attention'][i]}.{OUTPUT}")
-        hooks.append(output.register_forward_pre_hook(on_o_proj(i)))
+    for i, layer in enumerate(model.get_submodule(layer_stack(model))):
+        if where:
+            output = model.get_submodule(f"{where['attention'][i]}.{where['output']}")
+            hooks.append(output.register_forward_pre_hook(on_output(i)))
         hooks.append(layer.register_forward_hook(on_layer(i), with_kwargs=True))
     try:
         with torch.no_grad():
@@ -151,7 +203,8 @@ def importance(model, rows: list[dict], tokenizer, how: str) -> dict:
         for h in hooks:
             h.remove()
     # Padding positions are counted alike for every head and layer, so they do not change the order.
-    return {"heads": (head_norm / max(tokens[0], 1)).tolist(), "layers": (influence / max(tokens[0], 1)).tolist()}
+    return {"heads": (head_norm / max(tokens[0], 1)).tolist() if where else None,
+            "layers": (influence / max(tokens[0], 1)).tolist()}
 
 
 def _select_heads(scores: list[float], plan: dict, group: int) -> tuple[list[int], list[int]]:
@@ -165,27 +218,28 @@ def _select_heads(scores: list[float], plan: dict, group: int) -> tuple[list[int
     return kept_kv, kept_q
 
 
-def _kept_rows(name: str, kept_kv: list[int], kept_q: list[int], heads: int, kv: int, d: int) -> torch.Tensor | None:
-    """The output rows of projection `name` that the kept heads own (None: not a q/k/v projection). A fused
+def _kept_rows(name: str, qkv: tuple[str, ...], kept_kv: list[int], kept_q: list[int], heads: int, kv: int,
+               d: int) -> torch.Tensor | None:
+    """The output rows of projection `name` that the kept heads own (None: not a q/k/v projection). A blocked
     q|k|v matrix holds the query heads' rows, then the key heads', then the value heads'."""
     rows = lambda heads_, offset=0: torch.cat([torch.arange(offset + h * d, offset + (h + 1) * d)  # noqa: E731
                                                for h in heads_])
-    if name == "q_proj":
-        return rows(kept_q)
-    if name in ("k_proj", "v_proj"):
-        return rows(kept_kv)
-    if name == FUSED:
+    if name not in qkv:
+        return None
+    if len(qkv) == 1:
         return torch.cat([rows(kept_q), rows(kept_kv, heads * d), rows(kept_kv, (heads + kv) * d)])
-    return None
+    return rows(kept_q) if name == qkv[0] else rows(kept_kv)
 
 
-def pruned_state(model, keep_layers: list[int], heads_kept: dict[int, tuple[list[int], list[int]]]) -> dict:
-    """The state dict of the pruned model: layers renumbered, the q/k/v (or fused qkv) rows and the output
-    projection's columns of the kept heads (and the projections' biases where the model has them)."""
+def pruned_state(model, keep_layers: list[int], heads_kept: dict[int, tuple[list[int], list[int]]] | None) -> dict:
+    """The state dict of the pruned model: layers renumbered and, where heads are cut (heads_kept), the q/k/v (or
+    fused qkv) rows and the output projection's columns of the kept heads (and the projections' biases where the
+    model has them)."""
     _, heads, kv, d = attention_shape(model.config)
-    where = attention_modules(model)
+    stack = layer_stack(model)
+    where = attention_modules(model) if heads_kept else None
     renumber = {old: new for new, old in enumerate(keep_layers)}
-    layer_key = re.compile(rf"{re.escape(where['layers'])}\.(\d+)\.(.*)")
+    layer_key = re.compile(rf"{re.escape(stack)}\.(\d+)\.(.*)")
     out = {}
     for key, tensor in model.state_dict().items():
         match = layer_key.fullmatch(key)
@@ -195,39 +249,45 @@ def pruned_state(model, keep_layers: list[int], heads_kept: dict[int, tuple[list
         index, rest = int(match.group(1)), match.group(2)
         if index not in renumber:
             continue
-        attention = where["attention"][index].removeprefix(f"{where['layers']}.{index}.")
-        module, _, kind = rest.removeprefix(f"{attention}.").rpartition(".")
-        if rest.startswith(f"{attention}.") and "." not in module:
-            kept_kv, kept_q = heads_kept[index]
-            rows = _kept_rows(module, kept_kv, kept_q, heads, kv, d)
-            if rows is not None:
-                tensor = tensor.index_select(0, rows)
-            elif module == OUTPUT and kind == "weight":
-                tensor = tensor.index_select(1, _kept_rows("q_proj", kept_kv, kept_q, heads, kv, d))
-        out[f"{where['layers']}.{renumber[index]}.{rest}"] = tensor.contiguous()
+        if where and key.startswith(attention := f"{where['attention'][index]}."):
+            tensor = _heads_cut(tensor, key.removeprefix(attention), where, heads_kept[index], (heads, kv, d))
+        out[f"{stack}.{renumber[index]}.{rest}"] = tensor.contiguous()
     return out
 
 
+def _heads_cut(tensor: torch.Tensor, name: str, where: dict, kept: tuple[list[int], list[int]],
+               sizes: tuple[int, int, int]) -> torch.Tensor:
+    """The attention's parameter `name` (e.g. q_proj.weight) with only the kept heads' rows, or for the output
+    projection's weight, columns."""
+    module, _, kind = name.rpartition(".")
+    kept_kv, kept_q = kept
+    rows = _kept_rows(module, where["qkv"], kept_kv, kept_q, *sizes)
+    if rows is not None:
+        return tensor.index_select(0, rows)
+    if module == where["output"] and kind == "weight":
+        return tensor.index_select(1, _kept_rows(SEPARATE[0], SEPARATE, kept_kv, kept_q, *sizes))
+    return tensor
+
+
 def prune(model, strategy: dict, scores: dict):
-    """A new model of the smaller config holding the kept weights, and what was kept."""
+    """A new model of the smaller config holding the kept weights, and what was kept. Raises Unprunable
+    (cut_plan) where the model cannot lose what the strategy removes."""
     from transformers import AutoModelForCausalLM
 
     layers, heads, kv, d = attention_shape(model.config)
-    plan = head_plan(strategy, heads, kv)
-    n_layers = layer_count(strategy, layers)
+    plan, n_layers = cut_plan(model, strategy)
     keep_layers = sorted(sorted(range(layers), key=lambda i: -scores["layers"][i])[:n_layers])
-    heads_kept = {i: _select_heads(scores["heads"][i], plan, heads // kv) for i in keep_layers}
-    config = model.config.__class__.from_dict(model.config.to_dict())
-    config.num_hidden_layers, config.num_attention_heads = n_layers, plan["heads"]
-    config.num_key_value_heads, config.head_dim = plan["kv_heads"], d
-    if isinstance(getattr(config, "layer_types", None), list):
-        config.layer_types = [config.layer_types[i] for i in keep_layers]
+    heads_kept = None
+    if plan["heads"] < heads:
+        heads_kept = {i: _select_heads(scores["heads"][i], plan, heads // kv) for i in keep_layers}
+    config = architecture.resized_config(model.config, keep_layers,
+                                         (plan["heads"], plan["kv_heads"], d) if heads_kept else None)
     pruned = AutoModelForCausalLM.from_config(config, dtype=model.dtype)
     pruned.load_state_dict(pruned_state(model, keep_layers, heads_kept), strict=True)
     pruned.tie_weights()
     return pruned.to(model.device).eval(), {
         **plan, "layers": n_layers, "kept_layers": keep_layers,
-        "kept_heads": {i: heads_kept[i][1] for i in keep_layers}}
+        "kept_heads": {i: heads_kept[i][1] if heads_kept else list(range(heads)) for i in keep_layers}}
 
 
 def generate(model, inputs: dict, new_tokens: int, pad_token_id: int) -> torch.Tensor:
@@ -302,9 +362,9 @@ def run(cfg: dict, job: Job) -> dict:
     calibration = read_split(layout.split("train"), p["calibration_rows"])
     base = load_model(layout.base_model(), dtype, device)
     try:
-        attention_modules(base)
+        cut_plan(base, strategy)
     except Unprunable as why:
-        reason = f"prune cannot cut this family's attention: {why}"
+        reason = str(why)
         log.warning("%s: unavailable: %s", job.name, reason)
         layout.write_not_run("prune", job.out, "unavailable", reason)
         return {"status": "unavailable", "reason": reason, "strategy": job.name, "settings": strategy,
