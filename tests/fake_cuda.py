@@ -246,6 +246,8 @@ class FakeCuda:
         monkeypatch.setattr(cuda, "device_count", lambda: 1)
         monkeypatch.setattr(cuda, "current_device", lambda: 0)
         monkeypatch.setattr(cuda, "init", lambda: None)
+        # accelerate's state (set up by an earlier test in the worker) selects the device: one device, nothing to do
+        monkeypatch.setattr(cuda, "set_device", lambda device: None)
         monkeypatch.setattr(cuda, "Event", lambda *args, **kwargs: FakeEvent(self, *args, **kwargs))
         for name in ("synchronize", "reset_peak_memory_stats", "memory_allocated", "max_memory_allocated",
                      "memory_reserved", "max_memory_reserved", "mem_get_info", "get_device_name",

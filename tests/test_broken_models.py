@@ -141,6 +141,7 @@ def test_a_broken_model_folder_is_one_line_at_the_dry_run_and_in_the_stage(case,
 
 
 @pytest.mark.slow
+@pytest.mark.integration  # real dry runs and a stage process: make test keeps its 10 minutes
 def test_the_dry_run_and_the_stage_command_stop_on_a_broken_folder_with_one_line(tiny_model, tmp_path):
     """End to end: `snakemake -n --configfile` and `python -m efflab.stages.base_model` as a user runs them."""
     for case in ("truncated-safetensors", "unknown-architecture-with-code"):

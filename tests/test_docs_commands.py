@@ -244,12 +244,14 @@ def outcomes(tmp_path_factory):
     return check(list(documented()) + BROKEN, tmp_path_factory.mktemp("docs-commands"))
 
 
+@pytest.mark.integration  # ~40 s of a worker: make test keeps its 10 minutes; CI runs it in make test-integration
 @pytest.mark.parametrize("text", list(documented()))
 def test_every_documented_command_can_run(text, outcomes):
     ok, said = outcomes[text]
     assert ok, f"`{text}` ({', '.join(documented()[text].where)}) cannot run:\n{said}"
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("text", BROKEN)
 def test_a_command_that_cannot_run_fails_the_check(text, outcomes):
     ok, said = outcomes[text]
