@@ -365,8 +365,11 @@ def test_training_step_on_cuda_autocasts_and_scales_fp16_gradients(fake_cuda, mo
     whose scaled gradients are unscaled before clipping (so the update equals the unscaled one), and TF32 set as
     the run asks. Its loss accumulator is made on the device (torch.zeros(device=...)): keep_tensors_on_cpu makes
     it on the CPU; the model and batch are CPU tensors, which CUDA autocast leaves in fp32."""
-    monkeypatch.setitem(vars(transformers), "Trainer", _Trainer)
-    monkeypatch.setitem(vars(transformers), "TrainingArguments", types.SimpleNamespace)
+    # the transformers module training_step will import from now (an earlier test in the worker may have put a
+    # fresh one in sys.modules), not the one this file imported at collection
+    current = sys.modules["transformers"]
+    monkeypatch.setitem(vars(current), "Trainer", _Trainer)
+    monkeypatch.setitem(vars(current), "TrainingArguments", types.SimpleNamespace)
     scalers = []
 
     class GradScaler(torch.amp.GradScaler):
