@@ -47,12 +47,9 @@ if [ "$device" = cuda ]; then
 else
   "$py" - "$work/rehearsal.yaml" <<'PY'
 import sys, yaml
-def merge(base, over):
-    for key, value in over.items():
-        base[key] = merge(base.get(key) or {}, value) if isinstance(value, dict) else value
-    return base
+from efflab.config import _deep_merge  # the merge finetune runs use over their defaults
 smoke = yaml.safe_load(open("workflow/profiles/gpu-smoke/params.yaml"))
-yaml.safe_dump(merge(smoke, yaml.safe_load(open("benchmarks/gpu_lane_rehearsal.yaml"))), open(sys.argv[1], "w"))
+yaml.safe_dump(_deep_merge(smoke, yaml.safe_load(open("benchmarks/gpu_lane_rehearsal.yaml"))), open(sys.argv[1], "w"))
 PY
   profile_args=(--profile workflow/profiles/gpu-smoke --configfile "$work/rehearsal.yaml")
 fi
