@@ -21,7 +21,6 @@ import tempfile
 import time
 
 import pandas as pd
-from datasets import Dataset
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq2Seq, Trainer, TrainingArguments
 
@@ -54,8 +53,8 @@ def main() -> None:
     model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", r=args.r, lora_alpha=args.alpha,
                                              lora_dropout=args.dropout, target_modules=targets))
     frame = pd.read_parquet(args.train)
-    train = Dataset.from_dict({"input_ids": [list(map(int, x)) for x in frame.input_ids],
-                               "labels": [list(map(int, x)) for x in frame.labels]})
+    train = [{"input_ids": list(map(int, ids)), "labels": list(map(int, labels))}  # a list is a Dataset to the Trainer
+             for ids, labels in zip(frame.input_ids, frame.labels, strict=True)]
     with tempfile.TemporaryDirectory() as out:
         training_args = TrainingArguments(
             output_dir=out, max_steps=args.max_steps, per_device_train_batch_size=args.batch_size,

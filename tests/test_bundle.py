@@ -97,6 +97,43 @@ def test_install_sh_installs_a_part_with_no_index_and_places_the_export(tmp_path
     assert (tmp_path / "cache" / "embedded" / "smollm2-135m-instruct" / "config.json").is_file()
 
 
+def test_a_per_runtime_wheel_keeps_the_target_cuda_s_library_alone_and_its_record_follows(tmp_path):
+    libs = {f"gpulib/libgpulib_{tag}.so": tag * 50 for tag in ("cuda118", "cuda128", "cuda130", "rocm72", "xpu2026")}
+    libs["gpulib/libgpulib_cpu.so"] = "cpu"
+    _tiny_wheel(tmp_path, "gpulib", "1.0", libs)
+    _tiny_wheel(tmp_path, "plain", "1.0")
+    assert bundle.target_cuda("2.11.0+cu130") == "130"
+    assert bundle.target_cuda("2.11.0") is None and bundle.target_cuda("2.11.0+rocm7.2") is None
+    slimmed = bundle.slim_gpu_libs(tmp_path, "130")
+    assert list(slimmed) == ["gpulib-1.0-py3-none-any.whl"] and slimmed["gpulib-1.0-py3-none-any.whl"]["dropped"] == 4
+    with zipfile.ZipFile(tmp_path / "gpulib-1.0-py3-none-any.whl") as zf:
+        names = set(zf.namelist())
+        record = zf.read("gpulib-1.0.dist-info/RECORD").decode()
+    assert {"gpulib/libgpulib_cuda130.so", "gpulib/libgpulib_cpu.so", "gpulib/__init__.py"} <= names
+    assert not any(t in n for n in names for t in ("cuda118", "cuda128", "rocm", "xpu"))
+    assert "cuda130" in record and "cuda118" not in record
+    assert bundle.slim_gpu_libs(tmp_path, "126") == {}  # the target's library is not there: the wheel is left whole
+    assert bundle.slim_gpu_libs(tmp_path, None) == {}
+
+
+def test_install_check_passes_what_was_left_out_on_purpose_and_fails_on_anything_else(tmp_path):
+    root = tmp_path / "bundle"
+    (root / "part-1").mkdir(parents=True)
+    _tiny_wheel(root / "part-1", "efflabprobe", "0.1", requires=("leftoutdep>=1",))
+    (root / "install.sh").write_text(bundle.INSTALL_SH)
+    target = tmp_path / "target"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(target)], check=True)
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "EFFLAB_CACHE_DIR": str(tmp_path / "cache"),
+           "PYTHON": str(target / "bin" / "python"), "PIP_NO_INDEX": "1"}
+    subprocess.run(["bash", str(root / "install.sh"), "part-1"], env=env, check=True, capture_output=True)
+    (root / "left_out.txt").write_text("")
+    broken = subprocess.run(["bash", str(root / "install.sh"), "--check"], env=env, capture_output=True, text=True)
+    assert broken.returncode == 1 and "leftoutdep" in broken.stdout
+    (root / "left_out.txt").write_text("leftoutdep\n")
+    fine = subprocess.run(["bash", str(root / "install.sh"), "--check"], env=env, capture_output=True, text=True)
+    assert fine.returncode == 0 and "left out on purpose: leftoutdep" in fine.stdout, fine.stdout + fine.stderr
+
+
 def test_a_bad_freeze_leaves_no_bundle(tmp_path):
     done = subprocess.run([sys.executable, "-m", "efflab.tools.bundle", "--freeze", str(tmp_path / "none.txt"),
                            "--python", "3.12", "--out", str(tmp_path / "b")], capture_output=True, text=True)
@@ -129,9 +166,11 @@ def _write(path: Path, text: str) -> Path:
     return path
 
 
-def _tiny_wheel(folder: Path, name: str, version: str) -> Path:
-    files = {f"{name}/__init__.py": "X = 42\n",
-             f"{name}-{version}.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+def _tiny_wheel(folder: Path, name: str, version: str, extra: dict | None = None, requires: tuple = ()) -> Path:
+    needs = "".join(f"Requires-Dist: {r}\n" for r in requires)
+    files = {f"{name}/__init__.py": "X = 42\n", **(extra or {}),
+             f"{name}-{version}.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+                                                     + needs,
              f"{name}-{version}.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
                                                   "Tag: py3-none-any\n"}
     record = "".join(f"{path},sha256={_digest(text)},{len(text)}\n" for path, text in files.items())

@@ -207,3 +207,15 @@ def test_a_task_whose_data_cannot_be_loaded_is_unavailable_and_the_others_run(re
                            e["batch_size"], 0)
     assert out[LL_TASK]["status"] == "ok" and out[LL_TASK]["n_docs"] == e["docs"]
     assert out["hub_only"]["status"] == "unavailable" and len(out["hub_only"]["reason"]) > 20
+
+
+def test_without_lm_eval_installed_a_model_s_evaluation_is_unavailable_with_its_reason(results, monkeypatch):
+    """An offline node's bundle may leave lm-eval out (its pyarrow alone is 55 MB): the job is a cell saying so,
+    with its stage's outputs in place, and nothing is loaded."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "lm_eval" else real(name, *a))
+    record = run_stage("evaluate", TEST_PARAMS, results, "base")
+    assert record["status"] == "unavailable" and "lm-eval is not installed" in record["reason"]
+    assert record["model"] == "base"

@@ -11,6 +11,7 @@ base; for a merged model, the adapter it came from), whose job it waits for: the
 """
 from __future__ import annotations
 
+import importlib.util
 import logging
 import time
 
@@ -38,6 +39,8 @@ def run(cfg: dict, job: Job) -> dict:
     device = pick_device(cfg["runtime"])
     about = {"model": job.name, "kind": kind, "of": of, "reference": reference}
     skipped = layout.skipped_because(UPSTREAM[kind], of) if kind in UPSTREAM else None
+    if not skipped and importlib.util.find_spec("lm_eval") is None:  # an offline node's bundle can leave it out
+        skipped = {"status": "unavailable", "reason": "lm-eval is not installed (pip install 'lm-eval>=0.4.13')"}
     if skipped:
         layout.write_not_run("evaluate", job.out, skipped["status"], skipped["reason"])
         return {**skipped, **about, "environment": environment(device, e)}

@@ -299,7 +299,6 @@ def prepare(cfg: dict, job: Job) -> Prepared:
 
 def train(cfg: dict, job: Job) -> dict:
     """The training itself, in this process (one DDP rank when launched by accelerate)."""
-    from datasets import Dataset
     from transformers import Trainer
 
     from ..callbacks import KILL_ENV, CountLongestSteps, KillAfterCheckpoint, SequenceLengths, StepTimes
@@ -320,7 +319,7 @@ def train(cfg: dict, job: Job) -> dict:
     callbacks = ([step_times] if on else []) + ([KillAfterCheckpoint()] if os.environ.get(KILL_ENV) else [])
     args = training_arguments(run_cfg, scratch, r.precision, device, r.rank)
     trainer = Trainer(model=model, args=args, optimizer_cls_and_kwargs=optimizer_cls_and_kwargs(run_cfg, args),
-                      train_dataset=Dataset.from_list(r.train_rows), data_collator=collator(run_cfg, r.tokenizer),
+                      train_dataset=r.train_rows, data_collator=collator(run_cfg, r.tokenizer),
                       callbacks=callbacks)
     counted = CountLongestSteps(tensors, trainer) if on else None
     if counted:

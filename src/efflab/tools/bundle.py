@@ -10,7 +10,9 @@ embedded data's. A torch-tied package (torchao) must load its kernels on the tar
 `min_torch_version` accepts. The wheels are packed into parts of at most --part-mib MiB (first fit, largest first);
 `install.sh PART` installs one part with no index and no dependency resolution (every wheel's dependencies are in the
 bundle or on the target), so a part can be copied and installed per command, and `install.sh --check` runs `pip
-check` once all are in. The bundle also carries a tokenizer-only export of the embedded model (modeling.
+check` once all are in (what --leave-out left out is expected missing). A wheel that carries one native library per
+GPU runtime (bitsandbytes: CUDA 11.8 to 13.2, ROCm, XPU; 43 MB of which the target loads one) keeps only the library
+for the CUDA its torch was built with (the freeze's `+cuNNN`), so the bundle fits fewer copies. The bundle also carries a tokenizer-only export of the embedded model (modeling.
 embedded_export), so random-init runs need no GGUF.
 """
 from __future__ import annotations
@@ -33,6 +35,8 @@ from ..modeling import EMBEDDED_DATA, EMBEDDED_MODELS, gguf_tokenizer_and_config
 REPO = Path(__file__).resolve().parents[3]
 MiB = 2**20
 # Packages whose compiled kernels are built against one torch: (distribution, how its wheel states the torch it loads on)
+# One native library per GPU runtime: lib<name>_cuda130.so, _rocm72, _xpu2026 (bitsandbytes' naming)
+GPU_LIB = re.compile(r"lib\w+?_(cuda|rocm|xpu)(\d+)\.so$")
 TORCH_TIED = {"torchao": re.compile(r'min_torch_version\s*=\s*_parse_version\("([0-9.]+)"\)')}
 INSTALL_SH = """#!/usr/bin/env bash
 # Installs this bundle's parts with no index: `bash install.sh part-1` (one part per copy), or `bash install.sh`
@@ -40,7 +44,12 @@ INSTALL_SH = """#!/usr/bin/env bash
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 py="${PYTHON:-python3}"
-if [ "${1:-}" = "--check" ]; then exec "$py" -m pip check; fi
+if [ "${1:-}" = "--check" ]; then  # pip check, less what --leave-out left out on purpose (left_out.txt)
+  left=$(sed 's/-/[-_.]/g' "$here/left_out.txt" 2>/dev/null | paste -sd'|')
+  broken=$("$py" -m pip check 2>&1 | grep -v '^No broken requirements' | grep -v -i -E "requires (${left:-^$}),") || true
+  if [ -n "$broken" ]; then echo "$broken"; exit 1; fi
+  echo "pip check: ok${left:+ (left out on purpose: $(paste -sd' ' "$here/left_out.txt"))}"; exit 0
+fi
 parts=("$@"); [ ${#parts[@]} -gt 0 ] || parts=($(cd "$here" && ls -d part-*))
 for part in "${parts[@]}"; do
   "$py" -m pip install --quiet --no-index --no-deps --find-links "$here/$part" "$here/$part"/*.whl
@@ -193,6 +202,41 @@ def torch_tied_problems(wheels: Path, torch_version: str) -> list[str]:
     return problems
 
 
+def target_cuda(torch_version: str) -> str | None:
+    """The CUDA a torch build is for, from its local version ('2.11.0+cu130' -> '130'); None for a CPU or ROCm build
+    or an untagged one (then no wheel is slimmed)."""
+    match = re.search(r"\+cu(\d+)$", torch_version)
+    return match[1] if match else None
+
+
+def slim_gpu_libs(wheels: Path, cuda: str | None) -> dict[str, dict]:
+    """Rewrite each wheel that carries per-runtime native libraries to keep only the target CUDA's (and the CPU
+    one), its RECORD with it. What was dropped, per wheel; nothing where the target's CUDA library is not there."""
+    slimmed = {}
+    for wheel in sorted(wheels.glob("*.whl")) if cuda else []:
+        with zipfile.ZipFile(wheel) as zf:
+            infos = zf.infolist()
+            libs = [i for i in infos if GPU_LIB.search(i.filename)]
+            if not any(GPU_LIB.search(i.filename).groups() == ("cuda", cuda) for i in libs):
+                continue
+            drop = {i.filename for i in libs if GPU_LIB.search(i.filename).groups() != ("cuda", cuda)}
+            tmp = wheel.with_suffix(".slim")
+            with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as out:
+                for info in infos:
+                    if info.filename in drop:
+                        continue
+                    data = zf.read(info)
+                    if info.filename.endswith(".dist-info/RECORD"):
+                        data = "".join(line for line in data.decode().splitlines(keepends=True)
+                                       if line.split(",", 1)[0] not in drop).encode()
+                    out.writestr(info, data)
+        before = wheel.stat().st_size
+        tmp.replace(wheel)
+        slimmed[wheel.name] = {"kept": f"cuda{cuda}", "dropped": len(drop),
+                               "mib_saved": round((before - wheel.stat().st_size) / MiB, 1)}
+    return slimmed
+
+
 def _version(text: str) -> tuple[int, ...]:
     return tuple(int(p) for p in re.findall(r"\d+", text.split("+")[0])[:3])
 
@@ -278,15 +322,17 @@ def assemble(args, have: dict[str, str], reqs: list[str], staging: Path) -> dict
     problems = torch_tied_problems(staging / "wheels", have["torch"])
     if problems:
         raise UserError(f"--freeze: {problems[0]}")
+    slimmed = {} if args.no_slim else slim_gpu_libs(staging / "wheels", target_cuda(have["torch"]))
     own_wheels(staging / "wheels")
     exported = export_tokenizers(staging / "embedded")
     parts = pack(staging / "wheels", staging, args.part_mib)
     (staging / "wheels").rmdir()
     (staging / "install.sh").write_text(INSTALL_SH)
+    (staging / "left_out.txt").write_text("".join(f"{n}\n" for n in args.leave_out))
     manifest = {"python": args.python, "platform": args.platform, "part_mib": args.part_mib,
                 "target_torch": have["torch"], "kept_from_target": sorted(kept),
                 "replaced_on_target": {n: [have[n], resolved[n]["version"]] for n in replaced},
-                "built_here": built, "left_out": args.leave_out, "embedded_exports": exported, "parts": parts}
+                "built_here": built, "slimmed": slimmed, "left_out": args.leave_out, "embedded_exports": exported, "parts": parts}
     (staging / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
 
@@ -300,6 +346,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--part-mib", type=float, default=60.0, help="the largest part, MiB")
     parser.add_argument("--leave-out", default="", help="requirements the target's runs do not need, comma-separated "
                         "(e.g. dvc: its ~40 MiB of wheels), left out with what only they pull")
+    parser.add_argument("--no-slim", action="store_true", help="keep every GPU runtime's library in the wheels "
+                        "that carry one each (default: only the target torch's CUDA)")
     parser.add_argument("--out", default="dist/bundle", help="the bundle's folder (replaced)")
     args = parser.parse_args(argv)
     args.extras = [e for e in args.extras.split(",") if e]
