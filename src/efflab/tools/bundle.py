@@ -12,8 +12,9 @@ embedded data's. A torch-tied package (torchao) must load its kernels on the tar
 bundle or on the target), so a part can be copied and installed per command, and `install.sh --check` runs `pip
 check` once all are in (what --leave-out left out is expected missing). A wheel that carries one native library per
 GPU runtime (bitsandbytes: CUDA 11.8 to 13.2, ROCm, XPU; 43 MB of which the target loads one) keeps only the library
-for the CUDA its torch was built with (the freeze's `+cuNNN`), so the bundle fits fewer copies. The bundle also carries a tokenizer-only export of the embedded model (modeling.
-embedded_export), so random-init runs need no GGUF.
+for the CUDA its torch was built with (the freeze's `+cuNNN`), so the bundle fits fewer copies. The bundle
+also carries a tokenizer-only export of the embedded model (modeling.embedded_export), so random-init runs need no
+GGUF.
 """
 from __future__ import annotations
 
