@@ -11,7 +11,8 @@
 # goes on where the first stopped.
 # Environment: OUT (default results/gpu-lane-out), LANE_SECONDS (default 570: this call's budget, within a
 # 10-minute command), LANE_STATE, PYTHON (default python3), LANE_DEVICE (cuda; cpu rehearses the lane on a CPU with
-# the CI's tiny sizes: benchmarks/gpu_lane_rehearsal.yaml), LANE_SMOKE_JOBS (GPU jobs of the smoke at once,
+# the CI's tiny sizes: benchmarks/gpu_lane_rehearsal.yaml), LANE_PHASES (default: all of pytest-gpu finetune-mfu
+# attention decode gpu-smoke trainer; name fewer to spend a node's minutes on what is still missing), LANE_SMOKE_JOBS (GPU jobs of the smoke at once,
 # default 4: the smoke checks code paths, not timings, so its jobs may share the GPU).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -27,7 +28,13 @@ state=$(cd "$state" && pwd)
 log="$state/lane.log"
 left() { echo $(( budget - ($(date +%s) - start) )); }
 say() { echo "[lane $(( $(date +%s) - start ))s] $*" | tee -a "$log"; }
-done_before() { [ -f "$state/$1.done" ] && say "$1: done in an earlier call" ; }
+phases=" ${LANE_PHASES:-pytest-gpu finetune-mfu attention decode gpu-smoke trainer} "
+done_before() {  # true (skip it) when the phase finished in an earlier call or LANE_PHASES leaves it out
+  [ -f "$state/$1.done" ] && { say "$1: done in an earlier call"; return 0; }
+  case "$1" in install) return 1;; esac
+  [[ "$phases" == *" ${1#headline-} "* ]] || { say "$1: not in LANE_PHASES"; return 0; }
+  return 1
+}
 mark() { touch "$state/$1.done"; }
 skip() { echo "$*" >>"$state/skipped.txt"; say "skipped: $*"; }
 pack() {  # results folder -> a tarball under $out (weights and checkpoints left out), and the small files beside
@@ -36,7 +43,7 @@ pack() {  # results folder -> a tarball under $out (weights and checkpoints left
     [ -d "$state/$name" ] && tar -C "$state" -czf "$out/$name.tar.gz" --exclude='*.safetensors' --exclude='*.bin' \
       --exclude='*.pt' --exclude='*.gguf' --exclude='checkpoint-*' "$name" 2>/dev/null
   done
-  for name in lane.log pytest-gpu.txt skipped.txt headline.log gpu-smoke.log; do
+  for name in lane.log pytest-gpu.txt skipped.txt headline.log gpu-smoke.log node-freeze.txt; do
     [ -f "$state/$name" ] && cp "$state/$name" "$out/"
   done
 }
@@ -44,6 +51,7 @@ say "call begins: budget ${budget}s, state $state"
 
 # 1. install the bundle's parts, then pip check (what the bundle left out on purpose is expected missing)
 if ! done_before install && [ -f "$bundle/install.sh" ]; then
+  "$py" -m pip freeze >"$state/node-freeze.txt" 2>/dev/null  # what the image brings: the next bundle's FREEZE
   parts=$(cd "$bundle" && ls -d part-* 2>/dev/null | tr '\n' ' ')
   [ -n "$parts" ] && PYTHON="$py" bash "$bundle/install.sh" $parts >>"$log" 2>&1 && say "installed: $parts"
   PYTHON="$py" bash "$bundle/install.sh" --check >>"$log" 2>&1 && say "pip check: ok" || say "pip check: FAILED (lane.log)"
@@ -77,7 +85,7 @@ in_results() {  # folder, command...: run the command with results/ pointing at 
 
 # 2. the device smoke tests
 if ! done_before pytest-gpu; then
-  timeout $(( $(left) > 150 ? 150 : $(left) )) "$py" -m pytest -m gpu tests/test_gpu.py -p no:xdist \
+  timeout -k 10 $(( $(left) > 150 ? 150 : $(left) )) "$py" -m pytest -m gpu tests/test_gpu.py -p no:xdist \
     -p no:cacheprovider -o addopts="" -q -rs >"$state/pytest-gpu.txt" 2>&1
   say "pytest -m gpu: $(tail -1 "$state/pytest-gpu.txt")"; mark pytest-gpu; pack
 fi
@@ -88,19 +96,19 @@ headline() {  # name, seconds it needs, targets...
   done_before "headline-$name" && return
   if [ "$(left)" -lt $(( need + 30 )) ]; then skip "headline $name (needs ~${need}s, $(left)s left)"; return; fi
   say "headline $name: begins"
-  in_results "$state/headline-results" timeout $(( $(left) - 30 )) snakemake --configfile "$state/headline.yaml" \
+  in_results "$state/headline-results" timeout -k 10 $(( $(left) - 40 )) snakemake --configfile "$state/headline.yaml" \
     --cores all --resources gpu=1 --keep-going --rerun-incomplete "$@" >>"$state/headline.log" 2>&1
   local rc=$?; say "headline $name: exit $rc"; [ $rc -eq 0 ] && mark "headline-$name"; pack
 }
-headline finetune-mfu 90 results/finetune/{full,lora-r8}/metrics.json
-headline attention 150 results/bench_attention/{eager,sdpa,sdpa_flash,sdpa_efficient,sdpa_cudnn,sdpa_math,flash_attention_2}/metrics.json
-headline decode 150 results/bench_inference/{baseline,int8,nf4,torchao-int8,torchao-int4}/metrics.json
+headline finetune-mfu 190 results/finetune/{full,lora-r8}/metrics.json
+headline attention 215 results/bench_attention/{eager,sdpa,sdpa_flash,sdpa_efficient,sdpa_cudnn,sdpa_math,flash_attention_2}/metrics.json
+headline decode 420 results/bench_inference/{baseline,int8,nf4,torchao-int8,torchao-int4}/metrics.json
 # 4. the gpu-smoke profile: every stage and CUDA path once, its GPU jobs sharing the GPU (before the last headline
 #    measurement: it checks every code path, the deliverable a lane must not skip)
 if ! done_before gpu-smoke; then
   if [ "$(left)" -lt 120 ]; then skip "gpu-smoke (only $(left)s left)"; else
     say "gpu-smoke: begins"
-    in_results "$state/smoke-results" timeout $(( $(left) - 25 )) snakemake --profile workflow/profiles/gpu-smoke \
+    in_results "$state/smoke-results" timeout -k 10 $(( $(left) - 35 )) snakemake --profile workflow/profiles/gpu-smoke \
       --configfile "$state/smoke.yaml" --cores all --resources gpu="${LANE_SMOKE_JOBS:-4}" >>"$state/gpu-smoke.log" 2>&1
     rc=$?; say "gpu-smoke: exit $rc ($(grep -c 'Finished job' "$state/gpu-smoke.log") jobs finished in all calls)"
     [ $rc -eq 0 ] && mark gpu-smoke
@@ -111,7 +119,7 @@ if ! done_before headline-trainer; then  # efflab against the plain Trainer + pe
   if [ "$(left)" -lt 170 ]; then skip "headline trainer (needs ~140s, $(left)s left)"; else
     say "headline trainer: begins"
     repeats=$(( $(left) > 260 ? 3 : 2 ))
-    in_results "$state/headline-results" timeout $(( $(left) - 30 )) "$py" benchmarks/finetune_throughput.py \
+    in_results "$state/headline-results" timeout -k 10 $(( $(left) - 40 )) "$py" benchmarks/finetune_throughput.py \
       --params "$state/headline.yaml" --run lora-r8 --cells script,efflab --repeats $repeats --steps 30 \
       --out results/benchmarks/finetune_throughput >>"$state/headline.log" 2>&1
     rc=$?; say "headline trainer ($repeats repeats): exit $rc"; [ $rc -eq 0 ] && mark headline-trainer; pack

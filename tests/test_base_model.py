@@ -114,3 +114,21 @@ def test_a_dtype_chosen_on_another_kind_of_cpu_is_refused_by_the_stages_that_rea
     metrics["dtype_choice"] = {"requested": "float32"}
     path.write_text(json.dumps(metrics))
     assert modeling.base_dtype(Layout(results)) == metrics["dtype"], "a configured dtype holds anywhere"
+
+
+def test_random_weights_are_drawn_on_the_run_s_device_seeded(test_cfg):
+    """A random-init model is built where the run computes (on a GPU node, not on its CPU: a 1B model took 39 s
+    there), and the seed gives the same weights twice on one device."""
+    from transformers import LlamaConfig
+
+    from efflab.stages.base_model import materialize
+
+    bm = test_cfg["base_model"] | {"random_init": True, "seed": 3}
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2)
+    on_meta = materialize(bm, "embedded", "", {}, config, torch.float32, torch.device("meta"))
+    assert {p.device.type for p in on_meta.parameters()} == {"meta"}
+    first, second = (materialize(bm, "embedded", "", {}, config, torch.float32, torch.device("cpu"))
+                     for _ in range(2))
+    for a, b in zip(first.parameters(), second.parameters(), strict=True):
+        assert a.device.type == "cpu" and torch.equal(a, b)

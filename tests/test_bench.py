@@ -259,6 +259,32 @@ def test_a_forced_sdpa_backend_is_measured_beside_the_others_or_says_torch_has_n
     efficient = run_stage("bench_attention", params, results, "sdpa_efficient")
     for row in efficient["rows"]:
         assert row["status"] == "ok" or (row["status"] == "unavailable" and "EFFICIENT_ATTENTION" in row["reason"])
+        assert row["status"] == "ok" or "CPU SDPA has the flash and math kernels only" in row["reason"]
+
+
+def test_a_missing_sdpa_kernel_s_reason_is_torch_s_own_words_once_without_their_source_lines():
+    """On an H200 (torch 2.11) a grouped-query model's forced memory-efficient kernel failed with these warnings
+    (the GPU lane's log): the record says why in torch's words, not 'see the log'."""
+    import warnings
+
+    import torch
+
+    from efflab.stages.bench_attention import kernel_reasons
+
+    seen = ["Memory efficient kernel not used because: (Triggered internally at /pytorch/aten/src/ATen/native/"
+            "transformers/cuda/sdp_utils.cpp:986.)",
+            "For dense input, both fused kernels require query, key and value to have the same num_heads. "
+            "Query.sizes(): [1, 32, 512, 64], Key sizes(): [1, 8, 512, 64], Value sizes(): [1, 8, 512, 64] "
+            "instead. To broadcast dense inputs, try using unsqueeze and expand_to before passing them into the kernel",
+            "cuDNN attention has been runtime disabled. (Triggered internally at /pytorch/aten/src/ATen/native/"
+            "transformers/cuda/sdp_utils.cpp:706.)"]
+    caught = [warnings.WarningMessage(UserWarning(text), UserWarning, "sdpa_attention.py", 158) for text in seen * 2]
+    reason = kernel_reasons(caught, torch.device("cuda"))
+    assert reason.startswith("For dense input, both fused kernels require query, key and value to have the same "
+                             "num_heads. Query.sizes(): [1, 32, 512, 64]")
+    assert reason.count("same num_heads") == 1 and "Triggered internally" not in reason
+    assert "not used because" not in reason and "To broadcast" not in reason
+    assert kernel_reasons([], torch.device("cuda")) == "torch gave no reason"
 
 
 def test_a_generation_mode_the_model_cannot_run_is_unavailable_with_the_reason(results, test_cfg, monkeypatch):

@@ -16,6 +16,8 @@ from __future__ import annotations
 import importlib.util
 import logging
 import math
+import re
+import warnings
 from contextlib import contextmanager
 from importlib.metadata import version
 
@@ -75,21 +77,41 @@ SDPA_BACKENDS = {"sdpa_flash": "FLASH_ATTENTION", "sdpa_efficient": "EFFICIENT_A
 
 
 @contextmanager
-def attention_backend(impl: str):
-    """Force the SDPA backend an sdpa_<backend> implementation names; torch says which kernels it lacks."""
+def attention_backend(impl: str, device: torch.device | None = None):
+    """Force the SDPA backend an sdpa_<backend> implementation names. Where torch has no such kernel for these
+    inputs, NotImplementedError carries torch's own reasons (the warnings it gives with the failure: "both fused
+    kernels require query, key and value to have the same num_heads" for a grouped-query model, say)."""
     if impl not in SDPA_BACKENDS:
         yield
         return
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    with sdpa_kernel(getattr(SDPBackend, SDPA_BACKENDS[impl])):
+    with sdpa_kernel(getattr(SDPBackend, SDPA_BACKENDS[impl])), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         try:
             yield
         except RuntimeError as err:
             if not any(text in str(err) for text in ("No available kernel", "No viable backend")):  # CUDA, CPU
                 raise
             raise NotImplementedError(f"{impl}: torch {torch.__version__} has no {SDPA_BACKENDS[impl]} SDPA "
-                                      "kernel for these inputs on this device (its warnings above say why)") from err
+                                      f"kernel for these inputs on this device: {kernel_reasons(caught, device)}") from err
+        finally:
+            for w in caught:  # what ran warns as it would have
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+
+
+def kernel_reasons(caught, device: torch.device | None = None) -> str:
+    """torch's reasons, once each, without its 'kernel not used because:' headers and source locations; on a CPU,
+    where torch gives none, which kernels its CPU SDPA has."""
+    reasons = []
+    for w in caught:
+        text = re.sub(r"\s*\(Triggered internally at [^)]*\)\.?", "", str(w.message)).strip()
+        text = re.sub(r"\s*To broadcast dense inputs.*", "", text)
+        if text and not text.endswith("because:") and text not in reasons:
+            reasons.append(text)
+    if not reasons and device is not None and device.type == "cpu":
+        return "torch's CPU SDPA has the flash and math kernels only"
+    return "; ".join(reasons) or "torch gave no reason"
 
 
 def _inputs(model, seq_len: int, batch_size: int, device: torch.device) -> torch.Tensor:
@@ -126,7 +148,7 @@ def attention_cell(folder: str, dtype: str, device: str, impl: str, seq_len: int
     ids = _inputs(decoder, seq_len, batch_size, device)
     mine = lambda r=None: _step(decoder, ids, mode)  # noqa: E731
     compared = "last hidden state" if mode == "forward" else "gradient of the input embeddings"
-    with attention_backend(impl):
+    with attention_backend(impl, device):
         for _ in range(max(warmup, 1)):  # one-time allocations and kernel choices stay out of the memory peak
             mine()
         synchronize(device)
