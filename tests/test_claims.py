@@ -488,3 +488,21 @@ def test_quality_claims_read_the_paired_task_scores(tmp_path, registry):
     assert pruned["verdict"] == "reproduced" and pruned["ci_low"] > 0.1
     lora = stage.evaluate(by_id["lora-minimal-quality-loss"], layout)  # no fine-tune evaluated here
     assert lora["verdict"] == "not reproducible here"
+
+
+@pytest.mark.parametrize(("record", "says", "caveat"), [
+    ({"source": "embedded:smollm2-135m-instruct", "random_init": False, "parameters": 134_515_008,
+      "environment": {"device": "cpu"}}, "measured here on embedded:smollm2-135m-instruct (134,515,008 params", True),
+    ({"source": "embedded:smollm2-135m-instruct", "random_init": True, "parameters": 1_073_809_408,
+      "environment": {"device": "cuda", "gpu": "NVIDIA H200"}},
+     "a random-init model of the run's config with embedded:smollm2-135m-instruct's tokenizer (1,073,809,408", False),
+])
+def test_the_scale_note_names_a_random_init_model_as_such_and_drops_the_caveat_at_the_seeds_scale(tmp_path, record,
+                                                                                                  says, caveat):
+    """On the H200 lane a 1B random-init model was called 'embedded:smollm2-135m-instruct (1,073,809,408 params)'
+    and its GPU numbers were said to be unlike the seeds' 'billion-parameter models on GPUs'."""
+    layout = Layout(tmp_path)
+    layout.metrics("base_model").parent.mkdir(parents=True)
+    layout.metrics("base_model").write_text(json.dumps(record | {"dtype": "bfloat16"}))
+    note = readings.scale_note(layout)
+    assert says in note and ("billion-parameter models on GPUs" in note) == caveat

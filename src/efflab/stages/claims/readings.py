@@ -41,9 +41,13 @@ def scale_note(layout) -> str:
         return ""
     base = records.load(path)
     env = base.get("environment", {})
-    return (f"measured here on {base.get('source')} ({base.get('parameters', 0):,} params, {base.get('dtype')}) "
-            f"on {env.get('device', '?')}{', ' + env['gpu'] if env.get('gpu') else ''}; the seed's figure is for "
-            f"billion-parameter models on GPUs")
+    params = base.get("parameters", 0)
+    model = (f"a random-init model of the run's config with {base.get('source')}'s tokenizer" if base.get("random_init")
+             else base.get("source"))
+    note = (f"measured here on {model} ({params:,} params, {base.get('dtype')}) "
+            f"on {env.get('device', '?')}{', ' + env['gpu'] if env.get('gpu') else ''}")
+    at_scale = params >= 1e9 and env.get("device") == "cuda"  # the seeds' own scale: no caveat to add
+    return note if at_scale else note + "; the seed's figure is for billion-parameter models on GPUs"
 
 
 def _quantize_ratio(layout, metric: dict) -> Reading:
