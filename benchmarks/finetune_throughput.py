@@ -51,7 +51,7 @@ from transformers import AutoConfig
 from efflab.architecture import lora_targets
 from efflab.config import finetune_run, load
 from efflab.measure.phases import PHASES, PHASES_ENV, summary
-from efflab.measure.stats import ratio_verdict, said_of_faster_side
+from efflab.measure.stats import ratio_verdict, ratio_words, said_of_faster_side
 from efflab.registry import LOSS_CSV
 
 REPO = Path(__file__).resolve().parents[1]
@@ -205,13 +205,15 @@ def _paired(reference: list[dict], runs: list[dict]) -> dict:
 
 
 def _speed(entry: dict, key: str = "speedup_vs_script") -> str:
+    """The paired ratio (the reference's step over this cell's, repeat by repeat) with its interval and its verdict
+    in the report's one vocabulary (faster / slower / same within ±10% / not decided at this size)."""
     s = entry.get(key)
     if not s:
         return "-"
+    words = ratio_words(s | {"n": s["repeats"]})
     if s["ci95"]:
-        verdict = s["verdict"].split(":")[0]
-        return f"{s['median']:.2f} [{s['ci95'][0]:.2f}, {s['ci95'][1]:.2f}] ({s['coverage']:.1%} CI): {verdict}"
-    return f"{s['median']:.2f} (range {s['min']:.2f}–{s['max']:.2f}, n={s['repeats']}: no 95% CI)"
+        return f"{s['median']:.2f} [{s['ci95'][0]:.2f}, {s['ci95'][1]:.2f}] ({s['coverage']:.1%} CI): {words}"
+    return f"{s['median']:.2f} (range {s['min']:.2f}–{s['max']:.2f}, n={s['repeats']}): {words}"
 
 
 def _pct(fraction: float | None) -> str:
@@ -220,7 +222,11 @@ def _pct(fraction: float | None) -> str:
 
 def table(args, settings: dict, summ: dict) -> str:
     lines = [f"Fine-tuning step time, run `{args.run}` ({settings['max_steps']} steps of batch "
-             f"{settings['batch_size']}, the first left out), {args.repeats} interleaved repeats of every cell", "",
+             f"{settings['batch_size']}, the first left out), {args.repeats} interleaved repeats of every cell. A "
+             "cell's step and tokens/s are its own medians over the repeats; its comparison with the script is the "
+             "× script column alone: the ratio paired repeat by repeat (the two ran side by side in each), whose "
+             "verdict is the table's only one. Where it is not decided, the medians beside it may order either way.",
+             "",
              "| cell | n | median step (ms) | min–max | tokens/s | × script (script's step / this cell's) | "
              "× efflab-equal | MFU (% of the ceiling in its matmul dtype) | max abs loss diff vs the script's "
              "first repeat | padding (% of positions) | precision |",
@@ -259,8 +265,9 @@ def findings(summ: dict) -> str:
     if bare:  # efflab-equal's step over efflab-bare's: what the instruments add to a step
         cost = [100 * (x - 1) for x in ([bare["median"]] + (bare["ci95"] or []))]
         interval = f" [{cost[1]:+.1f}%, {cost[2]:+.1f}%] ({bare['coverage']:.1%} CI)" if bare["ci95"] else " (no 95% CI)"
+        words = ratio_words(bare | {"n": bare["repeats"]}, higher="slower with them", lower="faster with them")
         lines.append(f"- efflab's instruments (step timer, live-tensor count) add {cost[0]:+.1f}%{interval} to a step "
-                     "(efflab-equal against efflab-bare)")
+                     f"(efflab-equal against efflab-bare): {words}")
     noise = summ.get("script", {}).get("max_abs_loss_diff_vs_script")
     if noise is not None:
         within = [c for c, e in summ.items() if c != "script" and e.get("max_abs_loss_diff_vs_script", 1e9) <= noise]

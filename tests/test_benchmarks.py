@@ -112,7 +112,32 @@ def test_finetune_throughput_gives_a_95_interval_from_six_repeats_and_names_each
     said = bench_module.findings(bench_module.summarise(samples))
     assert "- efflab-equal against the script: 1.11 [1.11, 1.11] (96.9% CI): faster" in said
     assert "instruments (step timer, live-tensor count) add +2.0% [+2.0%, +2.0%] (96.9% CI)" in said
+    assert "(efflab-equal against efflab-bare): slower with them" in said
     assert "loss curves within the script's own run-to-run difference (0): efflab-equal, efflab-bare" in said
+
+
+def test_finetune_throughput_states_one_verdict_per_comparison_in_the_report_s_words():
+    """Repeats whose paired ratios straddle 1 (the issue's 1.06 (0.95-1.09) beside tokens/s 142.6 vs 149.0): the table
+    says the comparison is not decided and says why its medians may order the other way, and never 'no
+    difference measured'."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("finetune_throughput", REPO / "benchmarks" / "finetune_throughput.py")
+    bench_module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_module)
+
+    def sample(step: float) -> dict:
+        phases = dict.fromkeys(PHASES, 0.0) | {"forward": step / 2, "backward": step / 2, "total": step}
+        return {"phases": {"median_s": phases, "steps": 6}, "tokens_seen": 600, "steps": 6, "losses": [3.0, 2.0],
+                "mixed_precision": "no"}
+    script = [1.0, 1.3, 0.9, 1.25, 1.0, 1.2]
+    mine = [0.8, 1.5, 0.85, 1.3, 1.15, 0.95]
+    samples = {"script": [sample(s) for s in script], "efflab": [sample(s) for s in mine]}
+    args = type("Args", (), {"run": "lora-r8", "repeats": 6})()
+    summary = bench_module.summarise(samples)
+    text = bench_module.table(args, {"max_steps": 7, "batch_size": 2}, summary) + bench_module.findings(summary)
+    assert "not decided at this size" in text and "no difference" not in text and "inconclusive" not in text
+    assert "its comparison with the script is the × script column alone" in text
 
 
 def test_finetune_throughput_reads_each_cells_mfu_against_the_ceiling_of_its_own_matmul_dtype():
