@@ -515,3 +515,29 @@ def test_a_killed_cell_leaks_no_semaphore():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert done.stdout.strip() == "timeout", done.stderr[-2000:]
     assert "leaked" not in done.stderr and "Warning" not in done.stderr, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize(("level", "shown"), [(None, False), ("WARNING", True)])
+def test_the_live_tensor_count_s_allocator_warning_is_off_unless_the_user_asks_for_torch_s_cpp_warnings(level, shown):
+    """CpuTensorPeak resumed over a tensor allocated before it: torch's C++ allocator warns ("Memory block of unknown
+    size ..."), three times in a default run's console. efflab sets torch's C++ log level to errors before torch is
+    imported, unless the user set it."""
+    code = ("import efflab, torch\nfrom efflab.measure.memory import CpuTensorPeak\nx = torch.empty(1_000_000)\n"
+            "peak = CpuTensorPeak().start()\ndel x\npeak.pause()\nprint('counted')\n")
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_CPP_LOG_LEVEL"} | (
+        {"TORCH_CPP_LOG_LEVEL": level} if level else {})
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert "counted" in done.stdout, done.stderr
+    assert ("allocated before the profiling started" in done.stderr) == shown
+
+
+def test_loading_a_local_model_draws_no_progress_bar_and_restores_the_setting(results, capfd):
+    from transformers.utils import logging as hf_logging
+
+    from efflab.layout import Layout
+    from efflab.modeling import load_model
+
+    assert hf_logging.is_progress_bar_enabled()
+    load_model(Layout(results).base_model(), "float32", torch.device("cpu"))
+    assert "Loading weights" not in capfd.readouterr().err
+    assert hf_logging.is_progress_bar_enabled()

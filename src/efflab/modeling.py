@@ -9,6 +9,7 @@ import math
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -168,6 +169,22 @@ def load_tokenizer(folder: str | Path, trust_remote_code: bool = False):
     return tok
 
 
+@contextmanager
+def no_progress_bars():
+    """transformers' progress bars off while efflab loads a local folder: a "Loading weights" bar per load (35 in a
+    default run's log, each a fraction of a second). Nothing is downloaded there, so no download's progress is
+    hidden; the setting is restored after."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
+
+
 def load_model(folder: str | Path, dtype: str, device: torch.device, quant: dict | None = None,
                attn_implementation: str | None = None, calibration: dict | None = None):
     """Load a local HF folder (safetensors only, no remote code) onto `device`."""
@@ -183,7 +200,8 @@ def load_model(folder: str | Path, dtype: str, device: torch.device, quant: dict
             "cpu" if quantization.library(quant) == "hqq" else {"": "cpu"})
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
-    model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
+    with no_progress_bars():
+        model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
     if quantization.library(quant) == "bitsandbytes" and not quantization.quantized_parts(model):
         raise NotImplementedError(unquantized_reason(model, quant))
     if "device_map" not in kwargs:
