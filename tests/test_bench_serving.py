@@ -225,8 +225,8 @@ def test_continuous_vs_static_is_decided_only_by_an_interval_of_paired_rounds():
     noisy = [x * f for x, f in zip(static, (0.9, 1.25, 1.0, 1.15, 0.85, 1.1))]
     overlapping = serving_record({("naive", 1): naive, ("static", 4): static, ("continuous", 4): noisy})["cells"][2]
     verdict = overlapping["continuous_vs_static"]
-    assert verdict["ci95"][0] < 1 < verdict["ci95"][1] and verdict["verdict"].startswith("inconclusive: the 95%")
+    assert verdict["ci95"][0] < 1 < verdict["ci95"][1] and verdict["verdict"].startswith("not decided at this size: the 95%")
     few = serving_record({("naive", 1): naive[:5], ("static", 4): static[:5],
                           ("continuous", 4): [1.3 * x for x in static[:5]]})["cells"][2]
     assert few["continuous_vs_static"]["ci95"] is None and few["output_tokens_per_s"]["ci95_median"] is None
-    assert few["continuous_vs_static"]["verdict"].startswith("inconclusive: 5 rounds cannot give a 95% interval")
+    assert few["continuous_vs_static"]["verdict"].startswith("not decided at this size: 5 rounds cannot give a 95% interval")

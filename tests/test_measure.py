@@ -297,10 +297,10 @@ def test_two_rounds_leave_a_speedup_undecided_however_large(quiet_machine, cell_
                                "reference": _work(clock, lambda r: 0.010)}, 2, CPU, warmup=0)
     sp = stats.speedup(timed, "cell", "reference")
     assert sp["median"] == pytest.approx(median) and sp["ci95"] is None and sp["rounds"] == 2
-    assert sp["verdict"] == "inconclusive: 2 rounds cannot give a 95% interval of the median (6 needed at 95%)"
-    assert sp["verdict"] not in ("faster", "slower", "no significant difference")
+    assert sp["verdict"] == "not decided at this size: 2 rounds cannot give a 95% interval of the median (6 needed at 95%)"
+    assert sp["verdict"] not in ("faster", "slower", "same within ±10%")
     assert stats.said_of_faster_side(stats.ratio_verdict([median] * 2))["verdict"] == sp["verdict"]
-    assert stats.said_of_faster_side({"verdict": "no significant difference"})["verdict"] == "no significant difference"
+    assert stats.said_of_faster_side({"verdict": "same within ±10%"})["verdict"] == "same within ±10%"
 
 
 def test_a_drift_that_hits_both_variants_alike_cancels_in_the_paired_ratio(quiet_machine):
@@ -312,7 +312,7 @@ def test_a_drift_that_hits_both_variants_alike_cancels_in_the_paired_ratio(quiet
     back_to_back = statistics.median(map(drift, range(6, 12))) / statistics.median(map(drift, range(6)))
     assert back_to_back > 2
     ratio = stats.paired_ratio(timed, "a", "b")
-    assert ratio["median"] == pytest.approx(1) and ratio["verdict"] == "no significant difference"
+    assert ratio["median"] == pytest.approx(1) and ratio["verdict"] == "same within ±10%"
 
 
 def test_the_interleaving_noise_of_real_rounds_gives_the_verdict_its_interval_allows(quiet_machine):
@@ -330,12 +330,12 @@ def test_the_interleaving_noise_of_real_rounds_gives_the_verdict_its_interval_al
 
 def test_a_verdict_needs_enough_rounds_and_no_difference_needs_a_narrow_interval():
     """Order statistics: fewer than 6 values give no 95% interval of a median; an interval that holds 1 but
-    also a 10% difference is inconclusive, not 'no significant difference'."""
-    assert stats.ratio_verdict([1.3, 1.4, 1.35, 1.32, 1.38])["verdict"].startswith("inconclusive: 5 rounds")
+    also a 10% difference is not decided, not 'same within ±10%'."""
+    assert stats.ratio_verdict([1.3, 1.4, 1.35, 1.32, 1.38])["verdict"].startswith("not decided at this size: 5 rounds")
     assert stats.ratio_verdict([1.3, 1.4, 1.35, 1.32, 1.38, 1.31])["verdict"] == "slower"
-    assert stats.ratio_verdict([0.99, 1.01, 1.0, 1.02, 0.98, 1.03])["verdict"] == "no significant difference"
+    assert stats.ratio_verdict([0.99, 1.01, 1.0, 1.02, 0.98, 1.03])["verdict"] == "same within ±10%"
     wide = stats.ratio_verdict([0.85, 1.2, 1.0, 1.1, 0.95, 1.05])
-    assert wide["verdict"].startswith("inconclusive: the 95% interval [0.85, 1.2] holds 1")
+    assert wide["verdict"].startswith("not decided at this size: the 95% interval [0.85, 1.2] holds 1")
     assert wide["ci95"] == [0.85, 1.2] and wide["coverage"] == pytest.approx(1 - 2 / 64)
 
 

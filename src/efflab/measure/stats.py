@@ -61,22 +61,23 @@ EQUIVALENCE_MARGIN = 0.10
 
 def ratio_verdict(ratios: list[float], level: float = 0.95) -> dict:
     """The median of per-round ratios (b's time over a's), its order-statistic interval and a verdict at that
-    level: `slower` / `faster` only when the interval lies above / below 1; `no significant difference` only
-    when it lies within ±EQUIVALENCE_MARGIN of 1; `inconclusive` when it holds 1 but is wider than that (the data
-    cannot tell a 10% difference from none: a rerun may find one), or when there are too few rounds for an
-    interval at that level. Two reruns can then disagree only by one of them being inconclusive."""
+    level, in the one vocabulary: `slower` / `faster` only when the interval lies above / below 1; `same within
+    ±10%` only when it lies within ±EQUIVALENCE_MARGIN of 1; `not decided at this size` when it holds 1 but is wider
+    than that (the data cannot tell a 10% difference from none: a rerun may find one), or when there are too few
+    rounds for an interval at that level, with why. Two reruns can then disagree only by one of them being not
+    decided."""
     ordered = sorted(ratios)
     median = percentile(ordered, 0.5)
     ci = median_ci_order(ordered, level)
     if ci is None:
         return {"median": median, "ci95": None, "level": level, "rounds": len(ordered),
-                "verdict": f"inconclusive: {len(ordered)} rounds cannot give a {level:.0%} interval of the median "
-                           f"(6 needed at 95%)"}
+                "verdict": f"{NOT_DECIDED}: {len(ordered)} rounds cannot give a {level:.0%} interval of the "
+                           f"median (6 needed at 95%)"}
     (lo, hi), coverage = ci
     m = EQUIVALENCE_MARGIN
-    verdict = ("slower" if lo > 1 else "faster" if hi < 1 else "no significant difference"
+    verdict = ("slower" if lo > 1 else "faster" if hi < 1 else same_within(m)
                if 1 / (1 + m) <= lo and hi <= 1 + m else
-               f"inconclusive: the {level:.0%} interval [{lo:.3g}, {hi:.3g}] holds 1 but also a {m:.0%} difference")
+               f"{NOT_DECIDED}: the {level:.0%} interval [{lo:.3g}, {hi:.3g}] holds 1 but also a {m:.0%} difference")
     return {"median": median, "ci95": [lo, hi], "coverage": coverage, "level": level, "rounds": len(ordered),
             "interval": "order statistics (distribution-free)", "verdict": verdict}
 

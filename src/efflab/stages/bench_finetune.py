@@ -7,7 +7,7 @@ exactly one knob (records.knob_pairs), both runs' models, optimizers, precision 
 one process and their training steps (forward, backward, gradient clipping, optimizer step) are timed
 interleaved, A B then B A, over the same batches, with a speed probe between rounds (measure.timing.interleave).
 Each pair's verdict comes from the per-round ratios: median, its distribution-free 95% interval (order statistics), and `slower`,
-`faster` or `no significant difference`; rounds in which the machine's speed changed are set aside and
+`faster` or `same within ±10%` (else `not decided at this size`); rounds in which the machine's speed changed are set aside and
 measured again, and a pair that never gets enough stable rounds says so instead of giving a verdict.
 Every pair is a cell (runtime.isolation), journalled as it ends.
 
