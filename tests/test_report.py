@@ -338,7 +338,7 @@ def test_the_qlora_note_says_what_its_numbers_say_when_qlora_held_less_before_tr
     note = _notes(runs)
     assert "Before training, QLoRA's process held less: 847 vs 932 MiB." in note, note
     assert "reads the full-precision checkpoint" not in note
-    assert "Training added 353 vs 168 MiB: bitsandbytes dequantizes" in note
+    assert "Training added 353 vs 168 MiB." in note and "bitsandbytes" not in note  # no cause a record does not show
 
 
 def test_the_attention_note_computes_where_the_square_law_takes_over_from_the_config():

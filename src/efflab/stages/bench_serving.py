@@ -14,13 +14,14 @@ how many the server works on at a time:
 After one untimed warm-up pass, each of `bursts` rounds serves the burst once with every (method, concurrency)
 cell, measured as bench_inference's rounds are (measure.timing): the cells in a balanced order (balanced_order:
 rotated by one every two rounds, every other round the reverse of the one before, A B C, C B A, B C A, A C B, ...),
-so that a drift of the machine's speed hits every cell alike and each pair of cells runs in either order equally
-often; a speed probe before the first burst and after each (sentinel_rounds); a burst whose probes strayed beyond
-±`sentinel_tolerance` of the median probe set aside, with why, and another served in its place (at most `bursts`
-more). Every request's burst, times (submitted, first token, finished) and lengths go to requests.csv (set-aside
-bursts too: the record's `sentinel` names them), from which every figure of the metrics is computed, of the stable
-bursts only: each burst's requests/s and output tokens/s, their median over the bursts with its 95% interval
-where the bursts give one, the paired per-round ratios over naive and of continuous over static batching
+so that in each two rounds served (the first and second, the third and fourth, ...) every pair of cells runs once
+in each order; a speed probe before the first burst and after each, outside the serving (sentinel_rounds); a burst
+whose probes strayed beyond ±`sentinel_tolerance` of the median probe set aside, with why, and another served in
+its place (at most `bursts` more). Every request's burst, times (submitted, first token, finished) and lengths go to
+requests.csv (set-aside bursts too: the record's `sentinel` names them), from which every figure of the metrics is
+computed, of the stable bursts (of every burst, the record `unstable`, where fewer than `bursts` stayed stable):
+each burst's requests/s and output tokens/s, their median over the bursts with its 95% interval where the bursts
+give one, the paired per-round ratios over naive and of continuous over static batching
 (measure.stats.ratio_verdict; no verdict where too few bursts were stable), and percentiles of TTFT and latency
 over the pooled requests of those bursts.
 """

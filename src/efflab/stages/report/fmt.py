@@ -131,28 +131,42 @@ def _pipe(df: pd.DataFrame) -> str:
 
 
 def markdown(df: pd.DataFrame, keys: int | None = None) -> str:
-    """A Markdown table of at most MAX_COLUMNS columns. Columns with no value in any row are left out, a column
-    with the same value in every row is said once above the table, and a wider table is split into parts, each
-    repeating the `keys` leading columns that identify a row (by default its leading text columns, up to 4)."""
+    """A Markdown table of at most MAX_COLUMNS columns. Columns with no value in any row ('-' or blank) are left
+    out, a column with the same value in every row is said once above the table (same_note), and a wider table is
+    split into parts, each repeating the `keys` leading columns that identify a row (by default its leading text
+    columns, up to 4)."""
     keys = keys or df.attrs.get("keys")
     if keys is None:
         leading = [c for c in df.columns[:4]]
         keys = next((i for i, c in enumerate(leading) if pd.api.types.is_numeric_dtype(df[c])), len(leading)) or 1
     texts = {c: df[c].map(cell_text) for c in df.columns}
     ids = list(df.columns[:keys])
-    valued = {c: texts[c][texts[c].ne("-")] for c in df.columns[keys:]}
+    valued = {c: texts[c][_has_value(texts[c])] for c in df.columns[keys:]}
     same = [c for c, v in valued.items() if len(df) > 1 and len(v) > 1 and v.nunique() == 1]
-    rest = [c for c in df.columns[keys:] if c not in same and texts[c].ne("-").any()]
-    every = "Every row" if all(len(valued[c]) == len(df) for c in same) else "Every row with a value"
-    note = (f"{every}: " + "; ".join(f"{c} {valued[c].iloc[0]}" for c in same) + ".\n\n") if same else ""
+    rest = [c for c in df.columns[keys:] if c not in same and len(valued[c])]
+    note = same_note(same, valued, len(df))
     width = MAX_COLUMNS - len(ids)
     parts = [rest[i:i + width] for i in range(0, len(rest), width)] or [[]]
     return note + "\n\n".join(_pipe(df[ids + part] if i == 0 else _with_values(df, texts, ids, part))
                                 for i, part in enumerate(parts))
 
 
+def same_note(same: list, valued: dict, rows: int) -> str:
+    """The columns with one value in every row, said once above the table: 'In every row, steps: 7; memory kind:
+    cpu_peak_rss.' ('In every row with a value' where some rows have none)."""
+    if not same:
+        return ""
+    every = "In every row" if all(len(valued[c]) == rows for c in same) else "In every row with a value"
+    return f"{every}, " + "; ".join(f"{c}: {valued[c].iloc[0]}" for c in same) + ".\n\n"
+
+
+def _has_value(texts: pd.Series) -> pd.Series:
+    """Which cells say something: not '-' (no value) and not blank."""
+    return ~texts.str.strip().isin(("-", ""))
+
+
 def _with_values(df: pd.DataFrame, texts: dict, ids: list, part: list) -> pd.DataFrame:
     """A later part of a split table keeps only the rows with a value in it (a baseline row of '-' says nothing
     there); the first part keeps every row, so that every row is named once."""
-    has = pd.concat([texts[c].ne("-") for c in part], axis=1).any(axis=1)
+    has = pd.concat([_has_value(texts[c]) for c in part], axis=1).any(axis=1)
     return df.loc[has, ids + part]

@@ -1,5 +1,5 @@
-"""Notes beside the answers, each computed from the records: runs that make the same updates, what a result
-that may surprise comes from, and the seed-claims check in brief."""
+"""Notes beside the answers, each computed from the records: runs that make the same updates, what the records
+show of a result that may surprise, and the seed-claims check in brief."""
 from __future__ import annotations
 
 from ... import records
@@ -28,7 +28,9 @@ def claims_facts(claims: list[dict]) -> dict | None:
 
 
 def qlora_above_lora(finetune: list[dict]) -> dict | None:
-    """Why QLoRA's resident peak can top LoRA's on a CPU, from the two runs' own measurements."""
+    """Where QLoRA's resident peak tops LoRA's, what the two runs' records show of it: the peaks, what each process
+    held before training, what training added, and the live tensors training added. A cause is said only where a
+    record shows one: equal live-tensor peaks put the difference training made outside the live tensors."""
     ok = {r["method"]: r for r in records.ok(finetune) if r["method"] in ("lora", "qlora")
           and not r["settings"]["gradient_checkpointing"] and r["settings"]["packing"]}
     lora, qlora = ok.get("lora"), ok.get("qlora")
@@ -38,14 +40,34 @@ def qlora_above_lora(finetune: list[dict]) -> dict | None:
     if None in peak.values() or peak["qlora"] <= peak["lora"]:
         return None
     live = {k: (r.get("memory_prediction") or {}).get("measured_mib") for k, r in ok.items()}
-    return {"peak": peak, "added": {k: r["train_memory"]["delta_mib"] for k, r in ok.items()},
-            "before": {k: r["train_memory"]["peak_mib"] - r["train_memory"]["delta_mib"] for k, r in ok.items()},
-            "live": live if None not in live.values() else None}
+    added = {k: r["train_memory"]["delta_mib"] for k, r in ok.items()}
+    return {"peak": peak, "added": added, "before": {k: peak[k] - added[k] for k in ok},
+            "live": live if None not in live.values() else None,
+            "outside_live": outside_live(added, live) if None not in live.values() else None}
 
 
-def attention_law(bench_attention: list[dict], config: dict) -> dict | None:
-    """Why eager attention's memory can grow about linearly over the measured lengths: where the L² scores
-    overtake the activations that grow with L, from the model's config (where it names these sizes)."""
+def outside_live(added: dict, live: dict) -> int | None:
+    """The MiB more that QLoRA's training added than LoRA's where the live tensors training added peaked alike (to
+    the MiB the note shows): memory outside the live tensors. None where the live peaks differ or nothing more."""
+    more = round(added["qlora"]) - round(added["lora"])
+    return more if round(live["qlora"]) == round(live["lora"]) and more > 0 else None
+
+
+# The claim of the claims stage that the attention note measures, and where the report links the claims page
+ATTENTION_CLAIM, CLAIMS_LINK = "eager-attention-quadratic-memory", "../claims/claims.md"
+
+
+def claim_verdict(claims: list[dict], claim: str) -> str | None:
+    """A claim's verdict as the claims stage's record names it (the record lists the claims that differ and the
+    inconclusive ones); None where it names none."""
+    job = next(iter(records.ok(claims)), {})
+    return next((v for v in ("differs", "inconclusive") if claim in job.get(v, [])), None)
+
+
+def attention_law(bench_attention: list[dict], config: dict, claims: list[dict] = ()) -> dict | None:
+    """Eager attention's fitted memory exponent where it is well below 2, beside where the L² scores overtake the
+    activations that grow with L, from the model's config (where it names these sizes), and the claims stage's
+    verdict on the quadratic-memory claim: the note measures, the claims page decides."""
     fits = {impl: [f for r in records.ok(bench_attention) if r.get("implementation", r.get("name")) == impl
                    for f in r.get("memory_exponents", []) if f.get("exponent") is not None]
             for impl in ("eager", "sdpa")}
@@ -53,13 +75,17 @@ def attention_law(bench_attention: list[dict], config: dict) -> dict | None:
     if not fits["eager"] or not (heads and hidden and inter) or all(f["exponent"] > 1.5 for f in fits["eager"]):
         return None
     lengths = sorted({row["seq_len"] for r in records.ok(bench_attention) for row in r.get("rows", [])})
+    crossover = (4 * hidden + 3 * inter) / (2 * heads)
+    share = lengths[-1] / crossover  # the L² term over the linear ones at the longest length
     return {"fits": fits["eager"], "sdpa": fits["sdpa"], "heads": heads, "hidden": hidden, "inter": inter,
-            "lengths": lengths, "crossover": (4 * hidden + 3 * inter) / (2 * heads)}
+            "lengths": lengths, "crossover": crossover, "share": share, "local_k": 1 + share / (1 + share),
+            "claim": ATTENTION_CLAIM, "verdict": claim_verdict(claims, ATTENTION_CLAIM), "link": CLAIMS_LINK}
 
 
 def lines(metrics: dict) -> list[str]:
     return [render("notes.md.j2", qlora=qlora_above_lora(metrics["finetune"]),
-                   attention=attention_law(metrics["bench_attention"], metrics["base_model"][0].get("config", {})))]
+                   attention=attention_law(metrics["bench_attention"], metrics["base_model"][0].get("config", {}),
+                                           metrics.get("claims", [])))]
 
 
 def claims_lines(claims: list[dict], link: str) -> list[str]:
