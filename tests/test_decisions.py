@@ -8,7 +8,7 @@ import pytest
 from efflab import config
 from efflab.measure import stats
 from efflab.measure.stats import summarize
-from efflab.stages.report import advice, decisions, fmt, glance, knobs
+from efflab.stages.report import advice, decisions, fmt, glance, knobs, pareto
 from tests.helpers import TEST_PARAMS
 from tests.test_advice import CFG, INFERENCE, QUANTIZE, metrics
 
@@ -215,12 +215,12 @@ def test_pruning_answers_the_one_strategy_faster_and_within_the_tolerance(cfg):
 
 
 def test_capacity_answers_the_largest_size_that_fits_per_subject_and_nothing_where_nothing_does(cfg):
-    q = _build(cfg, capacity=CAPACITY)["questions"]["capacity"]
+    full = _ft("full", STEPS, 3215.0, method="full")
+    q = _build(cfg, capacity=CAPACITY, finetune=[full])["questions"]["capacity"]
     assert q["answer"] == {"full train batch_size": None, "lora-r8 train batch_size": 5, "lora-r8 train seq_len": 1024}
     line = glance.capacity(q)
-    assert "**What fits 2,048 MiB** (`capacity.budget_mib.cpu`)" in line
-    assert "full (training) nothing (batch of 128-token rows)" in line
-    assert "lora-r8 (training) 5 (batch of 128-token rows), at least 1,024 (tokens at batch 1)" in line
+    assert line.startswith("- **What fits 2,048 MiB** (`capacity.budget_mib.cpu`): full fine-tuning: no batch of "
+                           "128-token rows fits; lora-r8: batch 5, 1,024 tokens or more at batch 1. ([table]")
 
 
 def test_the_glance_is_one_line_per_question_and_states_the_decisions_verdicts(cfg):
@@ -243,3 +243,82 @@ def test_the_glance_is_one_line_per_question_and_states_the_decisions_verdicts(c
 def test_numbers_read_without_float_noise_or_exponents(value, said):
     assert fmt.number(value) == said
     assert fmt.percent(-3.61e-05) == "0" and fmt.percent(2172.5) == "+2,172"
+
+
+def _rows(loss):
+    return [[10, loss + d] for d in (0.5, -0.5, 0.4, -0.4, 0.3, -0.3, 0.2, -0.2)]
+
+
+def _run(name, method, steps, memory, loss):
+    return _ft(name, steps, memory, method=method) | {"validation_after": {"loss": loss, "per_row": _rows(loss)}}
+
+
+def _repeated(dimension, first, again):
+    """A capacity search whose maximum ran again in its own process: its loaded memory read twice."""
+    return {"status": "ok", "subject": "lora-r8", "kind": "train", "dimension": dimension, "measured_max": 3,
+            "grid": [[1, 128], [16, 128]] if dimension == "batch_size" else [[1, 128], [1, 1024]],
+            "whole_range_fits": False, "first_failing": 4, "timed_in": "a re-run of the maximum",
+            "at_max": {"loaded_mib": again, "loaded_shift_mib": again - first}}
+
+
+def _measured(*searches):
+    return [CAPACITY[0] | {"budget": CAPACITY[0]["budget"] | {"memory": "cpu_peak_rss: the cell process's VmHWM"},
+                           "searches": CAPACITY[0]["searches"][:1] + list(searches)}]
+
+
+# Loaded memory read twice per search: 540 then 555 MiB (2.8% apart), 548 then 545; the first cell itself is no pair.
+MEASURED = _measured(_repeated("batch_size", 540.0, 555.0), _repeated("seq_len", 548.0, 545.0),
+                     _repeated("seq_len", 550.0, 550.0) | {"timed_in": "the search's cell", "measured_max": 128})
+
+
+def test_each_memory_kind_s_measured_error_is_the_largest_spread_of_its_repeated_readings(cfg):
+    errors = _build(cfg, capacity=MEASURED)["memory_error"]
+    assert list(errors) == ["cpu_peak_rss"], "the kind the budget holds; none for a kind read once"
+    e = errors["cpu_peak_rss"]
+    assert e["pct"] == pytest.approx(100 * 15 / 540) and e["pairs"] == 2 and e["largest_mib"] == pytest.approx(15)
+    assert e["from"].startswith("capacity:")
+
+
+def test_a_memory_gap_beyond_its_measured_error_is_decided_and_one_within_it_is_not(cfg):
+    """3,215 against 1,409 MiB, each one measurement, with a measured error of 2.8%: the smaller run has the least
+    memory. 3,215 against 3,150 (2% apart) is within that error: no run is named."""
+    runs = [_run("full", "full", STEPS, 3215.0, 3.0), _run("lora", "lora", STEPS, 1409.0, 3.0)]
+    q = _build(cfg, finetune=runs, capacity=MEASURED)["questions"]["finetune"]
+    memory = _option(q, "lora")["axes"]["memory"]
+    assert q["answer"]["memory"] == "lora" and memory["verdict"] == "less"
+    assert memory["error_pct"] == pytest.approx(100 * 15 / 540) and memory["lo"] == pytest.approx(1409 * (1 - 15 / 540))
+    assert q["memory_kind"] == "cpu_peak_rss" and q["memory_error"]["pairs"] == 2
+    line = glance.finetune(q)
+    assert "least memory **lora** (1,409 MiB, 0.44× full's 3,215)" in line
+    assert "(`cpu_peak_rss`, ±2.8% measured error: the largest of 2 differences" in line
+    close = [runs[0], _run("lora", "lora", STEPS, 3150.0, 3.0)]
+    near = _build(cfg, finetune=close, capacity=MEASURED)["questions"]["finetune"]
+    assert near["answer"]["memory"] is None and _option(near, "lora")["axes"]["memory"]["verdict"] not in (
+        "less", "more")
+    assert "least memory not decided: no peak below every other's by more than ±2.8%" in glance.finetune(near)
+    alone = _build(cfg, finetune=runs)["questions"]["finetune"]
+    assert alone["answer"]["memory"] is None and alone["memory_error"] is None, "no repeat, no error: n=1 decides nothing"
+
+
+def test_the_frontier_keeps_a_run_with_less_memory_and_a_shorter_step_by_each_pair_s_own_comparison(cfg):
+    """lora has less memory and a shorter step than full; lora-gc makes the same updates with less memory still,
+    and bench_finetune measured it 1.3x slower than lora, interleaved. Over full's steps their intervals overlap,
+    so comparing those would let lora-gc dominate lora: each pair is compared by its own measurement instead."""
+    full = _run("full", "full", [2.0] * 7, 3215.0, 2.8)
+    lora = _run("lora", "lora", STEPS, 1409.0, 3.0)
+    gc = _run("lora-gc", "lora", [1.3 * t for t in reversed(STEPS)], 1200.0, 3.0)
+    bench = [{"status": "ok", "pairs": [{"status": "ok", "a": "lora", "b": "lora-gc", "step_time_ratio": {
+        "median": 1.3, "ci95": [1.2, 1.4], "rounds": 6, "verdict": "slower"}}]}]
+    made = _build(cfg, finetune=[full, lora, gc], bench_finetune=bench, capacity=MEASURED)
+    q = made["questions"]["finetune"]
+    steps = [_option(q, n)["axes"]["step_ratio"] for n in ("lora", "lora-gc")]
+    assert steps[0]["hi"] > steps[1]["lo"], "over full's steps, lora's and lora-gc's intervals overlap"
+    assert q["frontier"] == ["full", "lora", "lora-gc"]
+    assert q["answer"] == {"memory": "lora-gc", "step_ratio": "lora", "quality": "full"}
+    points = pareto.finetune_pareto([full, lora, gc], made["_facts"]["finetune"])
+    assert not any(p["dominated"] for p in points) and points[1]["x"]["kind"] == pareto.MEASURED_ERROR
+    assert "on the frontier of memory × step time × perplexity: **full**, **lora**, **lora-gc**" in \
+        glance.finetune(q)
+    table = "\n".join(advice.lines(made["_facts"], cfg))
+    assert "On the frontier of memory × step time × quality: **full**, **lora**, **lora-gc**." in table
+    assert not [line for line in table.splitlines() if line.startswith("| lora") and line.endswith("| no |")]

@@ -219,7 +219,7 @@ def test_capacity_names_the_memory_beyond_live_tensors_when_the_estimator_s_tens
     assert "RSS grew 1,072 MiB, 420 beyond the live tensors (264 MiB of file pages read after loading)" in section
     assert "Cause: the miss is mostly memory beyond the live tensors." in section
     assert "outside" not in section and "estimator's, on live tensors" not in section
-    assert "lora-r8 (training) 5 (batch of 128-token rows)" in note and "#capacity-" in note
+    assert "lora-r8: batch 5" in note and "#capacity-" in note
     assert "estimator's miss" not in note
     row = table.iloc[0]
     assert (row["predicted max"], row["measured max"], row["tensors predicted (MiB)"], row["tensors measured (MiB)"],
@@ -230,7 +230,7 @@ def test_capacity_names_the_memory_beyond_live_tensors_when_the_estimator_s_tens
 def test_capacity_says_the_estimator_is_off_only_where_its_tensors_are():
     section, note, _ = _capacity_report(_capacity_job(_search("lora-r8", 7, 4, at_max=_at_max(640, 900, 1000))))
     assert "(1.41×, outside ±15%)" in section and "Cause: the miss is mostly the estimator's, on live tensors" in section
-    assert "lora-r8 (training) 4 (batch of 128-token rows)" in note, "the glance says what fits; the section why"
+    assert "lora-r8: batch 4" in note, "the glance says what fits; the section why"
     # The QLoRA case of a run: the tensors within 3%, and this cell's loaded model held 253 MiB more than the first
     # cell's, where the prediction starts: that, not the estimator and not the 86 MiB gap, moved the maximum.
     loaded, _, _ = _capacity_report(_capacity_job(_search("qlora-r8", 6, 4, at_max=_at_max(855, 829, 915,

@@ -77,7 +77,8 @@ def alternating(names: list, index: int) -> list:
 def balanced_order(names: list, index: int) -> list:
     """Round `index`'s order for more than two: the names rotated by one every two rounds, every odd round the
     reverse of the round before (A B C, C B A, B C A, A C B, C A B, B A C). Every two rounds each name's mean
-    position is the middle, so a drift of the machine's speed over a round, linear in it, hits every name alike;
+    position is the middle, so a drift of the machine's speed linear over those two rounds shifts every name's mean
+    time by the same amount (a median's, not exactly);
     each pair of names runs in either order equally often; over 2n rounds of n names each name takes every
     position twice."""
     k = (index // 2) % len(names) if names else 0
@@ -127,7 +128,7 @@ def sentinel_rounds(run_round, rounds: int, device: torch.device, tolerance: flo
 def interleave(variants: dict, rounds: int, device: torch.device, warmup: int = 1,
                tolerance: float = SENTINEL_TOLERANCE, extra_rounds: int | None = None) -> dict:
     """Time each variant's `fn(round)` once per round, the variants interleaved (A B, then B A, ...) so that a
-    drift of the machine's speed hits every variant alike, the rounds watched by the speed sentinel
+    drift of the machine's speed falls on each variant equally often first and second, the rounds watched by the speed sentinel
     (sentinel_rounds: a probe before and after each round, a round whose probes strayed beyond ±tolerance of the
     median set aside and run again, at most `extra_rounds` more; `unstable` where too few stable rounds are left,
     its figures then of every round, not to be read as a verdict). Returns the per-round record and, per variant,

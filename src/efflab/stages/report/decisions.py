@@ -4,7 +4,9 @@ For each question: its baseline, the options with every axis (value, kind, inter
 against the baseline, in the one vocabulary of measure.stats: faster / slower / same within ±X% / not decided at
 this size; quality against its tolerance), the frontier and the answer. The glance (advice), the tables' verdict
 columns, the Pareto plots and figures.json render these; none decides again. A question whose stage did not run is
-absent from `questions` and named in `absent` with why.
+absent from `questions` and named in `absent` with why. `memory_error`: the run-to-run spread of each memory kind
+the records read twice (options.memory_errors), stated with where it comes from; a peak of that kind carries it
+as its interval (`error_pct`), and two peaks differ only where they are further apart than that.
 """
 from __future__ import annotations
 
@@ -15,8 +17,10 @@ from ... import quality, records
 from ...config import task_tolerance
 from ...evaluation import scores
 from ...measure.stats import NOT_DECIDED, compare, ratio_words
+from ...measure.timing import SENTINEL_TOLERANCE
 from . import advice
 from . import options as opts
+from .decide import beats
 from .results import absent
 from .tables import verdict_of
 
@@ -64,10 +68,11 @@ def axis_verdict(key: str, a: dict | None, base: dict | None, tolerance: float) 
         return compare(a["value"], a["lo"], a["hi"], n=a.get("n"), higher="slower", lower="faster",
                        why=a.get("why"))
     if key == "memory" and base and base.get("value"):
-        lo, hi = (a["lo"] / base["value"], a["hi"] / base["value"]) if a["lo"] is not None else (None, None)
-        if (base["lo"] is None or base["lo"] != base["hi"]) and lo is not None:
-            lo, hi = None, None  # the baseline's own value has no interval: the ratio has none either
-        return compare(a["value"] / base["value"], lo, hi, n=a.get("n"), higher="more", lower="less")
+        if a["lo"] is None or base["lo"] is None:  # one of them without an interval: the ratio has none either
+            return compare(a["value"] / base["value"], None, None, n=a.get("n"), higher="more", lower="less")
+        # exact footprints, or peaks ± their kind's measured error: the ratio's interval from the far ends
+        return compare(a["value"] / base["value"], a["lo"] / base["hi"], a["hi"] / base["lo"], higher="more",
+                       lower="less")
     return "-"
 
 
@@ -78,7 +83,8 @@ def _option(o: dict, base: dict | None, tolerance: float, extra: dict | None = N
         axes[key] = None if a is None else {
             "value": a["value"], "lo": a["lo"], "hi": a["hi"], "n": a.get("n"), "kind": kind, "better": better,
             "verdict": "baseline" if o.get("baseline") else axis_verdict(key, a, (base or {}).get("axes", {}).get(key),
-                                                                           tolerance)}
+                                                                           tolerance),
+            **({"error_pct": a["error_pct"]} if a.get("error_pct") is not None else {})}
     return {"name": o["name"], "baseline": bool(o.get("baseline")), "axes": axes, **(extra or {})}
 
 
@@ -91,8 +97,68 @@ def _question(text: str, facts: dict, baseline: str | None, answer, why: str, to
                         for o in facts["options"]]}
 
 
+FINETUNE_AXES = ("memory", "step_ratio", "quality")
+
+
 def _finetune_answer(f: dict) -> dict:
-    return {k: f["winners"][k] for k in ("memory", "step_ratio", "quality")}
+    return {k: f["winners"][k] for k in FINETUNE_AXES}
+
+
+def with_memory_error(metrics: dict, errors: dict[str, dict]) -> dict:
+    """The fine-tuning records with their memory kind's measured error (options.memory_errors) beside their peak,
+    where the records measured one: what the fine-tuning options read as the peak's interval."""
+    def put(r: dict) -> dict:
+        error = errors.get((r.get("train_memory") or {}).get("kind"))
+        return r | {"train_memory": r["train_memory"] | {"error": error}} if error and records.is_ok(r) else r
+    return metrics | {"finetune": [put(r) for r in metrics.get("finetune", [])]}
+
+
+def _beats(a: dict, b: dict, key: str, runs: dict, bench_finetune: list[dict]) -> bool:
+    """Whether run a beats run b on one axis, by the pair's own comparison where the records hold one: step time
+    by b's step over a's (records.step_ratio: interleaved, else their steps paired, else their runs' intervals),
+    perplexity by b's change over a's on the same rows; else (memory: peaks ± their measured error) by separated
+    intervals (report.decide.beats)."""
+    ra, rb = runs[a["name"]], runs[b["name"]]
+    if key == "step_ratio":
+        ratio = records.step_ratio(ra, rb, bench_finetune, SENTINEL_TOLERANCE)
+        if ratio:
+            return ratio["verdict"] == "slower"
+    if key == "quality":
+        change = _paired(ra.get("validation_after"), rb.get("validation_after"))
+        if change and change["lo"] is not None:
+            return change["lo"] > 0
+    return beats(a["axes"].get(key), b["axes"].get(key), AXES[key][1])
+
+
+def finetune_front(f: dict, metrics: dict) -> dict:
+    """The fine-tuning frontier and each axis's winner, every pair of runs compared by its own measurement (_beats):
+    two runs' step times over the reference's are not their ratio to each other. A run is dominated where another
+    beats it on an axis and loses on none, both measured on the same axes (report.decide.frontier's rule)."""
+    runs = {r["run"]: r for r in records.ok(metrics["finetune"])}
+    options, bench = f["options"], metrics.get("bench_finetune", [])
+
+    def wins(a: dict, b: dict) -> list[str]:
+        return [k for k in FINETUNE_AXES if _beats(a, b, k, runs, bench)]
+
+    def dominates(a: dict, b: dict) -> bool:
+        if any((a["axes"].get(k) is None) != (b["axes"].get(k) is None) for k in FINETUNE_AXES):
+            return False
+        return bool(wins(a, b)) and not wins(b, a)
+
+    others = {o["name"]: [p for p in options if p is not o] for o in options}
+    return {"front": [o["name"] for o in options if not any(dominates(p, o) for p in others[o["name"]])],
+            "winners": {k: next((o["name"] for o in options if others[o["name"]] and all(
+                _beats(o, p, k, runs, bench) for p in others[o["name"]])), None) for k in FINETUNE_AXES}}
+
+
+def _finetune_table(f: dict) -> str:
+    """advice.finetune_facts' table again, its "on the frontier" column from finetune_front."""
+    options = f["options"]
+    return advice._table(options, {"memory": ("peak memory", " MiB"), "step": ("median step", " s"),
+                                   "step_ratio": (f"step × {options[0]['name']}'s", ""),
+                                   "quality": ("val perplexity change", "%")}, f["front"],
+                         lambda o: {"method": o["method"], "step verdict": "baseline" if o["baseline"] else
+                                    advice.step_word(o["axes"]["step_ratio"])})
 
 
 def _qat(job: dict, tolerance: float) -> dict:
@@ -148,12 +214,15 @@ def _prune(rows: list[dict], tolerance: float) -> dict:
             "why": "faster than the base model with perplexity within the tolerance", "options": options}
 
 
-def _capacity(job: dict) -> dict:
+def _capacity(job: dict, finetune: list[dict] = ()) -> dict:
+    methods = {r["run"]: r["method"] for r in records.ok(finetune)}
     options = [{"name": f"{s['subject']} {s['kind']} {s['dimension']}", "baseline": False, "axes": {},
+                "subject": s["subject"], "kind": s["kind"], "dimension": s["dimension"],
+                "method": methods.get(s["subject"]) if s["kind"] == "train" else None,
                 "measured_max": s.get("measured_max"), "whole_range_fits": s.get("whole_range_fits", False),
                 "first_failing": s.get("first_failing")} for s in job["searches"] if records.is_ok(s)]
     return {"question": "What fits the memory budget?", "baseline": None, "frontier": [], "budget": job["budget"],
-            "train_seq_len": job["fixed"].get("train_seq_len"),
+            "train_seq_len": job["fixed"].get("train_seq_len"), "prompt_len": job["fixed"].get("prompt_len"),
             "answer": {o["name"]: o["measured_max"] for o in options},
             "why": "the largest measured size that fits, per subject (None: nothing fits)", "options": options}
 
@@ -204,7 +273,8 @@ def said_facts(metrics: dict) -> list[dict]:
 
 def build(cfg: dict, metrics: dict) -> dict:
     """Every question the records support, its options, verdicts, frontier and answer."""
-    metrics = against_tolerance(cfg, metrics)
+    errors = opts.memory_errors(metrics.get("capacity", []))
+    metrics = with_memory_error(against_tolerance(cfg, metrics), errors)
     facts = advice.facts(metrics, cfg)
     tolerance = facts["tolerance"]
     q: dict[str, dict] = {}
@@ -215,8 +285,13 @@ def build(cfg: dict, metrics: dict) -> dict:
                                   "whose task gate does not fail", tolerance, f["status"])
     if facts["finetune"]:
         f = facts["finetune"]
+        f |= finetune_front(f, metrics)  # the advice's table, the plots and the glance read these
+        f["table"] = _finetune_table(f)
         q["finetune"] = _question("Which fine-tuning method?", f, f["reference"]["name"], _finetune_answer(f),
-                                  "per axis, the run that beats every other by separated intervals", tolerance)
+                                  "per axis, the run that beats every other: step time and perplexity by each "
+                                  "pair's own comparison, memory by peaks apart by more than their measured error",
+                                  tolerance)
+        q["finetune"] |= {"memory_kind": f["kind"], "memory_error": errors.get(f["kind"])}
     if facts["inference"]:
         f = facts["inference"]
         q["inference"] = _question("Which inference variant and generation mode?", f, "base",
@@ -240,20 +315,22 @@ def build(cfg: dict, metrics: dict) -> dict:
     if records.ok(metrics.get("bench_serving", [])):
         q["serving"] = _serving(records.ok(metrics["bench_serving"])[0])
     if records.ok(metrics.get("capacity", [])):
-        q["capacity"] = _capacity(records.ok(metrics["capacity"])[0])
+        q["capacity"] = _capacity(records.ok(metrics["capacity"])[0], metrics.get("finetune", []))
     stages = {"quantize": "quantize", "finetune": "finetune", "inference": "bench_inference",
               "attention": "bench_attention", "qat": "qat", "prune": "prune", "serving": "bench_serving",
               "capacity": "capacity"}
     missing = {k: absent(cfg, metrics, s) or "its records give no comparison" for k, s in stages.items()
                if k not in q}
-    return {"tolerance_pct": tolerance, "vocabulary": VOCABULARY, "questions": q, "facts": said_facts(metrics),
-            "absent": missing,
+    return {"tolerance_pct": tolerance, "vocabulary": VOCABULARY, "memory_error": errors, "questions": q,
+            "facts": said_facts(metrics), "absent": missing,
             "_facts": facts}
 
 
 VOCABULARY = {"faster / slower": "the 95% interval of the ratio excludes 1",
               "same within ±X%": "the interval lies inside the equivalence band",
               "within / beyond +X%": "a quality change's whole interval is at or below / above its tolerance",
+              "less / more": "memory: footprints (exact) that differ, or peaks further apart than their kind's "
+                             "measured error (`memory_error`)",
               NOT_DECIDED: "everything else, with about the n that would decide it where computable",
               "not decided: <why>": "no comparison (the machine's speed changed, too few stable rounds)"}
 

@@ -52,20 +52,43 @@ def quantize(d: dict, tolerance: float) -> str:
         "." + _link("quantize")
 
 
+def _least_memory(d: dict, opts: dict) -> str:
+    """The memory winner with its peak and its ratio to the baseline's, or why there is none."""
+    name, error, base = d["answer"]["memory"], d.get("memory_error"), opts[d["baseline"]]["axes"]["memory"]
+    if not name:
+        return "least memory not decided: " + (f"no peak below every other's by more than ±{error['pct']:.1f}%"
+                                               if error else "one measurement per run")
+    a = opts[name]["axes"]["memory"]
+    versus = f", {number(a['value'] / base['value'], 2)}× {d['baseline']}'s {base['value']:,.0f}" \
+        if base and name != d["baseline"] else ""
+    return f"least memory **{name}** ({a['value']:,.0f} MiB{versus})"
+
+
+def _peaks(d: dict) -> str:
+    """Every run's peak against the baseline's, with the memory kind and its measured error (or why none)."""
+    error, kind = d.get("memory_error"), d.get("memory_kind")
+    said = (f"±{error['pct']:.1f}% measured error: the largest of {error['pairs']} differences between two "
+            "processes' readings of the same loaded model, capacity" if error
+            else "one measurement per run: no record read it twice")
+    runs = "; ".join(f"{o['name']} {o['axes']['memory']['value']:,.0f} MiB"
+                     + (f", {o['axes']['memory']['verdict']}" if error else "")
+                     for o in d["options"] if not o["baseline"] and o["axes"].get("memory"))
+    return f"Peak memory (`{kind}`, {said}): {runs}."
+
+
 def finetune(d: dict) -> str:
-    said = {"memory": ("least memory", _mib), "step_ratio": ("shortest step", _x), "quality": ("lowest perplexity", _pct)}
-    base = d["baseline"]
-    parts = []
+    opts, base = {o["name"]: o for o in d["options"]}, d["baseline"]
+    said = {"step_ratio": ("shortest step", lambda a: f"{_x(a)} {base}'s"), "quality": ("lowest perplexity", _pct)}
+    parts = [_least_memory(d, opts)]
     for key, (what, text) in said.items():
         name = d["answer"][key]
-        if name:
-            parts.append(f"{what} **{name}** ({text(next(o for o in d['options'] if o['name'] == name)['axes'][key])})")
-        else:
-            parts.append(f"{what} not decided at this size")
+        parts.append(f"{what} **{name}** ({text(opts[name]['axes'][key])})" if name
+                     else f"{what} not decided at this size")
+    front = ", ".join(f"**{n}**" for n in d["frontier"])
     steps = "; ".join(f"{o['name']} step {_said(o['axes'].get('step_ratio'), _x)}" for o in d["options"]
                       if not o["baseline"])
-    return (f"- **Fine-tuning method** (vs {base}): " + ", ".join(parts) + f". Step time over {base}'s: {steps}."
-            + _link("finetune"))
+    return (f"- **Fine-tuning method** (vs {base}): " + ", ".join(parts) + f"; on the frontier of memory × step "
+            f"time × perplexity: {front}. {_peaks(d)} Step time over {base}'s: {steps}." + _link("finetune"))
 
 
 def inference(d: dict, tolerance: float) -> str:
@@ -127,17 +150,35 @@ def serving(d: dict) -> str:
     return f"- **Serving method** (vs naive, throughput): {head}. {rest}." + _link("serving")
 
 
+def _fits(o: dict, rows: str) -> str:
+    """One search's largest size that fits, for reading: 'batch 3', '384 tokens at batch 1', or what does not fit."""
+    n, more = o["measured_max"], " or more" if o["whole_range_fits"] else ""
+    if o["dimension"] == "batch_size":
+        return f"batch {n:,}{more}" if n else f"no batch of {rows} fits"
+    return f"{n:,} tokens{more} at batch 1" if n else "no sequence fits at batch 1"
+
+
+def _subject(o: dict) -> str:
+    """A capacity subject as a reader names it: 'full fine-tuning', 'lora-r8', 'generating with nf4'."""
+    if o["kind"] != "train":
+        return f"generating with {o['subject']}"
+    return f"{o['subject']} fine-tuning" if o.get("method") == o["subject"] else o["subject"]
+
+
 def capacity(d: dict) -> str:
-    by: dict[str, list[str]] = {}
+    by: dict[str, list[dict]] = {}
     for o in d["options"]:
-        subject, kind, dimension = o["name"].rsplit(" ", 2)
-        size = "nothing" if not o["measured_max"] else f"{'at least ' if o['whole_range_fits'] else ''}" \
-            f"{o['measured_max']:,}"
-        what = f"batch of {d['train_seq_len']}-token rows" if dimension == "batch_size" else "tokens at batch 1"
-        by.setdefault(f"{subject} ({'training' if kind == 'train' else 'generating'})", []).append(f"{size} ({what})")
-    rest = "; ".join(f"{s} {', '.join(v)}" for s, v in by.items())
+        by.setdefault(_subject(o), []).append(o)
+    said = []
+    for subject, searches in by.items():
+        rows = f"{d['train_seq_len']}-token rows" if searches[0]["kind"] == "train" else \
+            f"{d.get('prompt_len')}-token prompts"
+        fitting = searches if any(o["measured_max"] for o in searches) else searches[:1]  # nothing: said once
+        said.append(f"{subject}: " + ", ".join(_fits(o, rows) for o in fitting))
     budget = d["budget"]
-    return f"- **What fits {budget['mib']:,.0f} MiB** (`{budget['source']}`): {rest}." + _link("capacity")
+    held = f", held against `{budget['memory'].split(':')[0]}`" if budget.get("memory") else ""
+    return (f"- **What fits {budget['mib']:,.0f} MiB** (`{budget['source']}`{held}): " + "; ".join(said) + "."
+            + _link("capacity"))
 
 
 def fact(f: dict) -> str:

@@ -12,7 +12,7 @@ def _tensor_peaks(a: dict, b: dict) -> str:
     """The CPU live-tensor peaks of two runs (cpu_tensor_peak: counted from the allocator's events, the same
     for the same params on a rerun, so any difference is the knob's)."""
     peaks = [(r["train_memory"].get("tensors") or {}).get("delta_mib") for r in (a, b)]
-    return "-" if None in peaks else f"{peaks[0]:.0f} → {peaks[1]:.0f}"
+    return "-" if None in peaks else f"{peaks[0]:,.0f} → {peaks[1]:,.0f}"
 
 
 def _ratio_ci(ratio: dict | None) -> str:
@@ -47,8 +47,8 @@ def knob_table(rows: list[dict], bench_finetune: list[dict] = ()) -> pd.DataFram
         out.append({
             "knob": knob, "from → to": f"{value_a} → {value_b}",
             "runs": f"{a['run']} → {b['run']}",
-            "peak memory (MiB)": f"{mem_a:.0f} → {mem_b:.0f}" if mem_a and mem_b else "-",
-            "training memory over baseline (MiB)": f"{delta_a:.0f} → {delta_b:.0f}" if delta_a and delta_b else "-",
+            "peak memory (MiB)": f"{mem_a:,.0f} → {mem_b:,.0f}" if mem_a and mem_b else "-",
+            "training memory over baseline (MiB)": f"{delta_a:,.0f} → {delta_b:,.0f}" if delta_a and delta_b else "-",
             "memory change (%)": pct(memory_ratio - 1) if memory_ratio else None,
             "memory kind": a["train_memory"]["kind"],
             "live tensor peak (MiB)": _tensor_peaks(a, b),

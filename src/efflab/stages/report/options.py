@@ -1,6 +1,7 @@
 """The options of each decision the report answers, read from the records: each axis a value with its interval.
 
-Axes: `memory` (MiB; footprints are exact byte counts, a run's peak is one measurement), `speed` (a ratio
+Axes: `memory` (MiB; footprints are exact byte counts, a run's peak is one measurement, with its kind's measured
+error as its interval where the records read that kind twice: memory_errors), `speed` (a ratio
 over the decision's baseline from an interleaved comparison, with its order-statistic interval; the baseline is
 exactly 1), `step` (a run's median step time in s with its interval: runs in separate processes), `quality`
 (the perplexity change in % over the baseline on the same validation rows, with its paired interval), `kl`
@@ -114,8 +115,56 @@ def step_ratio_axis(reference: dict, run: dict, bench_finetune: list[dict]) -> d
         "why": ratio["why"], "source": ratio["source"]}
 
 
+# Where memory_errors' repeated readings come from, said with the error.
+LOADED_REPEATS = ("capacity: the memory its budget holds with the model loaded, before any step, read in a fresh "
+                  "process per cell; each search's maximum read again against its first cell")
+
+
+def _loaded_pair(search: dict) -> tuple[float, float] | None:
+    """A capacity search's two readings of its subject's loaded memory, in two cell processes: its first cell's
+    and its maximum's (`at_max.loaded_shift_mib` is their difference); None where the maximum is the first cell."""
+    m = search.get("at_max") or {}
+    loaded, shift = m.get("loaded_mib"), m.get("loaded_shift_mib")
+    first = (search.get("grid") or [[None, None]])[0][0 if search.get("dimension") == "batch_size" else 1]
+    rerun = search.get("timed_in") == "a re-run of the maximum"
+    if loaded is None or shift is None or not rerun and first in (None, search.get("measured_max")):
+        return None
+    return (loaded - shift, loaded) if min(loaded - shift, loaded) > 0 else None
+
+
+def repeat_error(kind: str, pairs: list[tuple[float, float]]) -> dict:
+    """The measurement error of a memory kind from pairs of readings of the same thing in separate processes: the
+    largest relative difference of a pair (over its smaller reading), with how many pairs and where from."""
+    largest = max(pairs, key=lambda p: abs(p[0] - p[1]) / min(p))
+    return {"kind": kind, "pct": 100 * abs(largest[0] - largest[1]) / min(largest), "pairs": len(pairs),
+            "largest_mib": abs(largest[0] - largest[1]), "of_mib": min(largest), "from": LOADED_REPEATS}
+
+
+def memory_errors(capacity: list[dict]) -> dict[str, dict]:
+    """The run-to-run spread of each memory kind the records read twice (repeat_error), by kind: capacity's
+    loaded memory, of the kind its budget holds (`budget.memory`: cpu_peak_rss on a CPU). A kind no record read
+    twice has none: its single measurements decide nothing."""
+    pairs: dict[str, list[tuple[float, float]]] = {}
+    for job in records.ok(capacity):
+        kind = str((job.get("budget") or {}).get("memory", "")).split(":")[0]
+        found = [p for p in map(_loaded_pair, records.ok(job.get("searches", []))) if p]
+        if kind and found:
+            pairs.setdefault(kind, []).extend(found)
+    return {kind: repeat_error(kind, ps) for kind, ps in pairs.items()}
+
+
+def memory_axis(memory: dict | None) -> dict | None:
+    """A run's peak memory, one measurement, with its kind's measured error (`error`, memory_errors: put on the
+    record by decisions.build) as its interval, value ± `error_pct`; without one, no interval."""
+    value, error = peak_mib(memory), (memory or {}).get("error")
+    if value is None or not error:
+        return axis(value, n=1)
+    half = value * error["pct"] / 100
+    return axis(value, value - half, value + half, n=1) | {"error_pct": error["pct"]}
+
+
 def finetune_options(finetune: list[dict], bench_finetune: list[dict] = ()) -> list[dict]:
-    """Each run: its peak training memory (one measurement), its median step time (interval from its own steady
+    """Each run: its peak training memory (memory_axis), its median step time (interval from its own steady
     steps, a separate process per run), its step time over the first run's (step_ratio_axis) and its validation
     perplexity after training over the first run's, paired on the same rows where both recorded them."""
     runs = records.ok(finetune)
@@ -135,7 +184,7 @@ def finetune_options(finetune: list[dict], bench_finetune: list[dict] = ()) -> l
             except ValueError:  # different validation rows: not paired
                 change = None
         out.append({"name": r["run"], "baseline": r is reference, "method": r["method"], "axes": {
-            "memory": axis(peak_mib(r["train_memory"]), n=1),
+            "memory": memory_axis(r["train_memory"]),
             "step": axis(step.get("median"), lo, hi, n=step.get("n")) if step else None,
             "step_ratio": step_ratio_axis(reference, r, bench_finetune),
             "quality": change}, "settings": r.get("settings", {}),

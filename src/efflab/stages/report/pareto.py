@@ -1,8 +1,9 @@
 """Pareto frontiers: the options the report's advice finds no other beats, their points as the plots draw them,
 and their data for `dvc plots`.
 
-The frontier is the decision's own (decisions.build, report.decide.frontier over each option's intervals), never one of point
-values: an option is dominated only where another beats it on some axis by separated intervals and loses on none.
+The frontier is the decision's own (decisions.build: report.decide.frontier over each option's intervals; the
+fine-tuning one compares each pair of runs by its own measurement, decisions.finetune_front), never one of point
+values: an option is dominated only where another beats it on some axis and loses on none.
 """
 from __future__ import annotations
 
@@ -14,17 +15,30 @@ from ... import records
 from .spread import of_axis, of_median, of_speedup, spread
 from .tables import tokens_per_s
 
+# The spread of a peak that is its kind's measured error (decisions.json `memory_error`), not a 95% interval.
+MEASURED_ERROR = "measured error"
+
+
+def of_memory(axis: dict | None) -> dict | None:
+    """A run's peak memory as the plot draws it: ± its kind's measured error where the records measured one
+    (`error_pct`, named as such), else the one measurement alone."""
+    if not axis or axis.get("error_pct") is None:
+        return of_axis(axis)
+    return spread(axis["value"], axis["lo"], axis["hi"], kind=MEASURED_ERROR, n=axis.get("n"))
+
 
 def finetune_pareto(rows: list[dict], facts: dict | None) -> list[dict]:
-    """Each run: its peak training memory (one measurement), its median step time with its spread, and its
-    validation perplexity change over the first run (paired, where both carry per-row losses); dominated or not
-    as the fine-tuning decision (decisions.build) says."""
+    """Each run: its peak training memory (one measurement, ± its kind's measured error where there is one: its
+    `memory_error_pct`), its median step time with its spread, and its validation perplexity change over the first
+    run (paired, where both carry per-row losses); dominated or not as the fine-tuning decision (decisions.build,
+    each pair by its own comparison) says."""
     if not facts:
         return []
     runs = {r["run"]: r for r in records.ok(rows)}
     return [{"name": o["name"], "baseline": o["baseline"], "kind": o["memory_kind"],
              "memory": (o["axes"]["memory"] or {}).get("value"), "tokens_per_s": tokens_per_s(runs[o["name"]]),
-             "x": of_axis(o["axes"]["memory"]), "y": of_median(runs[o["name"]].get("step_time")),
+             "memory_error_pct": (o["axes"]["memory"] or {}).get("error_pct"),
+             "x": of_memory(o["axes"]["memory"]), "y": of_median(runs[o["name"]].get("step_time")),
              "quality": of_axis(o["axes"]["quality"]), "quality_point": None,
              "dominated": o["name"] not in facts["front"]} for o in facts["options"]]
 

@@ -88,15 +88,15 @@ def as_ratio(change: dict | None) -> dict | None:
 
 
 def _short(v: float) -> str:
-    return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+    return f"{v:.3g}" if abs(v) < 1000 else f"{v:,.0f}"
 
 
-def text(s: dict | None, fmt: str | None = None) -> str:
-    """'1.2 [1.1, 1.3]', '1.2 (range 1.0–1.4, n=3)', '1.2 (n=4, no interval)' or '1.2'; `fmt` a format string
-    (3 significant digits, and no exponent, by default)."""
+def text(s: dict | None, fmt=None) -> str:
+    """'1.2 [1.1, 1.3]', '1.2 (range 1.0–1.4, n=3)', '1.2 (n=4, no interval)' or '1.2'; `fmt` a format string or a
+    function of the number (3 significant digits, no exponent, thousands separated, by default)."""
     if not s:
         return "-"
-    form = fmt.format if fmt else _short
+    form = fmt if callable(fmt) else fmt.format if fmt else _short
     value = form(s["value"])
     if s["kind"] == CI:
         return f"{value} [{form(s['lo'])}, {form(s['hi'])}]"

@@ -14,6 +14,7 @@ from .fmt import (
     median_text,
     pct,
     peak_mib,
+    percent,
     speedup_text,
     speedup_verdict,
     status_text,
@@ -44,15 +45,20 @@ def quantized_as(record: dict) -> str:
 
 
 def adapter_text(adapter: dict | None) -> str:
-    """Whether peft trained a LoRA adapter on the scheme and merged it back (the quantize job tried both)."""
+    """Whether peft trained a LoRA adapter on the scheme and merged it back, with the check's bound (the quantize
+    job tried one Adam step: finite, non-zero gradients; then the merge's change of the logits against the step's)."""
     if adapter is None:
         return "not checked"
     if not adapter["trains"]:
         return f"does not train: {adapter['reason']}"
-    if "merges" not in adapter or adapter["merges"]:
-        return "trains, merges back" if adapter.get("merges") else f"trains; merge: {adapter['reason']}"
-    return (f"trains; the merge moves the logits {adapter['merge_error_max_abs_logit']:.3g}, more than the adapter "
-            f"did ({adapter['adapter_effect_max_abs_logit']:.3g})")
+    if adapter.get("merges") is False and "merge_error_max_abs_logit" not in adapter:
+        return f"one step trains; merge: {adapter['reason']}"
+    if "merge_error_max_abs_logit" not in adapter:
+        return "one step trains, merges back"
+    error, effect = adapter["merge_error_max_abs_logit"], adapter["adapter_effect_max_abs_logit"]
+    said = "merges back" if adapter.get("merges") else "does not merge back"
+    return (f"one step trains; {said}: merging moves the logits {error:.3g}, "
+            f"{'less' if error < effect else 'more'} than the step did ({effect:.3g}; max |logit| change)")
 
 
 def change_text(record: dict | None, point_key: str = "perplexity_change_pct") -> str:
@@ -60,7 +66,7 @@ def change_text(record: dict | None, point_key: str = "perplexity_change_pct") -
     before per-row pairing gives its point value alone."""
     record = record or {}
     paired = spread.of_change(record.get("perplexity_change"))
-    return spread.text(paired or spread.spread(record.get(point_key)), "{:+.1f}")
+    return spread.text(paired or spread.spread(record.get(point_key)), percent)
 
 
 PRUNE_COLUMNS = ["strategy", "layers", "query heads (kv)", "heads asked", "parameters", "parameters kept (%)",

@@ -9,7 +9,11 @@ import pandas as pd
 
 from ... import records
 from ...config import task_tolerance
+from ...measure.stats import NOT_DECIDED
 from .fmt import markdown, one_line
+
+# The gate as the report's one vocabulary says it (the record keeps passes / fails / undecided)
+GATE_WORDS = {"undecided": NOT_DECIDED}
 
 
 def _num(value, digits: int = 4) -> str:
@@ -43,7 +47,8 @@ def table(jobs: list[dict]) -> pd.DataFrame:
     [95% interval], and the gate."""
     rows = []
     for job in records.ok(jobs):
-        row = {"model": job["model"], "paired with": job["reference"] or "–", "gate": job["gate"]["verdict"]}
+        gate = job["gate"]["verdict"]
+        row = {"model": job["model"], "paired with": job["reference"] or "–", "gate": GATE_WORDS.get(gate, gate)}
         for task, metric in metrics_of(jobs):
             result = job["tasks"].get(task, {})
             if result.get("status") != "ok":
