@@ -133,11 +133,21 @@ def finetune_facts(finetune: list[dict], bench_finetune: list[dict] = ()) -> dic
             "winners": {k: winner(options, k, d) for k, d in axes.items()},
             "best": {k: best_point(options, k, d) for k, d in axes.items()},
             "without_interval": {k: any((o["axes"].get(k) or {}).get("lo") is None for o in options) for k in axes},
-            "table": _table(options, {"memory": ("peak memory", " MiB"), "step": ("median step", " s"),
+            "memory_error_pct": (options[0]["axes"].get("memory") or {}).get("error_pct"),
+            "table": _table(options, {"step": ("median step", " s"),
                                       "step_ratio": (f"step × {options[0]['name']}'s", ""),
                                       "quality": ("val perplexity change", "%")}, front,
-                            lambda o: {"method": o["method"], "step verdict": "baseline" if o["baseline"] else
+                            lambda o: {"method": o["method"], "peak memory": memory_text(o["axes"].get("memory")),
+                                       "step verdict": "baseline" if o["baseline"] else
                                        step_word(o["axes"]["step_ratio"])})}
+
+
+def memory_text(a: dict | None) -> str:
+    """A training peak with its measured error (not an interval: one run each), or alone where none was measured."""
+    if not a or a.get("value") is None:
+        return "-"
+    error = a.get("error_pct")
+    return f"{a['value']:,.0f} MiB" + (f" ± {error:.1f}% (measured error)" if error is not None else "")
 
 
 def step_word(a: dict | None) -> str:
