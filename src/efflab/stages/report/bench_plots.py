@@ -7,6 +7,7 @@ from pathlib import Path
 
 import matplotlib.ticker
 import pandas as pd
+from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
 from ... import records
@@ -14,11 +15,13 @@ from .figure import (
     legend_below,
     legend_beside,
     plt,
+    ratio_rows,
     save_figure,
     spread_bars,
     spread_values,
     spread_words,
 )
+from .fmt import speedup_verdict
 from .spread import of_median, of_ratio, of_speedup, spread, text
 
 METHOD_COLOURS = {"naive": "tab:gray", "static": "tab:blue", "continuous": "tab:green"}
@@ -216,46 +219,49 @@ def plot_attention_memory(df: pd.DataFrame, exponents: pd.DataFrame, path: Path)
     save_figure(fig, path)
 
 
-def plot_inference(rows: list[dict], path: Path) -> None:
-    """Decode tokens/s per variant and generation mode, one panel per batch size, each median with its interval or
-    range, and above each bar the fractions of the machine's measured limits it reaches (memory bandwidth, matmul
-    ceiling) with what bounds it. Each variant runs in its own process: the interleaved speedups over the base
-    model are in inference_pareto.png."""
-    cells = [(r["variant"], c) for r in records.ok(rows) for c in records.ok(r.get("cells", []))
-             if "decode_tokens_per_s" in c]  # an engine's cell has whole generations only
-    batches = sorted({c["batch_size"] for _, c in cells}) or [1]
-    counts = [max(2, sum(c["batch_size"] == b for _, c in cells)) for b in batches]  # room for a panel's title
-    fig, axes = plt.subplots(1, len(batches), figsize=(max(7.0, 1.3 * sum(counts) + 2), 4.8), sharey=True,
-                             squeeze=False, gridspec_kw={"width_ratios": counts})
-    kinds = set()
-    for ax, batch in zip(axes[0], batches):
-        mine = [(v, c) for v, c in cells if c["batch_size"] == batch]
-        rates, x = [of_median(c["decode_tokens_per_s"]) for _, c in mine], list(range(len(mine)))
-        ax.bar(x, spread_values(rates), color=[MODE_COLOURS.get(c.get("generation", "dynamic"), "tab:gray")
-                                              if c["kv_cache"] else "tab:orange" for _, c in mine], alpha=0.8)
-        kinds |= spread_bars(ax, x, rates)
-        for i, (_, c) in enumerate(mine):
-            if roof := c.get("roofline"):
-                ax.annotate(f"{100 * roof['bandwidth_fraction']:.1f}% BW\n{100 * roof['compute_fraction']:.1f}% MM\n"
-                            f"{roof['bound'].replace('-bound', '')}", (i, bar_top(rates[i])),
-                            xytext=(0, 3), textcoords="offset points", ha="center", va="bottom", fontsize=7)
-        ax.set_xticks(x, [inference_label(v, c) for v, c in mine], rotation=30, ha="right")
-        ax.set_title(f"batch {batch}" + (f"\n(tokens of all {batch} sequences)" if batch > 1 else ""), fontsize=10)
-        ax.margins(y=0.25)  # room for the labels above the tallest bar
-    axes[0][0].set_ylabel(f"decode tokens/s, median\n({spread_words(kinds)})")
-    fig.suptitle("Greedy generation by variant and mode, each cell in its own process (green: dynamic KV cache, blue: "
-                 "static, purple: compiled, orange: KV cache off)\n"
-                 "above each bar: % of measured memory bandwidth (BW) and matmul ceiling (MM) reached, and the bound",
-                 fontsize=10)
-    save_figure(fig, path)
+# What an inference cell's speed is a ratio over: the colour of its point and its legend entry.
+AGAINST = {"base": ("tab:blue", "× the base model's (interleaved, same process)"),
+           "dynamic": ("tab:purple", "× the same model's dynamic KV cache (interleaved)"),
+           None: ("tab:gray", "the base model itself: the reference (exactly 1)")}
 
 
-def bar_top(value: dict | None) -> float:
-    value = value or {}
-    return max((v for v in (value.get("hi"), value.get("value")) if v is not None), default=0.0)
+def inference_ratios(rows: list[dict], question: dict | None) -> list[dict]:
+    """Every measured cell's interleaved generation speedup, the figure the verdicts are of: a variant's over the
+    base model (vs_base), another mode's over the same model's dynamic cache (vs_dynamic); the base model's own
+    cells are the reference. A variant's reference cell (batch 1, KV cache, dynamic) carries the inference
+    decision's verdict (decisions.json), any other cell its record's (the inference table's), in the same words."""
+    said = {o["name"]: o["axes"]["speed"]["verdict"] for o in (question or {}).get("options", [])
+            if o["axes"].get("speed")}
+    out = []
+    for job in records.ok(rows):
+        reference = records.reference_cell(job)
+        for c in records.ok(job.get("cells", [])):
+            against = next((k for k in ("base", "dynamic") if c.get(f"vs_{k}")), None)  # older records: no "against"
+            versus = c.get(f"vs_{against}")
+            own = job["kind"] == "base" and not versus
+            ratio = spread(1.0) if own else of_speedup(versus, "generation_speedup", against)
+            verdict = "the reference" if own else said[job["variant"]] if c is reference and job["variant"] in said \
+                else speedup_verdict(versus, "generation_speedup")
+            out.append({"label": f"{inference_label(job['variant'], c)}, batch {c['batch_size']}",
+                        "against": None if own else against, "ratio": ratio, "verdict": verdict})
+    return out
 
 
-MODE_COLOURS = {"dynamic": "tab:green", "static": "tab:blue", "compiled": "tab:purple"}
+def plot_inference(rows: list[dict], path: Path, question: dict | None = None) -> None:
+    """Per cell, its interleaved generation speedup (inference_ratios) with its 95% interval, or the range of its
+    rounds, against a line at 1, and its verdict beside it: the comparison the verdicts are decided on, free of
+    the machine's drift between processes (each cell's own tokens/s are in the inference table)."""
+    cells = inference_ratios(rows, question)
+    fig, ax = plt.subplots(figsize=(10, 0.42 * len(cells) + 2.2))
+    kinds = ratio_rows(ax, [c["label"] for c in cells], [c["ratio"] for c in cells], [c["verdict"] for c in cells],
+                       [AGAINST.get(c["against"], AGAINST["base"])[0] for c in cells])
+    ax.set_xlabel(f"generation speed × the reference's (> 1: faster; whole generations, round by round)\n"
+                  f"({spread_words(kinds)})")
+    ax.set_title("Greedy generation: speed over the base model, interleaved", fontsize=10)
+    used = [AGAINST.get(a, AGAINST["base"]) for a in dict.fromkeys(c["against"] for c in cells)]  # only those drawn
+    fig.legend(handles=[Line2D([], [], marker="o", ls="", color=colour, label=words) for colour, words in used],
+               loc="lower center", fontsize=8)
+    save_figure(fig, path, bottom=(0.2 * len(used) + 0.15) / fig.get_figheight())
 
 
 def inference_label(variant: str, cell: dict) -> str:

@@ -2,13 +2,15 @@
 plots are in report.bench_plots; draw_plots draws them all, or a placeholder saying why a stage has none."""
 from __future__ import annotations
 
+import json
+import textwrap
 from pathlib import Path
 
 import matplotlib.ticker
 import pandas as pd
 
 from ... import records, registry
-from . import options as opts
+from ...measure.timing import SENTINEL_TOLERANCE
 from .bench_plots import (
     attention_speedups,
     plot_attention,
@@ -23,24 +25,28 @@ from .figure import (
     legend_beside,
     placeholder_plot,
     plt,
+    ratio_rows,
     save_figure,
     spread_bars,
+    spread_top,
     spread_values,
     spread_words,
+    verdict_colour,
 )
-from .fmt import MiB
+from .fmt import MiB, setting_text
 from .notes import same_updates
 from .results import absent
-from .spread import as_ratio, of_axis, of_change, of_median, spread, text
+from .spread import CI, as_ratio, of_axis, of_change, spread, text
 
 
-def plot_quantize(rows: list[dict], path: Path, tolerance_pct: float) -> None:
+def plot_quantize(rows: list[dict], path: Path, tolerance_pct: float, question: dict | None = None) -> None:
     """Footprint from zero; the perplexity change over the baseline with its paired interval, against zero and the
-    tolerance line that decides which scheme keeps quality (tolerance.perplexity_pct)."""
+    tolerance line that decides which scheme keeps quality (tolerance.perplexity_pct), each bar marked with the
+    quantization decision's quality verdict (decisions.json)."""
     ok = records.ok(rows)
     x, names = list(range(len(ok))), [r["scheme"] for r in ok]
     changes = [of_change(r.get("perplexity_change")) or spread(r.get("perplexity_change_pct")) for r in ok]
-    fig, (mem_ax, ppl_ax) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (mem_ax, ppl_ax) = plt.subplots(1, 2, figsize=(10, 4.4))
     mem_ax.bar(x, [r["memory_footprint_bytes"] / MiB for r in ok], color="tab:blue", alpha=0.8)
     mem_ax.set_ylabel("model footprint (MiB)")
     mem_ax.set_title("Memory bought")
@@ -48,8 +54,9 @@ def plot_quantize(rows: list[dict], path: Path, tolerance_pct: float) -> None:
     kinds = spread_bars(ppl_ax, x, changes)
     ppl_ax.axhline(0, color="black", lw=0.8)
     ppl_ax.axhline(tolerance_pct, color="grey", lw=0.8, ls="--",
-                   label=f"tolerance (+{tolerance_pct:g}%): kept only where the whole interval is below")
-    ppl_ax.legend(fontsize=8, loc="upper left")
+                   label=f"tolerance (+{tolerance_pct:g}%): within only where the whole interval is below")
+    _mark_quality(ppl_ax, names, changes, question)
+    legend_below(ppl_ax)
     ppl_ax.set_ylabel("validation perplexity change vs baseline (%)\n"
                       + spread_words(kinds, "no paired interval recorded"))
     ppl_ax.set_title("Perplexity paid (same validation rows)")
@@ -58,6 +65,17 @@ def plot_quantize(rows: list[dict], path: Path, tolerance_pct: float) -> None:
         ax.set_xlabel("scheme")
     fig.suptitle("Post-training quantization: memory bought vs perplexity paid")
     save_figure(fig, path)
+
+
+def _mark_quality(ax, names: list[str], changes: list, question: dict | None) -> None:
+    """Above each bar, its quality verdict as the decision says it (decisions.json's words)."""
+    said = {o["name"]: o["axes"]["quality"]["verdict"] for o in (question or {}).get("options", [])
+            if o["axes"].get("quality")}
+    for i, (name, c) in enumerate(zip(names, changes)):
+        if name in said:
+            ax.annotate(said[name], (i, spread_top(c)), xytext=(0, 3), textcoords="offset points", ha="center",
+                        va="bottom", fontsize=8, color=verdict_colour(said[name]))
+    ax.margins(y=0.15)
 
 
 def _prune_ratio(change: dict | None, after: dict, base: dict) -> dict:
@@ -100,69 +118,94 @@ def plot_prune(rows: list[dict], path: Path) -> None:
     save_figure(fig, path)
 
 
-def plot_qat(df: pd.DataFrame, job: dict | None, path: Path) -> None:
-    """Perplexity vs bits for PTQ and QAT (log scale), the full-precision reference and the tolerance line."""
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for label, color in (("PTQ", "tab:red"), ("QAT", "tab:blue")):
-        ok = df.dropna(subset=[f"{label} perplexity"])
-        ax.plot(ok["bits"], ok[f"{label} perplexity"], "o-", color=color, label=label)
-    if job and job.get("reference_perplexity"):
-        reference = job["reference_perplexity"]
-        ax.axhline(reference, color="grey", lw=0.8, label="full precision (fine-tuned)")
-        ax.axhline((1 + job["tolerance_pct"] / 100) * reference, color="grey", lw=0.8, ls="--",
-                   label=f"tolerance (+{job['tolerance_pct']:g}%, tolerance.perplexity_pct)")
-    ax.set_yscale("log")
-    ax.set_xticks(sorted(df["bits"].unique()) if not df.empty else [])
+def _qat_change(option: dict, job: dict) -> dict | None:
+    """A width's perplexity change over the full-precision fine-tune (%): the decision's, paired row by row with
+    its 95% interval; for a record without per-row losses, its two evaluations' ratio, a point without one."""
+    if option["axes"].get("quality"):
+        return of_axis(option["axes"]["quality"])
+    v = next((v for v in job["variants"] if (v["method"], v["bits"]) == (option["method"], option["bits"])), {})
+    reference = job.get("reference_perplexity")
+    return spread(100 * (v["perplexity"] / reference - 1)) if records.is_ok(v) and reference else None
+
+
+def _qat_answer(question: dict) -> str:
+    """The decision's answer: each method's fewest bits within the tolerance (B_min), or none, and where not."""
+    def said(method: str) -> str:
+        bits, undecided = question["answer"][method], question["undecided_at"][method]
+        if bits:
+            return f"{bits} bits"
+        return f"undecided from {undecided} bits" if undecided else "none"
+    return "fewest bits within the tolerance: " + ", ".join(f"{m.upper()} {said(m)}" for m in question["answer"])
+
+
+def plot_qat(question: dict, job: dict, path: Path, tolerance_pct: float) -> None:
+    """The precision range test: per method (PTQ, QAT) and width, the perplexity change over the full-precision
+    fine-tune with its paired 95% interval, against the fine-tune (0) and the tolerance that decides it
+    (tolerance.perplexity_pct); each point labelled with the decision's verdict (decisions.json), word for word."""
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    kinds, placed, texts, colours = set(), [], [], []
+    for k, (method, colour) in enumerate((("ptq", "tab:red"), ("qat", "tab:blue"))):
+        mine = [o for o in question["options"] if o["method"] == method]
+        x, changes = [o["bits"] + 0.08 * (2 * k - 1) for o in mine], [_qat_change(o, job) for o in mine]
+        ax.plot(x, spread_values(changes), "o-", color=colour, label=method.upper())
+        kinds |= spread_bars(ax, x, changes, colour)
+        for xi, c, o in ((xi, c, o) for xi, c, o in zip(x, changes, mine) if c):
+            placed.append((xi, c["value"]))
+            texts.append(f"{method.upper()} {o['bits']} bits: {text(c, '{:+.1f}%')}: {o['verdict']}")
+            colours.append(colour)
+    ax.axhline(0, color="grey", lw=0.8, label="full precision (fine-tuned)")
+    ax.axhline(tolerance_pct, color="grey", lw=0.8, ls="--", label=f"tolerance (+{tolerance_pct:g}%)")
+    ax.set_xticks(sorted({o["bits"] for o in question["options"]}))
+    ax.margins(x=0.12)
+    wide = max((y for _, y in placed), default=0) > 100  # a width that breaks the model: symlog keeps the rest legible
+    if wide:
+        ax.set_yscale("symlog", linthresh=10)
+    label_column(ax, placed, texts, colours)
     ax.set_xlabel("weight bits (per-group symmetric, round to nearest)")
-    ax.set_ylabel("validation perplexity (log; one evaluation each)")
-    ax.set_title("Precision range test: post-training vs quantization-aware training")
-    legend_beside(ax, fontsize=8)
+    ax.set_ylabel(f"validation perplexity change vs\nfull precision (%, same rows{'; log beyond ±10%' if wide else ''})"
+                  f"\n({spread_words(kinds, 'no paired interval recorded')})")
+    ax.set_title(f"Precision range test: post-training (PTQ) vs quantization-aware (QAT)\n{_qat_answer(question)}",
+                 fontsize=10)
+    legend_below(ax, ncol=4)
     save_figure(fig, path)
 
 
-def _change_panel(ax, y: list[int], changes: list, reference: str) -> None:
-    ax.barh(y, spread_values(changes), color="tab:red", alpha=0.7)
-    kinds = spread_bars(ax, y, changes, horizontal=True)
-    for i, c in zip(y, changes):
-        if c is None:
-            ax.annotate("not paired", (0, i), xytext=(4, 0), textcoords="offset points", va="center", fontsize=8)
-    ax.axvline(0, color="black", lw=0.8)
-    ax.set_xlabel(f"validation perplexity change vs {reference} (%, same rows)\n{spread_words(kinds)}")
+SOURCES = {"interleaved": "interleaved, one process", "paired": "paired steps, same batches",
+           "runs": "the runs' own intervals"}
 
 
-def _loss_panel(ax, y: list[int], runs: list[dict]) -> None:
-    before = [r["validation_before"]["loss"] for r in runs]
-    after = [r["validation_after"]["loss"] for r in runs]
-    ax.scatter(before, y, facecolor="none", edgecolor="tab:gray", zorder=3)
-    ax.scatter(after, y, color="tab:red", zorder=3)
-    for i, b, a in zip(y, before, after):
-        ax.annotate("", (a, i), (b, i), arrowprops={"arrowstyle": "->", "color": "grey", "shrinkA": 4, "shrinkB": 4})
-    ax.set_xlabel("validation loss (nats per token): ○ before → ● after training\n"
-                  "one evaluation each; no per-row losses recorded to pair the runs")
+def _knob_ratios(rows: list[dict], bench_finetune: list[dict]) -> tuple[list[str], list, list[str]]:
+    """Each knob pair's step-time ratio, later run over earlier, as the knob table gives it (records.step_ratio:
+    bench_finetune's interleaved steps where it ran the pair): labels, spreads, verdicts."""
+    labels, ratios, verdicts = [], [], []
+    for knob, was, now, a, b in records.knob_pairs(rows):
+        ratio = records.step_ratio(a, b, bench_finetune, SENTINEL_TOLERANCE) or {}
+        lo, hi = ratio.get("ci95") or (None, None)
+        labels.append(f"{b['run']} ÷ {a['run']}\n({knob}: {setting_text(was)} → {setting_text(now)}; "
+                      f"{SOURCES.get(ratio.get('source'), 'not timed')})")
+        ratios.append(spread(ratio.get("median"), lo, hi, CI, ratio.get("n")))
+        verdicts.append(ratio.get("verdict", "not measured"))
+    return labels, ratios, verdicts
 
 
-def plot_finetune(rows: list[dict], path: Path) -> None:
-    """Per run: its median step time with its spread (each run in its own process), and its validation
-    perplexity change over the first run, paired row by row where the records carry per-row losses (else the
-    validation loss before and after training)."""
-    ok, options = records.ok(rows), opts.finetune_options(rows)
-    y = list(range(len(ok)))
-    fig, (step_ax, quality_ax) = plt.subplots(1, 2, figsize=(11, 0.45 * len(ok) + 2.4), sharey=True)
-    steps = [of_median(r.get("step_time")) for r in ok]
-    step_ax.barh(y, spread_values(steps), color="tab:blue", alpha=0.8)
-    kinds = spread_bars(step_ax, y, steps, horizontal=True)
-    for i in (i for i, s in zip(y, steps) if s is None):
-        step_ax.annotate("no step times recorded", (0, i), xytext=(4, 0), textcoords="offset points", va="center",
-                         fontsize=8)
-    step_ax.set_xlabel(f"median optimizer step (s; steady steps)\n{spread_words(kinds)}")
-    step_ax.set_yticks(y, [r["run"] for r in ok])
-    step_ax.invert_yaxis()
-    changes = [of_axis(o["axes"]["quality"]) for o in options]
-    if any(c for c, o in zip(changes, options) if not o["baseline"]):
-        _change_panel(quality_ax, y, changes, ok[0]["run"])
-    else:
-        _loss_panel(quality_ax, y, ok)
-    fig.suptitle("Fine-tuning runs: what a step costs and what the run learned")
+def plot_finetune(question: dict, rows: list[dict], bench_finetune: list[dict], path: Path) -> None:
+    """What a step costs, as ratios the verdicts are decided on (the Pareto plot shows absolute step times):
+    above, each run's step time over the reference run's with the fine-tuning decision's verdict (decisions.json);
+    below, each knob pair's, as the knob table has it; 95% intervals, or none where the runs give none, against 1."""
+    knobs = _knob_ratios(rows, bench_finetune)
+    options = question["options"]
+    fig, (run_ax, knob_ax) = plt.subplots(2, 1, figsize=(10, 0.5 * (len(options) + len(knobs[0])) + 3.2),
+                                          gridspec_kw={"height_ratios": [len(options), max(1, len(knobs[0]))]})
+    ratios = [of_axis(o["axes"]["step_ratio"]) for o in options]
+    kinds = ratio_rows(run_ax, [o["name"] for o in options], ratios,
+                       [o["axes"]["step_ratio"]["verdict"] if o["axes"]["step_ratio"] else "not measured"
+                        for o in options], ["tab:gray" if o["baseline"] else "tab:blue" for o in options])
+    run_ax.set_xlabel(f"step time ÷ {question['baseline']}'s (< 1: faster)\n({spread_words(kinds)})")
+    kinds = ratio_rows(knob_ax, *knobs, ["tab:purple"] * len(knobs[0]))
+    knob_ax.set_xlabel(f"step time ratio of runs that differ in one knob (< 1: faster)\n({spread_words(kinds)})")
+    if not knobs[0]:
+        knob_ax.text(0.5, 0.5, "no two runs differ in one knob", ha="center", va="center", transform=knob_ax.transAxes)
+    fig.suptitle("Fine-tuning: what a step costs, against the reference run and knob by knob")
     save_figure(fig, path)
 
 
@@ -176,24 +219,41 @@ def _quality_text(p: dict, words: dict) -> str:
     return words["missing"]
 
 
-def _plot_front(points: list[dict], xlabel: str, ylabel: str, title: str, path: Path, words: dict) -> None:
-    """The options on two axes with the y axis' spread, each marked on or off the advice's frontier (over every
-    axis, quality included, by separated intervals) and labelled with its quality; no line joins them: a line
-    through a frontier of three axes drawn on two would claim what was not measured."""
+# The axes whose verdicts a frontier plot's label states (memory is on the x axis, exact or one measurement).
+SAID_AXES = {"speed": "speed", "step_ratio": "step time", "quality": "perplexity"}
+
+
+def _front_label(p: dict, words: dict, option: dict | None, on: bool) -> str:
+    """'name: on the frontier; perplexity +1.0% [..]', and under it the decision's verdict on each axis it states."""
+    said = [f"{SAID_AXES[k]} {a['verdict']}" for k, a in ((option or {}).get("axes") or {}).items()
+            if k in SAID_AXES and a and a["verdict"] not in ("baseline", "-")]
+    verdicts = textwrap.fill("; ".join(said), 72, initial_indent="    ", subsequent_indent="    ")
+    return f"{p['name']}: {'on the frontier' if on else 'dominated'}; {_quality_text(p, words)}" + \
+        (f"\n{verdicts}" if said else "")
+
+
+def _plot_front(points: list[dict], xlabel: str, ylabel: str, title: str, path: Path, words: dict,
+                question: dict | None = None) -> None:
+    """The options on two axes with the y axis' spread, each marked on or off the decision's frontier (over every
+    axis, quality included, by separated intervals: decisions.json's, where given) and labelled with its quality
+    and the decision's verdicts; no line joins them: a line through a frontier of three axes drawn on two would
+    claim what was not measured."""
     placed = [p for p in points if p["x"] and p["y"]]
-    fig, ax = plt.subplots(figsize=(11, max(4.5, 0.3 * len(placed) + 2.5)))
+    front = question["frontier"] if question else [p["name"] for p in points if not p["dominated"]]
+    options = {o["name"]: o for o in (question or {}).get("options", [])}
+    fig, ax = plt.subplots(figsize=(11, max(4.5, 0.45 * len(placed) + 2.5)))
     for p in placed:
-        on = not p["dominated"]
+        on = p["name"] in front
         ax.scatter(p["x"]["value"], p["y"]["value"], s=60, zorder=4, color="tab:green" if on else "white",
                    edgecolor="black" if on else "grey")
     kinds = spread_bars(ax, [p["x"]["value"] for p in placed], [p["y"] for p in placed], "dimgrey")
-    ax.set_xlim(0, 1.08 * max((p["x"]["value"] for p in placed), default=1))
+    x_kinds = spread_bars(ax, [p["y"]["value"] for p in placed], [p["x"] for p in placed], "dimgrey", True)
+    ax.set_xlim(0, 1.08 * max((spread_top(p["x"]) for p in placed), default=1))
     ax.set_ylim(bottom=0)
     label_column(ax, [(p["x"]["value"], p["y"]["value"]) for p in placed],
-                  [f"{p['name']}: {'dominated' if p['dominated'] else 'on the frontier'}; "
-                   f"{_quality_text(p, words)}" for p in placed],
-                  ["grey" if p["dominated"] else "black" for p in placed])
-    ax.set_xlabel(xlabel)
+                 [_front_label(p, words, options.get(p["name"]), p["name"] in front) for p in placed],
+                 ["black" if p["name"] in front else "grey" for p in placed])
+    ax.set_xlabel(xlabel + (f"\n({spread_words(x_kinds)})" if x_kinds else ""))
     ax.set_ylabel(f"{ylabel}\n({spread_words(kinds)})")
     ax.set_title(f"{title}\nfilled: on the frontier (nothing beats it on one axis by separated intervals\n"
                  "without losing on another); open: dominated", fontsize=9)
@@ -204,36 +264,66 @@ def _plot_front(points: list[dict], xlabel: str, ylabel: str, title: str, path: 
     save_figure(fig, path)
 
 
-def plot_finetune_pareto(points: list[dict], path: Path) -> None:
+def plot_finetune_pareto(points: list[dict], path: Path, question: dict | None = None) -> None:
     kind = points[0]["kind"] if points else ""
     _plot_front(points, f"peak training memory (MiB, {kind}; one measurement per run)",
                 "median optimizer step (s; lower is better)",
                 "Fine-tuning: memory, step time and validation perplexity", path,
-                {"baseline": "reference for perplexity", "missing": "perplexity not paired with the reference's rows"})
+                {"baseline": "reference for perplexity", "missing": "perplexity not paired with the reference's rows"},
+                question)
 
 
-def plot_inference_pareto(points: list[dict], path: Path) -> None:
+def plot_inference_pareto(points: list[dict], path: Path, question: dict | None = None) -> None:
     _plot_front(points, "model footprint (MiB)", "decode speed × the base model's\n(interleaved; batch 1, KV cache)",
                 "Inference variants: footprint, decode speed and perplexity change", path,
-                {"baseline": "the base model", "missing": "quality not measured"})
+                {"baseline": "the base model", "missing": "quality not measured"}, question)
 
 
-def plot_loss(layout, runs: list[str], path: Path, identical: list[list[str]] = ()) -> None:
-    """Every run's training loss; runs that make the same updates (`identical`) get distinct line styles and
-    shrinking markers, so that curves lying exactly on top of each other all stay visible."""
-    fig, ax = plt.subplots(figsize=(8, 4))
-    twin = {run: group[0] for group in identical for run in group[1:]}
-    styles = ["-", "--", ":", "-."]
+def smoothing_window(steps: int) -> int:
+    """The width of the centred running mean drawn over a loss curve: about a tenth of its steps, odd so that it
+    centres on a step, at least 3 (1: a curve too short to smooth)."""
+    return 1 if steps < 3 else max(3, (steps // 10) | 1)
+
+
+def _validation_points(ax, run: dict | None, last_step: int, colour: str) -> bool:
+    """The run's validation loss before training (at step 0, open) and after it (at its last step, filled)."""
+    if not run or not run.get("validation_before") or not run.get("validation_after"):
+        return False
+    ax.scatter([0], [run["validation_before"]["loss"]], s=70, marker="D", facecolor="white", edgecolor=colour,
+               zorder=5)
+    ax.scatter([last_step], [run["validation_after"]["loss"]], s=70, marker="D", color=colour, edgecolor="black",
+               zorder=5)
+    return True
+
+
+def plot_loss(layout, runs: list[str], rows: list[dict], path: Path, identical: list[list[str]] = ()) -> None:
+    """Every run's training loss smoothed by a centred running mean (the per-batch curve faint behind it: each
+    batch's own loss zigzags with its rows) and its validation loss before and after training as marked points;
+    runs that make the same updates (`identical`) get distinct line styles and shrinking markers, so that curves
+    lying exactly on top of each other all stay visible."""
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    twin, recorded = {run: group[0] for group in identical for run in group[1:]}, {r["run"]: r for r in records.ok(rows)}
+    widths, validated = set(), False
     for i, run in enumerate(runs):
         curve = pd.read_csv(layout.out("finetune", run) / "loss.csv")
         if curve.empty:  # the run did not train
             continue
-        ax.plot(curve["step"], curve["loss"], ls=styles[i % len(styles)], marker="os^D"[i % 4],
-                markersize=max(3, 9 - 2 * i), fillstyle="none", lw=1.5,
+        colour, width = f"C{i % 10}", smoothing_window(len(curve))
+        widths.add(width)
+        ax.plot(curve["step"], curve["loss"], color=colour, lw=0.8, alpha=0.25)
+        ax.plot(curve["step"], curve["loss"].rolling(width, center=True, min_periods=1).mean(), color=colour,
+                ls=["-", "--", ":", "-."][i % 4], marker="os^D"[i % 4], markersize=max(3, 9 - 2 * i),
+                markevery=max(1, len(curve) // 12), fillstyle="none", lw=1.5,
                 label=f"{run} (same as {twin[run]})" if run in twin else run)
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("training loss (response tokens)")
-    ax.set_title("Fine-tuning loss curves")
+        validated |= _validation_points(ax, recorded.get(run), int(curve["step"].iloc[-1]), colour)
+    if validated:
+        ax.scatter([], [], s=70, marker="D", facecolor="white", edgecolor="black", label="validation loss, before training")
+        ax.scatter([], [], s=70, marker="D", color="black", label="validation loss, after training")
+    ax.set_xlabel("optimizer step (validation: before training at 0, after it at the last step)")
+    smoothed = "/".join(str(w) for w in sorted(widths) if w > 1)
+    ax.set_ylabel("loss (nats per response token)\n" + (f"training: centred running mean of {smoothed} steps; "
+                                                         "faint: per batch" if smoothed else "training: per batch"))
+    ax.set_title("Fine-tuning loss: training (smoothed) and validation")
     legend_beside(ax, loc="upper left", bbox_to_anchor=(1.02, 1), fontsize=8)  # outside: curves may lie anywhere
     save_figure(fig, path)
 
@@ -247,20 +337,26 @@ PLOT_STAGES = {"quantize.png": "quantize", "prune.png": "prune", "qat.png": "qat
 
 
 def draw_plots(cfg: dict, metrics: dict, tables: dict, fronts: dict, layout, out: Path) -> list[str]:
+    """Every plot of the report into `out`. Each verdict and frontier drawn is read from out/decisions.json, which
+    the stage writes first (report.decisions): no plot decides again."""
     names = registry.names(cfg, "finetune") or []
-    plots = {"quantize.png": lambda p: plot_quantize(metrics["quantize"], p, cfg["tolerance"]["perplexity_pct"]),
+    made = json.loads((out / "decisions.json").read_text())["questions"]
+    pct = cfg["tolerance"]["perplexity_pct"]
+    plots = {"quantize.png": lambda p: plot_quantize(metrics["quantize"], p, pct, made.get("quantize")),
              "prune.png": lambda p: plot_prune(metrics["prune"], p),
-             "qat.png": lambda p: plot_qat(tables["qat"], next(iter(records.ok(metrics["qat"])), None), p),
-             "finetune_loss.png": lambda p: plot_loss(layout, names, p, same_updates(metrics["finetune"])),
-             "finetune.png": lambda p: plot_finetune(metrics["finetune"], p),
+             "qat.png": lambda p: plot_qat(made["qat"], records.ok(metrics["qat"])[0], p, pct),
+             "finetune_loss.png": lambda p: plot_loss(layout, names, metrics["finetune"], p,
+                                                      same_updates(metrics["finetune"])),
+             "finetune.png": lambda p: plot_finetune(made["finetune"], metrics["finetune"],
+                                                     metrics.get("bench_finetune", []), p),
              "bench_attention.png": lambda p: plot_attention(attention_speedups(metrics["bench_attention"]), p),
              "bench_attention_memory.png": lambda p: plot_attention_memory(
                  tables["bench_attention"], tables["attention_memory_exponent"], p),
-             "bench_inference.png": lambda p: plot_inference(metrics["bench_inference"], p),
+             "bench_inference.png": lambda p: plot_inference(metrics["bench_inference"], p, made.get("inference")),
              "bench_serving.png": lambda p: plot_serving(metrics["bench_serving"], p),
              "capacity.png": lambda p: plot_capacity(metrics["capacity"], p),
-             "finetune_pareto.png": lambda p: plot_finetune_pareto(fronts["finetune"], p),
-             "inference_pareto.png": lambda p: plot_inference_pareto(fronts["inference"], p)}
+             "finetune_pareto.png": lambda p: plot_finetune_pareto(fronts["finetune"], p, made.get("finetune")),
+             "inference_pareto.png": lambda p: plot_inference_pareto(fronts["inference"], p, made.get("inference"))}
     for file, draw in plots.items():
         why = absent(cfg, metrics, PLOT_STAGES[file])
         placeholder_plot(out / file, f"{PLOT_STAGES[file]}: {why}") if why else draw(out / file)
