@@ -46,6 +46,15 @@ def test_the_smallest_scheme_that_keeps_quality_is_named_with_its_slower_decode_
     assert "Beyond the tolerance: **nf4**" in text and "Not decided at this size (the interval holds the tolerance): **fp4**" in text
 
 
+def test_a_scheme_without_a_decode_cell_says_its_speed_was_not_measured_in_a_sentence():
+    """A family run whose bench_inference grid holds no variant of the picked scheme (issue 50, point 9: the glance
+    read "It decodes at not measured the baseline's speed (not measured)")."""
+    text = render(quantize=QUANTIZE)
+    assert "**int8**: 155 MiB (1.65× smaller)" in text
+    assert "Its decode speed was not measured (no bench_inference variant of this scheme)." in text
+    assert "decodes at not measured" not in text
+
+
 def test_no_scheme_is_recommended_when_none_is_shown_within_the_tolerance():
     planted = [scheme("baseline", 256), scheme("int8", 155, change(3.4, None, None, n=4))]
     assert "No scheme is shown to keep perplexity within +5.0%" in render(quantize=planted)
