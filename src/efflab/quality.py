@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-# scipy is slow to import: it is imported inside the one function that uses it.
+# scipy is slow to import: it is imported inside the two functions that use it (Student's t intervals).
 
 # The same floor as a median's order-statistic interval (measure.stats.median_ci_order): below it a t interval leans
 # wholly on normality of a handful of per-row differences.

@@ -37,7 +37,8 @@ from ..measure.stats import percentile, speedup, summarize
 from ..measure.timing import INTERLEAVE_RECORD, SENTINEL_TOLERANCE, figure_rounds, interleave, seconds_since, stamp
 from ..modeling import base_dtype, load_model, load_tokenizer, load_variant, require_input
 
-# pandas is imported inside the one function that reads a prompt file.
+# pandas and transformers' CompileConfig are imported inside the one function each that uses them (reading a prompt
+# file; compiled generation): most runs need neither, and both take a while to import.
 
 log = logging.getLogger("efflab")
 

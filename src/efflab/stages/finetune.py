@@ -44,8 +44,8 @@ from ..training import (
     unavailable_knobs,
 )
 
-# datasets and transformers take seconds to import, and the Trainer callbacks import the Trainer: they are imported
-# inside train(), after cli.main has given the process its GPU.
+# transformers and efflab.callbacks (which imports the Trainer) take seconds to import: each is imported inside the
+# function that uses it, so that importing this module for its helpers (the Snakefile's planning, the tests) is cheap.
 
 log = logging.getLogger("efflab")
 
