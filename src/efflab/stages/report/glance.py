@@ -184,15 +184,15 @@ def capacity(d: dict) -> str:
 def fact(f: dict) -> str:
     """One of decisions.json's `facts` as a sentence."""
     if f["fact"] == "qlora_worse_than_base":
-        return (f"**QLoRA after training ({f['run']}) is worse than the untouched base model**: perplexity "
-                f"{_pct(f)}, paired on the same rows.")
+        return (f"**QLoRA after training ({f['run']}) has a higher perplexity than the untouched base model**: "
+                f"{_pct(f)}, paired on the same rows (the whole interval above 0).")
     if f["fact"] == "requantized_merge_loses_the_fine_tune":
-        return (f"**Re-quantizing the {f['run']} merge to 4 bits loses the fine-tune**: perplexity "
+        return (f"**Re-quantizing the {f['run']} merge to 4 bits undoes the fine-tune's gain**: perplexity "
                 f"{number(f['perplexity'])} against the untrained 4-bit base's {number(f['base_perplexity'])} "
                 f"({_pct(f)}), where the adapter was {_pct(f['adapter'])}.")
     if f["fact"] == "qat_step_cost":
-        return (f"**A QAT training step costs {f['value']:.1f}× a full-precision one** (one run each, the ratio of "
-                "their steps' medians).")
+        return (f"**A QAT training step took {f['value']:.1f}× a full-precision one here** (one run each, the ratio "
+                "of their steps' medians: no interval).")
     return ""
 
 

@@ -80,8 +80,9 @@ def run(cfg: dict, job: Job) -> dict:
         "details.md.j2", decisions="\n".join(advice.lines(facts, cfg)), memory=memory,
         provenance=markdown(provenance_table(jobs)),
         environments=markdown(environment_table(environments)),
-        answers=render("answers.md.j2", answers=answers, max_new_tokens=cfg["evaluate"]["max_new_tokens"])
-        if answers else ""))
+        answers=render("answers.md.j2", answers=answers, max_new_tokens=cfg["evaluate"]["max_new_tokens"],
+                       **{k: v for k, v in task_quality.facts(cfg, metrics["evaluate"]).items()
+                          if k in ("resolution", "commands")}) if answers else ""))
     (out / "report.md").write_text(report_text(cfg, metrics, tables, environments, made))
     log.info("report: %s", job.final / "report.md")
     return {"tables": {k: len(v) for k, v in tables.items()}, "plots": plots,

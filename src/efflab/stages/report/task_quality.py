@@ -10,7 +10,7 @@ import pandas as pd
 from ... import records
 from ...config import task_tolerance
 from ...measure.stats import NOT_DECIDED
-from .fmt import markdown, one_line
+from .fmt import NOISE, markdown, one_line
 
 # The gate as the report's one vocabulary says it (the record keeps passes / fails / undecided)
 GATE_WORDS = {"undecided": NOT_DECIDED}
@@ -26,10 +26,16 @@ def score_text(score: dict) -> str:
 
 
 def change_text(chg: dict | None) -> str:
+    """A paired change with its interval, 3 significant digits; float noise (a merged model against its adapter:
+    1.9e-07) and negative zero read 0."""
     if not chg:
         return "–"
     ci = chg.get("ci95")
-    return f"{chg['change']:+.3g}" + (f" [{ci[0]:+.3g}, {ci[1]:+.3g}]" if ci else f" (n={chg['n']}, no interval)")
+    return _signed(chg["change"]) + (f" [{_signed(ci[0])}, {_signed(ci[1])}]" if ci else f" (n={chg['n']}, no interval)")
+
+
+def _signed(x: float) -> str:
+    return "0" if abs(x) < NOISE else f"{x:+.3g}"
 
 
 def metrics_of(jobs: list[dict]) -> list[tuple[str, str]]:
