@@ -236,7 +236,7 @@ def test_finetune_plots_step_ratios_with_the_decisions_and_the_knob_tables_verdi
         ratio = o["axes"]["step_ratio"]
         assert abs(_row_points(run_ax)[o["name"]] - ratio["value"]) < 1e-9
     with_interval = [o for o in question["options"] if not o["baseline"] and o["axes"]["step_ratio"]["lo"]]
-    assert len(_intervals(run_ax)) == len(with_interval) == 2
+    assert len(_intervals(run_ax)) == len(with_interval) >= 2
     finetune = [json.loads(p.read_text()) for p in sorted((results / "finetune").glob("*/metrics.json"))]
     table = knobs.knob_table(finetune, [json.loads((results / "bench_finetune" / "metrics.json").read_text())])
     assert sorted(_row_verdicts(knob_ax).values()) == sorted(table["step time verdict"])

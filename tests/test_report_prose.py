@@ -135,9 +135,9 @@ def test_the_serving_prose_says_what_the_order_and_the_speed_probe_do_and_no_mor
     rounds = [{"burst": i, "stable": i != 2} for i in range(7)]
     text = _serving({"rounds": rounds, "set_aside": 1, "stable_rounds": 6, "figures_of_bursts": [0, 1, 3, 4, 5, 6]})
     assert "hits every cell alike" not in text and "drift" not in text
-    assert "rotated by one every two bursts" in text and "every pair of cells runs once in each order" in text
+    assert "balanced order" in text and "every pair of cells runs once in each order" in text
     assert "naive@1 → static@4 → continuous@4; continuous@4 → static@4 → naive@1" in text and ", …)" in text
-    assert "beyond ±25% of the median probe is set aside" in text and "at most 6 more" in text
+    assert "beyond ±25% of their median is set aside" in text and "at most 6 more times" in text
     assert "served 7 times by every cell" in text and "Here 1 of 7 bursts was set aside." in text
     assert "medians over the stable bursts" in text and "requests of all 6 burst(s) kept, pooled" in text
     unstable = _serving({"rounds": rounds, "set_aside": 4, "stable_rounds": 3, "figures_of_bursts": list(range(7)),

@@ -22,7 +22,7 @@ RAPL_PACKAGE = re.compile(r"^intel-rapl:\d+$")  # top-level zones: one per CPU p
 def _rapl_packages() -> tuple[list[Path], str | None]:
     root = Path(os.environ.get(POWERCAP_ENV) or "/sys/class/powercap")
     if not root.is_dir():
-        return [], f"no {root} (the kernel exposes no RAPL powercap interface here, as in most VMs)"
+        return [], f"no {root} (the kernel exposes no RAPL powercap interface here)"
     zones = sorted(z for z in root.iterdir() if RAPL_PACKAGE.match(z.name) and (z / "energy_uj").exists())
     if not zones:
         return [], f"{root} has no intel-rapl package zone"

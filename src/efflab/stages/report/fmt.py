@@ -140,9 +140,11 @@ def markdown(df: pd.DataFrame, keys: int | None = None) -> str:
         leading = [c for c in df.columns[:4]]
         keys = next((i for i, c in enumerate(leading) if pd.api.types.is_numeric_dtype(df[c])), len(leading)) or 1
     texts = {c: df[c].map(cell_text) for c in df.columns}
-    ids = list(df.columns[:keys])
-    valued = {c: texts[c][_has_value(texts[c])] for c in df.columns[keys:]}
-    same = [c for c, v in valued.items() if len(df) > 1 and len(v) > 1 and v.nunique() == 1]
+    valued = {c: texts[c][_has_value(texts[c])] for c in df.columns[1:]}
+    # a key column after the first with one value in every row identifies nothing: said once, like the others
+    const_keys = [c for c in df.columns[1:keys] if len(df) > 1 and len(valued[c]) == len(df) and valued[c].nunique() == 1]
+    ids = [c for c in df.columns[:keys] if c not in const_keys]
+    same = const_keys + [c for c in df.columns[keys:] if len(df) > 1 and len(valued[c]) > 1 and valued[c].nunique() == 1]
     rest = [c for c in df.columns[keys:] if c not in same and len(valued[c])]
     note = same_note(same, valued, len(df))
     width = MAX_COLUMNS - len(ids)

@@ -173,14 +173,27 @@ def left_out(cfg: dict, larger: dict) -> list[dict]:
     return out
 
 
+def left_out_of_larger(cfg: dict, larger: Path = GPU_PROFILE) -> list[dict] | None:
+    """What this run leaves out of the larger experiment (the GPU profile), or None where that file is absent."""
+    larger_file = config.REPO_ROOT / larger
+    return left_out(cfg, config.load(larger_file)) if larger_file.is_file() else None
+
+
+def left_out_details(cfg: dict, larger: Path = GPU_PROFILE) -> str:
+    """The list for details.md ('Left out of this run'), or nothing where nothing is left out."""
+    entries = left_out_of_larger(cfg, larger)
+    if not entries:
+        return ""
+    return (f"## Left out of this run\n\nRun by the larger experiment in `{larger}`:\n\n"
+            + "".join(f"- {e['what']}: {', '.join(map(str, e['values']))}\n" for e in entries))
+
+
 def run_size(cfg: dict, metrics: dict, larger: Path = GPU_PROFILE) -> str:
     minutes = sum(m.get("wall_s") or 0 for ms in metrics.values() for m in ms) / 60
-    larger_file = config.REPO_ROOT / larger
     return render("sections/run_size.md.j2", ft=cfg["finetune"]["defaults"], q=cfg["quantize"],
                   a=cfg["bench_attention"], i=cfg["bench_inference"], sv=cfg["bench_serving"], qt=cfg["qat"],
                   cap=cfg["capacity"], prompts=prompt_count(cfg, metrics), minutes=minutes,
-                  budget=DEFAULT_BUDGET_MIN, larger=larger,
-                  left_out=left_out(cfg, config.load(larger_file)) if larger_file.is_file() else None)
+                  budget=DEFAULT_BUDGET_MIN, larger=larger, left_out=left_out_of_larger(cfg, larger))
 
 
 def not_run(table: pd.DataFrame) -> str:

@@ -78,6 +78,7 @@ def run(cfg: dict, job: Job) -> dict:
     answers = task_quality.answers(metrics["evaluate"])
     (out / "details.md").write_text(render(
         "details.md.j2", decisions="\n".join(advice.lines(facts, cfg)), memory=memory,
+        left_out=sec.left_out_details(cfg),
         provenance=markdown(provenance_table(jobs)),
         environments=markdown(environment_table(environments)),
         answers=render("answers.md.j2", answers=answers, max_new_tokens=cfg["evaluate"]["max_new_tokens"],
