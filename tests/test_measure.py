@@ -537,7 +537,19 @@ def test_loading_a_local_model_draws_no_progress_bar_and_restores_the_setting(re
     from efflab.layout import Layout
     from efflab.modeling import load_model
 
-    assert hf_logging.is_progress_bar_enabled()
+    hf_logging.enable_progress_bar()  # a stage run earlier in this worker turns them off (cli.no_library_bars)
     load_model(Layout(results).base_model(), "float32", torch.device("cpu"))
     assert "Loading weights" not in capfd.readouterr().err
     assert hf_logging.is_progress_bar_enabled()
+
+
+def test_the_trainer_s_progress_bar_stays_and_its_per_step_dicts_do_not_reach_the_console(capsys):
+    """QuietProgress keeps the bar and drops ProgressCallback's printout of each logged dict."""
+    from efflab.callbacks import QuietProgress
+
+    written = []
+    quiet = QuietProgress()
+    quiet.training_bar = type("Bar", (), {"write": lambda self, text: written.append(text)})()
+    state = type("State", (), {"is_world_process_zero": True})()
+    quiet.on_log(None, state, None, logs={"loss": 3.2, "grad_norm": 0.5})
+    assert written == [] and capsys.readouterr().out == ""

@@ -13,11 +13,28 @@ import time
 
 import torch
 from transformers import TrainerCallback
+from transformers.trainer_callback import ProgressCallback
 
 from .measure.device import synchronize
 from .measure.memory import CpuTensorPeak
 
 KILL_ENV = "EFFLAB_KILL_AFTER_CHECKPOINT"
+
+
+class QuietProgress(ProgressCallback):
+    """The Trainer's progress bar without its printout of every logged dict: efflab logs every step (loss.csv needs
+    each step's loss), and the bar wrote each step's dict to the console (28 lines of a default run). The figures are
+    in the job's records and its own log lines."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        return None
+
+
+def quiet_progress(trainer) -> None:
+    """Swap the Trainer's progress callback for QuietProgress (where it has one: disable_tqdm leaves none)."""
+    if any(type(c) is ProgressCallback for c in trainer.callback_handler.callbacks):
+        trainer.remove_callback(ProgressCallback)
+        trainer.add_callback(QuietProgress)
 
 
 class KillAfterCheckpoint(TrainerCallback):

@@ -84,6 +84,16 @@ def _arguments(stage: str, run, argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def no_library_bars(stage: str) -> None:
+    """transformers' own progress bars (a local model folder loaded or written: a fraction of a second each, 30 bars
+    in a default run's console) off in every stage but base_model, the one that may download from the hub, where a
+    bar is worth its line. The Trainer's progress bar is tqdm's own and stays."""
+    if stage != "base_model":
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+
+
 def main(stage: str, run, argv: list[str] | None = None) -> None:
     args = _arguments(stage, run, argv)
     setup_logging(args.log)
@@ -100,6 +110,7 @@ def main(stage: str, run, argv: list[str] | None = None) -> None:
         if left_out:
             raise UserError(f"{stage} is not asked for in {args.params}: {left_out}")
         gpu_slots.assign(stage, cfg["runtime"])
+        no_library_bars(stage)
         layout = Layout(Path(args.results))
         final = layout.out(stage, args.name)
         staging = final.with_name(f".{final.name}.partial")

@@ -301,7 +301,7 @@ def train(cfg: dict, job: Job) -> dict:
     """The training itself, in this process (one DDP rank when launched by accelerate)."""
     from transformers import Trainer
 
-    from ..callbacks import KILL_ENV, CountLongestSteps, KillAfterCheckpoint, SequenceLengths, StepTimes
+    from ..callbacks import KILL_ENV, CountLongestSteps, KillAfterCheckpoint, SequenceLengths, StepTimes, quiet_progress
 
     r = prepare(cfg, job)
     run_cfg, model, device = r.run_cfg, r.model, r.device
@@ -321,6 +321,7 @@ def train(cfg: dict, job: Job) -> dict:
     trainer = Trainer(model=model, args=args, optimizer_cls_and_kwargs=optimizer_cls_and_kwargs(run_cfg, args),
                       train_dataset=r.train_rows, data_collator=collator(run_cfg, r.tokenizer),
                       callbacks=callbacks)
+    quiet_progress(trainer)
     counted = CountLongestSteps(tensors, trainer) if on else None
     if counted:
         trainer.add_callback(counted)  # after StepTimes: it pauses once the step is timed
