@@ -95,7 +95,24 @@ def run_family(family: str, work, tokenizer) -> dict[str, str]:
             seen[f"{stage}/{name}" if name else stage] = outcome(record)
     seen["report"] = "ok" if (results / "report" / "report.md").read_text().startswith("# efflab report") else "?"
     check_memory_predictions(family, results)
+    check_measured_speeds_are_said(family, results)
     return seen
+
+
+def check_measured_speeds_are_said(family: str, results) -> None:
+    """Every bench_inference variant whose compared cell ran has its speed in decisions.json and in the glance, never
+    'not measured' (issue 50, point 9: a run on another family read "It decodes at not measured ...")."""
+    from efflab import records
+
+    decisions = json.loads((results / "report" / "decisions.json").read_text())
+    said = {o["name"]: (o["axes"].get("speed") or {}).get("value")
+            for q in ("inference", "quantize") for o in (decisions["questions"].get(q) or {}).get("options", [])}
+    for path in (results / "bench_inference").glob("*/metrics.json"):
+        job = json.loads(path.read_text())
+        cell = records.reference_cell(job) if records.is_ok(job) else None
+        if cell and job["variant"] in said:
+            assert said[job["variant"]] is not None, (family, job["variant"], "ran, yet its speed is not measured")
+    assert "decodes at not measured" not in (results / "report" / "report.md").read_text(), family
 
 
 def check_memory_predictions(family: str, results) -> None:

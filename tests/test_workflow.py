@@ -259,7 +259,7 @@ def test_snakemake_writes_its_html_report_with_the_plots_by_category(local_pipel
     text = html.read_text()
     assert text.lstrip().lower().startswith("<!doctype html")
     for needle in ("Fine-tuning", "Inference", "Attention", "Quantization", "finetune_pareto.png",
-                   "on the report's frontier"):
+                   "on the frontier of decisions.json"):
         assert needle in text, f"{needle!r} is not in the HTML report"
 
 
