@@ -121,3 +121,15 @@ def test_a_figure_measured_once_per_run_is_undecided_not_no_difference():
     assert ("Least training memory: not decided at this size (some runs have one measurement and no interval); "
             "lora-r8 has the best point value") in text
     assert "no difference measured" not in text and "undecided" not in text
+
+
+def test_the_fine_tuning_table_shows_a_peak_with_its_measured_error_not_as_an_interval():
+    """decisions.py renders the advice's one fine-tuning table (advice.finetune_table): a peak and its kind's measured
+    error, never the error band as if it were a 95% interval."""
+    def option(name, mib, baseline=False):
+        return {"name": name, "baseline": baseline, "method": "lora",
+                "axes": {"memory": {"value": mib, "lo": mib * 0.99, "hi": mib * 1.01, "error_pct": 0.8},
+                         "step": None, "step_ratio": None, "quality": None}}
+    text = advice.finetune_table([option("full", 3226.0, True), option("lora-r8", 1685.0)], ["full", "lora-r8"])
+    assert "3,226 MiB ± 0.8% (measured error)" in text and "1,685 MiB ± 0.8% (measured error)" in text
+    assert "[3,19" not in text and "[1,6" not in text

@@ -134,12 +134,15 @@ def finetune_facts(finetune: list[dict], bench_finetune: list[dict] = ()) -> dic
             "best": {k: best_point(options, k, d) for k, d in axes.items()},
             "without_interval": {k: any((o["axes"].get(k) or {}).get("lo") is None for o in options) for k in axes},
             "memory_error_pct": (options[0]["axes"].get("memory") or {}).get("error_pct"),
-            "table": _table(options, {"step": ("median step", " s"),
-                                      "step_ratio": (f"step × {options[0]['name']}'s", ""),
-                                      "quality": ("val perplexity change", "%")}, front,
-                            lambda o: {"method": o["method"], "peak memory": memory_text(o["axes"].get("memory")),
-                                       "step verdict": "baseline" if o["baseline"] else
-                                       step_word(o["axes"]["step_ratio"])})}
+            "table": finetune_table(options, front)}
+
+
+def finetune_table(options: list[dict], front: list[str]) -> str:
+    """The fine-tuning options as a table, its "on the frontier" column from `front` (decisions.finetune_front's)."""
+    return _table(options, {"step": ("median step", " s"), "step_ratio": (f"step × {options[0]['name']}'s", ""),
+                            "quality": ("val perplexity change", "%")}, front,
+                  lambda o: {"method": o["method"], "peak memory": memory_text(o["axes"].get("memory")),
+                             "step verdict": "baseline" if o["baseline"] else step_word(o["axes"]["step_ratio"])})
 
 
 def memory_text(a: dict | None) -> str:

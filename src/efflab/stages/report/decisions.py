@@ -151,16 +151,6 @@ def finetune_front(f: dict, metrics: dict) -> dict:
                 _beats(o, p, k, runs, bench) for p in others[o["name"]])), None) for k in FINETUNE_AXES}}
 
 
-def _finetune_table(f: dict) -> str:
-    """advice.finetune_facts' table again, its "on the frontier" column from finetune_front."""
-    options = f["options"]
-    return advice._table(options, {"memory": ("peak memory", " MiB"), "step": ("median step", " s"),
-                                   "step_ratio": (f"step × {options[0]['name']}'s", ""),
-                                   "quality": ("val perplexity change", "%")}, f["front"],
-                         lambda o: {"method": o["method"], "step verdict": "baseline" if o["baseline"] else
-                                    advice.step_word(o["axes"]["step_ratio"])})
-
-
 def _qat(job: dict, tolerance: float) -> dict:
     tests = job["precision_range_test"]  # decided against tolerance.perplexity_pct (against_tolerance)
     options = []
@@ -286,7 +276,7 @@ def build(cfg: dict, metrics: dict) -> dict:
     if facts["finetune"]:
         f = facts["finetune"]
         f |= finetune_front(f, metrics)  # the advice's table, the plots and the glance read these
-        f["table"] = _finetune_table(f)
+        f["table"] = advice.finetune_table(f["options"], f["front"])
         q["finetune"] = _question("Which fine-tuning method?", f, f["reference"]["name"], _finetune_answer(f),
                                   "per axis, the run that beats every other: step time and perplexity by each "
                                   "pair's own comparison, memory by peaks apart by more than their measured error",
