@@ -13,6 +13,7 @@ import pandas as pd
 from ... import records
 from ...config import evaluated_name
 from ...measure.stats import NOT_DECIDED, against_tolerance, compare
+from ...measure.timing import SENTINEL_TOLERANCE
 from . import options as opts
 from .decide import beats, best_point, frontier, winner
 from .fmt import markdown
@@ -120,25 +121,64 @@ LEARNING_SETTINGS = ("learning_rate", "max_steps", "batch_size", "gradient_accum
                      "warmup_steps", "seed")
 
 
+FINETUNE_AXES = ("memory", "step_ratio", "quality")  # lower is better on each
+
+
+def _beats(a: dict, b: dict, key: str, runs: dict, bench_finetune: list[dict]) -> bool:
+    """Whether run a beats run b on one axis, by the pair's own comparison where the records hold one: step time
+    by b's step over a's (records.step_ratio: interleaved, else their steps paired, else their runs' intervals),
+    perplexity by b's change over a's on the same rows; else (memory: peaks ± their measured error) by separated
+    intervals (report.decide.beats)."""
+    ra, rb = runs[a["name"]], runs[b["name"]]
+    if key == "step_ratio":
+        ratio = records.step_ratio(ra, rb, bench_finetune, SENTINEL_TOLERANCE)
+        if ratio:
+            return ratio["verdict"] == "slower"
+    if key == "quality":
+        change = opts.paired_axis(ra.get("validation_after"), rb.get("validation_after"))
+        if change and change["lo"] is not None:
+            return change["lo"] > 0
+    return beats(a["axes"].get(key), b["axes"].get(key), "min")
+
+
+def finetune_front(options: list[dict], finetune: list[dict], bench_finetune: list[dict]) -> tuple[list, dict]:
+    """The fine-tuning frontier and each axis's winner, every pair of runs compared by its own measurement (_beats):
+    two runs' step times over the reference's are not their ratio to each other. A run is dominated where another
+    beats it on an axis and loses on none, both measured on the same axes (report.decide.frontier's rule)."""
+    runs = {r["run"]: r for r in records.ok(finetune)}
+
+    def wins(a: dict, b: dict) -> list[str]:
+        return [k for k in FINETUNE_AXES if _beats(a, b, k, runs, bench_finetune)]
+
+    def dominates(a: dict, b: dict) -> bool:
+        if any((a["axes"].get(k) is None) != (b["axes"].get(k) is None) for k in FINETUNE_AXES):
+            return False
+        return bool(wins(a, b)) and not wins(b, a)
+
+    others = {o["name"]: [p for p in options if p is not o] for o in options}
+    front = [o["name"] for o in options if not any(dominates(p, o) for p in others[o["name"]])]
+    return front, {k: next((o["name"] for o in options if others[o["name"]] and all(
+        _beats(o, p, k, runs, bench_finetune) for p in others[o["name"]])), None) for k in FINETUNE_AXES}
+
+
 def finetune_facts(finetune: list[dict], bench_finetune: list[dict] = ()) -> dict | None:
     options = opts.finetune_options(finetune, bench_finetune)
     if not options:
         return None
     confounds = [{"setting": k, "values": {o["name"]: o["settings"].get(k) for o in options}}
                  for k in LEARNING_SETTINGS if len({repr(o["settings"].get(k)) for o in options}) > 1]
-    axes = {"memory": "min", "step_ratio": "min", "quality": "min"}
-    front = frontier(options, axes)
+    front, winners = finetune_front(options, finetune, bench_finetune)
     return {"options": options, "front": front, "reference": options[0], "confounds": confounds,
-            "kind": options[0]["memory_kind"],
-            "winners": {k: winner(options, k, d) for k, d in axes.items()},
-            "best": {k: best_point(options, k, d) for k, d in axes.items()},
-            "without_interval": {k: any((o["axes"].get(k) or {}).get("lo") is None for o in options) for k in axes},
+            "kind": options[0]["memory_kind"], "winners": winners,
+            "best": {k: best_point(options, k, "min") for k in FINETUNE_AXES},
+            "without_interval": {k: any((o["axes"].get(k) or {}).get("lo") is None for o in options)
+                                 for k in FINETUNE_AXES},
             "memory_error_pct": (options[0]["axes"].get("memory") or {}).get("error_pct"),
             "table": finetune_table(options, front)}
 
 
 def finetune_table(options: list[dict], front: list[str]) -> str:
-    """The fine-tuning options as a table, its "on the frontier" column from `front` (decisions.finetune_front's)."""
+    """The fine-tuning options as a table, its "on the frontier" column from `front` (finetune_front's)."""
     return _table(options, {"step": ("median step", " s"), "step_ratio": (f"step × {options[0]['name']}'s", ""),
                             "quality": ("val perplexity change", "%")}, front,
                   lambda o: {"method": o["method"], "peak memory": memory_text(o["axes"].get("memory")),

@@ -17,10 +17,8 @@ from ... import quality, records
 from ...config import task_tolerance
 from ...evaluation import scores
 from ...measure.stats import NOT_DECIDED, compare, ratio_words
-from ...measure.timing import SENTINEL_TOLERANCE
 from . import advice
 from . import options as opts
-from .decide import beats
 from .results import absent
 from .tables import verdict_of
 
@@ -97,11 +95,8 @@ def _question(text: str, facts: dict, baseline: str | None, answer, why: str, to
                         for o in facts["options"]]}
 
 
-FINETUNE_AXES = ("memory", "step_ratio", "quality")
-
-
 def _finetune_answer(f: dict) -> dict:
-    return {k: f["winners"][k] for k in FINETUNE_AXES}
+    return {k: f["winners"][k] for k in advice.FINETUNE_AXES}
 
 
 def with_memory_error(metrics: dict, errors: dict[str, dict]) -> dict:
@@ -111,44 +106,6 @@ def with_memory_error(metrics: dict, errors: dict[str, dict]) -> dict:
         error = errors.get((r.get("train_memory") or {}).get("kind"))
         return r | {"train_memory": r["train_memory"] | {"error": error}} if error and records.is_ok(r) else r
     return metrics | {"finetune": [put(r) for r in metrics.get("finetune", [])]}
-
-
-def _beats(a: dict, b: dict, key: str, runs: dict, bench_finetune: list[dict]) -> bool:
-    """Whether run a beats run b on one axis, by the pair's own comparison where the records hold one: step time
-    by b's step over a's (records.step_ratio: interleaved, else their steps paired, else their runs' intervals),
-    perplexity by b's change over a's on the same rows; else (memory: peaks ± their measured error) by separated
-    intervals (report.decide.beats)."""
-    ra, rb = runs[a["name"]], runs[b["name"]]
-    if key == "step_ratio":
-        ratio = records.step_ratio(ra, rb, bench_finetune, SENTINEL_TOLERANCE)
-        if ratio:
-            return ratio["verdict"] == "slower"
-    if key == "quality":
-        change = _paired(ra.get("validation_after"), rb.get("validation_after"))
-        if change and change["lo"] is not None:
-            return change["lo"] > 0
-    return beats(a["axes"].get(key), b["axes"].get(key), AXES[key][1])
-
-
-def finetune_front(f: dict, metrics: dict) -> dict:
-    """The fine-tuning frontier and each axis's winner, every pair of runs compared by its own measurement (_beats):
-    two runs' step times over the reference's are not their ratio to each other. A run is dominated where another
-    beats it on an axis and loses on none, both measured on the same axes (report.decide.frontier's rule)."""
-    runs = {r["run"]: r for r in records.ok(metrics["finetune"])}
-    options, bench = f["options"], metrics.get("bench_finetune", [])
-
-    def wins(a: dict, b: dict) -> list[str]:
-        return [k for k in FINETUNE_AXES if _beats(a, b, k, runs, bench)]
-
-    def dominates(a: dict, b: dict) -> bool:
-        if any((a["axes"].get(k) is None) != (b["axes"].get(k) is None) for k in FINETUNE_AXES):
-            return False
-        return bool(wins(a, b)) and not wins(b, a)
-
-    others = {o["name"]: [p for p in options if p is not o] for o in options}
-    return {"front": [o["name"] for o in options if not any(dominates(p, o) for p in others[o["name"]])],
-            "winners": {k: next((o["name"] for o in options if others[o["name"]] and all(
-                _beats(o, p, k, runs, bench) for p in others[o["name"]])), None) for k in FINETUNE_AXES}}
 
 
 def _qat(job: dict, tolerance: float) -> dict:
@@ -217,14 +174,6 @@ def _capacity(job: dict, finetune: list[dict] = ()) -> dict:
             "why": "the largest measured size that fits, per subject (None: nothing fits)", "options": options}
 
 
-def _paired(reference: dict | None, variant: dict | None) -> dict | None:
-    """The paired perplexity change of two evaluations of the same rows as an axis; None where they differ."""
-    try:
-        return opts.change_axis(quality.paired_change(reference["per_row"], variant["per_row"]))
-    except (KeyError, TypeError, ValueError):  # not evaluated, or not on the same rows
-        return None
-
-
 def _step_cost(job: dict) -> dict | None:
     """QAT's median training step over the full-precision fine-tune's (one run each, its steps' medians)."""
     steps = {v["variant"]: (v.get("step_time") or {}).get("median") for v in job.get("variants", [])}
@@ -243,13 +192,13 @@ def said_facts(metrics: dict) -> list[dict]:
     runs = records.ok(metrics.get("finetune", []))
     untouched = next((r for r in runs if r["method"] != "qlora"), None)  # its validation_before: the base as loaded
     for r in (r for r in runs if r["method"] == "qlora"):
-        a = _paired((untouched or {}).get("validation_before"), r.get("validation_after"))
+        a = opts.paired_axis((untouched or {}).get("validation_before"), r.get("validation_after"))
         if a and a["lo"] is not None and a["lo"] > 0:
             out.append({"fact": "qlora_worse_than_base", "run": r["run"], **a, "verdict": "worse"})
         for m in (m for m in records.ok(metrics.get("merge", [])) if m["run"] == r["run"]):
             target = m.get("targets", {}).get("round-trip merge re-quantized to nf4")
-            merged = _paired(r.get("validation_before"), (target or {}).get("validation"))
-            adapter = _paired(r.get("validation_before"), m.get("adapter_validation"))
+            merged = opts.paired_axis(r.get("validation_before"), (target or {}).get("validation"))
+            adapter = opts.paired_axis(r.get("validation_before"), m.get("adapter_validation"))
             if merged and adapter and adapter["hi"] is not None and adapter["hi"] < 0 and merged["hi"] is not None \
                     and merged["hi"] >= 0:
                 out.append({"fact": "requantized_merge_loses_the_fine_tune", "run": r["run"], **merged,
@@ -275,8 +224,6 @@ def build(cfg: dict, metrics: dict) -> dict:
                                   "whose task gate does not fail", tolerance, f["status"])
     if facts["finetune"]:
         f = facts["finetune"]
-        f |= finetune_front(f, metrics)  # the advice's table, the plots and the glance read these
-        f["table"] = advice.finetune_table(f["options"], f["front"])
         q["finetune"] = _question("Which fine-tuning method?", f, f["reference"]["name"], _finetune_answer(f),
                                   "per axis, the run that beats every other: step time and perplexity by each "
                                   "pair's own comparison, memory by peaks apart by more than their measured error",

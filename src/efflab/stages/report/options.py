@@ -115,6 +115,14 @@ def step_ratio_axis(reference: dict, run: dict, bench_finetune: list[dict]) -> d
         "why": ratio["why"], "source": ratio["source"]}
 
 
+def paired_axis(reference: dict | None, variant: dict | None) -> dict | None:
+    """The paired perplexity change of two evaluations of the same rows as an axis; None where they differ."""
+    try:
+        return change_axis(quality.paired_change(reference["per_row"], variant["per_row"]))
+    except (KeyError, TypeError, ValueError):  # not evaluated, or not on the same rows
+        return None
+
+
 # Where memory_errors' repeated readings come from, said with the error.
 LOADED_REPEATS = ("capacity: the memory its budget holds with the model loaded, before any step, read in a fresh "
                   "process per cell; each search's maximum read again against its first cell")

@@ -2,7 +2,7 @@
 and their data for `dvc plots`.
 
 The frontier is the decision's own (decisions.build: report.decide.frontier over each option's intervals; the
-fine-tuning one compares each pair of runs by its own measurement, decisions.finetune_front), never one of point
+fine-tuning one compares each pair of runs by its own measurement, advice.finetune_front), never one of point
 values: an option is dominated only where another beats it on some axis and loses on none.
 """
 from __future__ import annotations
