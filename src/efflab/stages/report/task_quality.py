@@ -10,7 +10,7 @@ import pandas as pd
 from ... import records
 from ...config import task_tolerance
 from ...measure.stats import NOT_DECIDED
-from .fmt import NOISE, markdown, one_line
+from .fmt import markdown, number, one_line
 
 # The gate as the report's one vocabulary says it (the record keeps passes / fails / undecided)
 GATE_WORDS = {"undecided": NOT_DECIDED}
@@ -31,11 +31,8 @@ def change_text(chg: dict | None) -> str:
     if not chg:
         return "–"
     ci = chg.get("ci95")
-    return _signed(chg["change"]) + (f" [{_signed(ci[0])}, {_signed(ci[1])}]" if ci else f" (n={chg['n']}, no interval)")
-
-
-def _signed(x: float) -> str:
-    return "0" if abs(x) < NOISE else f"{x:+.3g}"
+    signed = lambda x: number(x, 3, signed=True)  # noqa: E731
+    return signed(chg["change"]) + (f" [{signed(ci[0])}, {signed(ci[1])}]" if ci else f" (n={chg['n']}, no interval)")
 
 
 def metrics_of(jobs: list[dict]) -> list[tuple[str, str]]:
