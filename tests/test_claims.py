@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from efflab.config import UserError
+from efflab.config import load as load_params
 from efflab.estimators import analytic as estimate
 from efflab.layout import Job, Layout
 from efflab.stages.claims import readings, stage
@@ -36,7 +37,7 @@ def reference_run(tmp_path_factory) -> tuple[dict, pd.DataFrame, Path]:
     """The default registry evaluated against the committed reference results (no model folder: weights and
     configs are not kept there)."""
     out = tmp_path_factory.mktemp("claims") / "out"
-    metrics = stage.run({}, Job(Layout(REFERENCE), None, out, out))
+    metrics = stage.run(load_params(REPO / "params.yaml"), Job(Layout(REFERENCE), None, out, out))
     return metrics, pd.read_csv(out / "claims.csv"), out
 
 
@@ -302,39 +303,44 @@ def test_measured_claims_read_this_pipelines_results(tmp_path, registry):
     assert "kept in bfloat16: model.embed_tokens.weight (28,311,552 params)" in int8["finding"]
     assert "56,693,376 B = 34.8% of the quantized footprint" in int8["finding"]
     assert "alone shrink 2.00x" in int8["finding"] and "against the measured 162,861,952 B" in int8["finding"]
-    ckpt = stage.evaluate(by_id["checkpointing-30pct-slowdown"], layout)  # the runs' whole-run figures only
+    runs = ["lora", "lora-ckpt"]  # the fine-tuning jobs of the grid (registry.names(cfg, "finetune"))
+    ckpt = stage.evaluate(by_id["checkpointing-30pct-slowdown"], layout, finetune=runs)  # whole-run figures only
     assert ckpt["verdict"] == "inconclusive" and ckpt["reproduced"] == "30 %"
-    lora = stage.evaluate(by_id["lora-over-99pct-measured"], layout)
+    assert stage.evaluate(by_id["checkpointing-30pct-slowdown"], layout, finetune=["lora"])["reason"] == (
+        "no pair of finetune runs that differ only in gradient_checkpointing (True vs False) among the finetune runs "
+        "that trained (lora); add one to finetune.runs"), "a run left out of the grid is not read, its folder or not"
+    lora = stage.evaluate(by_id["lora-over-99pct-measured"], layout, finetune=runs)
     assert lora["reproduced"] == "99.1 %" and lora["verdict"] == "reproduced" and lora["evidence"] == "definition"
-    assert stage.evaluate(by_id["qlora-throughput-30pct-worse"], layout)["verdict"] == "not reproducible here"
+    qlora = stage.evaluate(by_id["qlora-throughput-30pct-worse"], layout, finetune=[*runs, "qlora"])
+    assert qlora["verdict"] == "not reproducible here" and "no trained record of qlora" in qlora["reason"]
     assert stage.evaluate(by_id["flash-attention-2-4x"], layout)["verdict"].startswith("needs GPU: ")
     # bench_finetune timed the pair interleaved: its per-round ratio (checkpointing's step over the plain one's)
     # and interval take precedence over the runs' own figures, in the claim's orientation
     pair = {"status": "ok", "knob": "gradient_checkpointing", "a": "lora", "b": "lora-ckpt",
             "step_time_ratio": {"median": 1.5, "ci95": [1.45, 1.6], "rounds": 6, "verdict": "slower"}}
     _write(layout.metrics("bench_finetune"), {"status": "ok", "pairs": [pair]})
-    ckpt = stage.evaluate(by_id["checkpointing-30pct-slowdown"], layout)
+    ckpt = stage.evaluate(by_id["checkpointing-30pct-slowdown"], layout, finetune=runs)
     assert ckpt["verdict"] == "differs" and ckpt["reproduced"].startswith("50 % [45, 60]")
     assert "6 interleaved rounds" in ckpt["reason"] and ckpt["ci_low"] == pytest.approx(45)
     pair["step_time_ratio"] = {"median": 1.3, "ci95": None, "rounds": 4, "verdict": "inconclusive: 4 rounds"}
     _write(layout.metrics("bench_finetune"), {"status": "ok", "pairs": [pair]})
-    assert stage.evaluate(by_id["checkpointing-30pct-slowdown"], layout)["verdict"] == "inconclusive"
+    assert stage.evaluate(by_id["checkpointing-30pct-slowdown"], layout, finetune=runs)["verdict"] == "inconclusive"
     pair["step_time_ratio"] = {"median": None, "ci95": None, "rounds": 1,
                                "verdict": "not a verdict: the machine's speed changed"}
     _write(layout.metrics("bench_finetune"), {"status": "ok", "pairs": [pair]})
-    ckpt = stage.evaluate(by_id["checkpointing-30pct-slowdown"], layout)
+    ckpt = stage.evaluate(by_id["checkpointing-30pct-slowdown"], layout, finetune=runs)
     assert ckpt["verdict"] == "not reproducible here" and "machine's speed changed" in ckpt["reason"]
 
 
 def test_finetune_pairs_carry_an_interval_from_six_paired_steps(tmp_path, monkeypatch, registry):
     by_id = {c["id"]: c for c in registry}
-    monkeypatch.setitem(readings.METRICS, "finetune_pair", lambda layout, metric: Reading(41.2, "a stand-in",
-                                                                                          (35.0, 47.9)))
+    monkeypatch.setitem(readings.FINETUNE_METRICS, "finetune_pair",
+                        lambda layout, metric, names: Reading(41.2, "a stand-in", (35.0, 47.9)))
     row = stage.evaluate(by_id["checkpointing-30pct-slowdown"], Layout(tmp_path / "results"))
     assert row["verdict"] == "inconclusive" and row["reproduced"] == "41.2 % [35, 47.9]"
     assert "a stand-in" in row["reason"]
     monkeypatch.undo()
-    layout = Layout(tmp_path / "results")
+    layout, runs = Layout(tmp_path / "results"), ["lora", "lora-ckpt", "qlora"]
     settings = {"lr": 1e-3, "gradient_checkpointing": False, "method": "lora"}
     steps = {"lora": [1.0] * 6, "lora-ckpt": [1.3, 1.35, 1.3, 1.25, 1.3, 1.3], "qlora": [1.4] * 6}
 
@@ -347,13 +353,13 @@ def test_finetune_pairs_carry_an_interval_from_six_paired_steps(tmp_path, monkey
                 "tokens_per_s": 100 / (sum(steps[run][:count]) / count),
                 "step_time": {"n": count, "samples": steps[run][:count]}})
     write(5)  # 5 paired steps give no 95% interval: the median alone decides nothing
-    ckpt = stage.evaluate(by_id["checkpointing-30pct-slowdown"], layout)
+    ckpt = stage.evaluate(by_id["checkpointing-30pct-slowdown"], layout, finetune=runs)
     assert ckpt["verdict"] == "inconclusive" and "5 steps give no 95% interval" in ckpt["reason"]
     write(6)
-    ckpt = stage.evaluate(by_id["checkpointing-30pct-slowdown"], layout)  # paired ratios 1.25 .. 1.35
+    ckpt = stage.evaluate(by_id["checkpointing-30pct-slowdown"], layout, finetune=runs)  # paired ratios 1.25 .. 1.35
     assert ckpt["verdict"] == "reproduced" and ckpt["reproduced"] == "30 % [25, 35]"
     assert "6 paired steps" in ckpt["reason"] and "96.9% interval" in ckpt["reason"]
-    qlora = stage.evaluate(by_id["qlora-throughput-30pct-worse"], layout)  # tokens/s: 1 / 1.4 each step
+    qlora = stage.evaluate(by_id["qlora-throughput-30pct-worse"], layout, finetune=runs)  # tokens/s: 1 / 1.4 each step
     assert qlora["reproduced"] == f"{100 * (1 - 1 / 1.4):.4g} % [{100 * (1 - 1 / 1.4):.4g}, {100 * (1 - 1 / 1.4):.4g}]"
 
 

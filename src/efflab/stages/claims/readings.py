@@ -72,39 +72,47 @@ def _quantize_ratio(layout, metric: dict) -> Reading:
                    exact=True, cause=cause)
 
 
-def _finetune_runs(layout) -> list[dict]:
-    folder = layout.out("finetune")
-    runs = [records.load(p) for p in sorted(folder.glob("*/metrics.json"))] if folder.is_dir() else []
-    return records.ok(runs)  # runs that did not train measured nothing
+def _finetune_runs(layout, names: list[str]) -> list[dict]:
+    """The fine-tuning jobs `names` (registry.names(cfg, "finetune"): the grid the report reads too) that trained,
+    in the grid's order; a job without a record yet, or one that did not train, measured nothing."""
+    return records.ok([r for r in (records.load_if_there(layout.metrics("finetune", n)) for n in names) if r])
 
 
-def _finetune_trainable(layout, metric: dict) -> Reading:
-    runs = [r for r in _finetune_runs(layout) if r.get("method") == metric["method"]]
+def _among(runs: list[dict], names: list[str]) -> str:
+    """Where a claim looked for its fine-tuning runs, for its reason: the jobs of finetune.runs that trained, and
+    those that did not (or have no record yet)."""
+    trained = [r["run"] for r in runs]
+    others = [n for n in names if n not in trained]
+    return (f"among the finetune runs that trained ({', '.join(trained) or 'none'}"
+            f"{'; no trained record of ' + ', '.join(others) if others else ''})")
+
+
+def _finetune_trainable(layout, metric: dict, names: list[str]) -> Reading:
+    trained = _finetune_runs(layout, names)
+    runs = [r for r in trained if r.get("method") == metric["method"]]
     if not runs:
-        raise NotHere(f"no {metric['method']} run in {layout.out('finetune')}")
+        raise NotHere(f"no {metric['method']} run {_among(trained, names)}")
     r = runs[0]
     p = r["parameters"]
     return Reading(100 - p["trainable_pct"], f"run {r['run']}: {p['trainable']:,} trainable of {p['total']:,} "
                                              f"parameters", exact=True)
 
 
-def _finetune_pair(layout, metric: dict) -> Reading:
-    """The claim's statistic of run a's `key` over run b's, for the runs that differ only in `differ`: from
-    bench_finetune's interleaved steps where it measured the pair (median of the per-round ratios, its 95%
-    interval from order statistics where the rounds give one), else the median of the paired steps' ratios with
-    that interval where the runs can be paired step by step and are 6 or more, else the ratio of the two runs'
-    figures (no interval)."""
+def _finetune_pair(layout, metric: dict, names: list[str]) -> Reading:
+    """The claim's statistic of run a's `key` over run b's, for the fine-tuning runs of `names` that differ only in
+    `differ` (records.knob_pairs, as the report pairs them), read by _pair_reading: the report's one pair rule."""
     key, differ = metric["key"], metric["differ"]
     stat = (lambda r: 100 * (1 - r)) if metric["stat"] == "drop_pct" else (lambda r: 100 * (r - 1))
-    for knob, value_a, value_b, a, b in records.knob_pairs(_finetune_runs(layout)):
+    trained = _finetune_runs(layout, names)
+    for knob, value_a, value_b, a, b in records.knob_pairs(trained):
         if knob != differ:
             continue
         if (value_a, value_b) == (metric["b"], metric["a"]):  # the pair in the claim's order
             value_a, value_b, a, b = value_b, value_a, b, a
         if (value_a, value_b) == (metric["a"], metric["b"]):
             return _pair_reading(layout, a, b, key, stat)
-    raise NotHere(f"no pair of finetune runs that differ only in {differ} ({metric['a']} vs {metric['b']}) in "
-                  f"{layout.out('finetune')}; add one to finetune.runs")
+    raise NotHere(f"no pair of finetune runs that differ only in {differ} ({metric['a']} vs {metric['b']}) "
+                  f"{_among(trained, names)}; add one to finetune.runs")
 
 
 def _pair_reading(layout, a: dict, b: dict, key: str, stat) -> Reading:
@@ -118,7 +126,7 @@ def _pair_reading(layout, a: dict, b: dict, key: str, stat) -> Reading:
     if ratio is None:
         return Reading(stat(a[key] / b[key]), f"the two runs' whole-run figures, {whole}")
     if ratio["why"]:
-        raise NotHere(f"{ratio['source']} step times of {b['run']} vs {a['run']}: {ratio['why']}")
+        raise NotHere(f"{ratio['source']} step times of {a['run']} vs {b['run']}: {ratio['why']}")
     median, ci = ratio["median"], ratio["ci95"]
     if key == "step_s":  # b's step time over a's: a's over b's is its inverse; tokens/s (same tokens) is not
         median, ci = 1 / median, ci and [1 / ci[1], 1 / ci[0]]
@@ -322,8 +330,17 @@ def _cuda_context(layout, metric: dict) -> Reading:
 DEFINITION_METRICS = frozenset({"finetune_trainable"})
 # Each takes the results layout and the claim's metric and returns a Reading (value in the claim's base unit), or
 # raises NotHere.
-METRICS = {"quantize_ratio": _quantize_ratio, "finetune_trainable": _finetune_trainable,
-           "finetune_pair": _finetune_pair, "attention_speedup": _attention_speedup,
+METRICS = {"quantize_ratio": _quantize_ratio, "attention_speedup": _attention_speedup,
            "attention_memory_exponent": _attention_memory_exponent, "matmul_ratio": _matmul_ratio,
            "cuda_context": _cuda_context, "prune_ratio": _prune_ratio, "serving_ratio": _serving_ratio,
            "inference_speedup": _inference_speedup, "task_change": _task_change}
+# The fine-tuning ones take the fine-tuning jobs' names as well (registry.names(cfg, "finetune")).
+FINETUNE_METRICS = {"finetune_trainable": _finetune_trainable, "finetune_pair": _finetune_pair}
+
+
+def read(layout, metric: dict, finetune: list[str]) -> Reading:
+    """A measured claim's Reading of `metric` from the results in `layout`, the fine-tuning runs being the jobs
+    `finetune` of the grid; NotHere where the results it needs are not there."""
+    if metric["kind"] in FINETUNE_METRICS:
+        return FINETUNE_METRICS[metric["kind"]](layout, metric, finetune)
+    return METRICS[metric["kind"]](layout, metric)

@@ -4,15 +4,17 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections.abc import Sequence
 from pathlib import Path
 
 import pandas as pd
 
 from ...config import REPO_ROOT
 from ...layout import Job
+from ...registry import names
 from .page import markdown
 from .quantities import DEFINITIONS, compute
-from .readings import DEFINITION_METRICS, METRICS, NotHere, scale_note
+from .readings import DEFINITION_METRICS, NotHere, read, scale_note
 from .registry import REGISTRY, default_tolerance, load
 from .verdict import EVIDENCE, VERDICTS, band, band_text, judge, reported_text, units_label, verdict_class
 
@@ -71,7 +73,9 @@ def _judged(row: dict, j: dict, reasons: list[str], cause: str = "") -> dict:
             "unit_fit": j["fit"], "reason": "; ".join(filter(None, [why, *reasons])), "finding": why}
 
 
-def evaluate(claim: dict, layout, tolerance: dict | None = None) -> dict:
+def evaluate(claim: dict, layout, tolerance: dict | None = None, finetune: Sequence[str] = ()) -> dict:
+    """A claim's row: its verdict and why, a measured one read from the results in `layout`, whose fine-tuning runs
+    are the jobs `finetune` (registry.names(cfg, "finetune"), the grid the report reads)."""
     row = _row(claim, tolerance or {})
     notes = [claim["assumption"]] if claim.get("assumption") else []
     if claim.get("unreproducible"):
@@ -81,7 +85,7 @@ def evaluate(claim: dict, layout, tolerance: dict | None = None) -> dict:
         return _judged(row, judge(value, claim), [how, *notes])
     if "metric" in claim:
         try:
-            reading = METRICS[claim["metric"]["kind"]](layout, claim["metric"])
+            reading = read(layout, claim["metric"], list(finetune))
         except NotHere as why:
             if claim["kind"] == "hardware":
                 return _needs_gpu(row, claim, notes)
@@ -111,9 +115,10 @@ def _needs_gpu(row: dict, claim: dict, notes: list[str]) -> dict:
                                               how, *notes]))}
 
 
-def evaluate_all(claims: list[dict], layout, tolerance: dict | None = None) -> pd.DataFrame:
-    return pd.DataFrame([evaluate(c, layout, tolerance) for c in claims], columns=COLUMNS).fillna({"finding": "",
-                                                                                        "unit_fit": ""})
+def evaluate_all(claims: list[dict], layout, tolerance: dict | None = None,
+                 finetune: Sequence[str] = ()) -> pd.DataFrame:
+    return pd.DataFrame([evaluate(c, layout, tolerance, finetune) for c in claims],
+                        columns=COLUMNS).fillna({"finding": "", "unit_fit": ""})
 
 
 def summary(df: pd.DataFrame, seeds: dict) -> dict:
@@ -137,7 +142,7 @@ def run(cfg: dict, job: Job) -> dict:
     registry = (cfg.get("claims") or {}).get("registry") if isinstance(cfg, dict) else None
     tolerance = cfg.get("tolerance") if isinstance(cfg, dict) else None
     reg = load(REPO_ROOT / registry if registry else REGISTRY, tolerance)
-    df = evaluate_all(reg["claims"], job.layout, tolerance or default_tolerance())
+    df = evaluate_all(reg["claims"], job.layout, tolerance or default_tolerance(), names(cfg, "finetune"))
     counts = summary(df, reg["seeds"])
     out = Path(job.out)
     out.mkdir(parents=True, exist_ok=True)
