@@ -11,7 +11,7 @@ from __future__ import annotations
 import pandas as pd
 
 from ... import records
-from ...config import evaluated_name
+from ...experiment import evaluated_name
 from ...measure.stats import NOT_DECIDED, against_tolerance, compare
 from ...measure.timing import SENTINEL_TOLERANCE
 from . import options as opts

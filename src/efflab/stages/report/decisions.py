@@ -20,7 +20,7 @@ from ...measure.stats import NOT_DECIDED, compare, ratio_words
 from . import advice
 from . import options as opts
 from .results import absent
-from .tables import verdict_of
+from .tables.qat import verdict_of
 
 # What each axis is, for a reader of decisions.json: its kind and which way is better.
 AXES = {"memory": ("MiB", "min"), "speed": ("ratio over the baseline (higher is faster)", "max"),

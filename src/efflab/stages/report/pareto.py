@@ -13,7 +13,7 @@ import pandas as pd
 
 from ... import records
 from .spread import of_axis, of_median, of_speedup, spread
-from .tables import tokens_per_s
+from .tables.finetune import tokens_per_s
 
 # The spread of a peak that is its kind's measured error (decisions.json `memory_error`), not a 95% interval.
 MEASURED_ERROR = "measured error"

@@ -1,29 +1,19 @@
 """The report's plots, each drawn from a stage's records or table (conventions: report.figure). The benchmarks'
-plots are in report.bench_plots; draw_plots draws them all, or a placeholder saying why a stage has none."""
+plots are in report.bench_plots; report.draw draws each part's plots (report.parts) with them."""
 from __future__ import annotations
 
-import json
 import textwrap
 from pathlib import Path
 
 import matplotlib.ticker
 import pandas as pd
 
-from ... import records, registry
+from ... import records
 from ...measure.timing import SENTINEL_TOLERANCE
-from .bench_plots import (
-    attention_speedups,
-    plot_attention,
-    plot_attention_memory,
-    plot_capacity,
-    plot_inference,
-    plot_serving,
-)
 from .figure import (
     label_column,
     legend_below,
     legend_beside,
-    placeholder_plot,
     plt,
     ratio_rows,
     save_figure,
@@ -34,8 +24,6 @@ from .figure import (
     verdict_colour,
 )
 from .fmt import MiB, setting_text
-from .notes import same_updates
-from .results import absent
 from .spread import CI, as_ratio, of_axis, of_change, spread, text
 
 
@@ -326,38 +314,3 @@ def plot_loss(layout, runs: list[str], rows: list[dict], path: Path, identical: 
     ax.set_title("Fine-tuning loss: training (smoothed) and validation")
     legend_beside(ax, loc="upper left", bbox_to_anchor=(1.02, 1), fontsize=8)  # outside: curves may lie anywhere
     save_figure(fig, path)
-
-
-# Which stage's results each plot draws: a stage left out or without numbers gets a plot that says so.
-PLOT_STAGES = {"quantize.png": "quantize", "prune.png": "prune", "qat.png": "qat", "finetune_loss.png": "finetune",
-               "finetune.png": "finetune", "bench_attention.png": "bench_attention",
-               "bench_attention_memory.png": "bench_attention", "bench_inference.png": "bench_inference",
-               "bench_serving.png": "bench_serving", "capacity.png": "capacity", "finetune_pareto.png": "finetune",
-               "inference_pareto.png": "bench_inference"}
-
-
-def draw_plots(cfg: dict, metrics: dict, tables: dict, fronts: dict, layout, out: Path) -> list[str]:
-    """Every plot of the report into `out`. Each verdict and frontier drawn is read from out/decisions.json, which
-    the stage writes first (report.decisions): no plot decides again."""
-    names = registry.names(cfg, "finetune") or []
-    made = json.loads((out / "decisions.json").read_text())["questions"]
-    pct = cfg["tolerance"]["perplexity_pct"]
-    plots = {"quantize.png": lambda p: plot_quantize(metrics["quantize"], p, pct, made.get("quantize")),
-             "prune.png": lambda p: plot_prune(metrics["prune"], p),
-             "qat.png": lambda p: plot_qat(made["qat"], records.ok(metrics["qat"])[0], p, pct),
-             "finetune_loss.png": lambda p: plot_loss(layout, names, metrics["finetune"], p,
-                                                      same_updates(metrics["finetune"])),
-             "finetune.png": lambda p: plot_finetune(made["finetune"], metrics["finetune"],
-                                                     metrics.get("bench_finetune", []), p),
-             "bench_attention.png": lambda p: plot_attention(attention_speedups(metrics["bench_attention"]), p),
-             "bench_attention_memory.png": lambda p: plot_attention_memory(
-                 tables["bench_attention"], tables["attention_memory_exponent"], p),
-             "bench_inference.png": lambda p: plot_inference(metrics["bench_inference"], p, made.get("inference")),
-             "bench_serving.png": lambda p: plot_serving(metrics["bench_serving"], p),
-             "capacity.png": lambda p: plot_capacity(metrics["capacity"], p),
-             "finetune_pareto.png": lambda p: plot_finetune_pareto(fronts["finetune"], p, made.get("finetune")),
-             "inference_pareto.png": lambda p: plot_inference_pareto(fronts["inference"], p, made.get("inference"))}
-    for file, draw in plots.items():
-        why = absent(cfg, metrics, PLOT_STAGES[file])
-        placeholder_plot(out / file, f"{PLOT_STAGES[file]}: {why}") if why else draw(out / file)
-    return sorted(plots)

@@ -13,14 +13,13 @@ from .environments import comparison
 from .fmt import markdown, one_line
 from .render import render
 from .results import absent
-from .tables import (
-    MEMORY_TARGET,
+from .tables import MEMORY_TARGET, memory_prediction_table
+from .tables.capacity import (
     capacity_cause,
     capacity_estimator_off,
     capacity_held,
     capacity_largest,
     capacity_measured,
-    memory_prediction_table,
 )
 
 

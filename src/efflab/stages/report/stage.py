@@ -8,29 +8,17 @@ from ...config import UserError
 from ...layout import Job
 from . import advice, decisions, notes, task_quality
 from . import sections as sec
+from .draw import Inputs, draw_plots, questions
 from .environments import comparison, environment_table, provenance_table
 from .fmt import env_of, markdown
 from .pareto import finetune_pareto, inference_pareto, write_fronts
-from .plots import draw_plots
+from .parts import PARTS
 from .render import render
 from .results import read_results
 from .tables import build_tables, not_run_table
 from .tidy import results_table
 
 log = logging.getLogger("efflab")
-
-
-# The detailed sections in order: the stage whose records each reads, its title, and its facts.
-SECTIONS = [("quantize", "## Quantization (post-training: bitsandbytes, torchao, HQQ)", sec.quantize_body),
-            ("prune", "## Structured pruning", sec.prune_body),
-            ("qat", "## Quantization-aware training and the precision range test", sec.qat_body),
-            ("finetune", "## Fine-tuning: full vs LoRA vs QLoRA", sec.finetune_body),
-            ("merge", "## Merging adapters", sec.merge_body),
-            ("bench_attention", "## Attention implementations", sec.attention_body),
-            ("bench_inference", "## Inference variants (greedy, fixed length)", sec.inference_body),
-            ("bench_serving", "## Serving: naive vs static vs continuous batching", sec.serving_body),
-            ("capacity", "## Capacity: the largest batch and sequence that fit", sec.capacity_body),
-            ("evaluate", "## Task quality (lm-evaluation-harness) and the quality gate", sec.evaluate_body)]
 
 
 def refuse_stale(layout, jobs: dict[str, dict]) -> None:
@@ -48,8 +36,9 @@ def report_text(cfg: dict, metrics: dict, tables: dict, environments: dict, made
     parts = [sec.header(metrics["base_model"][0], metrics["prepare_data"][0]), *advice.glance(made, cfg),
              *notes.lines(metrics), *notes.claims_lines(metrics["claims"], "../claims/claims.md"),
              sec.how_to_read(cfg)]
-    for stage, title, body in SECTIONS:
-        parts += sec.section(cfg, metrics, stage, title, lambda body=body: body(cfg, metrics, table))
+    for part in PARTS.values():
+        body = getattr(sec, f"{part.section}_body")
+        parts += sec.section(cfg, metrics, part.stage, part.title, lambda body=body: body(cfg, metrics, table))
     parts += [sec.profiles(metrics), sec.samples(metrics["bench_inference"]), sec.not_run(not_run_table(metrics)),
               sec.run_size(cfg, metrics), render("sections/footer.md.j2")]
     return "\n".join(p.rstrip("\n") + "\n" if p else "" for p in parts)
@@ -69,7 +58,7 @@ def run(cfg: dict, job: Job) -> dict:
     facts = made["_facts"]
     fronts = {"finetune": finetune_pareto(metrics["finetune"], facts["finetune"]),
               "inference": inference_pareto(metrics["bench_inference"], metrics["quantize"], facts["inference"])}
-    plots = draw_plots(cfg, metrics, tables, fronts, layout, out)
+    plots = draw_plots(Inputs(cfg, metrics, tables, fronts, layout, questions(out)), out)
     write_fronts(fronts, out)
     results_table(metrics).to_csv(out / "summary.csv", index=False)
     environments = {env_of(m): m["environment"] for ms in metrics.values() for m in ms if "environment" in m}

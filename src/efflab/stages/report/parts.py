@@ -1,0 +1,123 @@
+"""The report laid out by stage, in one table: each stage's part of report.md (its title and section), its tables
+(with the columns that name a row), its plots (with their category in Snakemake's HTML report), in the order the
+report gives them. The report stage (report.stage, report.tables, report.draw) and workflow/rules/report.smk (its
+plots, their captions and its inputs) read it; tests/test_report_parts.py fails when a stage has no part and is not
+in ELSEWHERE, or when a part's section, table builder, plot drawer or caption is missing.
+
+Each part names its code by convention, all of it in this package:
+- its section: `sections.<section>_body(cfg, metrics, table)` renders `templates/sections/<section>.md.j2`;
+- a table: `Table.build`, a function `module.name` of this package, given the records of the stages it reads;
+- a plot `<plot>`: drawn to results/report/<plot>.png by `draw.<plot>`, captioned by workflow/report/<plot>.rst.
+
+No pandas, torch or matplotlib here: Snakemake reads this while it plans the DAG.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+from ...layout import Layout
+from ...registry import STAGES, names, not_asked
+
+
+@dataclass(frozen=True)
+class Table:
+    name: str  # its key among the report's tables (in the section's `table(name)` and the report's metrics.json)
+    build: str  # its builder, `module.function` of this package, e.g. "tables.prune.prune_table"
+    # How many leading columns name a row: a table wider than the report allows is split into parts that repeat
+    # them (fmt.markdown; None: its leading text columns, up to 4).
+    keys: int | None = None
+    reads: tuple[str, ...] = ()  # the stages whose records the builder takes, in order; () for its part's own
+
+
+@dataclass(frozen=True)
+class Part:
+    stage: str  # the stage whose records it shows: left out, or without numbers, it says why in one line
+    title: str  # its heading in report.md
+    section: str  # sections.<section>_body renders templates/sections/<section>.md.j2
+    category: str  # its plots' category in Snakemake's HTML report
+    tables: tuple[Table, ...] = ()
+    plots: tuple[str, ...] = ()  # results/report/<plot>.png: drawn by draw.<plot>, caption workflow/report/<plot>.rst
+
+
+def _parts(*parts: Part) -> dict[str, Part]:
+    return {p.stage: p for p in parts}
+
+
+# In the report's order.
+PARTS = _parts(
+    Part("quantize", "## Quantization (post-training: bitsandbytes, torchao, HQQ)", "quantize", "Quantization",
+         tables=(Table("quantize", "tables.quantize.quantize_table"),),
+         plots=("quantize",)),
+    Part("prune", "## Structured pruning", "prune", "Pruning",
+         tables=(Table("prune", "tables.prune.prune_table", keys=1),),
+         plots=("prune",)),
+    Part("qat", "## Quantization-aware training and the precision range test", "qat", "Quantization-aware training",
+         tables=(Table("qat", "tables.qat.qat_table", keys=1),),
+         plots=("qat",)),
+    Part("finetune", "## Fine-tuning: full vs LoRA vs QLoRA", "finetune", "Fine-tuning",
+         tables=(Table("finetune", "tables.finetune.finetune_table", keys=1),
+                 Table("finetune_knobs", "knobs.knob_table", keys=3, reads=("finetune", "bench_finetune"))),
+         plots=("finetune", "finetune_pareto", "finetune_loss")),
+    Part("merge", "## Merging adapters", "merge", "Merging",
+         tables=(Table("merge", "tables.merge.merge_table", keys=1),
+                 Table("merge_targets", "tables.merge.merge_targets_table", keys=2))),
+    Part("bench_attention", "## Attention implementations", "attention", "Attention",
+         tables=(Table("bench_attention", "tables.bench_attention.attention_table", keys=4),
+                 Table("attention_memory_exponent", "tables.bench_attention.exponent_table")),
+         plots=("bench_attention", "bench_attention_memory")),
+    Part("bench_inference", "## Inference variants (greedy, fixed length)", "inference", "Inference",
+         tables=(Table("bench_inference", "tables.bench_inference.inference_table", keys=6),),
+         plots=("bench_inference", "inference_pareto")),
+    Part("bench_serving", "## Serving: naive vs static vs continuous batching", "serving", "Serving",
+         tables=(Table("bench_serving", "tables.bench_serving.serving_table", keys=2),
+                 Table("bench_serving_latency", "tables.bench_serving.serving_latency_table", keys=2)),
+         plots=("bench_serving",)),
+    Part("capacity", "## Capacity: the largest batch and sequence that fit", "capacity", "Capacity",
+         tables=(Table("capacity", "tables.capacity.capacity_table", keys=2),),
+         plots=("capacity",)),
+    Part("evaluate", "## Task quality (lm-evaluation-harness) and the quality gate", "evaluate", "Task quality"),
+)
+
+# The stages with no part of their own: where the report shows them instead, and whether the report rule takes their
+# metrics.json as an input (the report reads every stage's records: report.results.read_results).
+ELSEWHERE = {
+    "base_model": ("the header (sections.header); no input: every stage the rule waits for waits for it", False),
+    "prepare_data": ("the header (sections.header)", True),
+    "bench_finetune": ("fine-tuning's part: its knob table and plot read the interleaved steps", True),
+    "claims": ("the notes above the sections (notes.claims_lines); the rule's input is its page, claims.md", False),
+    "report": ("the report itself", False),
+}
+
+
+def report_plots() -> list[tuple[str, str]]:
+    """Every plot of the report with its category, in the report's order."""
+    return [(plot, part.category) for part in PARTS.values() for plot in part.plots]
+
+
+def input_stages() -> list[str]:
+    """The stages whose metrics.json the report rule takes as inputs, in DAG order: those with a part, and those
+    shown elsewhere that say so."""
+    missing = [s for s in STAGES if s not in PARTS and s not in ELSEWHERE]
+    if missing:
+        raise KeyError(f"report.parts: {', '.join(missing)} has no part in PARTS and no line in ELSEWHERE")
+    return [s for s in STAGES if s in PARTS or ELSEWHERE[s][1]]
+
+
+def input_metrics(cfg: dict, layout: Layout = Layout()) -> list[str]:
+    """The report rule's inputs: the metrics.json of every job of the input stages, none of a stage the experiment
+    leaves out."""
+    paths = []
+    for stage in input_stages():
+        grid = names(cfg, stage)
+        if grid is None:
+            paths += [] if not_asked(cfg, stage) else [layout.metrics(stage)]
+        else:
+            paths += [layout.metrics(stage, name) for name in grid]
+    return [str(p) for p in paths]
+
+
+def resolve(name: str):
+    """A function of this package by its name, `module.function` (its module imported only now)."""
+    module, _, function = name.rpartition(".")
+    return getattr(importlib.import_module(f"{__package__}.{module}"), function)
