@@ -73,7 +73,7 @@ run: install
 # its numbers (no weights) kept under results/reference/<gpu name>/ to compare with and to commit.
 gpu: install
 	snakemake --profile workflow/profiles/gpu
-	$(PY) -m efflab.reference
+	$(PY) -m efflab.tools.reference
 
 # Every stage and every CUDA code path once, within 5 minutes on one H100 (workflow/profiles/gpu-smoke/params.yaml
 # says why it fits): the check that the GPU lane works before the GPU profile spends an hour.
@@ -125,11 +125,11 @@ docs: install
 lint: install
 	$(VENV)/bin/ruff check src tests benchmarks
 	snakemake --lint
-	$(PY) -m efflab.dvcgen --check
-	$(PY) -m efflab.docs_reference --check
+	$(PY) -m efflab.tools.dvcgen --check
+	$(PY) -m efflab.tools.docs_reference --check
 
-dvc.yaml: Snakefile params.yaml $(wildcard workflow/rules/*.smk) src/efflab/dvcgen.py | install
-	$(PY) -m efflab.dvcgen
+dvc.yaml: Snakefile params.yaml $(wildcard workflow/rules/*.smk) src/efflab/tools/dvcgen.py | install
+	$(PY) -m efflab.tools.dvcgen
 
 clean-results:
 	rm -rf results/* .snakemake

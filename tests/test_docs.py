@@ -7,7 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from efflab import config, docs_reference
+from efflab import config
+from efflab.tools import docs_reference
 from tests.helpers import REPO
 
 STAGE_RULES = sorted(p.stem for p in (REPO / "workflow" / "rules").glob("*.smk") if p.stem != "common")
@@ -15,12 +16,12 @@ STAGE_RULES = sorted(p.stem for p in (REPO / "workflow" / "rules").glob("*.smk")
 
 def test_the_params_reference_is_in_step_with_the_schema_and_params_yaml():
     assert docs_reference.PAGE.read_text() == docs_reference.render(), \
-        "docs/reference/params.md is out of date: run `python -m efflab.docs_reference`"
+        "docs/reference/params.md is out of date: run `python -m efflab.tools.docs_reference`"
 
 
 def test_the_figures_page_is_in_step_with_the_stage_registry():
     assert docs_reference.FIGURES_PAGE.read_text() == docs_reference.render_figures(), \
-        "docs/reference/figures.md is out of date: run `python -m efflab.docs_reference`"
+        "docs/reference/figures.md is out of date: run `python -m efflab.tools.docs_reference`"
 
 
 def test_the_params_reference_has_every_key_of_the_schema():

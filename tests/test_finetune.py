@@ -2,7 +2,7 @@ import pandas as pd
 import pytest
 import torch
 
-from efflab.config import finetune_run
+from efflab.experiment import finetune_run
 from efflab.layout import Layout
 from efflab.stages.report import tables
 from tests.helpers import TEST_PARAMS, run_stage
@@ -349,8 +349,8 @@ def test_the_live_tensor_peak_counted_on_the_longest_steps_is_the_peak_counted_o
     from datasets import Dataset
     from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
-    from efflab.callbacks import CountLongestSteps
     from efflab.measure.memory import CpuTensorPeak
+    from efflab.stages.finetune.callbacks import CountLongestSteps
 
     lengths = [8, 32, 16, 24, 256, 8]  # batch 1, in order: steps 1, 2 and 5 can hold the peak (5 holds it)
     rows = [{"input_ids": [i % 60 + 1 for i in range(n)], "labels": [i % 60 + 1 for i in range(n)]} for n in lengths]

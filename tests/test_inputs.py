@@ -110,7 +110,7 @@ def test_editing_a_local_data_file_or_model_folder_reruns_its_stage_in_snakemake
     assert _planned(work, target) == {}, "up to date after the run"
     _sh(["git", "init", "-q"], work)
     _sh([BIN / "dvc", "init", "-q"], work)
-    _sh([sys.executable, "-m", "efflab.dvcgen"], work)
+    _sh([sys.executable, "-m", "efflab.tools.dvcgen"], work)
     stages = yaml.safe_load((work / "dvc.yaml").read_text())["stages"]
     assert "data/rows.csv" in stages["prepare_data"]["deps"]
     assert {"models/tiny/config.json", "models/tiny/model.safetensors"} <= set(stages["base_model"]["deps"])

@@ -489,14 +489,14 @@ def test_a_training_steps_phases_are_cut_at_its_marks_and_add_up_to_it():
 def test_a_light_job_s_cells_fork_from_a_forkserver_without_the_trainer(monkeypatch):
     """prestart(light=True): the forkserver imports the model machinery only (on a GPU it always does); a job's
     extra modules are still added. Without it, a CPU forkserver imports what the job server does, lm-eval aside."""
-    from efflab import zygote
+    from efflab import evaluation, zygote
     from efflab.measure import isolation
 
     monkeypatch.setattr(isolation, "_LIGHT", False)
     monkeypatch.setattr(isolation, "_EXTRA", [])
     monkeypatch.setattr(isolation.torch.cuda, "is_available", lambda: False)
     full = isolation.cell_preload()
-    assert "transformers.trainer" in full and "peft" in full and not set(full) & set(isolation.evaluation.PRELOAD)
+    assert "transformers.trainer" in full and "peft" in full and not set(full) & set(evaluation.PRELOAD)
     assert full[0] == "efflab" and set(full[1:]) <= set(zygote.PRELOAD)  # efflab first: it quiets the imports after
     monkeypatch.setattr(isolation, "_cell_context", lambda: type("Ctx", (), {"get_start_method": lambda s: "spawn"})())
     isolation.prestart("subprocess", extra=["json"], light=True)
@@ -545,7 +545,7 @@ def test_loading_a_local_model_draws_no_progress_bar_and_restores_the_setting(re
 
 def test_the_trainer_s_progress_bar_stays_and_its_per_step_dicts_do_not_reach_the_console(capsys):
     """QuietProgress keeps the bar and drops ProgressCallback's printout of each logged dict."""
-    from efflab.callbacks import QuietProgress
+    from efflab.stages.finetune.callbacks import QuietProgress
 
     written = []
     quiet = QuietProgress()

@@ -16,9 +16,9 @@ from matplotlib.colors import to_hex
 from matplotlib.container import ErrorbarContainer
 from matplotlib.figure import Figure
 
-from efflab.reference import rerender_params
 from efflab.stages.report import bench_plots, knobs, plots
 from efflab.stages.report.spread import CI, spread
+from efflab.tools.reference import rerender_params
 from tests.helpers import REPO, run_stage
 
 REFERENCE = REPO / "results" / "reference" / "amd-epyc-avx2"

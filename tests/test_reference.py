@@ -1,12 +1,12 @@
 """The committed reference runs' pages are what this commit's code makes of their records: the claims and the
-report are rendered again from results/reference/<machine>/ (efflab.reference.rerender) and must equal the
+report are rendered again from results/reference/<machine>/ (efflab.tools.reference.rerender) and must equal the
 committed files, so that a change to a verdict, a tolerance or a sentence shows up as a diff of those files
-(regenerate them with `python -m efflab.reference --rerender results/reference/<machine>`)."""
+(regenerate them with `python -m efflab.tools.reference --rerender results/reference/<machine>`)."""
 import difflib
 
 import pytest
 
-from efflab.reference import rerender
+from efflab.tools.reference import rerender
 from tests.helpers import REPO
 
 RUNS = sorted(p.parent.parent for p in (REPO / "results" / "reference").glob("*/report/report.md"))

@@ -82,7 +82,7 @@ def test_a_step_time_verdict_pairs_the_same_batches_and_needs_the_interval_off_o
 
 
 def test_reference_results_keep_the_numbers_and_no_weights_under_the_device_name(tmp_path):
-    from efflab.reference import copy_reference, main
+    from efflab.tools.reference import copy_reference, main
 
     results = tmp_path / "results"
     files = {"base_model/metrics.json": json.dumps({"environment": {"gpu": "NVIDIA H100 80GB HBM3", "cpu": "x"}}),
@@ -99,7 +99,7 @@ def test_reference_results_keep_the_numbers_and_no_weights_under_the_device_name
     assert kept == sorted(n for n in files if "/model/" not in n and not n.startswith("logs/"))
     assert copy_reference(results, results / "reference") == target, "a second copy replaces the first"
     # a CPU run is named by the CPU and whether it has fast bf16, the difference that changes every timing
-    from efflab.reference import device_name
+    from efflab.tools.reference import device_name
     for isa, kind in ((["avx2"], "avx2"), (["avx2", "avx512f", "avx512_bf16"], "avx512-bf16")):
         (results / "base_model/metrics.json").write_text(json.dumps({"environment": {"cpu": "AMD EPYC", "cpu_isa": isa}}))
         assert device_name(results) == f"amd-epyc-{kind}"
@@ -201,7 +201,8 @@ def test_a_capacity_search_that_fit_its_whole_grid_is_drawn_as_at_least_its_ceil
 
 
 def _capacity_report(job) -> tuple[str, str, pd.DataFrame]:
-    from efflab.stages.report import decisions, glance, sections, tables
+    from efflab.stages.report import decisions, glance, sections
+    from efflab.stages.report.tables import capacity as tables
 
     metrics = {"qat": [], "capacity": [job], "finetune": [], "bench_attention": [], "base_model": [{"config": {}}]}
     return (sections.capacity_body({}, metrics, lambda key: "TABLE"), glance.capacity(decisions._capacity(job)),
@@ -403,7 +404,8 @@ def test_the_claims_headline_splits_measured_from_computed_and_definitions():
 def test_serving_reads_its_bursts_an_interval_from_six_a_range_below_and_an_old_single_burst_as_it_is(drawn, tmp_path):
     """The table (at most 10 columns), the section, the plot and summary.csv of bench_serving records with 6 and
     with 3 interleaved bursts, and of the reference run's record of one burst."""
-    from efflab.stages.report import sections, tables, tidy
+    from efflab.stages.report import sections, tidy
+    from efflab.stages.report.tables import bench_serving as tables
     from tests.helpers import REPO, serving_record
 
     drift = [1.0, 1.4, 0.9, 2.0, 1.2, 0.8]

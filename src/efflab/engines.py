@@ -15,6 +15,9 @@ import torch
 
 from .measure import timing
 
+# vllm is optional (not one of efflab's requirements: pip install vllm, on a CUDA machine): it is imported only where
+# an engine is built (Vllm), so that this module imports, and unavailable() says why not, where it is not installed.
+
 ENGINES = ("vllm",)
 SERVED = ("base", "merged")  # variant kinds whose folder is a plain model an engine loads as it is
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import math
 
-# scipy is slow to import: it is imported inside the two functions that use it (Student's t intervals).
+# scipy.stats takes 1-2 s to import on 2 cores and only a t interval needs it: it is imported inside the two
+# functions that compute one, and only with MIN_ROWS rows or more, so that importing this module (every stage that
+# compares models, evaluation.scores, the report and claims) does not pay it, nor a comparison too small for one.
 
 # The same floor as a median's order-statistic interval (measure.stats.median_ci_order): below it a t interval leans
 # wholly on normality of a handful of per-row differences.

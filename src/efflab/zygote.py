@@ -12,7 +12,8 @@ no threads, no CUDA), as the cells' forkserver does (measure.isolation).
 Where forking is not safe or not wanted the command runs as always, in its own process: without EFFLAB_ZYGOTE
 (dvc repro, a stage run by hand), inside a SLURM job (its resources are the job's), on a machine with an NVIDIA or
 AMD GPU (a library that touches CUDA at import leaves forked children unable to initialise it), off Linux, or when the
-server does not answer. Only the standard library is imported here at module level: the client must stay light.
+server does not answer. Only the standard library and the preload lists (measure.preload, evaluation) are imported
+here at module level: the client must stay light.
 """
 from __future__ import annotations
 
@@ -30,14 +31,12 @@ import traceback
 from pathlib import Path
 
 from . import evaluation
+from .measure import preload
 
 ENV = "EFFLAB_ZYGOTE"  # the server's socket, set by the Snakefile for the jobs it starts
 CHILD_ENV = "EFFLAB_ZYGOTE_CHILD"  # set in a forked job: it never delegates again
-# What the server imports before it forks any job (the cells' forkserver, measure.isolation, imports the same)
-PRELOAD = ["torch", "transformers", "transformers.modeling_utils", "transformers.models.auto.modeling_auto",
-           "transformers.generation", "transformers.trainer", "peft", "pandas", "efflab.cli", "efflab.modeling",
-           "efflab.training", "efflab.measure.isolation", "efflab.measure.memory", "efflab.measure.timing",
-           *evaluation.PRELOAD]
+# What the server imports before it forks any job: what the cells' forkserver imports (measure.preload), and lm-eval
+PRELOAD = [*preload.PRELOAD, *evaluation.PRELOAD]
 
 
 def wanted() -> str | None:

@@ -1,9 +1,7 @@
 rule finetune:
     input:
         module("finetune"),
-        base="results/base_model/metrics.json",
-        train="results/prepare_data/train.parquet",
-        validation="results/prepare_data/validation.parquet",
+        unpack(reads("finetune")),
     output:
         model=directory("results/finetune/{name}/model"),
         metrics="results/finetune/{name}/metrics.json",

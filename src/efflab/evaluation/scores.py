@@ -12,6 +12,10 @@ import math
 
 from .. import quality
 
+# lm-eval may be absent (an offline machine's bundle can leave it out: the evaluate stage then records itself
+# unavailable), and the report and claims stages import this module all the same: lm-eval's aggregation registry is
+# imported inside per_doc, which only scores lm-eval made reach.
+
 LN2 = math.log(2)
 # lm-eval aggregations over (log-likelihood, weight) items, and how a change in mean negative log-likelihood per
 # weight unit (nats) reads in the metric's own units.

@@ -8,14 +8,15 @@ import signal
 import threading
 import time
 import traceback
+from multiprocessing import forkserver
 from pathlib import Path
 
 import torch
 import tqdm
 
-from .. import evaluation, zygote
 from ..logs import log_file_path, setup_child_logging
 from .memory import proc_status_kib
+from .preload import PRELOAD
 
 
 def classify_failure(err: BaseException) -> dict:
@@ -43,11 +44,12 @@ def _cell_child(fn, kwargs: dict, conn, log_file: str | None, threads: int) -> N
     conn.close()
 
 
-# What the forkserver imports once. Without CUDA it is what the pipeline's job server imports (zygote.PRELOAD:
-# torch, transformers' model and Trainer machinery, peft and bitsandbytes), so that a cell starts in about 0.05 s
-# instead of paying those imports again. With CUDA it stays light: a library that touches CUDA at import would
-# leave every forked cell unable to initialise it. A job whose cells only load and run a model (prestart's light)
-# has it light too: its first cell waits for the forkserver's imports, 9 s of CPU instead of 15 on 2 cores.
+# What the forkserver imports once. Without CUDA it is measure.preload's PRELOAD, what the pipeline's job server
+# (efflab.zygote) imports but lm-eval (a job whose cells evaluate adds it: prestart's extra): torch, transformers'
+# model and Trainer machinery, peft and bitsandbytes, so that a cell starts in about 0.05 s instead of paying those
+# imports again. With CUDA it stays light: a library that touches CUDA at import would leave every forked cell unable
+# to initialise it. A job whose cells only load and run a model (prestart's light) has it light too: its first cell
+# waits for the forkserver's imports, 9 s of CPU instead of 15 on 2 cores.
 _CELL_PRELOAD_LIGHT = ["torch", "transformers", "transformers.modeling_utils",
                        "transformers.models.auto.modeling_auto", "efflab.measure.isolation", "efflab.modeling"]
 
@@ -61,7 +63,7 @@ def cell_preload() -> list[str]:
     forkserver imports them."""
     if torch.cuda.is_available() or _LIGHT:
         return ["efflab", *_CELL_PRELOAD_LIGHT, *_EXTRA]
-    return ["efflab", *(m for m in zygote.PRELOAD if m not in evaluation.PRELOAD), *_EXTRA]  # lm-eval: in evaluate
+    return ["efflab", *PRELOAD, *_EXTRA]
 
 
 def _cell_context():
@@ -84,7 +86,6 @@ def prestart(isolation: str, extra: list[str] = (), light: bool = False) -> None
     _EXTRA.extend(m for m in extra if m not in _EXTRA)
     _LIGHT = _LIGHT or light
     if _cell_context().get_start_method() == "forkserver":
-        from multiprocessing import forkserver
         forkserver.ensure_running()
 
 

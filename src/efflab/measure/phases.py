@@ -20,6 +20,11 @@ import torch
 
 from .timing import seconds_since, stamp
 
+# transformers' TrainerCallback is imported inside attach, which runs only in a process that trains: its module
+# (transformers.trainer_callback) brings accelerate, peft and bitsandbytes, 5-10 s of imports on 2 cores, and
+# bitsandbytes initialises CUDA at import. The finetune stage imports this module at its top, before cli.main has
+# given the process its GPU, and the fine-tuning benchmark's driver (benchmarks/finetune_throughput.py) trains nothing.
+
 # Where a process writes its steps' phases when the benchmark asks (the finetune stage, the plain script)
 PHASES_ENV = "EFFLAB_PHASES"
 PHASES = ("data", "forward", "backward", "forward+backward", "optimizer", "step_end", "between", "other")

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import yaml
 
-from .config import REPO_ROOT
-from .figures import FIGURES
-from .registry import LOSS_CSV, STAGES, param_keys
+from ..config import REPO_ROOT
+from ..figures import FIGURES
+from ..registry import LOSS_CSV, STAGES, param_keys
 
 
 def snakemake_jobs(params: str = "params.yaml", workdir: Path | None = None) -> list[dict]:
@@ -92,7 +92,7 @@ def dvc_stages(jobs: list[dict], cfg: dict) -> dict:
 
 
 def render(params: str = "params.yaml", workdir: Path | None = None) -> str:
-    header = ("# Generated from the Snakemake DAG by `python -m efflab.dvcgen` (make dvc.yaml); do not edit.\n"
+    header = ("# Generated from the Snakemake DAG by `python -m efflab.tools.dvcgen` (make dvc.yaml); do not edit.\n"
               "# Snakemake is the source of truth; tests fail when this file drifts from it.\n")
     jobs = snakemake_jobs(params, workdir)
     cfg = yaml.safe_load(((workdir or Path.cwd()) / params).read_text())
@@ -100,7 +100,7 @@ def render(params: str = "params.yaml", workdir: Path | None = None) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m efflab.dvcgen", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m efflab.tools.dvcgen", description=__doc__.splitlines()[0])
     parser.add_argument("--params", default="params.yaml")
     parser.add_argument("--output", default="dvc.yaml")
     parser.add_argument("--check", action="store_true", help="exit 1 if the file differs from the DAG")

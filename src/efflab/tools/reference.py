@@ -1,12 +1,12 @@
-"""Keep a run's numbers as reference results: `python -m efflab.reference [--results results] [--to results/reference]`.
+"""Keep a run's numbers as reference results: `python -m efflab.tools.reference [--results results] [--to results/reference]`.
 
 Copies what a person compares against (every stage's metrics.json, the loss curves, the claims table, page and
 summary, the report's Markdown, CSV, decisions.json and PNG files) into <to>/<device>/, named after the GPU (or CPU)
 the base_model stage ran on, so that users can diff their numbers with ours. Model weights are never copied.
 
-`python -m efflab.reference --rerender results/reference/<device>` renders a kept run's claims and report again from
-its records with this commit's code and params.yaml, and writes them back: the committed pages are always what the
-code makes of the records (tests/test_reference.py re-renders them and diffs).
+`python -m efflab.tools.reference --rerender results/reference/<device>` renders a kept run's claims and report again
+from its records with this commit's code and params.yaml, and writes them back: the committed pages are always what
+the code makes of the records (tests/test_reference.py re-renders them and diffs).
 """
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import yaml
 
-from . import cli, records, registry
-from .config import REPO_ROOT
+from .. import cli, records, registry
+from ..config import REPO_ROOT
 
 KEPT = ("metrics.json", "loss.csv", "claims.csv", "claims.md", "summary.json", "report.md", "details.md", "summary.csv",
         "*_pareto.csv", "requests.csv", "cells.csv", "evals.csv", "decisions.json", "*.png")  # the raw CSVs the
@@ -91,7 +91,7 @@ def rerender(run: Path, to: Path | None = None, params: Path = REPO_ROOT / "para
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m efflab.reference", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m efflab.tools.reference", description=__doc__.splitlines()[0])
     parser.add_argument("--results", default="results", help="the run's results folder (default: results)")
     parser.add_argument("--to", default="results/reference", help="where reference runs are kept")
     parser.add_argument("--rerender", metavar="RUN", help="render a kept run's claims and report again from its "

@@ -21,21 +21,21 @@ from pathlib import Path
 
 import torch
 
-from .. import cli, config, profiling
-from ..config import UserError, finetune_run
-from ..estimators.memory import compared, training_peak
-from ..layout import LOSS_COLUMNS, Job, Layout
-from ..logs import log_file_path, setup_child_logging
-from ..measure.device import pick_device, set_threads
-from ..measure.energy import EnergyMeter, energy_per_token
-from ..measure.env import environment
-from ..measure.flops import count_parameters, matmul_ceiling, mfu, published_peak_tflops, training_flops_per_token
-from ..measure.memory import CpuTensorPeak, track_memory
-from ..measure.phases import PHASES_ENV, PhaseClock
-from ..measure.stats import summarize
-from ..modeling import base_dtype, eval_loss, load_tokenizer, read_split
-from ..registry import LOSS_CSV
-from ..training import (
+from ... import config, profiling
+from ...config import UserError
+from ...estimators.memory import compared, training_peak
+from ...experiment import finetune_run
+from ...layout import LOSS_COLUMNS, Job, Layout
+from ...logs import log_file_path, setup_child_logging
+from ...measure.energy import EnergyMeter, energy_per_token
+from ...measure.env import environment
+from ...measure.flops import count_parameters, matmul_ceiling, mfu, published_peak_tflops, training_flops_per_token
+from ...measure.memory import CpuTensorPeak, track_memory
+from ...measure.phases import PHASES_ENV, PhaseClock
+from ...measure.stats import summarize
+from ...modeling import eval_loss, read_split
+from ...registry import LOSS_CSV
+from ...training import (
     build_model,
     collator,
     mixed_precision,
@@ -44,8 +44,11 @@ from ..training import (
     unavailable_knobs,
 )
 
-# transformers and efflab.callbacks (which imports the Trainer) take seconds to import: each is imported inside the
-# function that uses it, so that importing this module for its helpers (the Snakefile's planning, the tests) is cheap.
+# transformers' training modules (trainer_utils, TrainingArguments, set_seed, the Trainer) and .callbacks (its
+# TrainerCallbacks) bring accelerate, peft and bitsandbytes with them, 5-10 s of imports on 2 cores, and bitsandbytes
+# asks CUDA for the device capability at import, which initialises CUDA: each is imported inside the function that
+# uses it, after cli.main has given the process its GPU (gpu_slots.assign sets CUDA_VISIBLE_DEVICES, which CUDA reads
+# once, as it initialises); importing this package (the tests do) loads none of them.
 
 log = logging.getLogger("efflab")
 
@@ -65,7 +68,7 @@ def run(cfg: dict, job: Job) -> dict:
     A run the device cannot do is recorded as unavailable with the reason; one that fails or runs out of
     memory is recorded by cli.main (the grid goes on); bad params still stop with an error."""
     run_cfg = finetune_run(cfg, job.name)
-    device = pick_device(cfg["runtime"])
+    device = job.device
     missing = unavailable_knobs(run_cfg, device)
     if missing:
         reason = "; ".join(missing)
@@ -172,10 +175,10 @@ def _weights_sha256(model) -> str:
     return digest.hexdigest()[:16]
 
 
-def _ranks_and_threads(cfg: dict) -> tuple[int, int, int]:
+def _ranks_and_threads(job: Job) -> tuple[int, int, int]:
     """(world size, rank, torch threads): a job's threads are shared by the DDP ranks on its machine."""
     world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
-    threads = set_threads(cfg["runtime"])
+    threads = job.threads
     if world > 1:
         threads = max(1, threads // int(os.environ.get("LOCAL_WORLD_SIZE", world)))
         torch.set_num_threads(threads)
@@ -236,9 +239,10 @@ def save_model(model, tokenizer, run_cfg: dict, dtype: str, folder: Path) -> Non
     tokenizer.save_pretrained(folder)
 
 
-def throughput(model, run_cfg: dict, device: torch.device, matmul_dtype: str, ceiling: dict, step_times,
-               processed, tokens: int, samples: int, train_s: float) -> dict:
+def throughput(r: Prepared, t: Trained, ceiling: dict, step_times, processed) -> dict:
     """Steady-state tokens/s, FLOPs per token and MFU against the measured ceiling and the published peak."""
+    model, run_cfg, device, matmul_dtype = r.model, r.run_cfg, r.device, r.matmul_dtype
+    tokens, samples, train_s = t.tokens, t.samples, t.done["train_s"]
     # Attention FLOPs per token over each sequence's own length (token-weighted), as the model computed them.
     attention_len = processed.attention_length() or tokens / samples
     flops = training_flops_per_token(model, attention_len, run_cfg["gradient_checkpointing"])
@@ -278,9 +282,8 @@ def prepare(cfg: dict, job: Job) -> Prepared:
     """Settings, threads, device, precision, seed, tokenizer, rows and the model to train (without a KV cache)."""
     from transformers import set_seed
     run_cfg = finetune_run(cfg, job.name)
-    world, rank, threads = _ranks_and_threads(cfg)
-    device = pick_device(cfg["runtime"])
-    dtype = base_dtype(job.layout)
+    world, rank, threads = _ranks_and_threads(job)
+    device, dtype = job.device, job.dtype
     precision = mixed_precision(run_cfg, dtype, device)
     set_seed(run_cfg["seed"], deterministic=run_cfg["deterministic"])
     model = build_model(run_cfg, job.layout, dtype, device)
@@ -290,7 +293,7 @@ def prepare(cfg: dict, job: Job) -> Prepared:
     params = count_parameters(model)
     log.info("%s: %s trainable of %s parameters (%.3f%%), precision %s", job.name, f"{params['trainable']:,}",
              f"{params['total']:,}", params["trainable_pct"], precision)
-    return Prepared(run_cfg, world, rank, threads, device, dtype, precision, load_tokenizer(job.layout.base_model()),
+    return Prepared(run_cfg, world, rank, threads, device, dtype, precision, job.tokenizer,
                     read_split(job.layout.split("train")),
                     read_split(job.layout.split("validation"), run_cfg["eval_rows"]), model, params,
                     "bfloat16" if run_cfg["bf16_weights"] else {"bf16": "bfloat16", "fp16": "float16"}.get(
@@ -301,7 +304,7 @@ def train(cfg: dict, job: Job) -> dict:
     """The training itself, in this process (one DDP rank when launched by accelerate)."""
     from transformers import Trainer
 
-    from ..callbacks import KILL_ENV, CountLongestSteps, KillAfterCheckpoint, SequenceLengths, StepTimes, quiet_progress
+    from .callbacks import KILL_ENV, CountLongestSteps, KillAfterCheckpoint, SequenceLengths, StepTimes, quiet_progress
 
     r = prepare(cfg, job)
     run_cfg, model, device = r.run_cfg, r.model, r.device
@@ -351,22 +354,36 @@ def train(cfg: dict, job: Job) -> dict:
     save_model(model, r.tokenizer, run_cfg, r.dtype, job.out / "model")
     shutil.rmtree(scratch, ignore_errors=True)  # the run is complete: its step checkpoints are not needed
     steps = done["result"].global_step - resumed["global_step"]  # what this process trained (and timed)
-    tokens = trainer.state.num_input_tokens_seen - resumed["num_input_tokens_seen"]
-    samples = steps * run_cfg["batch_size"] * run_cfg["gradient_accumulation_steps"] * r.world
-    rates, steady = throughput(model, run_cfg, device, r.matmul_dtype, ceiling, step_times, processed, tokens,
-                               samples, done["train_s"])
+    t = Trained(done, resumed, ranks, steps, trainer.state.num_input_tokens_seen - resumed["num_input_tokens_seen"],
+                steps * run_cfg["batch_size"] * run_cfg["gradient_accumulation_steps"] * r.world, curve, before, after)
+    rates, steady = throughput(r, t, ceiling, step_times, processed)
     log.info("%s: validation loss %.3f -> %.3f in %d steps, %.0f tokens/s (steady), MFU %.1f%% of the measured "
              "ceiling, peak %s MiB (%s)", job.name, before["loss"], after["loss"], steps, rates["tokens_per_s"],
              100 * rates["mfu_vs_measured_ceiling"], _fmt(done["memory"]["peak_mib"]), done["memory"]["kind"])
-    return record(job.name, r, done, trainer, processed, resumed, ranks, steps, tokens, samples, rates, steady,
-                  prediction, curve, before, after)
+    return record(job.name, r, t, trainer, processed, rates, steady, prediction)
 
 
-def record(name: str, r: Prepared, done: dict, trainer, processed, resumed: dict, ranks: list, steps: int,
-           tokens: int, samples: int, rates: dict, steady: dict, prediction: dict, curve: list, before: dict,
-           after: dict) -> dict:
+@dataclass
+class Trained:
+    """What a finished run did in this process: fit()'s result, where it resumed from, each rank's weights and
+    loss, the steps, real tokens and samples it trained, its loss curve and the validation loss before and after."""
+    done: dict
+    resumed: dict
+    ranks: list
+    steps: int
+    tokens: int
+    samples: int
+    curve: list
+    before: dict
+    after: dict
+
+
+def record(name: str, r: Prepared, t: Trained, trainer, processed, rates: dict, steady: dict,
+           prediction: dict) -> dict:
     """The run's metrics record."""
-    run_cfg, train_s = r.run_cfg, done["train_s"]
+    run_cfg, done, train_s = r.run_cfg, t.done, t.done["train_s"]
+    resumed, ranks, steps, tokens, samples = t.resumed, t.ranks, t.steps, t.tokens, t.samples
+    curve, before, after = t.curve, t.before, t.after
     return {
         "run": name, "method": run_cfg["method"], "settings": run_cfg, "compute_dtype": r.dtype,
         "mixed_precision": r.precision, "threads": r.threads, "parameters": r.params,
@@ -421,13 +438,7 @@ def worker_main(argv: list[str]) -> None:
     setup_child_logging(args.log, f"rank {rank}")
     cfg = config.load(args.params)
     out = Path(args.out)
-    metrics = train(cfg, Job(Layout(Path(args.results)), args.name, out, out, args.params))
+    metrics = train(cfg, Job(Layout(Path(args.results)), args.name, out, out, args.params, "finetune",
+                             cfg["runtime"]))
     if rank == 0:
         (out / "rank0_metrics.json").write_text(json.dumps(metrics, default=str))
-
-
-if __name__ == "__main__":
-    if WORKER_FLAG in sys.argv:
-        worker_main([a for a in sys.argv[1:] if a != WORKER_FLAG])
-    else:
-        cli.main("finetune", run)

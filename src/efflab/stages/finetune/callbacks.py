@@ -1,9 +1,9 @@
 """The finetune stage's Trainer callbacks and training-step instruments.
 
-A module of its own because importing transformers' trainer pulls in accelerate, peft and bitsandbytes,
-and bitsandbytes asks CUDA for the device capability at import: that initialises CUDA. The finetune stage
-imports this module inside train(), after cli.main has given the process its GPU (gpu_slots.assign), never
-at module top.
+A module of its own because importing transformers' trainer modules (trainer_callback here) pulls in accelerate,
+peft and bitsandbytes, and bitsandbytes asks CUDA for the device capability at import: that initialises CUDA. The
+finetune stage imports this module inside train(), after cli.main has given the process its GPU
+(gpu_slots.assign), never at module top.
 """
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import torch
 from transformers import TrainerCallback
 from transformers.trainer_callback import ProgressCallback
 
-from .measure.device import synchronize
-from .measure.memory import CpuTensorPeak
+from ...measure.device import synchronize
+from ...measure.memory import CpuTensorPeak
 
 KILL_ENV = "EFFLAB_KILL_AFTER_CHECKPOINT"
 

@@ -1,0 +1,9 @@
+import sys
+
+from ... import cli
+from . import WORKER_FLAG, run, worker_main
+
+if WORKER_FLAG in sys.argv:  # one rank of `accelerate launch` (launch_distributed)
+    worker_main([a for a in sys.argv[1:] if a != WORKER_FLAG])
+else:
+    cli.main("finetune", run)
