@@ -49,7 +49,8 @@ import yaml
 from transformers import AutoConfig
 
 from efflab.architecture import lora_targets
-from efflab.config import finetune_run, load
+from efflab.config import load
+from efflab.experiment import finetune_run
 from efflab.measure.phases import PHASES, PHASES_ENV, summary
 from efflab.measure.stats import ratio_verdict, ratio_words, said_of_faster_side
 from efflab.registry import LOSS_CSV

@@ -218,7 +218,7 @@ def test_a_stage_killed_mid_grid_keeps_its_finished_cells_and_its_rerun_measures
     real_cell = bench_attention.attention_cell
 
     def cell(**kwargs):
-        measured.append((kwargs["mode"], kwargs["seq_len"]))
+        measured.append((kwargs["cell"]["mode"], kwargs["cell"]["seq_len"]))
         if kill_at and len(measured) == kill_at:
             raise KeyboardInterrupt("killed")
         return real_cell(**kwargs)
@@ -304,7 +304,7 @@ def test_a_generation_mode_the_model_cannot_run_is_unavailable_with_the_reason(r
             raise ValueError("This model does not support `cache_implementation='static'`")
         return real(model, tokenizer, batch, n, kv_cache, mode)
     monkeypatch.setattr(bench_inference, "generate_timed", refusing)
-    cell = bench_inference.inference_cell(test_cfg, str(results), "baseline", "float32", "cpu", True, 1,
-                                          {"bandwidth": {}, "matmul": {}}, generation="static")
+    cell = bench_inference.inference_cell(test_cfg, str(results), "baseline", "float32", "cpu", {
+        "kv_cache": True, "batch_size": 1, "generation": "static"}, {"bandwidth": {}, "matmul": {}})
     assert cell["status"] == "unavailable" and "static generation is not supported" in cell["reason"]
     assert "does not support `cache_implementation='static'`" in cell["reason"]

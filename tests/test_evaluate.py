@@ -10,7 +10,7 @@ import pytest
 import torch
 import yaml
 
-from efflab import config
+from efflab import config, experiment
 from efflab.config import UserError
 from efflab.evaluation import harness, scores, task
 from efflab.evaluation.task import GEN_TASK, LL_TASK
@@ -175,20 +175,20 @@ def test_an_unknown_task_name_is_one_line_naming_the_key(test_cfg, tmp_path):
 
 def test_the_evaluated_models_are_every_model_the_run_makes_and_a_list_keeps_what_it_is_paired_with(test_cfg):
     cfg = {**test_cfg, "evaluate": {**test_cfg["evaluate"], "models": None}}
-    models = config.evaluated_models(cfg)
+    models = experiment.evaluated_models(cfg)
     assert models["base"]["reference"] is None
     for name, scheme in cfg["quantize"]["schemes"].items():
         assert (f"quantized-{name}" in models) == (scheme["method"] != "none")
-    for name in config.merge_runs(cfg):
+    for name in experiment.merge_runs(cfg):
         assert models[f"merged-{name}"]["reference"] == f"adapter-{name}"
-    chosen = {**cfg, "evaluate": {**cfg["evaluate"], "models": [f"merged-{config.merge_runs(cfg)[0]}"]}}
-    assert set(config.evaluated_models(chosen)) == {f"merged-{config.merge_runs(cfg)[0]}",
-                                                    f"adapter-{config.merge_runs(cfg)[0]}"}
+    chosen = {**cfg, "evaluate": {**cfg["evaluate"], "models": [f"merged-{experiment.merge_runs(cfg)[0]}"]}}
+    assert set(experiment.evaluated_models(chosen)) == {f"merged-{experiment.merge_runs(cfg)[0]}",
+                                                    f"adapter-{experiment.merge_runs(cfg)[0]}"}
     with pytest.raises(UserError, match=r"evaluate\.models: 'quantised-int8' is not a model"):
         config.validate({**cfg, "evaluate": {**cfg["evaluate"], "models": ["quantised-int8"]}})
     # a model of a scheme or strategy this experiment does not have is left out, as that stage's job is
     unmade = {**cfg, "evaluate": {**cfg["evaluate"], "models": ["quantized-nope", "quantized-int8"]}}
-    assert set(config.evaluated_models(config.validate(unmade))) == {"base", "quantized-int8"}
+    assert set(experiment.evaluated_models(config.validate(unmade))) == {"base", "quantized-int8"}
 
 
 def test_a_task_whose_data_cannot_be_loaded_is_unavailable_and_the_others_run(results, test_cfg, tmp_path,

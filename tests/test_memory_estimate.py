@@ -256,8 +256,8 @@ def test_the_frozen_head_copy_is_predicted_exactly_where_this_cpu_makes_it(tmp_p
     assert me.frozen_head_copies_weight(vocab, hidden, dtype) is copies
 
     (tmp_path / "config.json").write_text(json.dumps(TINY | {"vocab_size": vocab, "hidden_size": hidden}))
-    frozen = me.generation_peak(tmp_path, dtype, None, 1, 12, 4, True, frozen=True)["terms_mib"]
-    trainable = me.generation_peak(tmp_path, dtype, None, 1, 12, 4, True, frozen=False)["terms_mib"]
+    frozen = me.generation_peak(tmp_path, dtype, None, me.Generation(1, 12, 4), frozen=True)["terms_mib"]
+    trainable = me.generation_peak(tmp_path, dtype, None, me.Generation(1, 12, 4), frozen=False)["terms_mib"]
     assert "frozen_head_weight_copy" not in trainable
     assert frozen.get("frozen_head_weight_copy", 0) * MiB == (weight_bytes if copies else 0)
 
@@ -277,7 +277,7 @@ def test_a_quantized_layers_transient_is_probed_on_the_model_and_predicted(resul
     biggest = max((m for m in int8.modules() if hasattr(m, "in_features") and m is not int8.lm_head),
                   key=lambda m: m.in_features * m.out_features)
     assert 0 <= transient <= 4 * biggest.in_features * biggest.out_features + 2**16, "at most a fp32 weight copy"
-    args = (folder, "float32", {"method": "int8"}, 1, 12, 4, True)
+    args = (folder, "float32", {"method": "int8"}, me.Generation(1, 12, 4))
     with_it = me.generation_peak(*args, quantized_transient_bytes=transient)
     without = me.generation_peak(*args)
     assert (with_it["total_mib"] - without["total_mib"]) * MiB == pytest.approx(transient)

@@ -1,28 +1,64 @@
-"""Every stage's provenance names the upstream jobs its rule reads, so a replaced base model or dataset marks
-its numbers stale in the report."""
-import re
+"""The DAG is described once, by the stage registry's reads: the rules' inputs, DVC's deps, each job's provenance and
+its skipped check all derive from it, so a replaced base model or dataset marks its numbers stale in the report."""
+import json
 from pathlib import Path
 
 import pytest
+import yaml
 
-from efflab.provenance import upstream_jobs
-from efflab.registry import names as stage_names
+from efflab import config, registry
+from efflab.layout import Layout
+from efflab.provenance import ARTIFACTS
 
-RULES = Path(__file__).resolve().parents[1] / "workflow" / "rules"
-READ_ALL = {"claims", "report"}  # they read every job's metrics, each of which carries its own chain
-
-
-def _inputs(rule_file: Path) -> str:
-    """The text of the rule's input block."""
-    text = rule_file.read_text()
-    return text[text.index("input:"):text.index("output:")]
+REPO = Path(__file__).resolve().parents[1]
+RULES = REPO / "workflow" / "rules"
+NO_READS = {"base_model", "claims", "report"}  # reads nothing earlier; reads every job's record (each its own chain)
 
 
-@pytest.mark.parametrize("rule_file", sorted(p for p in RULES.glob("*.smk") if p.stem not in READ_ALL | {"common"}),
-                         ids=lambda p: p.stem)
-def test_upstream_jobs_cover_what_each_rule_reads(rule_file, test_cfg):
-    stage, inputs = rule_file.stem, _inputs(rule_file)
-    for name in stage_names(test_cfg, stage) or [None]:
-        jobs = upstream_jobs(stage, name, test_cfg)
-        for upstream in sorted(set(re.findall(r'"results/(base_model|prepare_data)/', inputs)) - {stage}):
-            assert upstream in jobs, f"{stage}/{name} reads results/{upstream}/ but its provenance omits it"
+@pytest.mark.parametrize("stage", [s for s in registry.STAGES if s not in NO_READS])
+def test_each_rule_takes_its_inputs_from_the_registry_and_names_no_result_of_its_own(stage):
+    text = (RULES / f"{stage}.smk").read_text()
+    inputs = text[text.index("input:"):text.index("output:")]
+    assert f'unpack(reads("{stage}"))' in inputs and "results/" not in inputs
+
+
+def test_dvc_deps_and_provenance_are_what_the_registry_says_each_job_reads():
+    """dvc.yaml is Snakemake's DAG for params.yaml (test_dvc checks that): each job's deps under results/ are its
+    reads, and its provenance names the job of each."""
+    cfg = config.load(str(REPO / "params.yaml"))
+    dvc = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
+    checked = 0
+    for stage in registry.STAGES:
+        for name in registry.names(cfg, stage) or [None]:
+            read = registry.reads(cfg, stage, name)
+            if read is None:
+                continue
+            deps = {d for d in dvc[f"{stage}-{name}" if name else stage]["deps"] if d.startswith("results/")}
+            assert deps == {f"results/{p}" for p in read}, (stage, name)
+            assert set(registry.upstream_jobs(cfg, stage, name)) == {registry.job_of(p) for p in read}
+            checked += 1
+    assert checked > 20
+
+
+def test_what_a_job_reads_of_another_is_what_that_job_writes():
+    """Every path a job reads is a record, or an artifact its maker hashes into its provenance."""
+    for params in ("params.yaml", "workflow/profiles/gpu/params.yaml", "tests/config/params.test.yaml"):
+        cfg = config.load(str(REPO / params))
+        for stage in registry.STAGES:
+            for name in registry.names(cfg, stage) or [None]:
+                for path in registry.reads(cfg, stage, name) or []:
+                    job = registry.job_of(path)
+                    file = path[len(job) + 1:]
+                    assert file == "metrics.json" or file in ARTIFACTS[job.split("/")[0]], (stage, name, path)
+
+
+def test_a_job_whose_model_was_not_built_is_skipped_naming_why(tmp_path, test_cfg):
+    layout = Layout(tmp_path)
+    for job, status in (("finetune/lora-r8", "failed"), ("base_model", "ok"), ("prepare_data", "ok")):
+        layout.job_metrics(job).parent.mkdir(parents=True)
+        layout.job_metrics(job).write_text(json.dumps({"status": status, "reason": "out of memory"}))
+    for stage, name in (("evaluate", "adapter-lora-r8"), ("merge", "lora-r8")):
+        assert registry.built_on(test_cfg, stage, name) == ["finetune/lora-r8"]
+        assert layout.skipped_because(registry.built_on(test_cfg, stage, name)) == {
+            "status": "skipped", "reason": "finetune lora-r8 is failed: out of memory"}
+    assert registry.built_on(test_cfg, "evaluate", "base") == []  # the base model's failure stops the run instead

@@ -25,10 +25,10 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from efflab import dvcgen
-from efflab.config import adapter_runs
+from efflab.experiment import adapter_runs
 from efflab.registry import STAGES
 from efflab.registry import names as stage_names
+from efflab.tools import dvcgen
 from tests.helpers import BIN, REPO, TEST_PARAMS, run_stage
 
 pytestmark = pytest.mark.slow
@@ -305,7 +305,7 @@ def test_dvc_tracks_the_snakemake_run_and_reruns_what_a_param_change_touches(loc
     shutil.copytree(local_pipeline.wait()["dir"] / "results", tmp_path / "results")
     sh(["git", "init", "-q"], tmp_path)
     sh([BIN / "dvc", "init", "-q"], tmp_path)
-    sh([sys.executable, "-m", "efflab.dvcgen"], tmp_path)
+    sh([sys.executable, "-m", "efflab.tools.dvcgen"], tmp_path)
     assert _dvc_view(tmp_path) == _snakemake_view("params.yaml", tmp_path)
 
     sh([BIN / "dvc", "commit", "-f", "-q"], tmp_path)  # adopt what Snakemake produced

@@ -121,7 +121,7 @@ def main(stage: str, run, argv: list[str] | None = None) -> None:
         log.info("%s%s: start%s", stage, f"[{args.name}]" if args.name else "",
                  f" in SLURM job {slurm_job}" if slurm_job else "")
         try:
-            metrics = run(cfg, Job(layout, args.name, staging, final, args.params))
+            metrics = run(cfg, Job(layout, args.name, staging, final, args.params, stage, cfg["runtime"]))
         except Exception as err:  # recorded, so that the DAG and the report go on around it (stages_failed)
             if STAGES[stage].outputs is None or _missing_result(err, args.results):
                 raise

@@ -8,7 +8,6 @@ The schema also describes every key (`dvc exp run -S` rewrites params.yaml witho
 from __future__ import annotations
 
 import argparse
-import copy
 import functools
 import re
 import sys
@@ -19,10 +18,10 @@ import yaml
 
 from .evaluation.task import TASKS as EVAL_TASKS
 from .evaluation.task import unknown_tasks
+from .experiment import ADAPTER_METHODS, MODEL_KINDS, finetune_run, merge_runs
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCHEMA_PATH = REPO_ROOT / "workflow" / "schemas" / "params.schema.yaml"
-ADAPTER_METHODS = ("lora", "qlora")
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 # A last suffix of letters only (.csv, .jsonl, .gguf) names a file; a hub id's dot is usually a
 # version (Qwen/Qwen2.5-0.5B, meta-llama/Llama-3.2-1B).
@@ -208,7 +207,7 @@ def _cross_check(cfg: dict, source: str) -> None:
     for name in cfg["evaluate"]["models"] or []:
         # a model this experiment does not make (a strategy or run not in its grid, a stage left out) is left out,
         # as the stage's own job is; a name of no kind of model is a mistake
-        if name != "base" and name.split("-", 1)[0] not in EVALUATED_KINDS[1:] or name.endswith("-"):
+        if name != "base" and name.split("-", 1)[0] not in list(MODEL_KINDS)[1:] or name.endswith("-"):
             raise UserError(f"{source}: evaluate.models: {name!r} is not a model this experiment makes "
                             f"(e.g. base, quantized-<scheme>, pruned-<strategy>, adapter-<run>, merged-<run>)")
     for name in cfg["capacity"]["runs"]:
@@ -258,18 +257,6 @@ def _word_no(node):
     return node
 
 
-def _deep_merge(base: dict, over: dict) -> dict:
-    out = copy.deepcopy(base)
-    for key, value in over.items():
-        out[key] = _deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out
-
-
-def finetune_run(cfg: dict, name: str) -> dict:
-    """A finetune run's full settings: finetune.defaults overridden by finetune.runs.<name>."""
-    return _deep_merge(cfg["finetune"]["defaults"], cfg["finetune"]["runs"][name])
-
-
 # The lm-eval metrics the tolerance section gates, in their own units (the rest of a task's metrics are reported,
 # not gated); perplexity_pct is the tolerance of every perplexity change.
 TASK_TOLERANCES = ("bits_per_byte", "chrf", "exact_match", "acc")
@@ -278,57 +265,6 @@ TASK_TOLERANCES = ("bits_per_byte", "chrf", "exact_match", "acc")
 def task_tolerance(cfg: dict) -> dict[str, float]:
     """The tolerance of each gated lm-eval metric: evaluate's gate and qat's task scores."""
     return {m: cfg["tolerance"][m] for m in TASK_TOLERANCES}
-
-
-def base_quant(run: dict) -> dict | None:
-    """The bitsandbytes scheme a fine-tuning run's frozen base is loaded with: QLoRA's 4-bit scheme, else None
-    (full precision). Training, merging, inference and the memory estimates all load that same base."""
-    return run["quant"] if run["method"] == "qlora" else None
-
-
-def adapter_runs(cfg: dict) -> list[str]:
-    """Finetune runs that produce an adapter, so that merge has work to do."""
-    return [n for n, r in cfg["finetune"]["runs"].items() if r["method"] in ADAPTER_METHODS]
-
-
-def merge_runs(cfg: dict) -> list[str]:
-    """The adapter runs the merge stage merges: merge.runs, or every adapter run when it is null."""
-    chosen = cfg["merge"]["runs"]
-    return adapter_runs(cfg) if chosen is None else list(chosen)
-
-
-EVALUATED_KINDS = ("base", "quantized", "pruned", "healed", "adapter", "finetuned", "merged")
-
-
-def evaluated_name(kind: str, of: str | None) -> str:
-    """The evaluate job of a model: "base", or "<kind>-<of>" (quantized-int8, adapter-lora-r8, healed-heads-half)."""
-    return "base" if kind == "base" else f"{kind}-{of}"
-
-
-def evaluated_models(cfg: dict) -> dict[str, dict]:
-    """The models the evaluate stage scores, by job name: the base; each quantize scheme (not the method-none ones:
-    they are the base); each pruned strategy and its healed model; each fine-tune (an adapter on the base it trained
-    on, or a full fine-tune's folder); each merged adapter. Each is {"kind", "of", "reference"}: the job it is paired
-    with (the base, or for a merged model the adapter it came from)."""
-    models = {"base": {"kind": "base", "of": None, "reference": None}}
-    for name, scheme in cfg["quantize"]["schemes"].items():
-        if scheme["method"] != "none":
-            models[evaluated_name("quantized", name)] = {"kind": "quantized", "of": name, "reference": "base"}
-    for name in cfg["prune"]["strategies"]:
-        models[evaluated_name("pruned", name)] = {"kind": "pruned", "of": name, "reference": "base"}
-        if cfg["prune"]["heal"]["steps"] > 0:
-            models[evaluated_name("healed", name)] = {"kind": "healed", "of": name, "reference": "base"}
-    for name, run in cfg["finetune"]["runs"].items():
-        kind = "adapter" if run["method"] in ADAPTER_METHODS else "finetuned"
-        models[evaluated_name(kind, name)] = {"kind": kind, "of": name, "reference": "base"}
-    for name in merge_runs(cfg):
-        models[evaluated_name("merged", name)] = {"kind": "merged", "of": name,
-                                                   "reference": evaluated_name("adapter", name)}
-    chosen = cfg["evaluate"]["models"]
-    if chosen is None:
-        return models
-    kept = set(chosen) | {models[n]["reference"] for n in chosen if n in models and models[n]["reference"]}
-    return {n: m for n, m in models.items() if n in kept}  # what a chosen model is paired with is evaluated too
 
 
 def lookup(cfg: dict, dotted: str):

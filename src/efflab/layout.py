@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
+from .experiment import model_paths
 from .records import is_ok, read
 from .registry import HEALED, LM_EVAL, LOSS_CSV, MODEL, QAT_MODEL, STAGES
 
@@ -39,13 +41,9 @@ class Layout:
         return self.out(stage, name) / MODEL
 
     def variant_folders(self, variant: dict) -> list[Path]:
-        """The earlier stages' folders a variant (bench_inference's, or an evaluated model) loads: an adapter's base,
-        then its own folder."""
-        kind, of = variant["kind"], variant.get("of")
-        return {"base": [self.base_model()], "quantized": [self.model("quantize", of)],
-                "merged": [self.model("merge", of)], "finetuned": [self.model("finetune", of)],
-                "pruned": [self.model("prune", of)], "healed": [self.out("prune", of) / HEALED],
-                "adapter": [self.base_model(), self.model("finetune", of)]}[kind]
+        """The earlier stages' folders a model (bench_inference's variant, or an evaluated model) loads: an adapter's
+        base, then its own folder (experiment.MODEL_KINDS)."""
+        return [self.root / path for path in model_paths(variant["kind"], variant.get("of"))]
 
     def lm_eval_docs(self) -> Path:
         """The documents of efflab's local lm-eval tasks (the validation split; efflab.evaluation.task), written by
@@ -58,6 +56,10 @@ class Layout:
 
     def metrics(self, stage: str, name: str | None = None) -> Path:
         return self.out(stage, name) / METRICS
+
+    def job_metrics(self, job: str) -> Path:
+        """The record of a job named as `stage` or `stage/name` (registry.upstream_jobs, experiment.made_by)."""
+        return self.root / job / METRICS
 
     @staticmethod
     def write_not_run(stage: str, out: Path, status: str, reason: str) -> None:
@@ -76,23 +78,69 @@ class Layout:
                 (out / output).write_text(f"{stage} did not run: {status}: {reason}\n" if output.endswith(".md")
                                           else "")
 
-    def skipped_because(self, stage: str, name: str) -> dict | None:
-        """A 'skipped' result naming why, when the job `stage/name` this one builds on did not succeed
-        (a fine-tuning run that failed or was unavailable on this device): the grid goes on without it."""
-        upstream = read(self, stage, name)
-        if is_ok(upstream):
-            return None
-        return {"status": "skipped",
-                "reason": f"{stage} {name} is {upstream['status']}: {upstream.get('reason', 'no reason given')}"}
+    def skipped_because(self, jobs: list[str]) -> dict | None:
+        """A 'skipped' result naming why, when one of the jobs (`stage/name`) this one builds on did not succeed
+        (registry.built_on: a fine-tuning run that failed or was unavailable on this device): the grid goes on
+        without it."""
+        for job in jobs:
+            stage, _, name = job.partition("/")
+            upstream = read(self, stage, name or None)
+            if not is_ok(upstream):
+                return {"status": "skipped", "reason": f"{stage} {name} is {upstream['status']}: "
+                                                       f"{upstream.get('reason', 'no reason given')}"}
+        return None
 
 
 @dataclass(frozen=True)
 class Job:
     """One job of a stage, as cli.main hands it to the stage's `run(cfg, job)`: where the results are, which grid
     entry it is (None for a single-job stage), the staging folder it writes to (renamed to `final` once its
-    metrics are written) and the params file it was started with."""
+    metrics are written), the params file it was started with, and what every measuring stage sets up the same
+    way, each made when the stage first asks for it: its threads, device, the base model's dtype and tokenizer, and
+    its cell journal."""
     layout: Layout
     name: str | None
     out: Path
     final: Path
     params: str = "params.yaml"
+    stage: str | None = None
+    runtime: dict = field(default_factory=lambda: {"device": "auto", "threads": None})  # params' runtime section
+
+    # torch, transformers and the measuring code are imported when a job first asks for them: the report, the
+    # claims and Snakemake's planning read this module without them.
+    @cached_property
+    def threads(self) -> int:
+        """The CPU threads torch uses (runtime.threads, else OMP_NUM_THREADS, else every core), set once."""
+        from .measure.device import set_threads
+
+        return set_threads(self.runtime)
+
+    @cached_property
+    def device(self):
+        """The torch device runtime.device names (auto: a GPU where there is one), the threads set first."""
+        from .measure.device import pick_device
+
+        _ = self.threads  # set before torch touches the device
+        return pick_device(self.runtime)
+
+    @cached_property
+    def dtype(self) -> str:
+        """The compute dtype base_model recorded."""
+        from .modeling import base_dtype
+
+        return base_dtype(self.layout)
+
+    @cached_property
+    def tokenizer(self):
+        """The base model's tokenizer."""
+        from .modeling import load_tokenizer
+
+        return load_tokenizer(self.layout.base_model())
+
+    def journal(self, settings: dict, file: str | None = None):
+        """The job's cell journal (measure.isolation.CellJournal), a hidden file beside its folder (`file`, else
+        `.<name>.cells.jsonl`, or `.cells.jsonl` for a single-job stage), kept while `settings` are the same."""
+        from .measure.isolation import CellJournal
+
+        file = file or (f".{self.name}.cells.jsonl" if self.name else ".cells.jsonl")
+        return CellJournal(self.layout.out(self.stage) / file, settings)

@@ -18,7 +18,8 @@ from importlib.metadata import version
 from pathlib import Path
 
 from . import model_folder
-from .config import ADAPTER_METHODS, UserError, classify_source, finetune_run
+from .config import UserError, classify_source
+from .experiment import ADAPTER_METHODS, finetune_run
 from .registry import not_asked
 
 # Snakemake runs these checks while it plans the DAG: torch, transformers, peft and huggingface_hub (and the

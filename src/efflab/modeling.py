@@ -16,7 +16,8 @@ import torch
 
 from . import quantization, records
 from .architecture import skeleton
-from .config import UserError, base_quant, finetune_run, missing_input  # noqa: F401 (re-exported)
+from .config import UserError, missing_input  # noqa: F401 (re-exported)
+from .experiment import MODEL_KINDS, base_quant, finetune_run
 from .measure.device import DTYPES
 from .measure.env import FAST_BF16_ISA, cpu_isa, cpu_model
 
@@ -338,8 +339,8 @@ def load_variant(cfg: dict, variant: dict, layout, dtype: str, device: torch.dev
     """An inference variant's model: a saved folder, or a fine-tuning run's adapter on the base it trained on."""
     from peft import PeftModel
 
-    kind, of = variant["kind"], variant.get("of")
-    if kind != "adapter":
-        return load_model(layout.variant_folders(variant)[0], dtype, device)
-    base = load_model(layout.base_model(), dtype, device, quant=base_quant(finetune_run(cfg, of)))
-    return PeftModel.from_pretrained(base, layout.model("finetune", of)).eval()
+    folders = layout.variant_folders(variant)
+    if not MODEL_KINDS[variant["kind"]].on_base:
+        return load_model(folders[0], dtype, device)
+    base = load_model(folders[0], dtype, device, quant=base_quant(finetune_run(cfg, variant["of"])))
+    return PeftModel.from_pretrained(base, folders[-1]).eval()

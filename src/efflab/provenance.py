@@ -14,14 +14,14 @@ import os
 from pathlib import Path
 
 from . import records
-from .config import evaluated_models
+from .experiment import MODEL_KINDS
+from .registry import TASK, TRAIN, VALIDATION, upstream_jobs
 
-# What each stage writes that later jobs read (relative to its job folder).
-ARTIFACTS = {"base_model": ("model",), "prepare_data": ("train.parquet", "validation.parquet", "lm_eval"),
-             "quantize": ("model",), "finetune": ("model",), "merge": ("model",), "prune": ("model", "healed")}
-# The stage that made each kind of model an evaluate job loads.
-MADE_BY = {"quantized": "quantize", "merged": "merge", "adapter": "finetune", "finetuned": "finetune",
-           "pruned": "prune", "healed": "prune"}
+# What each stage writes that later jobs read (relative to its job folder): the folders of the models it makes
+# (experiment.MODEL_KINDS), and prepare_data's splits and task documents.
+ARTIFACTS = {stage: tuple(dict.fromkeys(k.folder for k in MODEL_KINDS.values() if k.stage == stage))
+             for stage in dict.fromkeys(k.stage for k in MODEL_KINDS.values())} | {
+    "prepare_data": tuple(path.split("/", 1)[1] for path in (TRAIN, VALIDATION, TASK))}
 
 
 def content_sha256(paths: list[Path]) -> str:
@@ -38,35 +38,6 @@ def content_sha256(paths: list[Path]) -> str:
                 for block in iter(lambda: f.read(1 << 20), b""):
                     digest.update(block)
     return digest.hexdigest()
-
-
-def upstream_jobs(stage: str, name: str | None, cfg: dict) -> list[str]:
-    """The earlier jobs (`stage` or `stage/name`) whose artifacts this job reads."""
-    base = ["base_model", "prepare_data"]
-    if stage == "prepare_data":
-        return ["base_model"]  # its tokenizer
-    if stage == "quantize":
-        baseline = cfg["report"]["baseline_scheme"]
-        return base + ([f"quantize/{baseline}"] if name != baseline else [])
-    if stage in ("finetune", "bench_finetune", "prune", "qat", "bench_serving"):
-        return base
-    if stage == "merge":
-        return base + [f"finetune/{name}"]
-    if stage == "bench_attention":
-        return ["base_model"]
-    if stage == "bench_inference":
-        variant = cfg["bench_inference"]["variants"][name]
-        of = {"quantized": "quantize", "merged": "merge", "adapter": "finetune"}.get(variant["kind"])
-        return base + ([f"{of}/{variant['of']}"] if of else [])  # the validation rows give its prompts
-    if stage == "capacity":
-        variants = [cfg["bench_inference"]["variants"][v] for v in cfg["capacity"]["variants"]]
-        of = {"quantized": "quantize", "merged": "merge", "adapter": "finetune"}
-        return base + sorted({f"{of[v['kind']]}/{v['of']}" for v in variants if v["kind"] in of})
-    if stage == "evaluate":
-        model = evaluated_models(cfg)[name]
-        made = [f"{MADE_BY[model['kind']]}/{model['of']}"] if model["kind"] in MADE_BY else []
-        return base + made + ([f"evaluate/{model['reference']}"] if model["reference"] else [])
-    return []  # claims and report read every job's metrics, each of which carries its own chain
 
 
 def _metrics(layout, job: str) -> dict:
@@ -99,7 +70,7 @@ def record(stage: str, name: str | None, cfg: dict, layout, out: Path) -> dict:
     """The provenance block of a job that has just written `out`: its artifacts' hash, its inputs' chain and
     the tool that ran it."""
     inputs = {}
-    for job in upstream_jobs(stage, name, cfg):
+    for job in upstream_jobs(cfg, stage, name):
         upstream = _metrics(layout, job).get("provenance", {})
         inputs[job] = {"sha256": upstream.get("outputs_sha256"), "inputs": upstream.get("inputs", {})}
     artifacts = [out / a for a in ARTIFACTS.get(stage, ()) if (out / a).exists()]

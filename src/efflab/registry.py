@@ -10,11 +10,10 @@ import re
 from dataclasses import dataclass
 from typing import Callable
 
-from .config import TASK_TOLERANCES, evaluated_models, finetune_run, lookup, merge_runs
+from .config import TASK_TOLERANCES, lookup
+from .experiment import HEALED, MODEL, evaluated_models, finetune_run, merge_runs, model_paths
 
-# What stages write besides metrics.json, by name (layout says where).
-MODEL = "model"
-HEALED = "healed"  # prune's LoRA-healed model
+# What stages write besides metrics.json, by name (layout says where; experiment.MODEL_KINDS which holds a model).
 QAT_MODEL = "finetuned"  # qat's full-precision fine-tune
 LOSS_CSV = "loss.csv"  # finetune's loss curve
 LM_EVAL = "lm_eval"  # evaluate's task folder: efflab's lm-eval tasks as the job scored them (efflab.evaluation.task)
@@ -48,11 +47,44 @@ class Stage:
     # The figures a person compares across experiments: paths into its record (efflab.figures), written to each
     # job's figures.json, its DVC metric. A few per job, so that `dvc exp show` stays a table one can read.
     figures: tuple[str, ...] = ()
+    # What a job reads of earlier jobs: paths under the results folder (`stage/name/file`, `stage/file`), given the
+    # params and its grid entry. The rule's inputs, its provenance, DVC's deps and its skipped check derive from
+    # it. None: every job's record (claims, report), each of which carries its own chain.
+    reads: Callable[[dict, str | None], list[str]] | None = None
 
 
 # How a model is scored (the evaluate stage; qat scores its models in its own job through the same code).
 EVALUATION = ("evaluate.docs", "evaluate.max_new_tokens", "evaluate.batch_size",
               "evaluate.bootstrap_iters", *(f"tolerance.{m}" for m in TASK_TOLERANCES))
+
+
+# What jobs read of the first two stages: the base model's record (its size scales every job's resources; its
+# folder is read through it) and prepare_data's splits and task documents.
+BASE, TRAIN, VALIDATION, TASK = ("base_model/metrics.json", "prepare_data/train.parquet",
+                                 "prepare_data/validation.parquet", f"prepare_data/{LM_EVAL}")
+
+
+def _reading(*paths: str) -> Callable[[dict, str | None], list[str]]:
+    return lambda cfg, name: list(paths)
+
+
+def _quantize_reads(cfg: dict, name: str | None) -> list[str]:
+    """A scheme is compared with the baseline scheme, so it reads the baseline's record."""
+    baseline = cfg["report"]["baseline_scheme"]
+    return [BASE, VALIDATION] + ([f"quantize/{baseline}/metrics.json"] if name != baseline else [])
+
+
+def _variant_model(cfg: dict, name: str) -> str:
+    """The model folder a bench_inference variant loads (an adapter's own: its base is read through BASE)."""
+    variant = cfg["bench_inference"]["variants"][name]
+    return model_paths(variant["kind"], variant.get("of"))[-1]
+
+
+def _evaluate_reads(cfg: dict, name: str | None) -> list[str]:
+    """The evaluated model's folders, the task documents, and the record of the model it is paired with."""
+    model = evaluated_models(cfg)[name]
+    reference = [f"evaluate/{model['reference']}/metrics.json"] if model["reference"] else []
+    return [BASE, TASK, *model_paths(model["kind"], model["of"]), *reference]
 
 
 def _stages(*stages: Stage) -> dict[str, Stage]:
@@ -64,14 +96,17 @@ def _stages(*stages: Stage) -> dict[str, Stage]:
 # model and its activations.
 STAGES = _stages(
     Stage("base_model", ("runtime", "base_model"), runtime_min=15, mem_factor=3,
-          figures=("dtype", "parameters", "memory_footprint_bytes")),
+          figures=("dtype", "parameters", "memory_footprint_bytes"),
+          reads=_reading()),
     Stage("prepare_data", ("prepare_data",), runtime_min=10,
-          figures=("train.rows", "train.tokens", "validation.rows")),
+          figures=("train.rows", "train.tokens", "validation.rows"),
+          reads=_reading(BASE)),
     Stage("quantize", ("runtime", "quantize.eval_rows", "quantize.batch_size", "quantize.schemes.{name}",
                        "report.baseline_scheme"), runtime_min=20, mem_factor=3,
           grid=lambda cfg: list(cfg["quantize"]["schemes"]), outputs=(MODEL,), gpu=True,
           figures=("memory_footprint_bytes", "footprint_ratio_vs_base", "perplexity_change.change_pct",
-                   "perplexity_change.ci95_change_pct")),
+                   "perplexity_change.ci95_change_pct"),
+          reads=_quantize_reads),
     Stage("prune", ("runtime", "prune.importance", "prune.calibration_rows", "prune.eval_rows", "prune.prompt",
                     "prune.max_new_tokens", "prune.repeats", "prune.heal", "prune.strategies.{name}"),
           runtime_min=20, mem_factor=3, grid=lambda cfg: list(cfg["prune"]["strategies"]),
@@ -79,34 +114,40 @@ STAGES = _stages(
           outputs=(MODEL, HEALED), gpu=True,
           figures=("parameter_ratio", "footprint_ratio", "pruned.perplexity_change.change_pct",
                    "pruned.perplexity_change.ci95_change_pct", "generation_speedup.median", "generation_speedup.ci95",
-                   "generation_speedup.verdict")),
+                   "generation_speedup.verdict"),
+          reads=_reading(BASE, TRAIN, VALIDATION)),
     Stage("qat", ("runtime", "qat", "tolerance.perplexity_pct", *EVALUATION), runtime_min=40, mem_factor=6,
           left_out=("qat.bits is empty", lambda cfg: not cfg["qat"]["bits"]),
           outputs=(QAT_MODEL, "evals.csv", "losses.csv"), gpu=True,
-          figures=("variants[variant].perplexity",)),
+          figures=("variants[variant].perplexity",),
+          reads=_reading(BASE, TRAIN, VALIDATION, TASK)),
     Stage("finetune", ("runtime", "finetune.defaults", "finetune.runs.{name}", "profile"), runtime_min=60,
           mem_factor={"full": 5, "lora": 2, "qlora": 2}, grid=lambda cfg: list(cfg["finetune"]["runs"]),
           left_out=("finetune.runs is empty", lambda cfg: not cfg["finetune"]["runs"]),
           outputs=(MODEL, LOSS_CSV), gpu=True, profiled=True,
-          figures=("tokens_per_s", "step_time", "train_memory.peak_mib", "train_memory.kind", "validation_after.loss")),
+          figures=("tokens_per_s", "step_time", "train_memory.peak_mib", "train_memory.kind", "validation_after.loss"),
+          reads=_reading(BASE, TRAIN, VALIDATION)),
     Stage("merge", ("runtime", "merge", "finetune.defaults", "finetune.runs.{name}"), runtime_min=20, mem_factor=3,
           grid=merge_runs,
           left_out=("no adapter run to merge (merge.runs, finetune.runs)", lambda cfg: not merge_runs(cfg)),
           outputs=(MODEL,), gpu=True,
-          figures=("merged.max_abs_logit_diff", "merged.perplexity_change.change_pct")),
+          figures=("merged.max_abs_logit_diff", "merged.perplexity_change.change_pct"),
+          reads=lambda cfg, name: [BASE, VALIDATION, model_paths("adapter", name)[-1]]),
     Stage("bench_finetune", ("runtime", "bench_finetune", "finetune.defaults", "finetune.runs"), runtime_min=30,
           mem_factor=7,
           left_out=("finetune.runs has fewer than two runs to compare", lambda cfg: len(cfg["finetune"]["runs"]) < 2),
           outputs=(), gpu=True,
           figures=("pairs[a,b].step_time_ratio.median", "pairs[a,b].step_time_ratio.ci95",
-                   "pairs[a,b].step_time_ratio.verdict")),
+                   "pairs[a,b].step_time_ratio.verdict"),
+          reads=_reading(BASE, TRAIN)),
     Stage("bench_attention", ("runtime", "bench_attention.seq_lens", "bench_attention.batch_sizes",
                               "bench_attention.modes", "bench_attention.warmup", "bench_attention.repeats"),
           runtime_min=20, mem_factor=2, grid=lambda cfg: list(cfg["bench_attention"]["implementations"]),
           left_out=("bench_attention.implementations is empty",
                     lambda cfg: not cfg["bench_attention"]["implementations"]),
           outputs=(), gpu=True,
-          figures=("rows[mode,seq_len,batch_size].latency",)),
+          figures=("rows[mode,seq_len,batch_size].latency",),
+          reads=_reading(BASE)),
     Stage("bench_inference", ("runtime", "bench_inference.max_new_tokens", "bench_inference.warmup",
                               "bench_inference.repeats", "bench_inference.kv_cache", "bench_inference.batch_sizes",
                               "bench_inference.generation", "bench_inference.prompts", "bench_inference.variants.{name}", "profile"),
@@ -115,11 +156,13 @@ STAGES = _stages(
           outputs=(), gpu=True, profiled=True,
           figures=tuple(f"cells[kv_cache,batch_size,generation].{f}" for f in (
               "decode_tokens_per_s", "ttft", "memory.peak_mib", "roofline.bandwidth_fraction",
-              "generation_tokens_per_s"))),
+              "generation_tokens_per_s")),
+          reads=lambda cfg, name: [BASE, VALIDATION, _variant_model(cfg, name)]),
     Stage("bench_serving", ("runtime", "bench_serving"), runtime_min=20, mem_factor=3,
           left_out=("bench_serving.methods is empty", lambda cfg: not cfg["bench_serving"]["methods"]),
           outputs=("requests.csv",), gpu=True,
-          figures=("cells[method,concurrency].output_tokens_per_s",)),
+          figures=("cells[method,concurrency].output_tokens_per_s",),
+          reads=_reading(BASE, TRAIN, VALIDATION)),
     Stage("capacity", ("runtime", "capacity", "finetune.defaults", "finetune.runs.{capacity.runs}",
                        "bench_inference.variants.{capacity.variants}.kind",
                        "bench_inference.variants.{capacity.variants}.of"),
@@ -127,12 +170,15 @@ STAGES = _stages(
           left_out=("capacity.runs and capacity.variants are empty",
                     lambda cfg: not cfg["capacity"]["runs"] and not cfg["capacity"]["variants"]),
           outputs=("cells.csv",), gpu=True,
-          figures=("searches[subject,kind,dimension].measured_max",)),
+          figures=("searches[subject,kind,dimension].measured_max",),
+          reads=lambda cfg, name: [BASE, TRAIN, *sorted({_variant_model(cfg, v)
+                                                         for v in cfg["capacity"]["variants"]})]),
     Stage("evaluate", ("runtime", "evaluate.tasks", *EVALUATION, "evaluate.samples"),
           runtime_min=20, mem_factor=3, grid=lambda cfg: list(evaluated_models(cfg)), outputs=(LM_EVAL,), gpu=True,
           left_out=("evaluate.models is empty", lambda cfg: not evaluated_models(cfg)),
           timed=False,
-          figures=("tasks.*.metrics.*.value", "gate.verdict")),
+          figures=("tasks.*.metrics.*.value", "gate.verdict"),
+          reads=_evaluate_reads),
     Stage("claims", ("claims", "tolerance"), runtime_min=10, outputs=("claims.csv", "claims.md", "summary.json"),
           figures=("by_verdict",)),
     Stage("report", ("report", "tolerance"), runtime_min=10,
@@ -149,6 +195,32 @@ def names(cfg: dict, stage: str) -> list[str] | None:
     """The names a stage's jobs run over, or None for a single-job stage."""
     grid = STAGES[stage].grid
     return None if grid is None else grid(cfg)
+
+
+def reads(cfg: dict, stage: str, name: str | None = None) -> list[str] | None:
+    """What the job `stage`/`name` reads of earlier jobs, as paths under the results folder (Stage.reads), or None
+    for a stage that reads every job's record."""
+    read = STAGES[stage].reads
+    return None if read is None else read(cfg, name)
+
+
+def job_of(path: str) -> str:
+    """The job (`stage` or `stage/name`) whose folder a path under the results folder is in."""
+    stage, name, *_ = path.split("/") + [""]
+    return stage if STAGES[stage].grid is None else f"{stage}/{name}"
+
+
+def upstream_jobs(cfg: dict, stage: str, name: str | None = None) -> list[str]:
+    """The earlier jobs a job reads, each once, in the order it reads them ([] for a stage that reads every
+    job's record: each record carries its own chain)."""
+    return list(dict.fromkeys(job_of(path) for path in reads(cfg, stage, name) or []))
+
+
+def built_on(cfg: dict, stage: str, name: str | None = None) -> list[str]:
+    """The earlier jobs whose artifacts (not just their records) a job loads and which can fail without stopping
+    the run (their stage writes its outputs empty): where one did not succeed, the job is skipped."""
+    return list(dict.fromkeys(job_of(path) for path in reads(cfg, stage, name) or []
+                              if not path.endswith("/metrics.json") and STAGES[path.split("/")[0]].outputs))
 
 
 def not_asked(cfg: dict, stage: str) -> str | None:

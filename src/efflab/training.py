@@ -18,7 +18,8 @@ from contextlib import nullcontext
 import torch
 
 from . import architecture
-from .config import UserError, base_quant
+from .config import UserError
+from .experiment import base_quant
 from .modeling import load_model
 
 # transformers, peft and bitsandbytes take seconds to import: they are imported inside the functions that use them.

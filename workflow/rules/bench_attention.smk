@@ -1,7 +1,7 @@
 rule bench_attention:
     input:
         module("bench_attention"),
-        base="results/base_model/metrics.json",
+        unpack(reads("bench_attention")),
     output:
         metrics="results/bench_attention/{name}/metrics.json",
         figures="results/bench_attention/{name}/figures.json",

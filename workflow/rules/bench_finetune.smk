@@ -2,8 +2,7 @@ rule bench_finetune:
     input:
         module("bench_finetune"),
         module("finetune"),
-        base="results/base_model/metrics.json",
-        train="results/prepare_data/train.parquet",
+        unpack(reads("bench_finetune")),
     output:
         metrics="results/bench_finetune/metrics.json",
         figures="results/bench_finetune/figures.json",

@@ -1,9 +1,7 @@
 rule bench_inference:
     input:
-        unpack(inference_inputs),
         module("bench_inference"),
-        base="results/base_model/metrics.json",
-        validation="results/prepare_data/validation.parquet",
+        unpack(reads("bench_inference")),
     output:
         metrics="results/bench_inference/{name}/metrics.json",
         figures="results/bench_inference/{name}/figures.json",

@@ -1,9 +1,7 @@
 rule bench_serving:
     input:
         module("bench_serving"),
-        base="results/base_model/metrics.json",
-        train="results/prepare_data/train.parquet",
-        validation="results/prepare_data/validation.parquet",
+        unpack(reads("bench_serving")),
     output:
         requests="results/bench_serving/requests.csv",
         metrics="results/bench_serving/metrics.json",

@@ -1,9 +1,7 @@
 rule capacity:
     input:
-        capacity_inputs,
         module("capacity"),
-        base="results/base_model/metrics.json",
-        train="results/prepare_data/train.parquet",
+        unpack(reads("capacity")),
     output:
         cells="results/capacity/cells.csv",
         metrics="results/capacity/metrics.json",

@@ -6,8 +6,7 @@ import tempfile
 from pathlib import Path
 
 from efflab import config as efflab_config
-from efflab import gpu_slots, model_check, registry, zygote
-from efflab.layout import Layout
+from efflab import experiment, gpu_slots, model_check, registry, zygote
 
 # The stage CLIs read the params file themselves, so the DAG must be built from that same file alone:
 # --configfile FILE names a whole experiment, which replaces params.yaml (Snakemake would otherwise merge it
@@ -129,34 +128,14 @@ def names(stage):
     return registry.names(config, stage)
 
 
-def quantize_reference(wildcards):
-    """Every scheme is compared with the baseline scheme, so it waits for the baseline's metrics."""
-    baseline = config["report"]["baseline_scheme"]
-    return [] if wildcards.name == baseline else [f"results/quantize/{baseline}/metrics.json"]
-
-
-def variant_folder(name):
-    """The model folder a bench_inference variant loads (an adapter's own; the layout also lists its base)."""
-    return str(Layout(Path("results")).variant_folders(config["bench_inference"]["variants"][name])[-1])
-
-
-def inference_inputs(wildcards):
-    return {"model": variant_folder(wildcards.name)}
-
-
-def evaluate_inputs(wildcards):
-    """What an evaluated model loads (its folders), and the metrics of the model it is paired with."""
-    model = efflab_config.evaluated_models(config)[wildcards.name]
-    layout = Layout(Path("results"))
-    inputs = {"model": [str(p) for p in layout.variant_folders(model)]}
-    if model["reference"]:
-        inputs["reference"] = str(layout.metrics("evaluate", model["reference"]))
+def reads(stage):
+    """What a job reads of earlier jobs (registry.Stage.reads): its inputs, the base model's record named `base`
+    (its size scales the job's resources)."""
+    def inputs(wildcards):
+        paths = [str(Path("results") / p) for p in registry.reads(config, stage, wildcards.get("name"))]
+        base = "results/base_model/metrics.json"
+        return {"base": base, "reads": [p for p in paths if p != base]} if base in paths else {"reads": paths}
     return inputs
-
-
-def capacity_inputs(wildcards):
-    """The model folders of the bench_inference variants the capacity stage searches."""
-    return sorted({variant_folder(v) for v in config["capacity"]["variants"]})
 
 
 # Resources, under the standard names that both the local scheduler and the SLURM executor read:
@@ -211,7 +190,7 @@ def runtime(stage):
     def estimate(wildcards, input, attempt):
         minutes = registry.STAGES[stage].runtime_min * max(1.0, model_mb(input) / 1000)
         if stage == "finetune":
-            minutes *= max(1.0, efflab_config.finetune_run(config, wildcards.name)["max_steps"] / 100)
+            minutes *= max(1.0, experiment.finetune_run(config, wildcards.name)["max_steps"] / 100)
         return int(minutes * 2 ** (attempt - 1))
     return estimate
 

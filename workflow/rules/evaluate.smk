@@ -1,9 +1,7 @@
 rule evaluate:
     input:
-        unpack(evaluate_inputs),
         module("evaluate"),
-        base="results/base_model/metrics.json",
-        task="results/prepare_data/lm_eval",
+        unpack(reads("evaluate")),
     output:
         task=directory("results/evaluate/{name}/lm_eval"),
         metrics="results/evaluate/{name}/metrics.json",

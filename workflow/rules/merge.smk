@@ -1,9 +1,7 @@
 rule merge:
     input:
         module("merge"),
-        adapter="results/finetune/{name}/model",
-        base="results/base_model/metrics.json",
-        validation="results/prepare_data/validation.parquet",
+        unpack(reads("merge")),
     output:
         model=directory("results/merge/{name}/model"),
         metrics="results/merge/{name}/metrics.json",

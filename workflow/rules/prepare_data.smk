@@ -2,7 +2,7 @@ rule prepare_data:
     input:
         module("prepare_data"),
         local_source("prepare_data"),
-        base="results/base_model/metrics.json",
+        unpack(reads("prepare_data")),
     output:
         train="results/prepare_data/train.parquet",
         validation="results/prepare_data/validation.parquet",

@@ -1,9 +1,7 @@
 rule prune:
     input:
         module("prune"),
-        base="results/base_model/metrics.json",
-        train="results/prepare_data/train.parquet",
-        validation="results/prepare_data/validation.parquet",
+        unpack(reads("prune")),
     output:
         model=directory("results/prune/{name}/model"),
         healed=directory("results/prune/{name}/healed"),

@@ -1,10 +1,7 @@
 rule qat:
     input:
         module("qat"),
-        base="results/base_model/metrics.json",
-        train="results/prepare_data/train.parquet",
-        validation="results/prepare_data/validation.parquet",
-        task="results/prepare_data/lm_eval",
+        unpack(reads("qat")),
     output:
         finetuned=directory("results/qat/finetuned"),
         evals="results/qat/evals.csv",

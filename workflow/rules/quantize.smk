@@ -1,9 +1,7 @@
 rule quantize:
     input:
         module("quantize"),
-        quantize_reference,
-        base="results/base_model/metrics.json",
-        validation="results/prepare_data/validation.parquet",
+        unpack(reads("quantize")),
     output:
         model=directory("results/quantize/{name}/model"),
         metrics="results/quantize/{name}/metrics.json",

@@ -285,9 +285,10 @@ def float_format(dtype: str) -> dict:
     return {"bits": info.bits, "sign": 1, "exponent": info.bits - 1 - mantissa, "mantissa": mantissa}
 
 
-def training_memory(name: str, method: str, seq_len: int, batch: int, rank: int = 8, targets="all-linear",
+def training_memory(name: str, method: str, seq_len: int, batch: int, lora: tuple = (8, "all-linear"),
                     checkpointing: bool = False, flash: bool = False, compute_dtype: str = "bfloat16") -> dict:
-    """Weights + gradients + optimizer + activations of one training step, single device, Adam.
+    """Weights + gradients + optimizer + activations of one training step, single device, Adam; `lora`: the
+    adapters' (rank, targets).
 
     full-fp32: 4 + 4 + 8 bytes/param. full-mixed: 16-bit weights and gradients, fp32 master + moments
     (2 + 2 + 12, ZeRO's 16Ψ). lora: 16-bit frozen base; adapters in fp32 (peft upcasts them) with fp32
@@ -302,7 +303,7 @@ def training_memory(name: str, method: str, seq_len: int, batch: int, rank: int 
         states = model_state_bytes(n, n, 2, 2, MIXED_PRECISION_ADAM_BYTES)
         width = bytes_per_element(compute_dtype)
     elif method in ("lora", "qlora"):
-        t = lora_parameters(name, rank, targets)
+        t = lora_parameters(name, *lora)  # (rank, targets)
         states = model_state_bytes(n, t, 2, 4, ADAM_MOMENTS_BYTES, trainable_bytes=4)
         if method == "qlora":
             states["weights"] = bnb_footprint(name, "nf4", double_quant=True, compute_dtype=compute_dtype)["total"]

@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import torch
 
 from .. import architecture, quantization
-from ..config import base_quant, finetune_run
+from ..experiment import base_quant, finetune_run
 from ..measure.device import DTYPES
 from ..measure.memory import live_tensor_bytes
 from . import analytic
@@ -290,9 +291,18 @@ def training_peak(folder, run: dict, dtype: str, precision: str, lengths: list[i
     }
 
 
-def generation_peak(folder, dtype: str, quant: dict | None, batch: int, prompt_len: int, new_tokens: int,
-                    kv_cache: bool, frozen: bool = False, device: str = "cpu",
-                    quantized_transient_bytes: int = 0) -> dict:
+@dataclass(frozen=True)
+class Generation:
+    """The shape of a greedy generation: prompts a batch, each `prompt_len` tokens, `new_tokens` generated, with or
+    without the KV cache."""
+    batch: int
+    prompt_len: int
+    new_tokens: int
+    kv_cache: bool = True
+
+
+def generation_peak(folder, dtype: str, quant: dict | None, shape: Generation, frozen: bool = False,
+                    device: str = "cpu", quantized_transient_bytes: int = 0) -> dict:
     """Predicted peak of what greedy generation adds over the loaded model: the KV cache at its final length
     (plus the one layer's old K and V that DynamicCache's torch.cat copies while growing), the largest
     transient of a forward pass (the gated MLP of the prefill: gate, SiLU(gate) and up), the last position's
@@ -307,6 +317,7 @@ def generation_peak(folder, dtype: str, quant: dict | None, batch: int, prompt_l
     resident model, for reference: it is in the baseline, not in the compared delta."""
     a = _arch(folder)
     el = ELEMENT_BYTES[dtype]
+    batch, prompt_len, new_tokens, kv_cache = shape.batch, shape.prompt_len, shape.new_tokens, shape.kv_cache
     final = prompt_len + new_tokens - 1  # the last generated token is never fed back
     kv_width = 2 * a["kv_heads"] * a["head_dim"]
     terms = {}

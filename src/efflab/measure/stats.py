@@ -105,13 +105,12 @@ def rounds_to_decide(median: float, lo: float, hi: float, n: int | None, centre:
 
 
 def compare(median: float | None, lo: float | None, hi: float | None, *, n: int | None = None,
-            centre: float = 1.0, band: float = EQUIVALENCE_MARGIN, relative: bool = True, unit: str = "",
             higher: str = "faster", lower: str = "slower", why: str | None = None) -> str:
-    """The verdict of one comparison in the one vocabulary: `higher` / `lower` where the interval lies wholly
-    above / below `centre`; "same within ±band" where it lies inside the band around it (relative: a ratio
-    within [c/(1+band), c(1+band)]; else c ± band in `unit`); else "not decided at this size", with the rounds
-    that would decide it where computable. `why`: the reason there is no comparison (e.g. the machine's speed
-    changed)."""
+    """The verdict of one ratio in the one vocabulary: `higher` / `lower` where the interval lies wholly above /
+    below 1; "same within ±band" where it lies inside [1/(1+band), 1+band] (band: EQUIVALENCE_MARGIN); else "not
+    decided at this size", with the rounds that would decide it where computable. `why`: the reason there is no
+    comparison (e.g. the machine's speed changed)."""
+    centre, band = 1.0, EQUIVALENCE_MARGIN
     if why:
         return f"not decided: {why.removeprefix('not a verdict: ')}"
     if median is None:
@@ -122,9 +121,9 @@ def compare(median: float | None, lo: float | None, hi: float | None, *, n: int 
         return higher
     if hi < centre:
         return lower
-    band_lo, band_hi = (centre / (1 + band), centre * (1 + band)) if relative else (centre - band, centre + band)
+    band_lo, band_hi = centre / (1 + band), centre * (1 + band)
     if band_lo <= lo and hi <= band_hi:
-        return same_within(band, relative, unit)
+        return same_within(band)
     need = rounds_to_decide(median, lo, hi, n, centre, band_lo, band_hi)
     return NOT_DECIDED + (f" (about n={need} would decide it; n={n} here)" if need and need > n else "")
 

@@ -15,7 +15,7 @@ import torch
 from .. import cli, model_check, model_folder
 from ..config import UserError, classify_source
 from ..layout import Job
-from ..measure.device import DTYPES, pick_device, set_threads
+from ..measure.device import DTYPES
 from ..measure.env import environment
 from ..measure.flops import count_parameters, gpu_matmul_rates, resolve_dtype
 from ..measure.memory import cuda_context_mib
@@ -120,11 +120,11 @@ def run(cfg: dict, job: Job) -> dict:
     import transformers.modeling_utils  # noqa: F401  (imported here, so that materialize_s times no import)
 
     bm = cfg["base_model"]
-    set_threads(cfg["runtime"])
+    _ = job.threads  # before anything loads
     kind = classify_source(bm["source"], "base_model.source")
     model_folder.check(bm)  # a local folder that cannot load: one line naming the file, before anything loads
     where, kwargs = _from_pretrained_kwargs(bm, kind)
-    device = pick_device(cfg["runtime"])
+    device = job.device
     dtype_name, dtype_choice = resolve_dtype(bm["dtype"], device)
     log.info("compute dtype: %s (%s)", dtype_name, dtype_choice.get("reason", "as configured"))
     tokenizer, model_config, metadata_from = tokenizer_and_config(cfg, job, kind, where, kwargs)

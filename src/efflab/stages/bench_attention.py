@@ -25,13 +25,13 @@ import torch
 
 from .. import cli, model_check, records
 from ..layout import Job
-from ..measure.device import pick_device, set_threads, synchronize
+from ..measure.device import synchronize
 from ..measure.env import environment
-from ..measure.isolation import CellJournal, prestart, run_cell
+from ..measure.isolation import prestart, run_cell
 from ..measure.memory import allocated_delta, track_memory
 from ..measure.stats import speedup
 from ..measure.timing import INTERLEAVE_RECORD, SENTINEL_TOLERANCE, interleave, time_fn
-from ..modeling import base_dtype, load_model, shape_only
+from ..modeling import load_model, shape_only
 
 # transformers and torch.nn.attention's kernels are imported where they are used: a benchmark cell runs in a
 # process of its own and imports only what it needs.
@@ -137,13 +137,14 @@ def _frozen_decoder(folder: str, dtype: str, device: torch.device, impl: str):
     return model.get_decoder()
 
 
-def attention_cell(folder: str, dtype: str, device: str, impl: str, seq_len: int, batch_size: int, mode: str,
-                   warmup: int, repeats: int, sentinel_tolerance: float = SENTINEL_TOLERANCE) -> dict:
-    """Measure one (implementation, sequence length, batch size, mode) cell: memory, then the difference from
-    eager and the latency interleaved with eager's on the same inputs (so the speedup has an interval and
-    drift cancels). Where eager itself cannot run (out of memory at long lengths), the implementation is
-    timed alone and the comparison says why it is missing."""
+def attention_cell(folder: str, dtype: str, device: str, cell: dict, warmup: int, repeats: int,
+                   sentinel_tolerance: float = SENTINEL_TOLERANCE) -> dict:
+    """Measure one cell ({implementation, mode, seq_len, batch_size}): memory, then the difference from eager and
+    the latency interleaved with eager's on the same inputs (so the speedup has an interval and drift cancels).
+    Where eager itself cannot run (out of memory at long lengths), the implementation is timed alone and the
+    comparison says why it is missing."""
     device = torch.device(device)
+    impl, mode, seq_len, batch_size = cell["implementation"], cell["mode"], cell["seq_len"], cell["batch_size"]
     decoder = _frozen_decoder(folder, dtype, device, impl)
     ids = _inputs(decoder, seq_len, batch_size, device)
     mine = lambda r=None: _step(decoder, ids, mode)  # noqa: E731
@@ -206,18 +207,15 @@ def fit_exponent(rows: list[dict]) -> dict:
 def run(cfg: dict, job: Job) -> dict:
     """Benchmark one attention implementation over the configured grid."""
     b, rt, impl, layout = cfg["bench_attention"], cfg["runtime"], job.name, job.layout
-    set_threads(rt)
     prestart(rt["isolation"], light=True)  # the cells' forkserver imports beside this job (a model: no Trainer)
-    device = pick_device(rt)
-    dtype = base_dtype(layout)
+    device, dtype = job.device, job.dtype
     skeleton = shape_only(layout.base_model())
     offers = model_check.attention_offers(skeleton)
     if ("sdpa" if impl.startswith("sdpa") else impl) not in offers:  # recorded as unavailable (cli.not_run)
         raise NotImplementedError(f"{type(skeleton).__name__} does not support {impl} in transformers "
                                   f"{version('transformers')} (it offers {', '.join(offers)})")
     reason = unavailable_reason(impl, device)
-    journal = CellJournal(layout.out("bench_attention") / f".{impl}.cells.jsonl",
-                          {"bench_attention": b, "runtime": rt, "base": layout.metrics("base_model").read_text()})
+    journal = job.journal({"bench_attention": b, "runtime": rt, "base": layout.metrics("base_model").read_text()})
     if journal.resumed:
         log.info("%s: %d cells measured before this run was stopped are taken from %s", impl, journal.resumed,
                  journal.path)
@@ -233,8 +231,8 @@ def run(cfg: dict, job: Job) -> dict:
                     group.append(cell | {"status": "unavailable", "reason": mode_reason})
                     continue
                 result = journal.result(cell, lambda: run_cell(attention_cell, dict(
-                    folder=str(layout.base_model()), dtype=dtype, device=str(device), impl=impl, seq_len=seq_len,
-                    batch_size=batch_size, mode=mode, warmup=b["warmup"], repeats=b["repeats"]),
+                    folder=str(layout.base_model()), dtype=dtype, device=str(device), cell=cell, warmup=b["warmup"],
+                    repeats=b["repeats"]),
                     isolation=rt["isolation"], timeout_s=rt["cell_timeout_s"],
                     memory_cap_mib=rt["cell_memory_cap_mib"]))
                 if not records.is_ok(result):

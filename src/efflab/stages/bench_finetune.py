@@ -21,14 +21,14 @@ from pathlib import Path
 import torch
 
 from .. import cli, records
-from ..config import finetune_run
+from ..experiment import finetune_run
 from ..layout import Job, Layout
-from ..measure.device import pick_device, set_threads, synchronize
+from ..measure.device import synchronize
 from ..measure.env import environment
-from ..measure.isolation import CellJournal, prestart, run_cell
+from ..measure.isolation import prestart, run_cell
 from ..measure.stats import format_ratio, paired_ratio
 from ..measure.timing import interleave
-from ..modeling import base_dtype, load_tokenizer, read_split
+from ..modeling import load_tokenizer, read_split
 from ..training import batches, build_model, real_tokens, training_step, unavailable_knobs
 
 # transformers takes seconds to import: it is imported inside the function that uses it.
@@ -87,13 +87,10 @@ def pair_cell(cfg: dict, results: str, a: str, b: str, dtype: str, device: str) 
 def run(cfg: dict, job: Job) -> dict:
     """Every knob pair of finetune.runs, timed interleaved."""
     bf, rt, layout = cfg["bench_finetune"], cfg["runtime"], job.layout
-    set_threads(rt)
     prestart(rt["isolation"])  # the cells' forkserver imports beside this job
-    device = pick_device(rt)
-    dtype = base_dtype(layout)
+    device, dtype = job.device, job.dtype
     configured = [{"run": name, "settings": finetune_run(cfg, name)} for name in cfg["finetune"]["runs"]]
-    journal = CellJournal(layout.out("bench_finetune") / ".pairs.jsonl",
-                          {"bench_finetune": bf, "finetune": cfg["finetune"], "runtime": rt,
+    journal = job.journal({"bench_finetune": bf, "finetune": cfg["finetune"], "runtime": rt,
                            "base": layout.metrics("base_model").read_text()})
     pairs = []
     for knob, value_a, value_b, a, b in records.knob_pairs(configured):

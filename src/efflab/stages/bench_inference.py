@@ -18,27 +18,30 @@ import math
 import random
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .. import architecture, cli, engines, profiling, quantization, records
+from .. import architecture, cli, engines, experiment, profiling, quantization, records
 from ..config import UserError
-from ..estimators.memory import compared, generation_peak, quantized_layer_transient, variant_quant
+from ..estimators.memory import Generation, compared, generation_peak, quantized_layer_transient, variant_quant
 from ..layout import Job, Layout
 from ..measure.bandwidth import bandwidth_ceiling, decode_roofline, roofline
-from ..measure.device import DTYPES, pick_device, set_threads
+from ..measure.device import DTYPES
 from ..measure.energy import energy_of, energy_per_token
 from ..measure.env import environment
 from ..measure.flops import matmul_ceiling, matmul_params
-from ..measure.isolation import CellJournal, prestart, run_cell
+from ..measure.isolation import prestart, run_cell
 from ..measure.memory import track_memory
 from ..measure.stats import percentile, speedup, summarize
 from ..measure.timing import INTERLEAVE_RECORD, SENTINEL_TOLERANCE, figure_rounds, interleave, seconds_since, stamp
-from ..modeling import base_dtype, load_model, load_tokenizer, load_variant, require_input
+from ..modeling import load_model, load_tokenizer, load_variant, require_input
+from ..registry import built_on
 
-# pandas and transformers' CompileConfig are imported inside the one function each that uses them (reading a prompt
-# file; compiled generation): most runs need neither, and both take a while to import.
+# pandas (reading the validation prompts, the default prompts) and transformers' CompileConfig (a compiled generation)
+# are imported inside the one function each that uses them, so that importing this module loads neither (under 1 s and
+# 1-2 s on 2 cores): the job imports pandas when it reads the prompts, and transformers with its first model (modeling).
 
 log = logging.getLogger("efflab")
 
@@ -159,14 +162,24 @@ def generate_timed(model, tokenizer, batch: dict, new_tokens: int, kv_cache: boo
             "texts": tokenizer.batch_decode(out[:, prompt_len:], skip_special_tokens=True)}
 
 
-def timed_rounds(cfg: dict, layout: Layout, name: str, model, tokenizer, batches: list, kv_cache: bool, mode: str,
-                 dtype: str, device: torch.device) -> tuple[list[dict], dict | None]:
+@dataclass(frozen=True)
+class Where:
+    """Where a cell runs: the params, the results, the variant's name, the compute dtype and the device."""
+    cfg: dict
+    layout: Layout
+    name: str
+    dtype: str
+    device: torch.device
+
+
+def timed_rounds(where: Where, model, tokenizer, batches: list, kv_cache: bool, mode: str
+                 ) -> tuple[list[dict], dict | None]:
     """The timed generations of every prompt batch, `repeats` rounds: the base variant's dynamic generation alone;
     any other variant's interleaved round by round with the base model's (its speed against the base's with an
     interval, free of the machine's drift between jobs); any other mode with the same model's dynamic generation
     (what the mode buys). (the kept rounds' generations, the comparison or None)"""
-    b, n = cfg["bench_inference"], cfg["bench_inference"]["max_new_tokens"]
-    by_round = {}
+    b, name, device = where.cfg["bench_inference"], where.name, where.device
+    n, by_round = b["max_new_tokens"], {}
 
     def mine(round_):
         by_round[round_] = [generate_timed(model, tokenizer, batch, n, kv_cache, mode) for batch in batches]
@@ -174,7 +187,8 @@ def timed_rounds(cfg: dict, layout: Layout, name: str, model, tokenizer, batches
         for r in range(b["repeats"]):
             mine(r)
         return [g for r in range(b["repeats"]) for g in by_round[r]], None
-    against, other = ("dynamic", model) if mode != "dynamic" else ("base", load_model(layout.base_model(), dtype, device))
+    against, other = ("dynamic", model) if mode != "dynamic" else (
+        "base", load_model(where.layout.base_model(), where.dtype, device))
     timed = interleave({name: mine, against: lambda r: [generate_timed(other, tokenizer, x, n, kv_cache)
                                                         for x in batches]},
                        b["repeats"], device, warmup=b["warmup"], tolerance=SENTINEL_TOLERANCE)
@@ -210,11 +224,12 @@ def first_generations(model, tokenizer, batches: list, n: int, kv_cache: bool, m
                         (": torch.compile's work for that batch's shapes included" if mode == "compiled" else "")}
 
 
-def inference_cell(cfg: dict, results: str, name: str, dtype: str, device: str, kv_cache: bool,
-                   batch_size: int, limits: dict, generation: str = "dynamic", profile_dir: str | None = None) -> dict:
-    """Measure one (variant, KV cache, batch size, generation mode) cell: prefill and decode, apart, at a fixed
-    length."""
+def inference_cell(cfg: dict, results: str, name: str, dtype: str, device: str, cell: dict, limits: dict,
+                   profile_dir: str | None = None) -> dict:
+    """Measure one cell of a variant (`cell`: kv_cache, batch_size, generation mode): prefill and decode, apart,
+    at a fixed length."""
     b, layout, device = cfg["bench_inference"], Layout(Path(results)), torch.device(device)
+    kv_cache, batch_size, generation = cell["kv_cache"], cell["batch_size"], cell.get("generation", "dynamic")
     tokenizer = load_tokenizer(layout.base_model())
     model = load_variant(cfg, b["variants"][name], layout, dtype, device)
     if reason := mode_unavailable(generation, model):
@@ -230,8 +245,8 @@ def inference_cell(cfg: dict, results: str, name: str, dtype: str, device: str, 
         return {"status": "unavailable", "reason": f"{generation} generation is not supported for this model here: "
                                                    f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"}
     transient = quantized_layer_transient(model, dtype) if device.type == "cpu" else 0
-    prediction = generation_peak(layout.base_model(), dtype, variant_quant(cfg, b["variants"][name]), batch_size,
-                                 max(x["input_ids"].shape[1] for x in batches), n, kv_cache,
+    shape = Generation(batch_size, max(x["input_ids"].shape[1] for x in batches), n, kv_cache)
+    prediction = generation_peak(layout.base_model(), dtype, variant_quant(cfg, b["variants"][name]), shape,
                                  frozen=not any(p.requires_grad for p in model.get_output_embeddings().parameters()),
                                  device=device.type, quantized_transient_bytes=transient)
     # Time and memory in separate passes: on a CPU the memory tracker records every allocation through
@@ -242,7 +257,8 @@ def inference_cell(cfg: dict, results: str, name: str, dtype: str, device: str, 
     # And energy in a pass of its own (this cell alone: the timed rounds interleave another)
     energy = energy_per_token(*energy_of(lambda: sum(generate_timed(model, tokenizer, x, n, kv_cache, generation)
                                                      ["batch_size"] * n for x in batches), device))
-    runs, versus = timed_rounds(cfg, layout, name, model, tokenizer, batches, kv_cache, generation, dtype, device)
+    runs, versus = timed_rounds(Where(cfg, layout, name, dtype, device), model, tokenizer, batches, kv_cache,
+                                generation)
     profile = None
     if profile_dir:  # after every timed pass: the profiler's cost lands in none of them
         folder = Path(profile_dir)
@@ -278,12 +294,13 @@ def inference_cell(cfg: dict, results: str, name: str, dtype: str, device: str, 
                         for a, t in zip(asked, runs[0]["texts"])]}
 
 
-def engine_cell(cfg: dict, results: str, name: str, dtype: str, device: str, kv_cache: bool, batch_size: int,
-                generation: str, limits: dict, profile_dir: str | None = None) -> dict:
+def engine_cell(cfg: dict, results: str, name: str, dtype: str, device: str, cell: dict, limits: dict,
+                profile_dir: str | None = None) -> dict:
     """An engine's cell (efflab.engines): the same prompt batches, as token ids, at the same forced length, through
     the engine, interleaved round by round with the same model's dynamic generate(). An engine gives no per-token
     stamps offline, so its rate is of whole generations (prefill included), and so is the speedup."""
     b, layout, device = cfg["bench_inference"], Layout(Path(results)), torch.device(device)
+    kv_cache, batch_size, generation = cell["kv_cache"], cell["batch_size"], cell["generation"]
     tokenizer, variant, n = load_tokenizer(layout.base_model()), b["variants"][name], b["max_new_tokens"]
     engine = engines.load(generation, layout.variant_folders(variant)[-1], dtype, cfg["base_model"]["seed"])
     model = load_variant(cfg, variant, layout, dtype, device)
@@ -328,20 +345,16 @@ def run(cfg: dict, job: Job) -> dict:
     """Benchmark greedy generation of one variant over its KV-cache, batch-size and generation-mode cells."""
     b, rt, name, layout = cfg["bench_inference"], cfg["runtime"], job.name, job.layout
     variant = b["variants"][name]
-    set_threads(rt)
     prestart(rt["isolation"])  # the cells' forkserver imports beside this job
-    device = pick_device(rt)
-    dtype = base_dtype(layout)
-    upstream = {"quantized": "quantize", "merged": "merge", "adapter": "finetune"}.get(variant["kind"])
-    skipped = upstream and layout.skipped_because(upstream, variant["of"])
+    device, dtype = job.device, job.dtype
+    skipped = layout.skipped_because(built_on(cfg, "bench_inference", name))
     if skipped:
         return {**skipped, "variant": name, "kind": variant["kind"], "of": variant.get("of"), "cells": [],
                 "environment": environment(device, b)}
     for folder in layout.variant_folders(variant):  # a missing input is the user's error, not a failed cell
         require_input(folder)
-    built_on = layout.metrics(upstream, variant["of"]) if upstream else layout.metrics("base_model")
-    journal = CellJournal(layout.out("bench_inference") / f".{name}.cells.jsonl",
-                          {"bench_inference": b, "runtime": rt, "built_on": built_on.read_text()})
+    made_by = layout.job_metrics(experiment.made_by(variant["kind"], variant.get("of")))
+    journal = job.journal({"bench_inference": b, "runtime": rt, "built_on": made_by.read_text()})
     cells = []
     # The machine's two limits, measured once in this job and given to every cell (each cell is a fresh process)
     limits = {"bandwidth": bandwidth_ceiling(device), "matmul": matmul_ceiling(dtype, device)}
@@ -357,8 +370,8 @@ def run(cfg: dict, job: Job) -> dict:
         profile_dir = str(profiles / folder) if profiling.wanted(cfg, "bench_inference") else None
         result = journal.result(cell, lambda: run_cell(
             engine_cell if cell["generation"] in engines.ENGINES else inference_cell,
-            dict(cfg=cfg, results=str(layout.root), name=name, dtype=dtype, device=str(device), **cell, limits=limits,
-                 profile_dir=profile_dir),
+            dict(cfg=cfg, results=str(layout.root), name=name, dtype=dtype, device=str(device), cell=cell,
+                 limits=limits, profile_dir=profile_dir),
             isolation=rt["isolation"], timeout_s=rt["cell_timeout_s"], memory_cap_mib=rt["cell_memory_cap_mib"]))
         if not records.is_ok(result):
             log.warning("%s %s: %s: %s", name, cell, result["status"], result.get("reason"))
@@ -369,7 +382,7 @@ def run(cfg: dict, job: Job) -> dict:
     return {
         "status": "ok" if records.ok(cells) else "failed",
         "variant": name, "kind": variant["kind"], "of": variant.get("of"), "dtype": dtype,
-        "prompts": len(prompts(b, layout, load_tokenizer(layout.base_model()))),
+        "prompts": len(prompts(b, layout, job.tokenizer)),
         "prompts_from": "configured" if isinstance(b["prompts"], list) else "validation rows",
         "new_tokens": b["max_new_tokens"], "repeats": b["repeats"],
         "warmup": b["warmup"], "cells": cells, "limits": limits, "environment": environment(device, b),

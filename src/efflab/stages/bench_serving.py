@@ -39,11 +39,11 @@ import torch
 from .. import cli, engines
 from ..layout import Job
 from ..measure import timing
-from ..measure.device import pick_device, set_threads, synchronize
+from ..measure.device import synchronize
 from ..measure.env import environment
 from ..measure.stats import format_ratio, percentile, ratio_verdict, said_of_faster_side, summarize
 from ..measure.timing import SENTINEL_TOLERANCE, balanced_order
-from ..modeling import base_dtype, load_model, load_tokenizer, read_split
+from ..modeling import load_model, read_split
 
 # transformers takes seconds to import: it is imported inside the functions that use it.
 
@@ -323,10 +323,7 @@ def run(cfg: dict, job: Job) -> dict:
     """Serve the same burst of requests every way, at every concurrency level, `bursts` interleaved times; write
     the per-request log."""
     s, layout = cfg["bench_serving"], job.layout
-    set_threads(cfg["runtime"])
-    device = pick_device(cfg["runtime"])
-    dtype = base_dtype(layout)
-    tokenizer = load_tokenizer(layout.base_model())
+    device, dtype, tokenizer = job.device, job.dtype, job.tokenizer
     model = load_model(layout.base_model(), dtype, device).eval()
     reqs = requests(cfg, layout)
     cells = []

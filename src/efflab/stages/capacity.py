@@ -40,21 +40,22 @@ import csv
 import json
 import logging
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from .. import cli, records
-from ..config import UserError, finetune_run
-from ..estimators.memory import generation_peak, quantized_layer_transient, training_peak, variant_quant
+from ..config import UserError
+from ..estimators.memory import Generation, generation_peak, quantized_layer_transient, training_peak, variant_quant
+from ..experiment import finetune_run, made_by
 from ..layout import Job, Layout
-from ..measure.device import pick_device, set_threads
 from ..measure.env import environment
-from ..measure.isolation import CellJournal, prestart, run_cell
+from ..measure.isolation import prestart, run_cell
 from ..measure.memory import CpuTensorPeak, MiB, cuda_context_mib, proc_status_kib, tensor_peak
 from ..measure.stats import summarize
 from ..measure.timing import time_fn
-from ..modeling import base_dtype, load_tokenizer, load_variant, read_split
+from ..modeling import load_tokenizer, load_variant, read_split
 from ..training import build_model, mixed_precision, training_step
 
 # transformers takes seconds to import: it is imported inside the function that uses it.
@@ -189,7 +190,7 @@ def _generate_work(cfg: dict, subject: str, layout, dtype: str, device: torch.de
     transient = quantized_layer_transient(model, dtype) if device.type == "cpu" else 0
 
     def predicted(b: int, n: int) -> float | None:
-        return generation_peak(layout.base_model(), dtype, variant_quant(cfg, variant), b, n, new_tokens, True,
+        return generation_peak(layout.base_model(), dtype, variant_quant(cfg, variant), Generation(b, n, new_tokens),
                                frozen=frozen, device=device.type, quantized_transient_bytes=transient)["total_mib"]
 
     def work():
@@ -202,15 +203,16 @@ def _generate_work(cfg: dict, subject: str, layout, dtype: str, device: torch.de
     return work, batch_size * new_tokens, predicted
 
 
-def cell(cfg: dict, results: str, kind: str, subject: str, batch_size: int, seq_len: int, dtype: str, device: str,
-         budget_mib: float, sizes: list[tuple[int, int]], timed: int) -> dict:
-    """Load the subject and run at (batch_size, seq_len) its warm-up steps (capacity.warmup, the live-tensor peak
+def cell(cfg: dict, results: str, spec: dict, timed: int) -> dict:
+    """Load the subject (`spec`: kind, subject, batch_size, seq_len, dtype, device, budget_mib and the `sizes` to
+    predict over) and run at (batch_size, seq_len) its warm-up steps (capacity.warmup, the live-tensor peak
     tracked over them) and then `timed` timed steps. Reports the peak of the memory the budget holds, that memory
     with the model loaded, the live tensors' peak growth over the loaded model, the file pages (CPU) the process
     read in meanwhile, the timed steps, and the estimator's predicted growth over the loaded model for `sizes`."""
     from transformers import set_seed
 
-    c, layout, device = cfg["capacity"], Layout(Path(results)), torch.device(device)
+    c, layout, device = cfg["capacity"], Layout(Path(results)), torch.device(spec["device"])
+    kind, dtype, budget_mib = spec["kind"], spec["dtype"], spec["budget_mib"]
     set_seed(0)
     context = 0.0
     if device.type == "cuda":
@@ -221,7 +223,7 @@ def cell(cfg: dict, results: str, kind: str, subject: str, batch_size: int, seq_
             torch.cuda.set_per_process_memory_fraction(max(budget_mib - context, 0) / card, device)
         torch.cuda.reset_peak_memory_stats(device)
     build = _train_work if kind == "train" else _generate_work
-    work, tokens, predicted = build(cfg, subject, layout, dtype, device, batch_size, seq_len)
+    work, tokens, predicted = build(cfg, spec["subject"], layout, dtype, device, spec["batch_size"], spec["seq_len"])
     if device.type == "cpu":
         # The counter's first start imports and maps what it needs (~2 MiB resident): after the load, so the
         # load's own transient cannot stand on it, and before the loaded memory is read.
@@ -235,7 +237,7 @@ def cell(cfg: dict, results: str, kind: str, subject: str, batch_size: int, seq_
             **({"tensor_unavailable": tensors["unavailable"]} if "unavailable" in tensors else {}),
             "file_growth_mib": None if device.type == "cuda" or None in (files, files_after) else files_after - files,
             "tokens": tokens, "step_s": step_s, "tokens_per_s": tokens / step_s["median"] if step_s else None,
-            "predicted_growth_mib": [predicted(b, n) for b, n in sizes]}
+            "predicted_growth_mib": [predicted(b, n) for b, n in spec["sizes"]]}
 
 
 def _judged(result: dict, budget_mib: float) -> dict:
@@ -256,8 +258,7 @@ def subjects(cfg: dict, layout) -> list[tuple[str, str, dict | None]]:
     out = [("train", name, None) for name in cfg["capacity"]["runs"]]
     for name in cfg["capacity"]["variants"]:
         variant = cfg["bench_inference"]["variants"][name]
-        upstream = {"quantized": "quantize", "merged": "merge", "adapter": "finetune"}.get(variant["kind"])
-        out.append(("generate", name, layout.skipped_because(upstream, variant["of"]) if upstream else None))
+        out.append(("generate", name, layout.skipped_because([made_by(variant["kind"], variant.get("of"))])))
     return out
 
 
@@ -332,10 +333,11 @@ def speed(result: dict) -> dict:
             "step_s_at_max": result["step_s"]}
 
 
-def _row(c: dict, kind: str, subject: str, dimension: str, size: tuple[int, int], role: str, result: dict,
-         growth: float | None, peak: float | None, budget_mib: float) -> dict:
-    return {"subject": subject, "kind": kind, "dimension": dimension, "role": role, "batch_size": size[0],
-            "seq_len": size[1], "new_tokens": c["generate"]["new_tokens"] if kind == "generate" else "",
+def _row(c: dict, search: dict, size: tuple[int, int], role: str, result: dict, growth: float | None,
+         peak: float | None, budget_mib: float) -> dict:
+    """A cells.csv row of a cell of `search` (its subject, kind and dimension)."""
+    return {**{k: search[k] for k in ("subject", "kind", "dimension")}, "role": role, "batch_size": size[0],
+            "seq_len": size[1], "new_tokens": c["generate"]["new_tokens"] if search["kind"] == "generate" else "",
             "status": result["status"], "peak_mib": result.get("peak_mib"), "loaded_mib": result.get("loaded_mib"),
             "tensor_growth_mib": result.get("tensor_growth_mib"), "file_growth_mib": result.get("file_growth_mib"),
             "predicted_growth_mib": growth, "predicted_peak_mib": peak, "budget_mib": budget_mib,
@@ -343,13 +345,23 @@ def _row(c: dict, kind: str, subject: str, dimension: str, size: tuple[int, int]
             "cell_wall_s": result.get("cell_wall_s"), "reason": result.get("reason", "")}
 
 
-def searched(cfg: dict, layout, journal, limit: dict, device, dtype: str, kind: str, subject: str,
-             dimension: str, sizes: list, subject_sizes: list, shared: dict) -> tuple[list[dict], dict]:
+@dataclass(frozen=True)
+class Searching:
+    """What every search of the job shares: the results, the cells' journal, the budget, the device and dtype."""
+    layout: Layout
+    journal: object  # measure.isolation.CellJournal
+    limit: dict
+    device: torch.device
+    dtype: str
+
+
+def searched(cfg: dict, at: Searching, kind: str, subject: str, dimension: str, sizes: list, subject_sizes: list,
+             shared: dict) -> tuple[list[dict], dict]:
     """One (subject, dimension) boundary search, every cell in a fresh process under the budget: its rows for
     cells.csv and its entry for the record. A search cell the subject's other search already ran with the same
     size and timed steps (both start at batch 1 when capacity.train_seq_len equals capacity.seq_len_step) is not
     run again: `shared` keeps the subject's search cells, and a first cell predicts over all of `subject_sizes`."""
-    c, rt = cfg["capacity"], cfg["runtime"]
+    c, rt, limit, device = cfg["capacity"], cfg["runtime"], at.limit, at.device
     entry = {"subject": subject, "kind": kind, "dimension": dimension, "grid": [sizes[0], sizes[-1]]}
     reused = []
 
@@ -364,10 +376,11 @@ def searched(cfg: dict, layout, journal, limit: dict, device, dtype: str, kind: 
             reused.append(i)
             result = again
         else:
-            result = journal.result(key, lambda: _judged(run_cell(
-                cell, dict(cfg=cfg, results=str(layout.root), kind=kind, subject=subject, batch_size=batch_size,
-                           seq_len=seq_len, dtype=dtype, device=str(device), budget_mib=limit["mib"],
-                           sizes=subject_sizes if predicts else [], timed=timed),
+            spec = {"kind": kind, "subject": subject, "batch_size": batch_size, "seq_len": seq_len,
+                    "dtype": at.dtype, "device": str(device), "budget_mib": limit["mib"],
+                    "sizes": subject_sizes if predicts else []}
+            result = at.journal.result(key, lambda: _judged(run_cell(
+                cell, dict(cfg=cfg, results=str(at.layout.root), spec=spec, timed=timed),
                 isolation="subprocess", timeout_s=rt["cell_timeout_s"],
                 memory_cap_mib=limit["mib"] if device.type == "cpu" else None), limit["mib"]))
             result = _by_size(result, subject_sizes) if predicts else result
@@ -386,7 +399,7 @@ def searched(cfg: dict, layout, journal, limit: dict, device, dtype: str, kind: 
     peaks = found["predicted_peak_mib"] or [None] * len(sizes)
     ran = [(i, "search", r) for i, r in sorted(found["seen"].items())]
     ran += [(i, "timing", r) for i, r in sorted(found["timings"].items())]
-    rows = [_row(c, kind, subject, dimension, sizes[i], role, result, growth[i], peaks[i], limit["mib"])
+    rows = [_row(c, entry, sizes[i], role, result, growth[i], peaks[i], limit["mib"])
             for i, role, result in ran]
     if found["predicted_peak_mib"]:
         guess = found["guess"]
@@ -413,14 +426,11 @@ def searched(cfg: dict, layout, journal, limit: dict, device, dtype: str, kind: 
 def run(cfg: dict, job: Job) -> dict:
     """Search every subject's largest batch and longest sequence within the budget; write cells.csv."""
     c, rt, layout = cfg["capacity"], cfg["runtime"], job.layout
-    set_threads(rt)
     prestart("subprocess")  # the cells' forkserver imports beside this job
-    device = pick_device(rt)
-    dtype = base_dtype(layout)
+    device, dtype = job.device, job.dtype
     limit = budget(c, rt, device)
     positions = max_positions(layout)
-    journal = CellJournal(layout.out("capacity") / ".cells.jsonl",
-                          {"capacity": c, "runtime": rt, "base": layout.metrics("base_model").read_text(),
+    journal = job.journal({"capacity": c, "runtime": rt, "base": layout.metrics("base_model").read_text(),
                            "budget": limit})
     cells, searches = [], []
     for kind, subject, skipped in subjects(cfg, layout):
@@ -433,8 +443,8 @@ def run(cfg: dict, job: Job) -> dict:
                 searches.append(entry | (skipped or {"status": "skipped", "reason": "the grid is empty: the "
                                                      "fixed length does not fit the model's context"}))
                 continue
-            rows, entry = searched(cfg, layout, journal, limit, device, dtype, kind, subject, dimension, sizes,
-                                   subject_sizes, shared)
+            rows, entry = searched(cfg, Searching(layout, journal, limit, device, dtype), kind, subject, dimension,
+                                   sizes, subject_sizes, shared)
             cells += rows
             searches.append(entry)
     with open(job.out / CELLS_CSV, "w", newline="") as f:

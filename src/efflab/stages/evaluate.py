@@ -16,37 +16,31 @@ import logging
 import time
 
 from .. import cli, quantization, records
-from ..config import evaluated_models, task_tolerance
+from ..config import task_tolerance
 from ..evaluation import harness, scores, task
+from ..experiment import evaluated_models
 from ..layout import Job
-from ..measure.device import pick_device, set_threads
 from ..measure.env import environment
-from ..modeling import base_dtype, load_tokenizer, load_variant
-from ..registry import LM_EVAL
+from ..modeling import load_variant
+from ..registry import LM_EVAL, built_on
 
 log = logging.getLogger("efflab")
-
-UPSTREAM = {"quantized": "quantize", "pruned": "prune", "healed": "prune", "adapter": "finetune",
-            "finetuned": "finetune", "merged": "merge"}
-
 
 def run(cfg: dict, job: Job) -> dict:
     """Evaluate one model on evaluate.tasks and pair it with its reference."""
     e, layout = cfg["evaluate"], job.layout
     model_cfg = evaluated_models(cfg)[job.name]
     kind, of, reference = model_cfg["kind"], model_cfg["of"], model_cfg["reference"]
-    set_threads(cfg["runtime"])
-    device = pick_device(cfg["runtime"])
+    device = job.device
     about = {"model": job.name, "kind": kind, "of": of, "reference": reference}
-    skipped = layout.skipped_because(UPSTREAM[kind], of) if kind in UPSTREAM else None
+    skipped = layout.skipped_because(built_on(cfg, "evaluate", job.name))
     if not skipped and importlib.util.find_spec("lm_eval") is None:  # an offline node's bundle can leave it out
         skipped = {"status": "unavailable", "reason": "lm-eval is not installed (pip install 'lm-eval>=0.4.13')"}
     if skipped:
         layout.write_not_run("evaluate", job.out, skipped["status"], skipped["reason"])
         return {**skipped, **about, "environment": environment(device, e)}
 
-    tokenizer = load_tokenizer(layout.base_model())
-    dtype = base_dtype(layout)
+    tokenizer, dtype = job.tokenizer, job.dtype
     # The task folder it scores with, written where the job's outputs go (named by where they end up): its
     # generation task's file carries every generation setting, and its comment the command that reruns this model.
     folders = [str(f) for f in layout.variant_folders(model_cfg)]

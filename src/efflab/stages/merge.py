@@ -13,11 +13,11 @@ import logging
 import torch
 
 from .. import cli, quality
-from ..config import base_quant, finetune_run
+from ..experiment import base_quant, finetune_run
 from ..layout import Job
-from ..measure.device import pick_device, set_threads
 from ..measure.env import environment
-from ..modeling import base_dtype, forward_batches, load_model, load_tokenizer, read_split, row_nll, rows_summary
+from ..modeling import forward_batches, load_model, read_split, row_nll, rows_summary
+from ..registry import built_on
 
 # peft takes seconds to import: it is imported inside the functions that use it.
 
@@ -95,14 +95,12 @@ def run(cfg: dict, job: Job) -> dict:
 
     name, layout, m = job.name, job.layout, cfg["merge"]
     run_cfg = finetune_run(cfg, name)
-    set_threads(cfg["runtime"])
-    device = pick_device(cfg["runtime"])
-    skipped = layout.skipped_because("finetune", name)
+    device = job.device
+    skipped = layout.skipped_because(built_on(cfg, "merge", name))
     if skipped:
         layout.write_not_run("merge", job.out, skipped["status"], skipped["reason"])
         return {**skipped, "run": name, "method": run_cfg["method"], "environment": environment(device, m)}
-    dtype = base_dtype(layout)
-    tokenizer = load_tokenizer(layout.base_model())
+    dtype, tokenizer = job.dtype, job.tokenizer
     rows = read_split(layout.split("validation"), m["eval_rows"])
     batch_size = run_cfg["batch_size"]
     adapter = layout.model("finetune", name)

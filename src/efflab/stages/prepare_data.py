@@ -18,7 +18,7 @@ from ..config import UserError, classify_source, local_source_files
 from ..evaluation.task import write_docs
 from ..layout import Job
 from ..measure.env import environment
-from ..modeling import EMBEDDED_DATA, load_tokenizer, package_folder
+from ..modeling import EMBEDDED_DATA, package_folder
 
 # datasets takes seconds to import: it is imported only to read a hub dataset.
 
@@ -131,7 +131,7 @@ def run(cfg: dict, job: Job) -> dict:
         raise UserError(f"prepare_data.source: {pd_cfg['source']}: {len(raw)} rows with a non-empty "
                         f"{pd_cfg['columns']['output']!r} column (prepare_data.columns.output); at least 4 are "
                         f"needed for a train/validation split")
-    tokenizer = load_tokenizer(job.layout.base_model())
+    tokenizer = job.tokenizer
     records = []
     cols = pd_cfg["columns"]
     for _, row in raw.iterrows():

@@ -33,12 +33,11 @@ import torch
 from .. import architecture, cli, quality
 from ..config import UserError
 from ..layout import NOT_RUN, Job
-from ..measure.device import pick_device, set_threads
 from ..measure.env import environment
 from ..measure.flops import count_parameters
 from ..measure.stats import speedup
 from ..measure.timing import INTERLEAVE_RECORD, SENTINEL_TOLERANCE, interleave
-from ..modeling import base_dtype, eval_loss, folder_bytes, forward_batches, load_model, load_tokenizer, read_split
+from ..modeling import eval_loss, folder_bytes, forward_batches, load_model, read_split
 from ..registry import HEALED
 from ..training import batches, training_step
 
@@ -354,10 +353,7 @@ def run(cfg: dict, job: Job) -> dict:
     """Prune the base model with one strategy; measure the pruned model against the base in this process."""
     p, layout = cfg["prune"], job.layout
     strategy = p["strategies"][job.name]
-    set_threads(cfg["runtime"])
-    device = pick_device(cfg["runtime"])
-    dtype = base_dtype(layout)
-    tokenizer = load_tokenizer(layout.base_model())
+    device, dtype, tokenizer = job.device, job.dtype, job.tokenizer
     rows = read_split(layout.split("validation"), p["eval_rows"])
     calibration = read_split(layout.split("train"), p["calibration_rows"])
     base = load_model(layout.base_model(), dtype, device)

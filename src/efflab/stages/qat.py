@@ -34,11 +34,10 @@ from ..architecture import linear_layers, matmul_shape, undivided_layer
 from ..config import UserError, task_tolerance
 from ..evaluation import harness, scores, task
 from ..layout import Job, Layout
-from ..measure.device import pick_device, set_threads
 from ..measure.env import environment
-from ..measure.isolation import CellJournal, prestart, run_cell
+from ..measure.isolation import prestart, run_cell
 from ..measure.stats import summarize
-from ..modeling import base_dtype, forward_batches, load_model, load_tokenizer, read_split, row_nll, shape_only
+from ..modeling import forward_batches, load_model, load_tokenizer, read_split, row_nll, shape_only
 from ..registry import LM_EVAL, QAT_MODEL
 from ..training import batches, training_step
 
@@ -288,15 +287,12 @@ def precision_tests(variants: list[dict], tolerance_pct: float, reference: float
 def run(cfg: dict, job: Job) -> dict:
     """Fine-tune in full precision, then PTQ and QAT at every bit width; the precision range test for each."""
     q, rt, layout = cfg["qat"], cfg["runtime"], job.layout
-    set_threads(rt)
     # the cells' forkserver imports beside this job (lm-eval only where the cells evaluate)
     prestart(rt["isolation"], extra=harness.PRELOAD if q["eval_tasks"] else [])
-    device = pick_device(rt)
-    dtype = base_dtype(layout)
+    device, dtype = job.device, job.dtype
     check_family(shape_only(layout.base_model()), q["group_size"])
     bits = sorted(q["bits"])
-    journal = CellJournal(layout.out("qat") / ".cells.jsonl",
-                          {"qat": q, "runtime": rt, "base": layout.metrics("base_model").read_text()})
+    journal = job.journal({"qat": q, "runtime": rt, "base": layout.metrics("base_model").read_text()})
     cells = run_cells(cfg, layout, journal, bits, dtype, device)
     evals, losses, variants = tables(cells, task_tolerance(cfg))
     fp = cells["full precision"]

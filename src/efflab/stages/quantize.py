@@ -15,11 +15,15 @@ import torch
 
 from .. import architecture, cli, quality, quantization, records
 from ..layout import Job
-from ..measure.device import DTYPES, pick_device, set_threads
+from ..measure.device import DTYPES
 from ..measure.env import environment
 from ..measure.flops import count_parameters
 from ..measure.memory import track_memory
-from ..modeling import base_dtype, batches, eval_loss, folder_bytes, load_model, load_tokenizer, read_split
+from ..modeling import batches, eval_loss, folder_bytes, load_model, read_split
+
+# peft brings accelerate and bitsandbytes with it, 5-10 s of imports on 2 cores, and bitsandbytes asks CUDA for the
+# device capability at import, which initialises CUDA: it is imported inside adapter_check, after cli.main has given
+# the process its GPU (gpu_slots.assign sets CUDA_VISIBLE_DEVICES, which CUDA reads once, as it initialises).
 
 log = logging.getLogger("efflab")
 
@@ -29,16 +33,13 @@ def run(cfg: dict, job: Job) -> dict:
     q = cfg["quantize"]
     scheme = q["schemes"][job.name]
     layout = job.layout
-    dtype = base_dtype(layout)
-    set_threads(cfg["runtime"])
-    device = pick_device(cfg["runtime"])
-    tokenizer = load_tokenizer(layout.base_model())
+    device, dtype, tokenizer = job.device, job.dtype, job.tokenizer
     rows = read_split(layout.split("validation"), q["eval_rows"])
     described = {"scheme": job.name, "method": scheme["method"], "library": quantization.library(scheme),
                  "weight_bits": quantization.weight_bits(scheme), "environment": environment(device, q)}
 
     baseline = cfg["report"]["baseline_scheme"]
-    skipped = job.name != baseline and layout.skipped_because("quantize", baseline)
+    skipped = job.name != baseline and layout.skipped_because([f"quantize/{baseline}"])
     if skipped:  # no reference to measure the change against
         layout.write_not_run("quantize", job.out, skipped["status"], skipped["reason"])
         return {**skipped, **described}

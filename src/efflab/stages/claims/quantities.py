@@ -185,8 +185,9 @@ def _effective_batch(i):
 
 
 def _training_memory(i):
-    keys = ("seq_len", "batch", "rank", "targets", "checkpointing", "flash", "compute_dtype")
-    m = analytic.training_memory(i["model"], i["method"], **{k: i[k] for k in keys if k in i})
+    keys = ("seq_len", "batch", "checkpointing", "flash", "compute_dtype")
+    lora = (i.get("rank", 8), i.get("targets", "all-linear"))
+    m = analytic.training_memory(i["model"], i["method"], lora=lora, **{k: i[k] for k in keys if k in i})
     parts = ", ".join(f"{k} {_gb(v)}" for k, v in m.items() if k != "total" and v)
     return m["total"], f"{i['model']} {i['method']}: {parts}"
 
