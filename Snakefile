@@ -14,21 +14,10 @@ report: "workflow/report/workflow.rst"
 
 
 include: "workflow/rules/common.smk"
-include: "workflow/rules/base_model.smk"
-include: "workflow/rules/prepare_data.smk"
-include: "workflow/rules/quantize.smk"
-include: "workflow/rules/prune.smk"
-include: "workflow/rules/qat.smk"
-include: "workflow/rules/finetune.smk"
-include: "workflow/rules/merge.smk"
-include: "workflow/rules/bench_finetune.smk"
-include: "workflow/rules/bench_attention.smk"
-include: "workflow/rules/bench_inference.smk"
-include: "workflow/rules/bench_serving.smk"
-include: "workflow/rules/capacity.smk"
-include: "workflow/rules/evaluate.smk"
-include: "workflow/rules/claims.smk"
-include: "workflow/rules/report.smk"
+# One rule file a stage, in the stage registry's order (common.smk imports the registry).
+for _stage in registry.STAGES:
+
+    include: f"workflow/rules/{_stage}.smk"
 
 
 onstart:

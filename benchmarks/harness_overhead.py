@@ -25,7 +25,7 @@ import torch
 from efflab.measure.device import set_threads
 from efflab.measure.env import environment
 from efflab.measure.stats import summarize
-from efflab.modeling import load_model, load_tokenizer
+from efflab.models.modeling import load_model, load_tokenizer
 from efflab.stages.bench_inference import generate_timed, prompt_batches, prompts
 
 PROMPTS = ["What is a building permit and when do I need one?",

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-from efflab.config import _deep_merge
+from efflab.experiment import deep_merge
 
 
 def compose(base: dict, *overlays: dict) -> dict:
@@ -19,7 +19,7 @@ def compose(base: dict, *overlays: dict) -> dict:
     for overlay in overlays:
         overlay = dict(overlay)
         replaced = overlay.pop("replace", [])
-        out = _deep_merge(out, overlay)
+        out = deep_merge(out, overlay)
         for dotted in replaced:
             *parents, leaf = dotted.split(".")
             source, target = overlay, out

@@ -30,7 +30,8 @@ import yaml
 from dvc.cli import parse_args
 from snakemake import api, cli
 
-from efflab import config, model_check, modeling  # noqa: F401  what planning the workflow imports
+from efflab import config
+from efflab.models import model_check, modeling  # noqa: F401  what planning the workflow imports
 
 REAL_EXECUTE = api.DAGApi.execute_workflow
 

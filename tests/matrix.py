@@ -13,7 +13,8 @@ import os
 import pytest
 import yaml
 
-from efflab import config, model_check, registry
+from efflab import config, registry
+from efflab.models import model_check
 from tests.families import FAMILIES, family_folder
 from tests.helpers import REPO, TEST_PARAMS, run_stage
 

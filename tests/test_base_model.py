@@ -6,7 +6,7 @@ from transformers import AutoConfig
 
 from efflab.config import UserError, classify_source
 from efflab.layout import Layout
-from efflab.modeling import load_model, load_tokenizer
+from efflab.models.modeling import load_model, load_tokenizer
 from tests.helpers import run_stage
 
 
@@ -63,7 +63,7 @@ def test_sources_are_classified_without_touching_the_network(tmp_path):
 def test_the_embedded_gguf_metadata_is_converted_once_then_read_from_the_cache(prepared, tmp_path, monkeypatch):
     """The GGUF tokenizer and config are parsed on the first run (about 12 s of a CPU core) and reloaded from
     the cache afterwards: the same tokenizer, the same config, the same files in the base model folder."""
-    from efflab.modeling import EMBEDDED_MODELS, gguf_tokenizer_and_config, package_folder
+    from efflab.models.modeling import EMBEDDED_MODELS, gguf_tokenizer_and_config, package_folder
 
     monkeypatch.setenv("EFFLAB_CACHE_DIR", str(tmp_path / "cache"))
     package, gguf_file, pip_name = EMBEDDED_MODELS["embedded:smollm2-135m-instruct"]
@@ -92,10 +92,10 @@ def test_a_dtype_chosen_on_another_kind_of_cpu_is_refused_by_the_stages_that_rea
 
     import pytest
 
-    from efflab import modeling
     from efflab.config import UserError
     from efflab.layout import Layout
     from efflab.measure import env
+    from efflab.models import modeling
 
     path = results / "base_model" / "metrics.json"
     metrics = json.loads(path.read_text())

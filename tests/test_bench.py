@@ -113,7 +113,7 @@ def test_static_and_compiled_generation_give_dynamic_generations_greedy_tokens(r
     against dynamic on the CI pipeline's prompts is in make test too (the inference cells' test above)."""
     import torch
 
-    from efflab.modeling import load_model, load_tokenizer
+    from efflab.models.modeling import load_model, load_tokenizer
     from efflab.stages.bench_inference import generate_timed, mode_kwargs, prompt_batches
 
     tokenizer = load_tokenizer(results / "base_model" / "model")
@@ -133,7 +133,7 @@ def test_a_mode_a_quantizer_cannot_compile_is_unavailable_and_an_engine_without_
 
     import torch
 
-    from efflab import engines
+    from efflab.models import engines
     from efflab.stages.bench_inference import mode_unavailable
 
     bnb = types.SimpleNamespace(hf_quantizer=type("Bnb8BitHfQuantizer", (), {"is_compileable": False})())
@@ -146,7 +146,7 @@ def test_a_mode_a_quantizer_cannot_compile_is_unavailable_and_an_engine_without_
 
 def test_explicit_prompts_are_chat_templated_and_the_default_draw_is_seeded(results, test_cfg):
     from efflab.layout import Layout
-    from efflab.modeling import load_tokenizer
+    from efflab.models.modeling import load_tokenizer
     from efflab.stages.bench_inference import prompts
 
     tokenizer = load_tokenizer(results / "base_model" / "model")

@@ -1,7 +1,7 @@
 """A broken base_model.source is one line naming the key and the file, never a traceback: at the dry run (what
 workflow/rules/common.smk runs while it plans: model_check.check) where the folder tells, and by the base_model
 stage command, which exits 2 and leaves no results behind. The corpus: one tiny real model folder, broken one way
-per case (src/efflab/model_folder.py)."""
+per case (src/efflab/models/model_folder.py)."""
 from __future__ import annotations
 
 import importlib
@@ -17,8 +17,8 @@ import transformers.utils.hub
 import yaml
 from huggingface_hub import errors as hub_errors
 
-from efflab import model_check, model_folder
 from efflab.config import UserError
+from efflab.models import model_check, model_folder
 from tests.helpers import BIN, REPO, TEST_PARAMS, run_stage
 
 TRANSFORMERS = version("transformers")

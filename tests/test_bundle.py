@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from efflab import modeling
 from efflab.config import UserError
+from efflab.models import modeling
 from efflab.tools import bundle
 
 

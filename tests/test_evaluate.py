@@ -15,7 +15,7 @@ from efflab.config import UserError
 from efflab.evaluation import harness, scores, task
 from efflab.evaluation.task import GEN_TASK, LL_TASK
 from efflab.layout import Layout
-from efflab.modeling import base_dtype, load_model, load_tokenizer
+from efflab.models.modeling import base_dtype, load_model, load_tokenizer
 from tests.helpers import BIN, REPO, TEST_PARAMS, run_stage
 
 TASKS = [GEN_TASK, LL_TASK]

@@ -81,7 +81,7 @@ def test_qlora_gradients_do_not_depend_on_an_earlier_validation_pass(results, te
 def test_training_flops_follow_palm_and_mfu_is_a_fraction_of_the_measured_ceiling(results, write_params, test_cfg):
     """One epoch, so every training row is seen once: attention FLOPs per token then follow each row's own
     length, sum(len^2) / sum(len), not the mean length."""
-    from efflab.modeling import read_split
+    from efflab.models.modeling import read_split
 
     lengths = [len(r["input_ids"]) for r in read_split(Layout(results).split("train"))]
     epoch = len(lengths) // test_cfg["finetune"]["defaults"]["batch_size"]
@@ -203,7 +203,7 @@ def test_the_same_params_train_bitwise_identically_on_cpu(results, write_params)
 def test_packed_rows_see_only_themselves_and_keep_the_loss(results, write_params, test_cfg):
     """Padding-free batches: the logits of rows laid end to end equal those of each row alone (no attention
     across rows), and a packed run trains on the same real tokens with the same loss as a padded one."""
-    from efflab.modeling import load_model, load_tokenizer, read_split
+    from efflab.models.modeling import load_model, load_tokenizer, read_split
     from efflab.training import collator
 
     layout = Layout(results)
@@ -319,7 +319,7 @@ def test_the_validation_loss_avoids_kernels_that_have_no_deterministic_cuda_vers
     so the test reads which aten ops the loss dispatches to, and checks the sum against cross_entropy."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from efflab.modeling import summed_nll
+    from efflab.models.modeling import summed_nll
 
     class Ops(TorchDispatchMode):
         def __init__(self):

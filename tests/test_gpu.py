@@ -60,7 +60,7 @@ def _closeness(quantized: torch.Tensor, reference: torch.Tensor) -> tuple[float,
     return rel, cos
 
 
-# (scheme, library, the quantized layer class efflab.quantization.quantized_kind names, the largest relative error
+# (scheme, library, the quantized layer class efflab.models.quantization.quantized_kind names, the largest relative error
 # of the logits against bf16). Measured on the tiny model on a CPU: int8 0.021, nf4 0.19, torchao-int8 0.017.
 SCHEMES = [({"method": "int8"}, "bitsandbytes", "Linear8bitLt", 0.08),
            ({"method": "nf4", "double_quant": True}, "bitsandbytes", "Linear4bit", 0.35),
@@ -74,8 +74,8 @@ def test_quantized_models_stay_close_to_bf16_and_take_less_memory(tiny_llama, to
     """bitsandbytes int8 / nf4 and torchao int8 / int4 weight-only, loaded on CUDA by efflab (modeling.load_model
     with the scheme, quantization.config): quantized layers, a smaller footprint, logits close to the bf16 model's."""
     _needs(library)
-    from efflab import quantization
-    from efflab.modeling import load_model
+    from efflab.models import quantization
+    from efflab.models.modeling import load_model
 
     reference = load_model(tiny_llama, "bfloat16", CUDA)
     model = load_model(tiny_llama, "bfloat16", CUDA, quant=quant)
@@ -122,7 +122,7 @@ def test_static_cache_and_cuda_graph_generation_give_dynamic_generations_greedy_
     """bench_inference's generation modes (mode_kwargs) on CUDA: a static cache, and the static cache with the
     forward compiled by torch.compile in transformers' CUDA default (reduce-overhead: CUDA graphs), decode the same
     greedy tokens as generate()'s dynamic cache. fp32, so no near-tie of bf16 logits can flip a token."""
-    from efflab.modeling import load_model
+    from efflab.models.modeling import load_model
     from efflab.stages.bench_inference import mode_kwargs
 
     config = mode_kwargs("compiled", CUDA)["compile_config"]

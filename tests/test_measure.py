@@ -535,7 +535,7 @@ def test_loading_a_local_model_draws_no_progress_bar_and_restores_the_setting(re
     from transformers.utils import logging as hf_logging
 
     from efflab.layout import Layout
-    from efflab.modeling import load_model
+    from efflab.models.modeling import load_model
 
     hf_logging.enable_progress_bar()  # a stage run earlier in this worker turns them off (cli.no_library_bars)
     load_model(Layout(results).base_model(), "float32", torch.device("cpu"))

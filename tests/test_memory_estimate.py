@@ -267,7 +267,7 @@ def test_a_quantized_layers_transient_is_probed_on_the_model_and_predicted(resul
     little on others) is measured on the loaded model, and the prediction adds exactly that; a model without
     bitsandbytes layers has none."""
     from efflab.layout import Layout
-    from efflab.modeling import load_model
+    from efflab.models.modeling import load_model
 
     folder = Layout(results).base_model()
     plain = load_model(folder, "float32", torch.device("cpu"))

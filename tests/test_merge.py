@@ -6,7 +6,7 @@ from peft import PeftModel
 
 from efflab import quality
 from efflab.layout import Layout
-from efflab.modeling import forward_batches, load_model, load_tokenizer, read_split
+from efflab.models.modeling import forward_batches, load_model, load_tokenizer, read_split
 from tests.helpers import TEST_PARAMS, run_stage
 
 

@@ -11,8 +11,9 @@ import pytest
 import yaml
 from transformers import AutoConfig
 
-from efflab import config, model_check
+from efflab import config
 from efflab.config import UserError
+from efflab.models import model_check
 from tests.families import FAMILIES
 from tests.helpers import BIN, REPO, TEST_PARAMS
 
@@ -93,7 +94,7 @@ def test_a_qat_group_size_that_does_not_divide_a_layer_is_refused(params):
 def test_the_dry_run_refuses_a_local_folder_or_a_cached_hub_id_the_params_do_not_fit(tmp_path):
     folder = tmp_path / "gpt2"
     family_config("gpt2").save_pretrained(folder)
-    (folder / "tokenizer.json").write_text("{}")  # a model folder has a tokenizer (efflab.model_folder.check)
+    (folder / "tokenizer.json").write_text("{}")  # a model folder has a tokenizer (efflab.models.model_folder.check)
     hub = tmp_path / "hub" / "models--efflab-test--tiny-gpt2"
     (hub / "refs").mkdir(parents=True)
     (hub / "refs" / "main").write_text("0" * 40)

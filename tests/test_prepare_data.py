@@ -4,7 +4,7 @@ import pandas as pd
 import pytest
 
 from efflab.layout import Layout
-from efflab.modeling import load_tokenizer
+from efflab.models.modeling import load_tokenizer
 from efflab.stages.prepare_data import split_rows
 from tests.helpers import run_stage
 

@@ -6,7 +6,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from efflab.config import UserError
-from efflab.modeling import load_model, load_tokenizer, read_split
+from efflab.models.modeling import load_model, load_tokenizer, read_split
 from efflab.stages import prune
 from tests.helpers import TEST_PARAMS, run_stage
 

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from efflab import quality
 from efflab.config import UserError
-from efflab.modeling import load_model, load_tokenizer, read_split
+from efflab.models.modeling import load_model, load_tokenizer, read_split
 from efflab.stages import qat
 from tests.helpers import TEST_PARAMS, run_stage
 

@@ -3,7 +3,7 @@ import torch
 
 from efflab import quality
 from efflab.layout import Layout
-from efflab.modeling import load_model
+from efflab.models.modeling import load_model
 from tests.helpers import run_stage
 
 

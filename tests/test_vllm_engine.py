@@ -1,5 +1,5 @@
 """The vLLM rows driven by a fake `vllm` package: bench_inference's engine cell and bench_serving's `vllm` method
-run their real code (efflab.engines.Vllm, the interleaving, the figures) against a stand-in for the one thing this
+run their real code (efflab.models.engines.Vllm, the interleaving, the figures) against a stand-in for the one thing this
 machine lacks, vLLM itself, whose generations take known times on the simulated clock (measure.timing.clock).
 Without vLLM, or off a CUDA GPU, the same rows are `unavailable` with the reason."""
 from __future__ import annotations
@@ -12,12 +12,12 @@ import types
 import pytest
 import torch
 
-from efflab import engines
 from efflab.layout import Layout
 from efflab.measure import timing
 from efflab.measure.isolation import run_cell
 from efflab.measure.stats import summarize
-from efflab.modeling import load_model, load_tokenizer
+from efflab.models import engines
+from efflab.models.modeling import load_model, load_tokenizer
 from efflab.stages import bench_inference, bench_serving
 from tests.helpers import SimulatedClock, run_stage
 
@@ -67,7 +67,7 @@ class FakeEngine:
 
 
 def fake_vllm(clock: SimulatedClock, generate_s: float = 0.25, step_s: float = 0.1) -> types.ModuleType:
-    """A `vllm` module with what efflab.engines uses: __version__, SamplingParams and LLM (its generate(), and its
+    """A `vllm` module with what efflab.models.engines uses: __version__, SamplingParams and LLM (its generate(), and its
     llm_engine for serving). LLM.generate takes `generate_s` on the simulated clock per call and returns, per prompt,
     exactly max_tokens tokens; the calls are kept on the LLM for the test to read."""
     module = types.ModuleType("vllm")

@@ -456,7 +456,7 @@ def test_a_single_job_stage_that_raises_is_a_result_and_snakemake_still_exits_no
 
     def slipped(*args, **kwargs):
         raise UserError("bench_serving.concurrency: a check that should have come earlier")
-    monkeypatch.setattr(bench_serving, "pick_device", slipped)
+    monkeypatch.setattr(bench_serving, "load_model", slipped)
     m = run_stage("bench_serving", work / "params.yaml", results)
     assert m["status"] == "failed" and m["reason"].startswith("UserError: bench_serving.concurrency"), m
     assert (results / "bench_serving" / "requests.csv").read_text() == ""

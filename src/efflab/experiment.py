@@ -54,16 +54,16 @@ def model_paths(kind: str, of: str | None) -> list[str]:
     return [model_paths("base", None)[0], own] if MODEL_KINDS[kind].on_base else [own]
 
 
-def _deep_merge(base: dict, over: dict) -> dict:
+def deep_merge(base: dict, over: dict) -> dict:
     out = copy.deepcopy(base)
     for key, value in over.items():
-        out[key] = _deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+        out[key] = deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
     return out
 
 
 def finetune_run(cfg: dict, name: str) -> dict:
     """A finetune run's full settings: finetune.defaults overridden by finetune.runs.<name>."""
-    return _deep_merge(cfg["finetune"]["defaults"], cfg["finetune"]["runs"][name])
+    return deep_merge(cfg["finetune"]["defaults"], cfg["finetune"]["runs"][name])
 
 
 def base_quant(run: dict) -> dict | None:

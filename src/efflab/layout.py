@@ -126,14 +126,14 @@ class Job:
     @cached_property
     def dtype(self) -> str:
         """The compute dtype base_model recorded."""
-        from .modeling import base_dtype
+        from .models.modeling import base_dtype
 
         return base_dtype(self.layout)
 
     @cached_property
     def tokenizer(self):
         """The base model's tokenizer."""
-        from .modeling import load_tokenizer
+        from .models.modeling import load_tokenizer
 
         return load_tokenizer(self.layout.base_model())
 

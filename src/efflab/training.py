@@ -20,7 +20,7 @@ import torch
 from . import architecture
 from .config import UserError
 from .experiment import base_quant
-from .modeling import load_model
+from .models.modeling import load_model
 
 # transformers, peft and bitsandbytes take seconds to import: they are imported inside the functions that use them.
 

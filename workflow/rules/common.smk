@@ -6,7 +6,8 @@ import tempfile
 from pathlib import Path
 
 from efflab import config as efflab_config
-from efflab import experiment, gpu_slots, model_check, registry, zygote
+from efflab import experiment, gpu_slots, registry, zygote
+from efflab.models import model_check
 
 # The stage CLIs read the params file themselves, so the DAG must be built from that same file alone:
 # --configfile FILE names a whole experiment, which replaces params.yaml (Snakemake would otherwise merge it

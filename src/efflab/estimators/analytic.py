@@ -254,7 +254,7 @@ def bnb_footprint(name: str, method: str, double_quant: bool = False, compute_dt
 
 
 def quant_footprint(name: str, quant: dict, compute_dtype: str = "float16", **overrides) -> dict | None:
-    """Bytes a model occupies loaded with a quantization scheme (efflab.quantization): bitsandbytes' (above) and
+    """Bytes a model occupies loaded with a quantization scheme (efflab.models.quantization): bitsandbytes' (above) and
     torchao's int8 (the same layers quantized; per output row a scale in the compute dtype and an int8 zero point,
     torchao's Int8Tensor). None for a scheme with no model here (torchao-int4, hqq)."""
     method = quant["method"]

@@ -23,10 +23,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import architecture, quantization
+from .. import architecture
 from ..experiment import base_quant, finetune_run
 from ..measure.device import DTYPES
 from ..measure.memory import live_tensor_bytes
+from ..models import quantization
 from . import analytic
 
 # bitsandbytes is optional and slow to import: it is imported where a quantized layer is measured.

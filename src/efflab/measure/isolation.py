@@ -51,7 +51,7 @@ def _cell_child(fn, kwargs: dict, conn, log_file: str | None, threads: int) -> N
 # to initialise it. A job whose cells only load and run a model (prestart's light) has it light too: its first cell
 # waits for the forkserver's imports, 9 s of CPU instead of 15 on 2 cores.
 _CELL_PRELOAD_LIGHT = ["torch", "transformers", "transformers.modeling_utils",
-                       "transformers.models.auto.modeling_auto", "efflab.measure.isolation", "efflab.modeling"]
+                       "transformers.models.auto.modeling_auto", "efflab.measure.isolation", "efflab.models.modeling"]
 
 
 _EXTRA: list[str] = []  # what this job's cells also need (prestart's extra)

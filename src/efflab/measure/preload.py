@@ -7,5 +7,5 @@ module and must stay light, and measure/ imports nothing above it."""
 # torch, transformers' model and Trainer machinery, peft (bitsandbytes with it), pandas, and the efflab modules the
 # stages' work runs through.
 PRELOAD = ["torch", "transformers", "transformers.modeling_utils", "transformers.models.auto.modeling_auto",
-           "transformers.generation", "transformers.trainer", "peft", "pandas", "efflab.cli", "efflab.modeling",
+           "transformers.generation", "transformers.trainer", "peft", "pandas", "efflab.cli", "efflab.models.modeling",
            "efflab.training", "efflab.measure.isolation", "efflab.measure.memory", "efflab.measure.timing"]

@@ -12,14 +12,15 @@ from pathlib import Path
 
 import torch
 
-from .. import cli, model_check, model_folder
+from .. import cli
 from ..config import UserError, classify_source
 from ..layout import Job
 from ..measure.device import DTYPES
 from ..measure.env import environment
 from ..measure.flops import count_parameters, gpu_matmul_rates, resolve_dtype
 from ..measure.memory import cuda_context_mib
-from ..modeling import EMBEDDED_MODELS, embedded_model, folder_bytes, gguf_tokenizer_and_config, load_model
+from ..models import model_check, model_folder
+from ..models.modeling import EMBEDDED_MODELS, embedded_model, folder_bytes, gguf_tokenizer_and_config, load_model
 
 # transformers takes seconds to import: it is imported inside the function that uses it.
 

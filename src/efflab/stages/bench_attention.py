@@ -23,7 +23,7 @@ from importlib.metadata import version
 
 import torch
 
-from .. import cli, model_check, records
+from .. import cli, records
 from ..layout import Job
 from ..measure.device import synchronize
 from ..measure.env import environment
@@ -31,7 +31,8 @@ from ..measure.isolation import prestart, run_cell
 from ..measure.memory import allocated_delta, track_memory
 from ..measure.stats import speedup
 from ..measure.timing import INTERLEAVE_RECORD, SENTINEL_TOLERANCE, interleave, time_fn
-from ..modeling import load_model, shape_only
+from ..models import model_check
+from ..models.modeling import load_model, shape_only
 
 # transformers and torch.nn.attention's kernels are imported where they are used: a benchmark cell runs in a
 # process of its own and imports only what it needs.

@@ -28,7 +28,7 @@ from ..measure.env import environment
 from ..measure.isolation import prestart, run_cell
 from ..measure.stats import format_ratio, paired_ratio
 from ..measure.timing import interleave
-from ..modeling import load_tokenizer, read_split
+from ..models.modeling import load_tokenizer, read_split
 from ..training import batches, build_model, real_tokens, training_step, unavailable_knobs
 
 # transformers takes seconds to import: it is imported inside the function that uses it.

@@ -8,7 +8,7 @@ token) and the decode (time per output token) apart; the generation length is fo
 Generation modes (transformers' own): `dynamic`, generate()'s default growing KV cache; `static`, a
 preallocated StaticCache (no compile); `compiled`, the static cache with the forward compiled by
 torch.compile, its compile and first generations timed apart from the steady rate; `vllm`, vLLM's engine on
-the same prompts where it runs (efflab.engines). A mode other than dynamic is interleaved with the same model's
+the same prompts where it runs (efflab.models.engines). A mode other than dynamic is interleaved with the same model's
 dynamic generate(), round by round: what the mode buys, on the same prompts and forced length.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from .. import architecture, cli, engines, experiment, profiling, quantization, records
+from .. import architecture, cli, experiment, profiling, records
 from ..config import UserError
 from ..estimators.memory import Generation, compared, generation_peak, quantized_layer_transient, variant_quant
 from ..layout import Job, Layout
@@ -36,7 +36,8 @@ from ..measure.isolation import prestart, run_cell
 from ..measure.memory import track_memory
 from ..measure.stats import percentile, speedup, summarize
 from ..measure.timing import INTERLEAVE_RECORD, SENTINEL_TOLERANCE, figure_rounds, interleave, seconds_since, stamp
-from ..modeling import load_model, load_tokenizer, load_variant, require_input
+from ..models import engines, quantization
+from ..models.modeling import load_model, load_tokenizer, load_variant, require_input
 from ..registry import built_on
 
 # pandas (reading the validation prompts, the default prompts) and transformers' CompileConfig (a compiled generation)
@@ -296,7 +297,7 @@ def inference_cell(cfg: dict, results: str, name: str, dtype: str, device: str, 
 
 def engine_cell(cfg: dict, results: str, name: str, dtype: str, device: str, cell: dict, limits: dict,
                 profile_dir: str | None = None) -> dict:
-    """An engine's cell (efflab.engines): the same prompt batches, as token ids, at the same forced length, through
+    """An engine's cell (efflab.models.engines): the same prompt batches, as token ids, at the same forced length, through
     the engine, interleaved round by round with the same model's dynamic generate(). An engine gives no per-token
     stamps offline, so its rate is of whole generations (prefill included), and so is the speedup."""
     b, layout, device = cfg["bench_inference"], Layout(Path(results)), torch.device(device)

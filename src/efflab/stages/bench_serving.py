@@ -8,7 +8,7 @@ how many the server works on at a time:
               is done and returned as a whole (a request's latency is its batch's end);
   continuous  transformers' continuous batching (paged KV cache; `max_requests_per_batch` = concurrency): a
               finished request leaves the batch at once and a waiting one takes its place;
-  vllm        vLLM's engine on the base model's folder (efflab.engines), where it is installed and the device is a
+  vllm        vLLM's engine on the base model's folder (efflab.models.engines), where it is installed and the device is a
               CUDA GPU, else `unavailable`: at most `concurrency` requests in the engine at a time, a finished one
               replaced by a waiting one at once (vLLM batches those in the engine continuously, paged KV cache).
 After one untimed warm-up pass, each of `bursts` rounds serves the burst once with every (method, concurrency)
@@ -36,14 +36,15 @@ from pathlib import Path
 
 import torch
 
-from .. import cli, engines
+from .. import cli
 from ..layout import Job
 from ..measure import timing
 from ..measure.device import synchronize
 from ..measure.env import environment
 from ..measure.stats import format_ratio, percentile, ratio_verdict, said_of_faster_side, summarize
 from ..measure.timing import SENTINEL_TOLERANCE, balanced_order
-from ..modeling import load_model, read_split
+from ..models import engines
+from ..models.modeling import load_model, read_split
 
 # transformers takes seconds to import: it is imported inside the functions that use it.
 
@@ -161,7 +162,7 @@ def _row(r: dict, t0: float, first: float | None, finished: float, output_tokens
 
 
 def serve_engine(engine, tokenizer, reqs: list[dict], concurrency: int, device) -> list[dict]:
-    """An inference engine's server (efflab.engines: `engine.serve`), the engine in the model's place: each request's
+    """An inference engine's server (efflab.models.engines: `engine.serve`), the engine in the model's place: each request's
     first token and end as the engine's steps return them, and the tokens it generated."""
     served = engine.serve([r["prompt"] for r in reqs], [r["new_tokens"] for r in reqs], concurrency)
     return [_row(r, 0.0, s["first_token_s"], s["finished_s"], s["output_tokens"]) for r, s in zip(reqs, served)]
@@ -172,7 +173,7 @@ SERVERS = {"naive": serve_naive, "static": serve_static, "continuous": serve_con
 
 def server(model, tokenizer, reqs: list[dict], device, load_engine):
     """serve(cell, warm) for serve_rounds: the warm-up pass serves the first two requests, a burst all of them; an
-    engine's method (efflab.engines) by the engine, `load_engine(method)` once, at its first serving (a load that
+    engine's method (efflab.models.engines) by the engine, `load_engine(method)` once, at its first serving (a load that
     fails is the failure of that method's cells, recorded, and is not tried again), every other method by the
     transformers model."""
     loaded = {}

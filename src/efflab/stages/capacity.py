@@ -55,7 +55,7 @@ from ..measure.isolation import prestart, run_cell
 from ..measure.memory import CpuTensorPeak, MiB, cuda_context_mib, proc_status_kib, tensor_peak
 from ..measure.stats import summarize
 from ..measure.timing import time_fn
-from ..modeling import load_tokenizer, load_variant, read_split
+from ..models.modeling import load_tokenizer, load_variant, read_split
 from ..training import build_model, mixed_precision, training_step
 
 # transformers takes seconds to import: it is imported inside the function that uses it.

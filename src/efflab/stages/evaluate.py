@@ -15,13 +15,14 @@ import importlib.util
 import logging
 import time
 
-from .. import cli, quantization, records
+from .. import cli, records
 from ..config import task_tolerance
 from ..evaluation import harness, scores, task
 from ..experiment import evaluated_models
 from ..layout import Job
 from ..measure.env import environment
-from ..modeling import load_variant
+from ..models import quantization
+from ..models.modeling import load_variant
 from ..registry import LM_EVAL, built_on
 
 log = logging.getLogger("efflab")

@@ -16,7 +16,7 @@ from .. import cli, quality
 from ..experiment import base_quant, finetune_run
 from ..layout import Job
 from ..measure.env import environment
-from ..modeling import forward_batches, load_model, read_split, row_nll, rows_summary
+from ..models.modeling import forward_batches, load_model, read_split, row_nll, rows_summary
 from ..registry import built_on
 
 # peft takes seconds to import: it is imported inside the functions that use it.

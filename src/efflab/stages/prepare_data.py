@@ -18,7 +18,7 @@ from ..config import UserError, classify_source, local_source_files
 from ..evaluation.task import write_docs
 from ..layout import Job
 from ..measure.env import environment
-from ..modeling import EMBEDDED_DATA, package_folder
+from ..models.modeling import EMBEDDED_DATA, package_folder
 
 # datasets takes seconds to import: it is imported only to read a hub dataset.
 

@@ -37,7 +37,7 @@ from ..measure.env import environment
 from ..measure.flops import count_parameters
 from ..measure.stats import speedup
 from ..measure.timing import INTERLEAVE_RECORD, SENTINEL_TOLERANCE, interleave
-from ..modeling import eval_loss, folder_bytes, forward_batches, load_model, read_split
+from ..models.modeling import eval_loss, folder_bytes, forward_batches, load_model, read_split
 from ..registry import HEALED
 from ..training import batches, training_step
 

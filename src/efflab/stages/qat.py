@@ -37,7 +37,7 @@ from ..layout import Job, Layout
 from ..measure.env import environment
 from ..measure.isolation import prestart, run_cell
 from ..measure.stats import summarize
-from ..modeling import forward_batches, load_model, load_tokenizer, read_split, row_nll, shape_only
+from ..models.modeling import forward_batches, load_model, load_tokenizer, read_split, row_nll, shape_only
 from ..registry import LM_EVAL, QAT_MODEL
 from ..training import batches, training_step
 

@@ -1,6 +1,6 @@
 """Stage quantize: post-training quantization of the base model, one job per scheme (bitsandbytes, torchao, HQQ).
 
-Each job loads the base folder with the scheme's quantization config (efflab.quantization), saves the quantized
+Each job loads the base folder with the scheme's quantization config (efflab.models.quantization), saves the quantized
 folder (safetensors), reloads it and evaluates validation perplexity on the same rows as the baseline scheme
 (method none), whose job every other scheme's job waits for, so the change is measured against it. Then it
 tries a LoRA adapter on the reloaded model: whether peft trains one and merges it back. A scheme whose library or
@@ -13,13 +13,14 @@ import time
 
 import torch
 
-from .. import architecture, cli, quality, quantization, records
+from .. import architecture, cli, quality, records
 from ..layout import Job
 from ..measure.device import DTYPES
 from ..measure.env import environment
 from ..measure.flops import count_parameters
 from ..measure.memory import track_memory
-from ..modeling import batches, eval_loss, folder_bytes, load_model, read_split
+from ..models import quantization
+from ..models.modeling import batches, eval_loss, folder_bytes, load_model, read_split
 
 # peft brings accelerate and bitsandbytes with it, 5-10 s of imports on 2 cores, and bitsandbytes asks CUDA for the
 # device capability at import, which initialises CUDA: it is imported inside adapter_check, after cli.main has given

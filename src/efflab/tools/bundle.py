@@ -31,7 +31,7 @@ import zipfile
 from pathlib import Path
 
 from ..config import UserError
-from ..modeling import EMBEDDED_DATA, EMBEDDED_MODELS, gguf_tokenizer_and_config, package_folder
+from ..models.modeling import EMBEDDED_DATA, EMBEDDED_MODELS, gguf_tokenizer_and_config, package_folder
 
 REPO = Path(__file__).resolve().parents[3]
 MiB = 2**20

@@ -51,7 +51,7 @@ def scale_note(layout) -> str:
 
 
 def _quantize_ratio(layout, metric: dict) -> Reading:
-    """The base model's footprint over the quantized one's (weights and quantization state, efflab.quantization):
+    """The base model's footprint over the quantized one's (weights and quantization state, efflab.models.quantization):
     a count of bytes (exact), with which parameters the scheme kept unquantized as the cause."""
     m = _read(layout.metrics("quantize", metric["scheme"]))
     dtype, cause = m["compute_dtype"], kept_in_16_bits(layout, m)

@@ -33,7 +33,7 @@ from ...measure.flops import count_parameters, matmul_ceiling, mfu, published_pe
 from ...measure.memory import CpuTensorPeak, track_memory
 from ...measure.phases import PHASES_ENV, PhaseClock
 from ...measure.stats import summarize
-from ...modeling import eval_loss, read_split
+from ...models.modeling import eval_loss, read_split
 from ...registry import LOSS_CSV
 from ...training import (
     build_model,

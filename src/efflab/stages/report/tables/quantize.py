@@ -23,7 +23,7 @@ def quantize_table(rows: list[dict]) -> pd.DataFrame:
 
 
 def quantized_as(record: dict) -> str:
-    """The quantized module or weight classes and their counts (a record before efflab.quantization: its bnb layers)."""
+    """The quantized module or weight classes and their counts (a record before efflab.models.quantization: its bnb layers)."""
     parts = record.get("quantized_parts")
     if parts is None:
         return ", ".join(record["bnb_layer_types"]) or "-"

@@ -13,7 +13,7 @@ import json
 from importlib.metadata import version
 from pathlib import Path
 
-from .config import UserError, local_source_files
+from ..config import UserError, local_source_files
 
 KEY = "base_model.source"
 # What transformers loads of a folder with use_safetensors=True (efflab passes no variant).

@@ -14,12 +14,13 @@ from pathlib import Path
 
 import torch
 
-from . import quantization, records
-from .architecture import skeleton
-from .config import UserError, missing_input  # noqa: F401 (re-exported)
-from .experiment import MODEL_KINDS, base_quant, finetune_run
-from .measure.device import DTYPES
-from .measure.env import FAST_BF16_ISA, cpu_isa, cpu_model
+from .. import records
+from ..architecture import skeleton
+from ..config import UserError, missing_input  # noqa: F401 (re-exported)
+from ..experiment import MODEL_KINDS, base_quant, finetune_run
+from ..measure.device import DTYPES
+from ..measure.env import FAST_BF16_ISA, cpu_isa, cpu_model
+from . import quantization
 
 # transformers, peft, pandas and filelock take seconds to import: they are imported inside the functions that use them.
 

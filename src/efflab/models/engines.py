@@ -13,7 +13,7 @@ import itertools
 
 import torch
 
-from .measure import timing
+from ..measure import timing
 
 # vllm is optional (not one of efflab's requirements: pip install vllm, on a CUDA machine): it is imported only where
 # an engine is built (Vllm), so that this module imports, and unavailable() says why not, where it is not installed.

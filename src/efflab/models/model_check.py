@@ -17,10 +17,10 @@ import json
 from importlib.metadata import version
 from pathlib import Path
 
+from ..config import UserError, classify_source
+from ..experiment import ADAPTER_METHODS, finetune_run
+from ..registry import not_asked
 from . import model_folder
-from .config import UserError, classify_source
-from .experiment import ADAPTER_METHODS, finetune_run
-from .registry import not_asked
 
 # Snakemake runs these checks while it plans the DAG: torch, transformers, peft and huggingface_hub (and the
 # modules that import them: modeling, architecture) are imported inside the checks that need them.
@@ -73,7 +73,7 @@ def load_config(cfg: dict, path: Path):
 
 
 def _leaf_names(model) -> list[str]:
-    from .architecture import matmul_layers
+    from ..architecture import matmul_layers
 
     return sorted({name.rsplit(".", 1)[-1] for name in matmul_layers(model)})
 
@@ -83,7 +83,7 @@ def lora_problems(cfg: dict, config, label: str) -> list[str]:
     wrap what they name (e.g. a mixture of experts' 3-D expert weights take no dropout)."""
     from peft import get_peft_model
 
-    from .architecture import lora_config, skeleton
+    from ..architecture import lora_config, skeleton
 
     wanted = {}
     for run in cfg["finetune"]["runs"]:
@@ -105,7 +105,7 @@ def lora_problems(cfg: dict, config, label: str) -> list[str]:
 
 
 def prune_problems(cfg: dict, config, label: str) -> list[str]:
-    from .architecture import shape
+    from ..architecture import shape
 
     s, out = shape(config), []
     for name, strategy in ({} if not_asked(cfg, "prune") else cfg["prune"]["strategies"]).items():
@@ -143,7 +143,7 @@ def attention_notes(cfg: dict, model, label: str) -> list[str]:
 
 def quantization_problems(cfg: dict, model, label: str) -> list[str]:
     """bitsandbytes quantizes nn.Linear and Conv1D layers; the LM head stays as it is."""
-    from .architecture import matmul_layers
+    from ..architecture import matmul_layers
 
     head = model.get_output_embeddings()
     layers = [n for n, m in model.named_modules() if n in matmul_layers(model) and m is not head]
@@ -154,7 +154,7 @@ def quantization_problems(cfg: dict, model, label: str) -> list[str]:
 
 
 def qat_problems(cfg: dict, model, label: str) -> list[str]:
-    from .architecture import undivided_layer
+    from ..architecture import undivided_layer
 
     size = cfg["qat"]["group_size"]
     undivided = None if not_asked(cfg, "qat") else undivided_layer(model, size)
@@ -165,7 +165,7 @@ def qat_problems(cfg: dict, model, label: str) -> list[str]:
 def problems(cfg: dict, config) -> tuple[list[str], list[str]]:
     """Every param of `cfg` that the model of `config` cannot take, one line each; and notes, one line each,
     on what will be recorded unavailable instead."""
-    from .architecture import skeleton
+    from ..architecture import skeleton
 
     model = skeleton(config, cfg["base_model"]["trust_remote_code"])
     label = f"{type(model).__name__} ({config.model_type})"
