@@ -92,6 +92,7 @@ def _write_rows(path: Path, answer: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.integration  # snakemake and dvc reruns: ~40 s of a worker, make test keeps its 10 minutes
 def test_editing_a_local_data_file_or_model_folder_reruns_its_stage_in_snakemake_and_dvc(prepared, tmp_path):
     work = tmp_path
     for item in ("Snakefile", "workflow", "src"):  # the DVC stages' code deps are the project's own files

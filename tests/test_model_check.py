@@ -91,6 +91,7 @@ def test_a_qat_group_size_that_does_not_divide_a_layer_is_refused(params):
     assert found and found[0].startswith("qat.group_size: 48 does not divide the 64 input features")
 
 
+@pytest.mark.integration  # real dry runs: ~28 s of a worker, make test keeps its 10 minutes
 def test_the_dry_run_refuses_a_local_folder_or_a_cached_hub_id_the_params_do_not_fit(tmp_path):
     folder = tmp_path / "gpt2"
     family_config("gpt2").save_pretrained(folder)
