@@ -217,22 +217,25 @@ def _cross_check(cfg: dict, source: str) -> None:
         if name not in cfg["bench_inference"]["variants"]:
             raise UserError(f"{source}: capacity.variants: {name!r} is not a variant in bench_inference.variants")
     for name, variant in cfg["bench_inference"]["variants"].items():
-        key = f"bench_inference.variants.{name}"
-        kind, of = variant["kind"], variant.get("of")
-        if kind == "base":
-            if of is not None:
-                raise UserError(f"{source}: {key}.of: kind 'base' takes no 'of'")
-            continue
-        if of is None:
-            raise UserError(f"{source}: {key}.of: kind {kind!r} needs the name of a "
-                            f"{'quantize scheme' if kind == 'quantized' else 'finetune run'}")
-        if kind == "quantized" and of not in schemes:
-            raise UserError(f"{source}: {key}.of: {of!r} is not a scheme in quantize.schemes")
-        if kind in ("merged", "adapter"):
-            if of not in runs or runs[of]["method"] not in ADAPTER_METHODS:
-                raise UserError(f"{source}: {key}.of: {of!r} is not a lora/qlora run in finetune.runs")
-        if kind == "merged" and of not in merge_runs(cfg):
-            raise UserError(f"{source}: {key}.of: {of!r} is not merged (add it to merge.runs)")
+        _check_variant(cfg, f"{source}: bench_inference.variants.{name}", variant["kind"], variant.get("of"))
+
+
+def _check_variant(cfg: dict, key: str, kind: str, of: str | None) -> None:
+    """A variant's `of` names a model of its kind this experiment makes (experiment.MODEL_KINDS' of_names)."""
+    names = MODEL_KINDS[kind].of_names
+    if names is None:
+        if of is not None:
+            raise UserError(f"{key}.of: kind {kind!r} takes no 'of'")
+        return
+    if of is None:
+        raise UserError(f"{key}.of: kind {kind!r} needs the name of one of {names}")
+    runs = cfg["finetune"]["runs"]
+    if kind in ("merged", "adapter") and (of not in runs or runs[of]["method"] not in ADAPTER_METHODS):
+        raise UserError(f"{key}.of: {of!r} is not a lora/qlora run in finetune.runs")
+    if kind == "merged" and of not in merge_runs(cfg):
+        raise UserError(f"{key}.of: {of!r} is not merged (add it to merge.runs)")
+    if of not in (lookup(cfg, names) or {}) and kind != "merged":
+        raise UserError(f"{key}.of: {of!r} is not one of {names}")
 
 
 def load(path: str | Path) -> dict:
