@@ -79,7 +79,7 @@ def run(cfg: dict, job: Job) -> dict:
     if run_cfg["num_processes"] * run_cfg["num_machines"] > 1 or run_cfg["accelerate_config"]:
         if "LOCAL_RANK" not in os.environ:
             return launch_distributed(run_cfg, job)
-    return train(cfg, job)
+    return train(cfg, job, run_cfg)
 
 
 def _free_port() -> int:
@@ -278,10 +278,11 @@ class Prepared:
     matmul_dtype: str
 
 
-def prepare(cfg: dict, job: Job) -> Prepared:
-    """Settings, threads, device, precision, seed, tokenizer, rows and the model to train (without a KV cache)."""
+def prepare(job: Job, run_cfg: dict) -> Prepared:
+    """Threads, device, precision, seed, tokenizer, rows and the model to train (without a KV cache) of the run
+    whose settings are `run_cfg`."""
     from transformers import set_seed
-    run_cfg = finetune_run(cfg, job.name)
+
     world, rank, threads = _ranks_and_threads(job)
     device, dtype = job.device, job.dtype
     precision = mixed_precision(run_cfg, dtype, device)
@@ -300,13 +301,14 @@ def prepare(cfg: dict, job: Job) -> Prepared:
                         precision, "float32" if run_cfg["method"] == "full" else dtype))
 
 
-def train(cfg: dict, job: Job) -> dict:
-    """The training itself, in this process (one DDP rank when launched by accelerate)."""
+def train(cfg: dict, job: Job, run_cfg: dict) -> dict:
+    """The training itself, in this process (one DDP rank when launched by accelerate), of the run whose settings
+    (finetune_run, resolved once a process) are `run_cfg`."""
     from transformers import Trainer
 
     from .callbacks import KILL_ENV, CountLongestSteps, KillAfterCheckpoint, SequenceLengths, StepTimes, quiet_progress
 
-    r = prepare(cfg, job)
+    r = prepare(job, run_cfg)
     run_cfg, model, device = r.run_cfg, r.model, r.device
     if r.rank == 0:  # only rank 0 reports: the other ranks need neither the start loss nor the ceiling
         before = eval_loss(model, r.val_rows, run_cfg["batch_size"], r.tokenizer)
@@ -439,6 +441,6 @@ def worker_main(argv: list[str]) -> None:
     cfg = config.load(args.params)
     out = Path(args.out)
     metrics = train(cfg, Job(Layout(Path(args.results)), args.name, out, out, args.params, "finetune",
-                             cfg["runtime"]))
+                             cfg["runtime"]), finetune_run(cfg, args.name))
     if rank == 0:
         (out / "rank0_metrics.json").write_text(json.dumps(metrics, default=str))
