@@ -103,6 +103,7 @@ def test_training_flops_follow_palm_and_mfu_is_a_fraction_of_the_measured_ceilin
     assert t["matmul_ceiling"]["dtype"] == "float32" and t["published_peak"]["tflops"] is None
 
 
+@pytest.mark.integration  # two DDP processes through accelerate launch: ~18 s of a worker, make test keeps its 10 minutes
 def test_two_cpu_processes_train_in_sync_through_accelerate_and_write_once(results, write_params):
     def edit(cfg):
         cfg["finetune"]["runs"]["lora-ddp"] = {"method": "lora", "num_processes": 2}

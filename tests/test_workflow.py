@@ -442,6 +442,7 @@ def test_failed_jobs_are_results_the_jobs_after_them_skip_and_the_report_still_r
         assert re.search(rf"\| *{stage} *\| *{name} *\|", section), f"{stage} {name} is not in the report's table"
 
 
+@pytest.mark.integration  # a stage run and a whole snakemake run: ~20 s of a worker, make test keeps its 10 minutes
 def test_a_single_job_stage_that_raises_is_a_result_and_snakemake_still_exits_non_zero(
         local_pipeline, tmp_path, monkeypatch):
     """Any stage job that raises (a bug, or a user error that slipped past the checks) writes its record, failed
@@ -470,6 +471,7 @@ def test_a_single_job_stage_that_raises_is_a_result_and_snakemake_still_exits_no
     assert "## Serving: naive vs static vs continuous batching\n\n_No job of this stage produced numbers" in report
 
 
+@pytest.mark.integration  # dry runs and a report: ~20 s of a worker, make test keeps its 10 minutes
 def test_stages_left_out_plan_no_jobs_and_the_report_says_they_were_not_asked_for(local_pipeline, tmp_path):
     """An empty grid switches a stage off: the dry run plans none of its jobs (nor the jobs that need them),
     the stage command refuses to run it, and the report renders with "Not asked for" in its section."""
