@@ -303,7 +303,7 @@ def test_knobs_a_cpu_cannot_honour_are_unavailable_and_the_grid_goes_on(results,
 def test_a_run_that_fails_is_recorded_with_its_reason(results, monkeypatch, error, status):
     from efflab.stages import finetune
 
-    def fail(cfg, job):
+    def fail(cfg, job, run_cfg):
         (job.out / "half-written.bin").write_bytes(b"x")
         raise (torch.OutOfMemoryError if status == "oom" else RuntimeError)(error)
     monkeypatch.setattr(finetune, "train", fail)
