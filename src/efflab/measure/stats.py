@@ -88,8 +88,8 @@ def ratio_verdict(ratios: list[float], level: float = 0.95) -> dict:
 NOT_DECIDED = "not decided at this size"
 
 
-def same_within(band: float, relative: bool = True, unit: str = "") -> str:
-    return f"same within ±{100 * band:g}%" if relative else f"same within ±{band:g}{unit}"
+def same_within(band: float) -> str:
+    return f"same within ±{100 * band:g}%"
 
 
 def rounds_to_decide(median: float, lo: float, hi: float, n: int | None, centre: float, band_lo: float,
