@@ -41,9 +41,7 @@ def content_sha256(paths: list[Path]) -> str:
 
 
 def _metrics(layout, job: str) -> dict:
-    stage, _, name = job.partition("/")
-    path = layout.metrics(stage, name or None)
-    return records.load_if_there(path)
+    return records.load_if_there(layout.job_metrics(job))
 
 
 def driver() -> str:
