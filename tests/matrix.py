@@ -106,13 +106,18 @@ def check_measured_speeds_are_said(family: str, results) -> None:
     from efflab import records
 
     decisions = json.loads((results / "report" / "decisions.json").read_text())
-    said = {o["name"]: (o["axes"].get("speed") or {}).get("value")
+    said = {o["name"]: o["axes"].get("speed")
             for q in ("inference", "quantize") for o in (decisions["questions"].get(q) or {}).get("options", [])}
     for path in (results / "bench_inference").glob("*/metrics.json"):
         job = json.loads(path.read_text())
         cell = records.reference_cell(job) if records.is_ok(job) else None
         if cell and job["variant"] in said:
-            assert said[job["variant"]] is not None, (family, job["variant"], "ran, yet its speed is not measured")
+            speed = said[job["variant"]]  # a figure, or none where the sentinel set every round aside, and why
+            assert speed is not None, (family, job["variant"], "ran, yet its speed is not measured")
+            ratio = (cell.get("vs_base") or {}).get("generation_speedup") or {}
+            assert speed["verdict"] != "not measured", (family, job["variant"], speed)
+            if job["kind"] != "base":
+                assert (speed["value"] is None) == (ratio.get("median") is None), (family, job["variant"], speed)
     assert "decodes at not measured" not in (results / "report" / "report.md").read_text(), family
 
 

@@ -132,6 +132,23 @@ def test_every_verdict_the_glance_states_for_a_pair_is_the_decisions(cfg, tmp_pa
     assert knob["step time verdict"] == _option(stored["finetune"], "lora-gc")["axes"]["step_ratio"]["verdict"]
 
 
+
+def test_a_speedup_the_sentinel_left_without_a_figure_says_why_in_every_place(cfg):
+    """int8's decode ratio had no stable round on a busy machine: the decision, the advice, the glance and the
+    inference table all say "not decided: <why>", never "not measured" (CI's run of qwen2 on a loaded machine)."""
+    why = "the machine's speed changed during the comparison"
+    unstable = [INFERENCE[0], {**INFERENCE[1], "cells": [INFERENCE[1]["cells"][0] | {"vs_base": {
+        "generation_speedup": {"median": None, "ci95": None, "rounds": 1, "verdict": f"not a verdict: {why}"}}}]},
+        INFERENCE[2]]
+    made = _build(cfg, quantize=QUANTIZE, bench_inference=unstable)
+    for key in ("inference", "quantize"):
+        speed = _option(made["questions"][key], "int8")["axes"]["speed"]
+        assert speed["value"] is None and speed["verdict"] == f"not decided: {why}", (key, speed)
+    assert fmt.speedup_verdict(unstable[1]["cells"][0]["vs_base"], "generation_speedup") == f"not decided: {why}"
+    assert f"Its decode speed has no figure: {why}." in "\n".join(advice.lines(made["_facts"], cfg))
+    line = glance.inference(made["questions"]["inference"], 5.0)
+    assert f"int8 no figure, not decided: {why}" in line and "not measured" not in line
+
 def _change(lo, hi, n=12):
     return {"change_pct": (lo + hi) / 2, "ci95_change_pct": [lo, hi], "n_rows": n}
 

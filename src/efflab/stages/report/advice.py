@@ -36,7 +36,7 @@ def speed_word(a: dict | None) -> str:
     """An interleaved ratio over the baseline in the one vocabulary (stats.compare)."""
     if not a:
         return "not measured"
-    return compare(a["value"], a["lo"], a["hi"], n=a.get("n"))
+    return compare(a["value"], a["lo"], a["hi"], n=a.get("n"), why=a.get("why"))
 
 
 def task_gates(evaluate: list[dict]) -> dict[str, str]:

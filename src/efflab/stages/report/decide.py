@@ -48,7 +48,7 @@ def winner(options: list[dict], key: str, better: str) -> str | None:
 def best_point(options: list[dict], key: str, better: str) -> str | None:
     """The option with the best point value on `key` (what a reader would guess from the table), to say when it
     is not a winner."""
-    have = [o for o in options if o["axes"].get(key)]
+    have = [o for o in options if (o["axes"].get(key) or {}).get("value") is not None]
     if not have:
         return None
     pick = min if better == "min" else max

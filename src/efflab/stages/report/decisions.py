@@ -61,7 +61,7 @@ def axis_verdict(key: str, a: dict | None, base: dict | None, tolerance: float) 
     if key == "quality":
         return advice.quality_status(a, tolerance)
     if key == "speed":
-        return compare(a["value"], a["lo"], a["hi"], n=a.get("n"))
+        return compare(a["value"], a["lo"], a["hi"], n=a.get("n"), why=a.get("why"))
     if key == "step_ratio":
         return compare(a["value"], a["lo"], a["hi"], n=a.get("n"), higher="slower", lower="faster",
                        why=a.get("why"))

@@ -16,9 +16,14 @@ from .fmt import MiB, peak_mib
 
 
 def ratio_axis(ratio: dict | None) -> dict | None:
-    """An interleaved speedup (measure.stats.speedup) as an axis: its median and 95% interval, or no interval."""
-    if not ratio or ratio.get("median") is None:
+    """An interleaved speedup (measure.stats.speedup) as an axis: its median and 95% interval, or no interval; a
+    speedup the sentinel left without a figure (no stable rounds) is an axis with no value and its `why`."""
+    if not ratio:
         return None
+    if ratio.get("median") is None:
+        why = ratio.get("verdict") or ""
+        return {"value": None, "lo": None, "hi": None, "n": ratio.get("rounds"),
+                "why": why.removeprefix("not a verdict: ")} if why.startswith("not a verdict") else None
     lo, hi = ratio.get("ci95") or (None, None)
     return axis(ratio["median"], lo, hi, n=ratio.get("rounds"))
 
