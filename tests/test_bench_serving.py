@@ -2,9 +2,10 @@ import csv
 
 import pytest
 
-from efflab.measure import timing
+from efflab.measure import load, timing
 from efflab.measure.stats import ratio_verdict, summarize
 from efflab.stages import bench_serving
+from efflab.stages.report import decisions, glance
 from tests.helpers import TEST_PARAMS, SimulatedClock, run_stage, serving_record
 
 
@@ -230,3 +231,177 @@ def test_continuous_vs_static_is_decided_only_by_an_interval_of_paired_rounds():
                           ("continuous", 4): [1.3 * x for x in static[:5]]})["cells"][2]
     assert few["continuous_vs_static"]["ci95"] is None and few["output_tokens_per_s"]["ci95_median"] is None
     assert few["continuous_vs_static"]["verdict"].startswith("not decided at this size: 5 rounds cannot give a 95% interval")
+
+
+# Open loop
+
+
+def _rows(times, repeat=0):
+    """Planted open-loop rows: (arrival, first token, finished, output tokens) per request."""
+    return [{"request": i, "repeat": repeat, "arrival_s": a, "first_token_s": f, "finished_s": e, "output_tokens": n,
+             "prompt_tokens": 4} for i, (a, f, e, n) in enumerate(times)]
+
+
+PLANTED = [(0.0, 0.5, 1.0, 6),   # TTFT 0.5, TPOT 0.1, E2E 1.0
+           (0.5, 1.5, 2.0, 6),   # TTFT 1.0, TPOT 0.1, E2E 1.5
+           (1.0, 1.6, 3.6, 5),   # TTFT 0.6, TPOT 0.5, E2E 2.6
+           (1.5, 3.0, 4.0, 1)]   # TTFT 1.5, no TPOT (one token), E2E 2.5
+
+
+@pytest.mark.parametrize(("slo", "met"), [({"ttft_s": 1.0, "tpot_s": 0.2, "e2e_s": None}, 2),
+                                          ({"ttft_s": 1.0, "tpot_s": None, "e2e_s": None}, 3),
+                                          ({"ttft_s": None, "tpot_s": None, "e2e_s": 2.0}, 2),
+                                          ({"ttft_s": None, "tpot_s": None, "e2e_s": None}, 4), ({}, 4)])
+def test_goodput_is_the_requests_meeting_every_slo_bound_over_the_span_of_the_run(slo, met):
+    """Hand-computed: the span is the first arrival (0) to the last finish (4.0 s); a bound on a time the request lacks
+    (TPOT of a one-token request) is not met."""
+    f = load.run_figures(_rows(PLANTED), 2.0, slo)
+    assert f["met_slo"] == met and f["goodput_per_s"] == pytest.approx(met / 4.0)
+    assert f["span_s"] == 4.0 and f["requests_per_s"] == pytest.approx(1.0)
+    assert f["output_tokens_per_s"] == pytest.approx(18 / 4.0)
+    assert f["offered_per_s"] == pytest.approx(4 / (1.5 + 0.5)) and f["kept_up"] == pytest.approx(0.5)
+    assert f["queue_growth"] == pytest.approx((0.6 + 1.5) / (0.5 + 1.0))
+    pct = load.percentiles(_rows(PLANTED))
+    assert pct["ttft_s"]["p50"] == pytest.approx(0.8) and pct["tpot_s"]["p50"] == pytest.approx(0.1)
+    assert pct["e2e_s"]["p99"] == pytest.approx(2.5 + 0.97 * 0.1)
+
+
+def test_the_poisson_schedule_has_its_rate_and_is_the_same_for_the_same_seed_rate_and_repeat():
+    """Over 20,000 gaps the mean gap is 1/rate within 3% (its standard error is 0.7%); the schedule is a function of
+    (seed, rate, repeat) alone."""
+    for rate in (0.5, 4.0, 64.0):
+        at = load.arrivals(20_000, rate, seed=0, repeat=0)
+        gaps = [b - a for a, b in zip(at, at[1:])]
+        assert at[0] == 0.0 and min(gaps) >= 0
+        assert sum(gaps) / len(gaps) == pytest.approx(1 / rate, rel=0.03)
+    assert load.arrivals(50, 4, 7, 1) == load.arrivals(50, 4.0, 7, 1)
+    assert load.arrivals(50, 4, 7, 1) != load.arrivals(50, 4, 7, 2) != load.arrivals(50, 4, 8, 1)
+
+
+def test_every_method_is_sent_the_same_schedule_in_each_round_and_the_figures_are_its_rows(machine, monkeypatch):
+    """The open-loop harness with planted servers: in round k at a rate, every method gets the requests at
+    load.arrivals(n, rate, seed, k); the warm-up the first two; the cells' figures are measure.load's of their rows."""
+    sent = []
+
+    def planted(method):
+        def serve(model, tokenizer, reqs, concurrency, device, arrivals):
+            sent.append((method, concurrency, arrivals))
+            return [bench_serving._row(r, 0.0, at + 0.1, at + 0.3, arrival=at) for r, at in zip(reqs, arrivals)]
+        return serve
+    monkeypatch.setattr(bench_serving, "SERVERS", {m: planted(m) for m in ("naive", "continuous")})
+    reqs = [{"request": i, "prompt": [1] * (i + 2), "new_tokens": 3} for i in range(5)]
+    serve = bench_serving.server(None, None, [], None, None, reqs, seed=3)
+    cells = [{"method": m, "rate": rate, "concurrency": 4} for rate in (2.0, 8.0) for m in ("naive", "continuous")]
+    rows, sentinels = bench_serving.measure_open(cells, serve, repeats=3, slo={"ttft_s": 0.2})
+    by_round = [a for _, _, a in sent if len(a) == 5]
+    assert [len(a) for _, _, a in sent[:2]] == [2, 2] and len(sent) == 2 + 2 * 2 * 3, \
+        "a warm-up (the first two requests of round 0) at the first rate only"
+    expected = [load.arrivals(5, rate, 3, k) for rate in (2.0, 8.0) for k in range(3) for _ in range(2)]
+    assert by_round == expected, "one schedule per rate and round, sent to both methods"
+    assert [o["sentinel"]["rounds"][k]["order"] for o in sentinels for k in range(3)] == [
+        timing.balanced_order([f"naive@{r:g}/s", f"continuous@{r:g}/s"], k) for r in (2.0, 8.0) for k in range(3)]
+    for c in cells:
+        mine = [r for r in rows if (r["method"], r["rate"]) == (c["method"], c["rate"])]
+        assert [r["arrival_s"] for r in mine if r["repeat"] == 1] == load.arrivals(5, c["rate"], 3, 1)
+        again = load.cell_figures(mine, c["rate"], {"ttft_s": 0.2})
+        assert c["status"] == "ok" and c["goodput_per_s"] == again["goodput_per_s"] and c["repeats"] == 3
+        assert c["ttft_s"]["p50"] == pytest.approx(0.1) and c["e2e_s"]["p99"] == pytest.approx(0.3)
+
+
+def _cell(rate, times, repeats=2, slo=None):
+    rows = [r for k in range(repeats) for r in _rows(times, k)]
+    return {"method": "m", "status": "ok"} | load.cell_figures(rows, rate, slo or {})
+
+
+def test_a_queue_that_grows_is_saturated_and_a_steady_one_is_not():
+    """One request served at a time in 1 s: sent at 4/s the later requests wait ever longer and the server finishes
+    under 90% of the offered rate (saturated); sent at 0.5/s each is served at once (not)."""
+    growing = _cell(4.0, [(i * 0.25, i * 1.0 + 0.5, (i + 1) * 1.0, 8) for i in range(8)])
+    steady = _cell(0.5, [(i * 2.0, i * 2.0 + 0.5, i * 2.0 + 1.0, 8) for i in range(8)])
+    assert growing["saturated"] and growing["queue_growth"] > load.QUEUE_GROWTH and growing["kept_up"] < load.KEPT_UP
+    assert not steady["saturated"] and steady["queue_growth"] == pytest.approx(1.0)
+    assert steady["kept_up"] == pytest.approx(8 / 15 / (8 / 16))
+    assert load.saturation([steady, growing]) == {"saturation_rate": 4.0, "said": "saturates at 4 requests/s"}
+    assert load.saturation([steady]) == {"saturation_rate": None, "said": "not reached up to 0.5 requests/s"}
+    slow_but_kept_up = _cell(4.0, [(i * 0.25, i * 0.25 + 0.02 * (i + 1), i * 0.25 + 0.02 * (i + 1), 8)
+                                   for i in range(8)])
+    assert slow_but_kept_up["queue_growth"] > load.QUEUE_GROWTH and not slow_but_kept_up["saturated"], \
+        "waits that grow while the server still finishes at the offered rate are not saturation"
+
+
+def _open_record(goodputs: dict[tuple[str, float], tuple[list[float], bool]]) -> dict:
+    """A bench_serving record whose open loop holds planted goodputs (one per repeat) per (method, rate)."""
+    cells = [{"method": m, "rate": rate, "status": "ok", "goodput_per_s": summarize(g, "requests/s"),
+              "saturated": saturated} for (m, rate), (g, saturated) in goodputs.items()]
+    methods = sorted({m for m, _ in goodputs})
+    job = serving_record({("naive", 1): [10.0] * 6, ("continuous", 4): [30.0] * 6})
+    return job | {"open_loop": {"slo": {"ttft_s": 1.0, "tpot_s": None, "e2e_s": None}, "cells": cells,
+                                "saturation_rule": load.SATURATION_RULE,
+                                "saturation": {m: load.saturation([c for c in cells if c["method"] == m])
+                                               for m in methods}}}
+
+
+def test_the_open_loop_answer_is_decided_once_and_the_glance_says_what_decisions_hold():
+    drift = [1.0, 1.02, 0.98, 1.01, 0.99, 1.0]
+    job = _open_record({("naive", 1.0): ([0.5 * d for d in drift], False), ("naive", 4.0): ([0.6 * d for d in drift], True),
+                        ("continuous", 1.0): ([0.9 * d for d in drift], False),
+                        ("continuous", 4.0): ([3.1 * d for d in drift], False)})
+    d = decisions._serving(job)
+    o = d["open_loop"]
+    assert o["answer"] == "continuous" and o["versus"] == {"continuous": {"naive": "more"}, "naive": {"continuous": "less"}}
+    best = o["methods"]["continuous"]["best_goodput"]
+    assert best["rate"] == 4.0 and best["value"] == pytest.approx(3.1) and best["lo"] == pytest.approx(3.1 * 0.98)
+    assert o["methods"]["naive"]["best_goodput"]["rate"] == 4.0
+    assert o["methods"]["naive"]["saturation_rate"] == 4.0 and o["methods"]["continuous"]["saturation_rate"] is None
+    line = glance.serving(d).splitlines()[1]
+    assert line.startswith("- **Open-loop serving** (goodput: requests/s meeting TTFT ≤ 1 s; Poisson arrivals): "
+                           "**continuous** the most.")
+    assert "naive: 0.6" in line and "saturates at 4 requests/s" in line and "not reached up to 4 requests/s" in line
+    close = _open_record({("naive", 4.0): ([3.0 * d for d in drift], True),
+                          ("continuous", 4.0): ([3.1 * d for d in drift], False)})
+    o = decisions._serving(close)["open_loop"]
+    assert o["answer"] is None and o["versus"]["continuous"]["naive"] == "same within ±10%"
+    assert "no method shown to serve more than every other" in glance.serving(decisions._serving(close))
+    few = _open_record({("naive", 4.0): ([0.5] * 3, True), ("continuous", 4.0): ([3.0] * 3, False)})
+    o = decisions._serving(few)["open_loop"]
+    assert o["answer"] is None and o["versus"]["continuous"]["naive"].startswith("not decided at this size")
+    assert decisions._serving(serving_record({("naive", 1): [10.0] * 6}))["open_loop"] is None
+    assert len(glance.serving(decisions._serving(serving_record({("naive", 1): [10.0] * 6}))).splitlines()) == 1
+
+
+def test_the_open_loop_harness_serves_every_request_at_its_scheduled_arrival(results, write_params, test_cfg):
+    """The real harness on the tiny model: naive and continuous batching sent each round's Poisson schedule; every
+    request served, its arrival the schedule's, and the record's figures those of open_loop_requests.csv."""
+    def edit(cfg):
+        cfg["bench_serving"] |= {"methods": ["naive"], "bursts": 1, "requests": 3, "concurrency": [2],
+                                 "open_loop": {"rates": [4, 40], "requests": 4, "repeats": 2,
+                                               "methods": ["naive", "continuous", "vllm"]},
+                                 "slo": {"ttft_s": 10.0, "tpot_s": None, "e2e_s": None}}
+    params = write_params(edit)
+    metrics = run_stage("bench_serving", params, results)
+    o, seed = metrics["open_loop"], test_cfg["bench_serving"]["seed"]
+    with open(results / "bench_serving" / "open_loop_requests.csv", newline="") as f:
+        rows = [{k: v if k == "method" else float(v) if v else None for k, v in r.items()} for r in csv.DictReader(f)]
+    assert list(rows[0]) == list(bench_serving.OPEN_COLUMNS)
+    cells = {(c["method"], c["rate"]): c for c in o["cells"]}
+    assert all(cells["vllm", r]["status"] == "unavailable" and cells["vllm", r]["reason"] for r in (4, 40))
+    for (method, rate), c in cells.items():
+        if method == "vllm":
+            continue
+        assert c["status"] == "ok", c.get("reason")
+        mine = [r for r in rows if (r["method"], r["rate"]) == (method, rate)]
+        served = sorted({int(r["repeat"]) for r in mine})
+        for k in served:
+            one = sorted((r for r in mine if r["repeat"] == k), key=lambda r: r["request"])
+            assert [r["arrival_s"] for r in one] == pytest.approx(load.arrivals(4, rate, seed, k), abs=1e-9)
+            assert len(one) == 4 and [int(r["output_tokens"]) for r in one[:3]] == metrics["new_tokens"], \
+                "the burst's first requests, forced to their lengths"
+            assert all(r["arrival_s"] <= r["first_token_s"] <= r["finished_s"] for r in one)
+        sentinel = next(b["sentinel"] for b in o["by_rate"] if b["rate"] == rate)
+        kept = sentinel["figures_of_bursts"]
+        again = load.cell_figures([r for r in mine if r["repeat"] in kept], rate, o["slo"])
+        for key in ("requests_per_s", "output_tokens_per_s", "goodput_per_s"):
+            assert c[key]["samples"] == pytest.approx(again[key]["samples"])
+        assert c["ttft_s"] == pytest.approx(again["ttft_s"]) and c["saturated"] == again["saturated"]
+    for method in ("naive", "continuous"):
+        assert o["saturation"][method] == load.saturation([cells[method, r] for r in (4, 40)])

@@ -4,6 +4,7 @@ rule bench_serving:
         unpack(reads("bench_serving")),
     output:
         requests="results/bench_serving/requests.csv",
+        open_loop="results/bench_serving/open_loop_requests.csv",
         metrics="results/bench_serving/metrics.json",
         figures="results/bench_serving/figures.json",
     params:

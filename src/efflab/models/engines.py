@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
+import time
 
 import torch
 
@@ -60,8 +61,10 @@ class Vllm:
                                  use_tqdm=False)
         return {"new_tokens": [len(o.outputs[0].token_ids) for o in outs], "texts": [o.outputs[0].text for o in outs]}
 
-    def serve(self, prompt_ids: list[list[int]], new_tokens: list[int], concurrency: int) -> list[dict]:
-        """A burst: every prompt (token ids) arrives at once, each to exactly its `new_tokens` tokens, at most
+    def serve(self, prompt_ids: list[list[int]], new_tokens: list[int], concurrency: int,
+              arrivals: list[float] | None = None) -> list[dict]:
+        """A burst: every prompt (token ids) arrives at once (open loop: request i at `arrivals[i]` seconds after
+        the start, admitted only once it has arrived), each to exactly its `new_tokens` tokens, at most
         `concurrency` of them in the engine at a time: a finished request leaves and the next waiting one enters
         before the next step, as a server with `concurrency` slots admits them (vLLM's scheduler batches the
         requests in the engine continuously). The engine is stepped by hand (LLM.generate's own loop); each
@@ -71,9 +74,12 @@ class Vllm:
         ids = {f"efflab-{next(self._request_ids)}": i for i in range(len(prompt_ids))}
         waiting, running = list(ids)[::-1], set()
         first, finished, tokens = {}, {}, {}
+        due = arrivals or [0.0] * len(prompt_ids)
         t0 = timing.clock()
         while waiting or running:
-            while waiting and len(running) < concurrency:
+            if not running and due[ids[waiting[-1]]] > timing.clock() - t0:
+                time.sleep(due[ids[waiting[-1]]] - (timing.clock() - t0))  # idle until the next request arrives
+            while waiting and len(running) < concurrency and due[ids[waiting[-1]]] <= timing.clock() - t0:
                 rid = waiting.pop()
                 engine.add_request(rid, {"prompt_token_ids": prompt_ids[ids[rid]]}, self._params(new_tokens[ids[rid]]))
                 running.add(rid)

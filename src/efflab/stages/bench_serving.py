@@ -24,6 +24,15 @@ each burst's requests/s and output tokens/s, their median over the bursts with i
 give one, the paired per-round ratios over naive and of continuous over static batching
 (measure.stats.ratio_verdict; no verdict where too few bursts were stable), and percentiles of TTFT and latency
 over the pooled requests of those bursts.
+
+Open loop (`open_loop`; null or no rates: left out): at each offered rate, `requests` requests sent with Poisson
+arrivals (measure.load.arrivals: seeded by seed, rate and round, so that every method is sent the same schedule in a
+round), naive one at a time in arrival order, continuous batching (and vLLM, where its engine takes `arrivals`) each
+request submitted at its arrival, at most max(`concurrency`) at once; static batching is not served open loop. The
+methods at a rate are the cells of serve_rounds (warm-up, balanced order, speed sentinel), `repeats` rounds. Every
+request's scheduled arrival, first token and end go to open_loop_requests.csv, and every open-loop figure (measure.load:
+throughput, goodput under `slo`, TTFT / TPOT / latency percentiles from the scheduled arrival, the saturation rule) is
+computed from those rows.
 """
 from __future__ import annotations
 
@@ -38,7 +47,7 @@ import torch
 
 from .. import cli
 from ..layout import Job
-from ..measure import timing
+from ..measure import load, timing
 from ..measure.device import synchronize
 from ..measure.env import environment
 from ..measure.stats import format_ratio, percentile, ratio_verdict, said_of_faster_side, summarize
@@ -55,14 +64,15 @@ REQUEST_COLUMNS = ("method", "concurrency", "burst", "request", "prompt_tokens",
                    "first_token_s", "finished_s")
 
 
-def requests(cfg: dict, layout) -> list[dict]:
-    """N prompts from the validation rows (their prompt part: varied lengths) with seeded output lengths."""
+def requests(cfg: dict, layout, n: int | None = None) -> list[dict]:
+    """N prompts (`requests`, or n) from the validation rows (their prompt part: varied lengths) with seeded output
+    lengths: n requests are the first n of any longer list."""
     s = cfg["bench_serving"]
     rows = read_split(layout.split("validation")) + read_split(layout.split("train"))
     rng = random.Random(s["seed"])
     lo, hi = s["max_new_tokens"]
     out = []
-    for i in range(s["requests"]):
+    for i in range(s["requests"] if n is None else n):
         row = rows[i % len(rows)]
         prompt = [t for t, label in zip(row["input_ids"], row["labels"]) if label == -100] or row["input_ids"][:8]
         out.append({"request": i, "prompt": prompt, "new_tokens": rng.randint(lo, hi)})
@@ -98,11 +108,20 @@ def _generate(model, tokenizer, prompts: list[list[int]], new_tokens: int, devic
     return clock.first, out
 
 
-def serve_naive(model, tokenizer, reqs: list[dict], concurrency: int, device) -> list[dict]:
+def _wait_until(t: float) -> None:
+    if t > time.perf_counter():
+        time.sleep(t - time.perf_counter())
+
+
+def serve_naive(model, tokenizer, reqs: list[dict], concurrency: int, device, arrivals=None) -> list[dict]:
+    """One request at a time in arrival order (`arrivals`: seconds from the start; None: all at once), each waiting
+    for the one before it to finish."""
+    arrivals = arrivals or [0.0] * len(reqs)
     t0, log_ = time.perf_counter(), []
-    for r in reqs:
+    for r, at in zip(reqs, arrivals):
+        _wait_until(t0 + at)
         first, _ = _generate(model, tokenizer, [r["prompt"]], r["new_tokens"], device)
-        log_.append(_row(r, t0, first, time.perf_counter()))
+        log_.append(_row(r, t0, first, time.perf_counter(), arrival=at))
     return log_
 
 
@@ -116,7 +135,7 @@ def serve_static(model, tokenizer, reqs: list[dict], concurrency: int, device) -
     return log_
 
 
-def serve_continuous(model, tokenizer, reqs: list[dict], concurrency: int, device) -> list[dict]:
+def _continuous_config(tokenizer, reqs: list[dict], concurrency: int):
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
@@ -130,53 +149,74 @@ def serve_continuous(model, tokenizer, reqs: list[dict], concurrency: int, devic
     size_key = "page_size" if "page_size" in inspect.signature(ContinuousBatchingConfig).parameters else "block_size"
     cb = ContinuousBatchingConfig(max_requests_per_batch=concurrency, num_blocks=2 * pages + 2, **{size_key: page},
                                   max_batch_tokens=max(page, concurrency * max(len(r["prompt"]) for r in reqs)))
+    return gen, cb
+
+
+def _submit_and_collect(manager, reqs: list[dict], arrivals: list[float], t0: float) -> dict:
+    """Each request handed to the manager at its arrival (a burst: all at once), its result kept as it finishes."""
+    results, due = {}, 0
+    while len(results) < len(reqs):
+        now = time.perf_counter() - t0
+        while due < len(reqs) and arrivals[due] <= now:
+            r = reqs[due]
+            manager.add_request(r["prompt"], request_id=f"r{r['request']}", max_new_tokens=r["new_tokens"],
+                                record_timestamps=True)
+            due += 1
+        out = manager.get_result(timeout=max(arrivals[due] - now, 1e-3) if due < len(reqs) else 60)
+        if out is None and due >= len(reqs):
+            raise RuntimeError("continuous batching stopped before every request finished")
+        if out is not None and out.is_finished():
+            if out.error:
+                raise RuntimeError(f"continuous batching: {out.error}")
+            results[out.request_id] = (out, time.perf_counter())
+    return results
+
+
+def serve_continuous(model, tokenizer, reqs: list[dict], concurrency: int, device, arrivals=None) -> list[dict]:
+    """transformers' continuous batching, each request submitted at its arrival (None: all at once)."""
+    arrivals = arrivals or [0.0] * len(reqs)
+    gen, cb = _continuous_config(tokenizer, reqs, concurrency)
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.WARNING)
-    results = {}
     with model.continuous_batching_context_manager(generation_config=gen, continuous_batching_config=cb,
                                                    warmup=False) as manager:
         t0 = time.perf_counter()
-        for r in reqs:
-            manager.add_request(r["prompt"], request_id=f"r{r['request']}", max_new_tokens=r["new_tokens"],
-                                record_timestamps=True)
-        while len(results) < len(reqs):
-            out = manager.get_result(timeout=60)
-            if out is None:
-                raise RuntimeError("continuous batching stopped before every request finished")
-            if out.is_finished():
-                if out.error:
-                    raise RuntimeError(f"continuous batching: {out.error}")
-                results[out.request_id] = (out, time.perf_counter())
+        results = _submit_and_collect(manager, reqs, arrivals, t0)
     rows = []
-    for r in reqs:
+    for r, at in zip(reqs, arrivals):
         out, seen = results[f"r{r['request']}"]
         stamps = out.timestamps or []
         finished = out.lifespan[1] if out.lifespan[1] > 0 else seen
-        rows.append(_row(r, t0, stamps[0] if stamps else None, finished, len(out.generated_tokens)))
+        rows.append(_row(r, t0, stamps[0] if stamps else None, finished, len(out.generated_tokens), at))
     return rows
 
 
-def _row(r: dict, t0: float, first: float | None, finished: float, output_tokens: int | None = None) -> dict:
+def _row(r: dict, t0: float, first: float | None, finished: float, output_tokens: int | None = None,
+         arrival: float = 0.0) -> dict:
     return {"request": r["request"], "prompt_tokens": len(r["prompt"]),
-            "output_tokens": r["new_tokens"] if output_tokens is None else output_tokens, "submitted_s": 0.0,
+            "output_tokens": r["new_tokens"] if output_tokens is None else output_tokens, "submitted_s": arrival,
             "first_token_s": None if first is None else first - t0, "finished_s": finished - t0}
 
 
-def serve_engine(engine, tokenizer, reqs: list[dict], concurrency: int, device) -> list[dict]:
+def serve_engine(engine, tokenizer, reqs: list[dict], concurrency: int, device, arrivals=None) -> list[dict]:
     """An inference engine's server (efflab.models.engines: `engine.serve`), the engine in the model's place: each request's
-    first token and end as the engine's steps return them, and the tokens it generated."""
-    served = engine.serve([r["prompt"] for r in reqs], [r["new_tokens"] for r in reqs], concurrency)
-    return [_row(r, 0.0, s["first_token_s"], s["finished_s"], s["output_tokens"]) for r, s in zip(reqs, served)]
+    first token and end as the engine's steps return them, and the tokens it generated; open loop, the engine's
+    serve given the `arrivals` (unavailable_reason says where it takes none)."""
+    prompts, lengths = [r["prompt"] for r in reqs], [r["new_tokens"] for r in reqs]
+    served = engine.serve(prompts, lengths, concurrency, **({} if arrivals is None else {"arrivals": arrivals}))
+    return [_row(r, 0.0, s["first_token_s"], s["finished_s"], s["output_tokens"], at)
+            for r, s, at in zip(reqs, served, arrivals or [0.0] * len(reqs))]
 
 
 SERVERS = {"naive": serve_naive, "static": serve_static, "continuous": serve_continuous, "vllm": serve_engine}
 
 
-def server(model, tokenizer, reqs: list[dict], device, load_engine):
+def server(model, tokenizer, reqs: list[dict], device, load_engine, open_reqs: list[dict] = (), seed: int = 0):
     """serve(cell, warm) for serve_rounds: the warm-up pass serves the first two requests, a burst all of them; an
-    engine's method (efflab.models.engines) by the engine, `load_engine(method)` once, at its first serving (a load that
-    fails is the failure of that method's cells, recorded, and is not tried again), every other method by the
-    transformers model."""
-    loaded = {}
+    open-loop cell (one with a `rate`) `open_reqs` at their arrivals (open_schedule), warmed up at its method's first
+    rate only. An engine's method (efflab.models.engines) by the engine, `load_engine(method)` once, at its first
+    serving, for the bursts and the open loop alike (a load that fails is the failure of that method's cells,
+    recorded, and is not tried again), every other method by the transformers model."""
+    loaded, warmed, rounds = {}, set(), {}
 
     def serve(cell: dict, warm: bool) -> list[dict]:
         method = cell["method"]
@@ -187,9 +227,23 @@ def server(model, tokenizer, reqs: list[dict], device, load_engine):
                 loaded[method] = err
         if isinstance(loaded.get(method), Exception):
             raise loaded[method]
-        return SERVERS[method](loaded.get(method, model), tokenizer, reqs[:2] if warm else reqs, cell["concurrency"],
-                               device)
+        if "rate" not in cell:
+            return SERVERS[method](loaded.get(method, model), tokenizer, reqs[:2] if warm else reqs,
+                                   cell["concurrency"], device)
+        if warm and method in warmed:
+            return []
+        warmed.add(method)
+        rounds[id(cell)] = k = rounds.get(id(cell), -1) + (not warm)  # this cell's k-th round (-1: its warm-up)
+        sent, arrivals = open_schedule(open_reqs, cell["rate"], seed, max(k, 0), warm)
+        return SERVERS[method](loaded.get(method, model), tokenizer, sent, cell["concurrency"], device, arrivals)
     return serve
+
+
+def open_schedule(reqs: list[dict], rate: float, seed: int, repeat: int, warm: bool = False):
+    """The requests and their arrivals (measure.load.arrivals) in round `repeat` at `rate`: the same for every method
+    in that round; the warm-up, the first two of round 0's."""
+    arrivals = load.arrivals(len(reqs), rate, seed, repeat)
+    return (reqs[:2], arrivals[:2]) if warm else (reqs, arrivals)
 
 
 def unavailable_reason(method: str, model) -> str | None:
@@ -260,7 +314,7 @@ def compare(cells: list[dict], unstable: str | None = None) -> None:
 
 
 def cell_name(cell: dict) -> str:
-    return f"{cell['method']}@{cell['concurrency']}"
+    return f"{cell['method']}@{cell['rate']:g}/s" if "rate" in cell else f"{cell['method']}@{cell['concurrency']}"
 
 
 def serve_rounds(serve, cells: list[dict], bursts: int, device: torch.device = CPU,
@@ -278,7 +332,7 @@ def serve_rounds(serve, cells: list[dict], bursts: int, device: torch.device = C
             return serve(cell, warm)
         except Exception as err:
             cell |= {"status": "failed", "reason": f"{type(err).__name__}: {str(err).splitlines()[0]}"}
-            log.warning("%s at concurrency %d: %s", cell["method"], cell["concurrency"], cell["reason"])
+            log.warning("%s: %s", cell_name(cell), cell["reason"])
             return None
 
     live = [c for c in cells if attempt(c, True) is not None]
@@ -320,6 +374,68 @@ def measure(cells: list[dict], serve, bursts: int, device: torch.device = CPU, t
     return log_rows, sentinel
 
 
+OPEN_COLUMNS = ("method", "rate", "repeat", "request", "arrival_s", "first_token_s", "finished_s", "prompt_tokens",
+                "output_tokens")
+
+
+def open_row(r: dict, rate: float) -> dict:
+    """A served open-loop request as open_loop_requests.csv has it: its round is its repeat, its arrival scheduled."""
+    return {"method": r["method"], "rate": rate, "repeat": r["burst"], "arrival_s": r["submitted_s"]} | {
+        k: r[k] for k in ("request", "first_token_s", "finished_s", "prompt_tokens", "output_tokens")}
+
+
+def measure_open(cells: list[dict], serve, repeats: int, slo: dict, device: torch.device = CPU,
+                 tolerance: float = SENTINEL_TOLERANCE) -> tuple[list[dict], list[dict]]:
+    """Rate by rate, the methods' cells at that rate (those not marked unavailable) served `repeats` stable rounds
+    (serve_rounds: a warm-up, the balanced order, the speed sentinel), every method sent the same schedule in a round;
+    then each cell's figures (measure.load.cell_figures) from its rows of the rounds the figures are of. Returns the
+    rows of every round (OPEN_COLUMNS) and, per rate, the sentinel's record."""
+    rows, sentinels = [], []
+    for rate in sorted({c["rate"] for c in cells}):
+        here = [c for c in cells if c["rate"] == rate and "status" not in c]
+        served, sentinel = serve_rounds(serve, here, repeats, device, tolerance)
+        rows += [open_row(r, rate) for r in served]
+        kept = set(sentinel["figures_of_bursts"]) if sentinel else set()
+        for c in (c for c in here if "status" not in c):
+            c |= {"status": "ok"} | load.cell_figures([r for r in rows if (r["method"], r["rate"]) == (
+                c["method"], rate) and r["repeat"] in kept], rate, slo)
+        sentinels.append({"rate": rate, "sentinel": sentinel})
+    return rows, sentinels
+
+
+def open_loop(s: dict, model, serve, device) -> tuple[list[dict], dict | None]:
+    """The open-loop sweep of `open_loop` (None, or no rates or methods: left out): each method at each rate, at most
+    max(`concurrency`) requests worked on at once; the rows and the record, with each method's saturation rate."""
+    o, slo = s.get("open_loop") or {}, s.get("slo") or {}
+    if not o.get("rates") or not o.get("methods"):
+        return [], None
+    reasons = {m: unavailable_reason(m, model) for m in o["methods"]}
+    cells = [{"method": m, "rate": rate, "concurrency": max(s["concurrency"])} for rate in o["rates"]
+             for m in o["methods"]]
+    for c in cells:  # the name labels the cell in summary.csv (report.tidy), as in the round orders
+        c |= {"name": cell_name(c)} | ({"status": "unavailable", "reason": reasons[c["method"]]}
+                                       if reasons[c["method"]] else {})
+    rows, sentinels = measure_open(cells, serve, o["repeats"], slo, device, s["sentinel_tolerance"])
+    saturation = {m: load.saturation(ok) for m in o["methods"]
+                  if (ok := [c for c in cells if c["method"] == m and c["status"] == "ok"])}
+    for c in (c for c in cells if c["status"] == "ok"):
+        log.info("open loop %s: %.2f requests/s achieved, goodput %.2f requests/s, TTFT p50 %.3f s%s", cell_name(c),
+                 c["requests_per_s"]["median"], c["goodput_per_s"]["median"], (c["ttft_s"] or {}).get("p50", 0.0),
+                 ", saturated" if c["saturated"] else "")
+    return rows, o | {"concurrency": max(s["concurrency"]), "slo": slo, "measured": load.MEASURED,
+                      "arrival": "Poisson (exponential gaps of mean 1/rate, seeded by seed, rate and repeat; the "
+                                 "same schedule for every method); TTFT and latency from the scheduled arrival",
+                      "saturation_rule": load.SATURATION_RULE, "by_rate": sentinels, "cells": cells,
+                      "saturation": saturation}
+
+
+def write_csv(path: Path, columns: tuple[str, ...], rows: list[dict]) -> None:
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
 def run(cfg: dict, job: Job) -> dict:
     """Serve the same burst of requests every way, at every concurrency level, `bursts` interleaved times; write
     the per-request log."""
@@ -333,8 +449,9 @@ def run(cfg: dict, job: Job) -> dict:
         for concurrency in [1] if method == "naive" else s["concurrency"]:
             cells.append({"method": method, "concurrency": concurrency}
                          | ({"status": "unavailable", "reason": reason} if reason else {}))
+    open_reqs = requests(cfg, layout, s["open_loop"]["requests"]) if s.get("open_loop") else []
     serve = server(model, tokenizer, reqs, device, lambda method: engines.load(method, layout.base_model(), dtype,
-                                                                              s["seed"]))
+                                                                              s["seed"]), open_reqs, s["seed"])
     log_rows, sentinel = measure(cells, serve, s["bursts"], device, s["sentinel_tolerance"])
     if sentinel and sentinel["set_aside"]:
         log.warning("%d of %d bursts set aside by the speed sentinel: %s", sentinel["set_aside"],
@@ -345,16 +462,14 @@ def run(cfg: dict, job: Job) -> dict:
                  c["requests_per_s"]["median"], c["output_tokens_per_s"]["median"],
                  f"x naive {format_ratio(c['throughput_vs_naive'])}" if "throughput_vs_naive" in c else "naive",
                  (c["ttft_s"] or {}).get("p50", float("nan")), c["latency_s"]["p90"])
-    out = Path(job.out)
-    with open(out / "requests.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=REQUEST_COLUMNS)
-        writer.writeheader()
-        writer.writerows(log_rows)
+    open_rows, open_record = open_loop(s, model, serve, device)
+    write_csv(Path(job.out) / "requests.csv", REQUEST_COLUMNS, log_rows)
+    write_csv(Path(job.out) / "open_loop_requests.csv", OPEN_COLUMNS, open_rows)
     return {"dtype": dtype, "requests": len(reqs), "prompt_tokens": [len(r["prompt"]) for r in reqs],
             "new_tokens": [r["new_tokens"] for r in reqs], "arrival": "all requests at once (offline burst)",
             "bursts": s["bursts"], "sentinel_tolerance": s["sentinel_tolerance"],
             "round_orders": [r["order"] for r in sentinel["rounds"]] if sentinel else [], "sentinel": sentinel,
-            "cells": cells, "environment": environment(device, s)}
+            "cells": cells, "open_loop": open_record, "environment": environment(device, s)}
 
 
 if __name__ == "__main__":

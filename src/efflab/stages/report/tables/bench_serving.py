@@ -49,3 +49,34 @@ def serving_latency_table(jobs: list[dict]) -> pd.DataFrame:
                         **{f"TTFT {q} (s)": ttft.get(q) for q in ("p50", "p90", "p99")},
                         **{f"latency {q} (s)": lat.get(q) for q in ("p50", "p90", "p99")}, "env": env_of(job)})
     return pd.DataFrame(out, columns=SERVING_LATENCY_COLUMNS)
+
+
+OPEN_LOOP_COLUMNS = ["rate (requests/s)", "method", "status", "requests/s", "output tokens/s", "goodput (requests/s)",
+                     "TTFT p50 (s)", "TTFT p99 (s)", "TPOT p50 (s)", "TPOT p99 (s)", "E2E p50 (s)", "E2E p99 (s)",
+                     "queue saturated", "method saturates at", "env"]
+
+
+def _open_loop_row(c: dict, saturation: dict) -> dict:
+    row = {"rate (requests/s)": c["rate"], "method": c["method"], "status": status_text(c)}
+    if not records.is_ok(c):
+        return row
+    pct = {f"{name} {q} (s)": (c.get(key) or {}).get(q) for name, key in (("TTFT", "ttft_s"), ("TPOT", "tpot_s"),
+                                                                          ("E2E", "e2e_s")) for q in ("p50", "p99")}
+    return row | pct | {
+        "requests/s": text(of_median(c["requests_per_s"])), "output tokens/s": text(of_median(c["output_tokens_per_s"])),
+        "goodput (requests/s)": text(of_median(c["goodput_per_s"])),
+        "queue saturated": f"{'yes' if c['saturated'] else 'no'} (x{c['queue_growth']:.1f} wait, "
+                           f"{c['kept_up']:.0%} kept up)",
+        "method saturates at": (saturation.get(c["method"]) or {}).get("said", "-")}
+
+
+def open_loop_table(jobs: list[dict]) -> pd.DataFrame:
+    """Per offered rate and method (open loop, Poisson arrivals): the medians over the repeats of requests/s, output
+    tokens/s and goodput (requests/s meeting the SLO) with their 95% interval (or range), percentiles of TTFT, TPOT and
+    end-to-end latency over the pooled requests, whether the queue grew without bound at this rate (the wait of the
+    later half over the earlier half's, the share of the offered rate achieved) and the method's saturation rate."""
+    out = []
+    for job in records.ok(jobs):
+        o = job.get("open_loop") or {}
+        out += [_open_loop_row(c, o["saturation"]) | {"env": env_of(job)} for c in o.get("cells", [])]
+    return pd.DataFrame(out, columns=OPEN_LOOP_COLUMNS)
