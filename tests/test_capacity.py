@@ -188,3 +188,126 @@ def test_capacity_names_an_unknown_run_or_variant(write_params, tmp_path):
         with pytest.raises(UserError, match=f"capacity.{key}: 'nope'"):
             config.load(path)
     assert yaml.safe_load(path.read_text())["capacity"]
+
+
+# -- the longest context with a quantized KV cache (capacity.kv_quant) ------------------------------------------------
+
+
+def test_a_quantized_cache_search_passes_its_cache_to_generate(results, test_cfg, monkeypatch):
+    """A cell of `<subject>+kv-quanto-4` generates with transformers' QuantizedCache (kv_cache.generate_kwargs, with
+    bench_inference.kv_quant_options); the full-precision one with generate()'s own cache. Real generations of the
+    tiny model, in-process, generate() spied on."""
+    from efflab.layout import Layout
+    from efflab.models import kv_cache
+
+    calls, load = [], capacity.load_variant
+
+    def spied(*args, **kwargs):
+        model = load(*args, **kwargs)
+        generate = model.generate
+        model.generate = lambda **kw: calls.append(kw) or generate(**kw)
+        return model
+    monkeypatch.setattr(capacity, "load_variant", spied)
+    cfg = copy.deepcopy(test_cfg)
+    options = {"residual_length": 16, "group_size": 32, "eval_rows": 2, "chunk": 16, "context_lengths": [64]}
+    cfg["bench_inference"]["kv_quant_options"] = options
+    for kv in ("quanto-4", kv_cache.NONE):
+        work, tokens, _ = capacity._generate_work(cfg, {"kind": "base"}, Layout(results), "float32",
+                                                  torch.device("cpu"), 1, 64, kv=kv)
+        work()  # raises unless exactly new_tokens tokens came out
+    quantized, plain = calls
+    assert quantized["cache_implementation"] == "quantized"
+    assert quantized["cache_config"] == {"backend": "quanto", "nbits": 4, "q_group_size": 32, "residual_length": 16}
+    assert "cache_implementation" not in plain and "cache_config" not in plain
+
+
+def test_each_quantized_cache_searches_the_base_model_s_longest_context_and_an_unavailable_one_is_said(
+        results, write_params, monkeypatch):
+    """capacity.kv_quant with no variant of kind base searched (int8's quantize job did not run here: its searches
+    are skipped): the base model generates, its sequence search once with the full-precision cache and once per
+    quantized cache, each a subject of its own; a cache whose backend is missing is `unavailable`, the rest runs."""
+    import json
+
+    from efflab.models import kv_cache
+
+    real = kv_cache.unavailable
+    monkeypatch.setattr(capacity.kv_cache, "unavailable", lambda spec, config=None:
+                        "quanto-2 is not installed here (planted)" if spec == "quanto-2" else real(spec, config))
+    (results / "quantize" / "int8").mkdir(parents=True)
+    (results / "quantize" / "int8" / "metrics.json").write_text(json.dumps({"status": "skipped", "reason": "planted"}))
+    metrics = run_stage("capacity", write_params(lambda cfg: cfg["capacity"].update(
+        runs=[], variants=["int8"], kv_quant=["quanto-4", "quanto-2"])), results)
+    searches = {(s["subject"], s["dimension"]): s for s in metrics["searches"]}
+    assert set(searches) == {("int8", "batch_size"), ("int8", "seq_len"), ("int8+kv-quanto-4", "seq_len"),
+                             ("int8+kv-quanto-2", "seq_len"), ("base", "seq_len"), ("base+kv-quanto-4", "seq_len"),
+                             ("base+kv-quanto-2", "seq_len")}
+    assert all(s["status"] == "skipped" for (subject, _), s in searches.items() if subject.startswith("int8"))
+    plain, quantized, missing = (searches[(name, "seq_len")] for name in ("base", "base+kv-quanto-4",
+                                                                           "base+kv-quanto-2"))
+    assert plain["status"] == quantized["status"] == "ok" and "kv_quant" not in plain
+    assert (quantized["kv_quant"], quantized["paired_with"], quantized["predicted_max"]) == ("quanto-4", "base", None)
+    assert "does not model a quantized KV cache" in quantized["prediction"]
+    assert quantized["measured_max"] is not None and quantized["at_max"]["ratio"] is None
+    assert (missing["status"], missing["reason"]) == ("unavailable", "quanto-2 is not installed here (planted)")
+    assert missing["context_gain"] is None and "did not run (unavailable)" in missing["context_gain_why"]
+    if plain["whole_range_fits"] or quantized["whole_range_fits"]:  # the tiny model fits 900 MiB: decides nothing
+        assert quantized["context_gain"] is None and "whole range" in quantized["context_gain_why"]
+    else:
+        assert quantized["context_gain"] == pytest.approx(quantized["measured_max"] / plain["measured_max"])
+    cells = pd.read_csv(results / "capacity" / capacity.CELLS_CSV)
+    assert set(cells.subject) == {"base", "base+kv-quanto-4"} and set(cells.dimension) == {"seq_len"}
+    mine = cells[cells.subject == "base+kv-quanto-4"]
+    assert len(mine[mine.role == "search"]) == quantized["cells"] and mine.predicted_peak_mib.isna().all()
+    assert metrics["kv_quant"]["caches"] == ["quanto-4", "quanto-2"]
+
+
+def _seq(subject, measured, whole=False, kv=None, status="ok"):
+    s = {"subject": subject, "kind": "generate", "dimension": "seq_len", "status": status, "predicted_max": None,
+         "measured_max": measured, "whole_range_fits": whole, "first_failing": None if whole else (measured or 0) + 128}
+    return s | ({"kv_quant": kv, "paired_with": subject.split("+")[0]} if kv else {})
+
+
+def test_the_context_gain_is_a_ratio_only_where_both_searches_decided_their_maximum():
+    gains = capacity.context_gain([_seq("base", 384), _seq("base+kv-quanto-4", 1024, kv="quanto-4"),
+                                   _seq("base+kv-quanto-2", 1536, whole=True, kv="quanto-2"),
+                                   _seq("nf4", 512, whole=True), _seq("nf4+kv-quanto-4", 512, whole=True, kv="quanto-4"),
+                                   _seq("int8", None), _seq("int8+kv-quanto-4", 256, kv="quanto-4")])
+    said = {s["subject"]: (s.get("context_gain"), s.get("context_gain_why")) for s in gains}
+    assert said["base"] == (None, None), "a full-precision search has no gain"
+    assert said["base+kv-quanto-4"] == (pytest.approx(1024 / 384), None)
+    assert said["base+kv-quanto-2"][0] is None and "at least 1536 against 384" in said["base+kv-quanto-2"][1]
+    assert said["nf4+kv-quanto-4"][0] is None and "nothing decided" in said["nf4+kv-quanto-4"][1]
+    assert said["int8+kv-quanto-4"][0] is None and "found nothing that fits" in said["int8+kv-quanto-4"][1]
+
+
+def test_the_decision_and_the_glance_say_the_longest_context_with_and_without_the_quantized_cache():
+    """A planted record: lora-r8's training batch, and the base model's longest context at batch 1, 384 tokens with
+    the full-precision cache, 1,024 with quanto-4 (2.67×), hqq-2 unavailable. The decision carries the pairs once;
+    the glance says them from it, the quantized searches in no other clause; the table has a row for each."""
+    from efflab.measure.env import environment
+    from efflab.stages.report import decisions, glance
+    from efflab.stages.report.tables import capacity as tables
+
+    missing = _seq("base+kv-hqq-2", None, kv="hqq-2", status="unavailable") | {"reason": "hqq is not installed"}
+    batch = {"subject": "lora-r8", "kind": "train", "dimension": "batch_size", "status": "ok", "predicted_max": 5,
+             "measured_max": 4, "whole_range_fits": False, "first_failing": 5}
+    job = {"status": "ok", "budget": {"mib": 2048, "source": "capacity.budget_mib.cpu", "memory": "cpu_peak_rss: x"},
+           "fixed": {"train_seq_len": 128, "prompt_len": 64, "new_tokens": 8},
+           "searches": capacity.context_gain([batch, _seq("base", 384), _seq("base+kv-quanto-4", 1024, kv="quanto-4"),
+                                              missing]), "environment": environment(torch.device("cpu"))}
+    d = decisions._capacity(job)
+    assert d["answer"]["base+kv-quanto-4 generate seq_len"] == 1024
+    [pair] = d["context"]
+    assert (pair["subject"], pair["measured_max"], pair["whole_range_fits"]) == ("base", 384, False)
+    quanto, hqq = pair["quantized"]
+    assert (quanto["kv_quant"], quanto["measured_max"], quanto["context_gain"]) == ("quanto-4", 1024,
+                                                                                    pytest.approx(1024 / 384))
+    assert (hqq["kv_quant"], hqq["status"], hqq["context_gain"]) == ("hqq-2", "unavailable", None)
+    line = glance.capacity(d)
+    assert ("lora-r8: batch 4; generating with base, the longest context at batch 1: 384 tokens with the "
+            "full-precision KV cache, 1,024 tokens with quanto-4 (2.67×), hqq-2 unavailable.") in line
+    assert "+kv-" not in line
+    rows = tables.capacity_table([job]).set_index("subject")
+    assert rows.loc["base+kv-quanto-4", "largest"] == "generation sequence (batch 1, quanto-4 KV cache)"
+    assert rows.loc["base+kv-quanto-4", "measured max"] == "1024 (1152 fails); 2.67× base's"
+    assert rows.loc["base+kv-hqq-2", "status"] == "unavailable: hqq is not installed"

@@ -33,6 +33,16 @@ growth beside the measured one (the estimator's error, like with like) and besid
 budget holds (their gap: what the estimator does not model).
 Every cell goes to cells.csv (memory, live tensors, prediction, speed, status and reason), from which every
 maximum and gap in metrics.json is recomputed by the tests.
+
+The longest context with a quantized KV cache (capacity.kv_quant, e.g. [quanto-4]): every generating subject's
+sequence search runs again once per cache, a subject of its own (`<subject>+kv-<cache>`), the cache passed to
+generate() (models.kv_cache.generate_kwargs, with bench_inference.kv_quant_options). The base model generates too
+(subject `base`, the sequence search only) unless a variant of kind base is searched. The estimator does not model
+a quantized cache: such a search has no prediction, and starts from the full-precision one's predicted maximum (a
+lower bound). Each records `kv_quant`, `paired_with` (its full-precision search) and `context_gain`, its measured
+maximum over the full-precision one's where both are decided (else null, `context_gain_why` says why: on the CPU
+default the whole range may fit, which decides nothing; the GPU profile searches far longer contexts). A cache that
+cannot run here (its backend not installed, a model with layers other than full attention) is `unavailable`.
 """
 from __future__ import annotations
 
@@ -55,6 +65,7 @@ from ..measure.isolation import prestart, run_cell
 from ..measure.memory import CpuTensorPeak, MiB, cuda_context_mib, proc_status_kib, tensor_peak
 from ..measure.stats import summarize
 from ..measure.timing import time_fn
+from ..models import kv_cache
 from ..models.modeling import load_tokenizer, load_variant, read_split
 from ..training import build_model, mixed_precision, training_step
 
@@ -67,6 +78,9 @@ CELL_COLUMNS = ("subject", "kind", "dimension", "role", "batch_size", "seq_len",
                 "loaded_mib", "tensor_growth_mib", "file_growth_mib", "predicted_growth_mib", "predicted_peak_mib",
                 "budget_mib", "timed_steps", "tokens_per_s", "cell_wall_s", "reason")
 DIMENSIONS = ("batch_size", "seq_len")
+BASE = "base"  # the base model, generating: a subject where capacity.kv_quant asks and no variant of kind base is
+# transformers' QuantizedCache defaults (None: the layer's own) where bench_inference has no kv_quant_options
+KV_DEFAULTS = {"residual_length": None, "group_size": None}
 MEMORY = {"cpu": "cpu_peak_rss: the cell process's resident-set high-water mark (VmHWM)",
           "cuda": "cuda_peak_reserved_plus_context: torch.cuda.max_memory_reserved plus the CUDA context (NVML)"}
 
@@ -179,9 +193,9 @@ def _train_work(cfg: dict, subject: str, layout, dtype: str, device: torch.devic
     return (lambda: step(0).item()), batch_size * seq_len, predicted
 
 
-def _generate_work(cfg: dict, subject: str, layout, dtype: str, device: torch.device, batch_size: int,
-                   seq_len: int):
-    variant = cfg["bench_inference"]["variants"][subject]
+def _generate_work(cfg: dict, variant: dict, layout, dtype: str, device: torch.device, batch_size: int,
+                   seq_len: int, kv: str = kv_cache.NONE):
+    cache = kv_cache.generate_kwargs(kv, kv_settings(cfg))
     new_tokens = cfg["capacity"]["generate"]["new_tokens"]
     tokenizer = load_tokenizer(layout.base_model())
     model = load_variant(cfg, variant, layout, dtype, device)
@@ -197,7 +211,7 @@ def _generate_work(cfg: dict, subject: str, layout, dtype: str, device: torch.de
         with torch.no_grad():
             out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                                  min_new_tokens=new_tokens, do_sample=False, num_beams=1,
-                                 pad_token_id=tokenizer.pad_token_id)
+                                 pad_token_id=tokenizer.pad_token_id, **cache)
         if out.shape[1] - seq_len != new_tokens:
             raise RuntimeError(f"generated {out.shape[1] - seq_len} tokens, not {new_tokens}")
     return work, batch_size * new_tokens, predicted
@@ -222,8 +236,12 @@ def cell(cfg: dict, results: str, spec: dict, timed: int) -> dict:
         if budget_mib < card:
             torch.cuda.set_per_process_memory_fraction(max(budget_mib - context, 0) / card, device)
         torch.cuda.reset_peak_memory_stats(device)
-    build = _train_work if kind == "train" else _generate_work
-    work, tokens, predicted = build(cfg, spec["subject"], layout, dtype, device, spec["batch_size"], spec["seq_len"])
+    size = (spec["batch_size"], spec["seq_len"])
+    if kind == "train":
+        work, tokens, predicted = _train_work(cfg, spec["subject"], layout, dtype, device, *size)
+    else:
+        work, tokens, predicted = _generate_work(cfg, spec["variant"], layout, dtype, device, *size,
+                                                 kv=spec.get("kv_quant", kv_cache.NONE))
     if device.type == "cpu":
         # The counter's first start imports and maps what it needs (~2 MiB resident): after the load, so the
         # load's own transient cannot stand on it, and before the loaded memory is read.
@@ -253,12 +271,37 @@ def max_positions(layout) -> int:
     return int(config.get("max_position_embeddings") or 2**31)
 
 
-def subjects(cfg: dict, layout) -> list[tuple[str, str, dict | None]]:
-    """(kind, name, skipped result or None) for every run and variant the stage searches."""
-    out = [("train", name, None) for name in cfg["capacity"]["runs"]]
-    for name in cfg["capacity"]["variants"]:
-        variant = cfg["bench_inference"]["variants"][name]
-        out.append(("generate", name, layout.skipped_because([made_by(variant["kind"], variant.get("of"))])))
+@dataclass(frozen=True)
+class Subject:
+    """What a search runs: training (a finetune run) or generating (`variant`, a bench_inference variant or the base
+    model) with `kv_quant`'s cache; its record name, the dimensions searched, and why it is skipped (None: it runs)."""
+    kind: str
+    name: str
+    variant: dict | None = None
+    kv_quant: str = kv_cache.NONE
+    dimensions: tuple[str, ...] = DIMENSIONS
+    skipped: dict | None = None
+    paired_with: str | None = None  # a quantized cache's full-precision subject
+
+
+def kv_settings(cfg: dict) -> dict:
+    return cfg["bench_inference"].get("kv_quant_options") or KV_DEFAULTS
+
+
+def subjects(cfg: dict, layout) -> list[Subject]:
+    """Every run and variant the stage searches; where capacity.kv_quant asks, each generating subject's sequence
+    search again per quantized cache, and the base model generating if no variant of kind base is searched."""
+    c, variants = cfg["capacity"], cfg["bench_inference"]["variants"]
+    caches = c.get("kv_quant") or []
+    out = [Subject("train", name) for name in c["runs"]]
+    generating = [(name, variants[name], DIMENSIONS) for name in c["variants"]]
+    if caches and not any(variant["kind"] == "base" for _, variant, _ in generating):
+        generating.append((BASE, {"kind": "base"}, ("seq_len",)))
+    for name, variant, dimensions in generating:
+        skipped = layout.skipped_because([made_by(variant["kind"], variant.get("of"))])
+        out.append(Subject("generate", name, variant, dimensions=dimensions, skipped=skipped))
+        out += [Subject("generate", f"{name}+kv-{kv}", variant, kv, ("seq_len",), skipped, paired_with=name)
+                for kv in caches]
     return out
 
 
@@ -355,56 +398,82 @@ class Searching:
     dtype: str
 
 
-def searched(cfg: dict, at: Searching, kind: str, subject: str, dimension: str, sizes: list, subject_sizes: list,
-             shared: dict) -> tuple[list[dict], dict]:
-    """One (subject, dimension) boundary search, every cell in a fresh process under the budget: its rows for
-    cells.csv and its entry for the record. A search cell the subject's other search already ran with the same
-    size and timed steps (both start at batch 1 when capacity.train_seq_len equals capacity.seq_len_step) is not
-    run again: `shared` keeps the subject's search cells, and a first cell predicts over all of `subject_sizes`."""
-    c, rt, limit, device = cfg["capacity"], cfg["runtime"], at.limit, at.device
-    entry = {"subject": subject, "kind": kind, "dimension": dimension, "grid": [sizes[0], sizes[-1]]}
-    reused = []
+def _measurer(cfg: dict, at: Searching, subject: Subject, dimension: str, sizes: list, subject_sizes: list,
+              shared: dict, reused: list):
+    """A search's measure(i, role, timed) -> result: a cell in a fresh process under the budget, journaled. A search
+    cell the subject's other search already ran with the same size and timed steps is not run again (`shared`
+    keeps the subject's search cells; `reused` collects the indices taken from it), and a first cell predicts
+    over all of `subject_sizes`."""
+    rt, limit, device, kind = cfg["runtime"], at.limit, at.device, subject.kind
+
+    def run_one(batch_size: int, seq_len: int, role: str, timed: int, predicts: bool) -> dict:
+        key = {"kind": kind, "subject": subject.name, "dimension": dimension, "batch_size": batch_size,
+               "seq_len": seq_len, "role": role, "timed": timed, "predicts_over": subject_sizes if predicts else []}
+        spec = {"kind": kind, "subject": subject.name, "variant": subject.variant, "kv_quant": subject.kv_quant,
+                "batch_size": batch_size, "seq_len": seq_len, "dtype": at.dtype, "device": str(device),
+                "budget_mib": limit["mib"], "sizes": subject_sizes if predicts else []}
+        result = at.journal.result(key, lambda: _judged(run_cell(
+            cell, dict(cfg=cfg, results=str(at.layout.root), spec=spec, timed=timed),
+            isolation="subprocess", timeout_s=rt["cell_timeout_s"],
+            memory_cap_mib=limit["mib"] if device.type == "cpu" else None), limit["mib"]))
+        return _by_size(result, subject_sizes) if predicts else result
 
     def measure(i: int, role: str, timed: int) -> dict:
         batch_size, seq_len = sizes[i]
         predicts = i == 0 and role == "search"  # the first cell predicts over the subject's grids
-        key = {"kind": kind, "subject": subject, "dimension": dimension, "batch_size": batch_size,
-               "seq_len": seq_len, "role": role, "timed": timed, "predicts_over": subject_sizes if predicts else []}
         again = shared.get((batch_size, seq_len, timed)) if role == "search" else None
         reuse = again is not None and (not predicts or _predicted(again) or not records.is_ok(again))
         if reuse:
             reused.append(i)
             result = again
         else:
-            spec = {"kind": kind, "subject": subject, "batch_size": batch_size, "seq_len": seq_len,
-                    "dtype": at.dtype, "device": str(device), "budget_mib": limit["mib"],
-                    "sizes": subject_sizes if predicts else []}
-            result = at.journal.result(key, lambda: _judged(run_cell(
-                cell, dict(cfg=cfg, results=str(at.layout.root), spec=spec, timed=timed),
-                isolation="subprocess", timeout_s=rt["cell_timeout_s"],
-                memory_cap_mib=limit["mib"] if device.type == "cpu" else None), limit["mib"]))
-            result = _by_size(result, subject_sizes) if predicts else result
+            result = run_one(batch_size, seq_len, role, timed, predicts)
             if role == "search":
                 shared[(batch_size, seq_len, timed)] = result
-        log.info("capacity %s %s batch %d x %d tokens%s: %s%s%s", kind, subject, batch_size, seq_len,
+        log.info("capacity %s %s batch %d x %d tokens%s: %s%s%s", kind, subject.name, batch_size, seq_len,
                  f" ({role}, {timed} timed)" if timed else "", result["status"],
                  f", peak {result['peak_mib']:.0f} MiB" if result.get("peak_mib") else
                  f" ({result.get('reason')})" if not records.is_ok(result) else "",
                  " (the cell the other search ran)" if reuse else "")
         return _on_grid(result, sizes) if predicts else result
+    return measure
 
+
+def _predictions(found: dict, sizes: list, dimension: str, subject: Subject) -> tuple[list, list, dict]:
+    """A search's predicted growth and peak per size (for cells.csv and at_max) and its record's prediction. The
+    estimator does not model a quantized KV cache: such a search has none, and says where it started instead (the
+    full-precision cache's predicted maximum, a lower bound on the quantized one's)."""
+    first, n = found["seen"][0], len(sizes)
+    growth = (first.get("predicted_growth_mib") if records.is_ok(first) else None) or [None] * n
+    peaks = found["predicted_peak_mib"] or [None] * n
+    if not found["predicted_peak_mib"]:
+        return growth, peaks, {}
+    guess = None if found["guess"] < 0 else _size(sizes[found["guess"]], dimension)
+    if subject.kv_quant != kv_cache.NONE:
+        return [None] * n, [None] * n, {"predicted_max": None, "prediction": (
+            "none: the estimator does not model a quantized KV cache; the search started at the full-precision "
+            f"cache's predicted maximum ({guess}), a lower bound")}
+    return growth, peaks, {"predicted_max": guess,
+                           "predicted_peak_mib": dict(zip((_size(s, dimension) for s in sizes), peaks))}
+
+
+def searched(cfg: dict, at: Searching, subject: Subject, dimension: str, sizes: list, subject_sizes: list,
+             shared: dict) -> tuple[list[dict], dict]:
+    """One (subject, dimension) boundary search, every cell in a fresh process under the budget (_measurer): its
+    rows for cells.csv and its entry for the record."""
+    c, limit, kind = cfg["capacity"], at.limit, subject.kind
+    entry = {"subject": subject.name, "kind": kind, "dimension": dimension, "grid": [sizes[0], sizes[-1]],
+             **_kv_fields(subject)}
+    reused = []
+    measure = _measurer(cfg, at, subject, dimension, sizes, subject_sizes, shared, reused)
     found = boundary_search(len(sizes), measure, limit["mib"], c["timed"])
     first, best = found["seen"][0], found["best"]
-    growth = (first.get("predicted_growth_mib") if records.is_ok(first) else None) or [None] * len(sizes)
-    peaks = found["predicted_peak_mib"] or [None] * len(sizes)
+    growth, peaks, prediction = _predictions(found, sizes, dimension, subject)
     ran = [(i, "search", r) for i, r in sorted(found["seen"].items())]
     ran += [(i, "timing", r) for i, r in sorted(found["timings"].items())]
     rows = [_row(c, entry, sizes[i], role, result, growth[i], peaks[i], limit["mib"])
             for i, role, result in ran]
-    if found["predicted_peak_mib"]:
-        guess = found["guess"]
-        entry["predicted_max"] = None if guess < 0 else _size(sizes[guess], dimension)
-        entry["predicted_peak_mib"] = dict(zip((_size(s, dimension) for s in sizes), peaks))
+    entry |= prediction
     if found["failure"] is not None:
         failure = found["failure"]
         return rows, entry | {"status": "failed", "reason": f"a cell {failure['status']}: {failure.get('reason')}"}
@@ -417,35 +486,75 @@ def searched(cfg: dict, at: Searching, kind: str, subject: str, dimension: str, 
         maximum = found["timings"][best] if rerun else found["seen"][best]
         entry |= {"at_max": at_max(maximum, growth[best], first["loaded_mib"]),
                   "timed_in": "a re-run of the maximum" if rerun else "the search's cell", **speed(maximum)}
-    log.info("capacity %s %s, largest %s: predicted %s, measured %s%s (%d cells)", kind, subject, dimension,
+    log.info("capacity %s %s, largest %s: predicted %s, measured %s%s (%d cells)", kind, subject.name, dimension,
              entry.get("predicted_max"), entry["measured_max"],
              " (the whole range fits)" if entry["whole_range_fits"] else "", len(found["seen"]))
     return rows, entry
 
 
+def _kv_fields(subject: Subject) -> dict:
+    """A quantized-cache search's cache and the full-precision search it is paired with (none for the others)."""
+    if subject.kv_quant == kv_cache.NONE:
+        return {}
+    return {"kv_quant": subject.kv_quant, "paired_with": subject.paired_with}
+
+
+def context_gain(searches: list[dict]) -> list[dict]:
+    """Each quantized-cache search with `context_gain`: its longest context over its full-precision search's,
+    where both are decided (a measured maximum below the grid's end); else null and `context_gain_why`."""
+    plain = {s["subject"]: s for s in searches if s["dimension"] == "seq_len" and "kv_quant" not in s}
+    return [s | dict(zip(("context_gain", "context_gain_why"), _gain(s, plain.get(s["paired_with"]))))
+            if "kv_quant" in s else s for s in searches]
+
+
+def _gain(quantized: dict, full: dict | None) -> tuple[float | None, str | None]:
+    for name, s in (("the quantized cache's", quantized), ("the full-precision cache's", full)):
+        if s is None or not records.is_ok(s):
+            return None, f"{name} search did not run ({(s or {}).get('status', 'absent')})"
+        if s["measured_max"] is None:
+            return None, f"{name} search found nothing that fits"
+    if full["whole_range_fits"]:
+        return None, ("the full-precision cache fits the whole range: nothing decided (on the CPU default the "
+                      "grid is short; the GPU profile searches longer contexts)")
+    if quantized["whole_range_fits"]:
+        return None, (f"the quantized cache fits the whole range: at least {quantized['measured_max']} against "
+                      f"{full['measured_max']}, its gain undecided (a longer capacity.max_seq_len decides it)")
+    return quantized["measured_max"] / full["measured_max"], None
+
+
+def _not_searched(subject: Subject, dimension: str, sizes: list, config) -> dict | None:
+    """The record of a search that does not run: its subject skipped, its grid empty, or its cache unavailable."""
+    entry = {"subject": subject.name, "kind": subject.kind, "dimension": dimension,
+             "grid": [sizes[0], sizes[-1]] if sizes else None, **_kv_fields(subject)}
+    if subject.skipped:
+        return entry | subject.skipped
+    if not sizes:
+        return entry | {"status": "skipped", "reason": "the grid is empty: the fixed length does not fit the "
+                                                       "model's context"}
+    why = kv_cache.unavailable(subject.kv_quant, config)
+    return entry | {"status": "unavailable", "reason": why} if why else None
+
+
 def run(cfg: dict, job: Job) -> dict:
     """Search every subject's largest batch and longest sequence within the budget; write cells.csv."""
+    from transformers import AutoConfig
+
     c, rt, layout = cfg["capacity"], cfg["runtime"], job.layout
     prestart("subprocess")  # the cells' forkserver imports beside this job
     device, dtype = job.device, job.dtype
-    limit = budget(c, rt, device)
-    positions = max_positions(layout)
+    limit, positions = budget(c, rt, device), max_positions(layout)
     journal = job.journal({"capacity": c, "runtime": rt, "base": layout.metrics("base_model").read_text(),
-                           "budget": limit})
+                           "budget": limit, "kv_quant_options": kv_settings(cfg)})
+    at, model_config = Searching(layout, journal, limit, device, dtype), AutoConfig.from_pretrained(layout.base_model())
     cells, searches = [], []
-    for kind, subject, skipped in subjects(cfg, layout):
-        grids = {dimension: grid(c, kind, dimension, positions) for dimension in DIMENSIONS}
+    for subject in subjects(cfg, layout):
+        grids = {dimension: grid(c, subject.kind, dimension, positions) for dimension in subject.dimensions}
         subject_sizes, shared = list(dict.fromkeys(size for sizes in grids.values() for size in sizes)), {}
         for dimension, sizes in grids.items():
-            if skipped or not sizes:
-                entry = {"subject": subject, "kind": kind, "dimension": dimension,
-                         "grid": [sizes[0], sizes[-1]] if sizes else None}
-                searches.append(entry | (skipped or {"status": "skipped", "reason": "the grid is empty: the "
-                                                     "fixed length does not fit the model's context"}))
-                continue
-            rows, entry = searched(cfg, Searching(layout, journal, limit, device, dtype), kind, subject, dimension,
-                                   sizes, subject_sizes, shared)
-            cells += rows
+            entry = _not_searched(subject, dimension, sizes, model_config)
+            if entry is None:
+                rows, entry = searched(cfg, at, subject, dimension, sizes, subject_sizes, shared)
+                cells += rows
             searches.append(entry)
     with open(job.out / CELLS_CSV, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=CELL_COLUMNS)
@@ -459,7 +568,20 @@ def run(cfg: dict, job: Job) -> dict:
             "steps": {"warmup": c["warmup"], "timed": c["timed"]},
             "tensors": {"kind": "cuda_max_allocated" if device.type == "cuda" else CpuTensorPeak.KIND,
                         "over": "the warm-up steps, over the loaded model"},
-            "searches": searches, "environment": environment(device, c)}
+            **_kv_record(cfg), "searches": context_gain(searches), "environment": environment(device, c)}
+
+
+def _kv_record(cfg: dict) -> dict:
+    caches = cfg["capacity"].get("kv_quant") or []
+    if not caches:
+        return {}
+    options = cfg["bench_inference"].get("kv_quant_options")
+    return {"kv_quant": {"caches": caches, "options": options or KV_DEFAULTS,
+                         "options_from": "bench_inference.kv_quant_options" if options else
+                         "transformers' QuantizedCache defaults (None: the layer's own)",
+                         "note": "the longest context at batch 1 with each cache and without (the full-precision "
+                                 "one); where a search fits the whole range it decides nothing (on the CPU default "
+                                 "the range is short; the GPU profile searches far longer contexts)"}}
 
 
 def _by_size(result: dict, sizes: list) -> dict:

@@ -22,7 +22,8 @@ def capacity_columns(jobs: list[dict]) -> list[str]:
 def capacity_largest(search: dict, fixed: dict) -> str:
     work = "training" if search["kind"] == "train" else "generation"
     if search["dimension"] == "seq_len":
-        return f"{work} sequence (batch 1)"
+        cache = f", {search['kv_quant']} KV cache" if search.get("kv_quant") else ""
+        return f"{work} sequence (batch 1{cache})"
     return f"{work} batch ({fixed['train_seq_len'] if search['kind'] == 'train' else fixed['prompt_len']} tokens)"
 
 
@@ -43,10 +44,18 @@ def capacity_table(jobs: list[dict]) -> pd.DataFrame:
         for s in job["searches"]:
             m = s.get("at_max") or {}
             out.append(dict(zip(columns, [s["subject"], capacity_largest(s, job["fixed"]), s.get("predicted_max"),
-                                          capacity_measured(s), m.get("predicted_growth_mib"),
+                                          _with_gain(capacity_measured(s), s), m.get("predicted_growth_mib"),
                                           m.get("tensor_growth_mib"), m.get("held_growth_mib"),
                                           _rate_text(s.get("tokens_per_s_at_max")), status_text(s), env_of(job)])))
     return pd.DataFrame(out, columns=columns)
+
+
+def _with_gain(measured: str | None, search: dict) -> str | None:
+    """A quantized KV cache's longest context with its gain over the full-precision cache's, or why none."""
+    if measured is None or "kv_quant" not in search:
+        return measured
+    gain = search.get("context_gain")
+    return f"{measured}; {gain:.2f}× {search['paired_with']}'s" if gain else f"{measured}; gain not decided"
 
 
 def _rate_text(stats: dict | None) -> str:
