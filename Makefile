@@ -66,7 +66,10 @@ $(VENV)/.installed: pyproject.toml constraints.txt $(CONSTRAINTS) $(VENV)/instal
 
 install: $(VENV)/.installed
 
+# optimum-quanto compiles its CPU kernels on first use (about 45 s on 2 cores, once per install): built here,
+# before the pipeline, rather than inside the first quantized-KV-cache cell
 run: install
+	$(PY) -m efflab.models.kv_cache
 	snakemake --cores $(CORES)
 
 # The GPU lane from start to finish on one 80 GB GPU (README, "On a GPU"): the GPU profile's experiment, then

@@ -299,10 +299,10 @@ def test_a_generation_mode_the_model_cannot_run_is_unavailable_with_the_reason(r
 
     real = bench_inference.generate_timed
 
-    def refusing(model, tokenizer, batch, n, kv_cache=True, mode="dynamic"):
+    def refusing(model, tokenizer, batch, n, kv_cache=True, mode="dynamic", extra=None):
         if mode == "static":
             raise ValueError("This model does not support `cache_implementation='static'`")
-        return real(model, tokenizer, batch, n, kv_cache, mode)
+        return real(model, tokenizer, batch, n, kv_cache, mode, extra)
     monkeypatch.setattr(bench_inference, "generate_timed", refusing)
     cell = bench_inference.inference_cell(test_cfg, str(results), "baseline", "float32", "cpu", {
         "kv_cache": True, "batch_size": 1, "generation": "static"}, {"bandwidth": {}, "matmul": {}})

@@ -494,7 +494,7 @@ def test_stages_left_out_plan_no_jobs_and_the_report_says_they_were_not_asked_fo
     report = (work / "results" / "report" / "report.md").read_text()
     for title, why in [("## Structured pruning", "prune.strategies is empty"), ("## Quantization-aware training",
                        "qat.bits is empty"), ("## Serving", "bench_serving.methods is empty"),
-                       ("## Capacity", "capacity.runs and capacity.variants are empty")]:
+                       ("## Capacity", "capacity.runs, capacity.variants and capacity.kv_quant are empty")]:
         section = report[report.index(title):]
         assert section.split("\n\n")[1] == f"_Not asked for: {why}._", (title, section[:300])
 

@@ -218,6 +218,36 @@ def _cross_check(cfg: dict, source: str) -> None:
             raise UserError(f"{source}: capacity.variants: {name!r} is not a variant in bench_inference.variants")
     for name, variant in cfg["bench_inference"]["variants"].items():
         _check_variant(cfg, f"{source}: bench_inference.variants.{name}", variant["kind"], variant.get("of"))
+    _check_speculative(cfg, source)
+
+
+def _check_speculative(cfg: dict, source: str) -> None:
+    """Every assisted cell has a draft the params name, every draft a model this run makes or a source that exists;
+    a quantized cache or a speculative mode has its settings."""
+    b = cfg["bench_inference"]
+    drafts = (b.get("speculative") or {}).get("drafts") or {}
+    for name, spec in drafts.items():
+        key = f"{source}: bench_inference.speculative.drafts.{name}"
+        if "source" in spec:
+            classify_source(spec["source"], f"{key}.source")
+        else:
+            _check_variant(cfg, key, spec["kind"], spec.get("of"))
+    for name, variant in b["variants"].items():
+        key = f"{source}: bench_inference.variants.{name}"
+        modes = variant.get("generation", b["generation"])
+        for draft in variant.get("drafts", []):
+            if draft not in drafts:
+                raise UserError(f"{key}.drafts: {draft!r} is not a draft in bench_inference.speculative.drafts "
+                                f"({', '.join(drafts) or 'none'})")
+        if "assisted" in modes and not variant.get("drafts", list(drafts)):
+            raise UserError(f"{key}.generation: assisted needs a draft model (expected at least one in "
+                            "bench_inference.speculative.drafts)")
+        if {"prompt_lookup", "assisted"} & set(modes) and "speculative" not in b:
+            raise UserError(f"{source}: bench_inference.speculative: needed by {name}'s speculative generation "
+                            "(expected prompt_lookup_num_tokens, num_assistant_tokens and drafts)")
+        if variant.get("kv_quant", b.get("kv_quant")) and "kv_quant_options" not in b:
+            raise UserError(f"{source}: bench_inference.kv_quant_options: needed by {name}'s quantized KV cache "
+                            "(expected residual_length, group_size, eval_rows, chunk and context_lengths)")
 
 
 def _check_variant(cfg: dict, key: str, kind: str, of: str | None) -> None:

@@ -3,7 +3,8 @@ stage registry names (`Stage.figures`). cli.main writes them beside metrics.json
 metric (`dvc exp show`, `dvc metrics diff`); the whole record stays an output.
 
 A path is dot-separated keys into the record. `name[f1,f2]` takes every element of the list `name`, labelled by
-its fields f1 and f2 (`kv_cache=true/batch_size=1`); `*` takes every key of a dict. What a path reaches is kept
+its fields f1 and f2 (`kv_cache=true/batch_size=1`; a field `f?` only where the element has it); `*` takes every
+key of a dict. What a path reaches is kept
 when it is a number, a string or a boolean; a two-number list (an interval) becomes `lo` and `hi`; a summary from
 measure.stats.summarize becomes its `median` with its interval's `ci95_lo` and `ci95_hi` where n gives one; a dict of such
 values keeps them. A path a record lacks (a job or cell that did not run) is left out: its `status` says why.
@@ -29,7 +30,9 @@ def pick(record: dict, paths: tuple[str, ...]) -> dict:
 
 
 def _label(item: dict, fields: list[str]) -> str:
-    return "/".join(f"{f}={_text(item.get(f))}" for f in fields)  # no comma: `dvc exp show --csv` headers
+    """`f1=v1/f2=v2` (no comma: `dvc exp show --csv` headers); a field marked `f?` only where the item has it."""
+    return "/".join(f"{f.rstrip('?')}={_text(item.get(f.rstrip('?')))}" for f in fields
+                    if not f.endswith("?") or f.rstrip("?") in item)
 
 
 def _text(value) -> str:

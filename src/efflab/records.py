@@ -73,11 +73,20 @@ def not_run(by_stage: dict[str, list[dict]]) -> list[dict]:
 
 
 def reference_cell(job: dict) -> dict | None:
-    """A bench_inference job's measured cell at batch 1 with the KV cache and generate()'s dynamic cache: the one
-    every variant has by default, the one variants are compared on (a record made before generation modes has
-    no `generation`: dynamic)."""
+    """A bench_inference job's measured cell at batch 1 with the KV cache and generate()'s dynamic full-precision
+    cache: the one every variant has by default, the one variants are compared on (a record made before generation
+    modes has no `generation`: dynamic)."""
     return next((c for c in ok(job.get("cells", [])) if c["kv_cache"] and c["batch_size"] == 1
-                 and c.get("generation", "dynamic") == "dynamic"), None)
+                 and c.get("generation", "dynamic") == "dynamic" and not c.get("kv_quant")), None)
+
+
+def cell_mode(cell: dict) -> str:
+    """A bench_inference cell's way of generating, as the report names it: 'dynamic', 'dynamic, KV cache quanto-4',
+    'assisted by healed-layers-half'."""
+    mode = cell.get("generation", "dynamic")
+    if cell.get("draft"):
+        return f"{mode} by {cell['draft']}"
+    return f"{mode}, KV cache {cell['kv_quant']}" if cell.get("kv_quant") else mode
 
 
 def interleaved_pair(bench_finetune: list[dict], a: str, b: str) -> dict | None:

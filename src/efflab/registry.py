@@ -80,6 +80,17 @@ def _variant_model(cfg: dict, name: str) -> str:
     return model_paths(variant["kind"], variant.get("of"))[-1]
 
 
+def _draft_models(cfg: dict, name: str) -> list[str]:
+    """The model folders of the drafts a variant's assisted cells load, those this run makes (a `source` draft is
+    outside the results folder)."""
+    b = cfg["bench_inference"]
+    variant, drafts = b["variants"][name], (b.get("speculative") or {}).get("drafts") or {}
+    if "assisted" not in variant.get("generation", b["generation"]):
+        return []
+    used = [drafts[d] for d in variant.get("drafts", list(drafts))]
+    return [model_paths(d["kind"], d.get("of"))[-1] for d in used if "kind" in d]
+
+
 def _evaluate_reads(cfg: dict, name: str | None) -> list[str]:
     """The evaluated model's folders, the task documents, and the record of the model it is paired with."""
     model = evaluated_models(cfg)[name]
@@ -150,25 +161,28 @@ STAGES = _stages(
           reads=_reading(BASE)),
     Stage("bench_inference", ("runtime", "bench_inference.max_new_tokens", "bench_inference.warmup",
                               "bench_inference.repeats", "bench_inference.kv_cache", "bench_inference.batch_sizes",
-                              "bench_inference.generation", "bench_inference.prompts", "bench_inference.variants.{name}", "profile"),
+                              "bench_inference.generation", "bench_inference.kv_quant",
+                              "bench_inference.kv_quant_options", "bench_inference.speculative",
+                              "bench_inference.prompts", "bench_inference.variants.{name}", "profile"),
           runtime_min=20, mem_factor=2, grid=lambda cfg: list(cfg["bench_inference"]["variants"]),
           left_out=("bench_inference.variants is empty", lambda cfg: not cfg["bench_inference"]["variants"]),
           outputs=(), gpu=True, profiled=True,
-          figures=tuple(f"cells[kv_cache,batch_size,generation].{f}" for f in (
+          figures=tuple(f"cells[kv_cache,batch_size,generation,draft?,kv_quant?].{f}" for f in (
               "decode_tokens_per_s", "ttft", "memory.peak_mib", "roofline.bandwidth_fraction",
               "generation_tokens_per_s")),
-          reads=lambda cfg, name: [BASE, VALIDATION, _variant_model(cfg, name)]),
+          reads=lambda cfg, name: [BASE, VALIDATION, _variant_model(cfg, name), *_draft_models(cfg, name)]),
     Stage("bench_serving", ("runtime", "bench_serving"), runtime_min=20, mem_factor=3,
           left_out=("bench_serving.methods is empty", lambda cfg: not cfg["bench_serving"]["methods"]),
-          outputs=("requests.csv",), gpu=True,
-          figures=("cells[method,concurrency].output_tokens_per_s",),
+          outputs=("requests.csv", "open_loop_requests.csv"), gpu=True,
+          figures=("cells[method,concurrency].output_tokens_per_s", "open_loop.cells[method,rate].goodput"),
           reads=_reading(BASE, TRAIN, VALIDATION)),
     Stage("capacity", ("runtime", "capacity", "finetune.defaults", "finetune.runs.{capacity.runs}",
                        "bench_inference.variants.{capacity.variants}.kind",
-                       "bench_inference.variants.{capacity.variants}.of"),
+                       "bench_inference.variants.{capacity.variants}.of", "bench_inference.kv_quant_options"),
           runtime_min=40, mem_factor=6,
-          left_out=("capacity.runs and capacity.variants are empty",
-                    lambda cfg: not cfg["capacity"]["runs"] and not cfg["capacity"]["variants"]),
+          left_out=("capacity.runs, capacity.variants and capacity.kv_quant are empty",
+                    lambda cfg: not (cfg["capacity"]["runs"] or cfg["capacity"]["variants"]
+                                     or cfg["capacity"].get("kv_quant"))),
           outputs=("cells.csv",), gpu=True,
           figures=("searches[subject,kind,dimension].measured_max",),
           reads=lambda cfg, name: [BASE, TRAIN, *sorted({_variant_model(cfg, v)

@@ -162,6 +162,46 @@ def qat_problems(cfg: dict, model, label: str) -> list[str]:
             f"{label} (expected a divisor of every nn.Linear layer's input size)"] if undivided else []
 
 
+def _vocabulary(folder: Path) -> dict | None:
+    tokens = folder / "tokenizer.json"
+    if not tokens.is_file():
+        return None
+    return (json.loads(tokens.read_text()).get("model") or {}).get("vocab")
+
+
+def tokenizer_mismatch(base_folder: Path, draft_folder: Path) -> str | None:
+    """Why a draft folder cannot draft for the base model (another tokenizer: its config's vocabulary size or its
+    tokenizer.json's vocabulary differs), else None. A draft without those files is not refused here."""
+    def size(folder):
+        path = folder / "config.json"
+        if not path.is_file():
+            return None
+        config = json.loads(path.read_text())
+        return config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+    mine, theirs = size(base_folder), size(draft_folder)
+    if mine and theirs and mine != theirs:
+        return f"its vocabulary has {theirs} tokens, the base model's {mine}"
+    a, b = _vocabulary(base_folder), _vocabulary(draft_folder)
+    if a is not None and b is not None and a != b:
+        return "its tokenizer.json vocabulary differs from the base model's (another tokenizer)"
+    return None
+
+
+def check_draft_sources(cfg: dict, base_folder: Path | None) -> None:
+    """At the dry run: every `source` draft that is at hand (a local folder) has the base model's tokenizer; a
+    missing path is refused by classify_source. One line naming the key."""
+    for name, spec in ((cfg["bench_inference"].get("speculative") or {}).get("drafts") or {}).items():
+        if "source" not in spec:
+            continue
+        key = f"bench_inference.speculative.drafts.{name}.source"
+        if classify_source(spec["source"], key) != "local" or base_folder is None:
+            continue
+        why = tokenizer_mismatch(base_folder, Path(spec["source"]).expanduser())
+        if why:
+            raise UserError(f"{key}: {spec['source']!r} cannot draft for the base model: {why} (expected a draft "
+                            "with the base model's tokenizer)")
+
+
 def problems(cfg: dict, config) -> tuple[list[str], list[str]]:
     """Every param of `cfg` that the model of `config` cannot take, one line each; and notes, one line each,
     on what will be recorded unavailable instead."""
@@ -200,6 +240,7 @@ def check(cfg: dict, source: str | Path = "params", config=None) -> list[str]:
             path = config_file(cfg)
             if path is None or not path.is_file():
                 return []
+            check_draft_sources(cfg, path.parent)
             marker = _verdict_marker(cfg, path)
             if marker.is_file():
                 return json.loads(marker.read_text())

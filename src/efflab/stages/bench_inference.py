@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from .. import architecture, cli, experiment, profiling, records
+from .. import architecture, cli, experiment, profiling, quality, records
 from ..config import UserError
 from ..estimators.memory import Generation, compared, generation_peak, quantized_layer_transient, variant_quant
 from ..layout import Job, Layout
@@ -36,8 +36,10 @@ from ..measure.isolation import prestart, run_cell
 from ..measure.memory import track_memory
 from ..measure.stats import percentile, speedup, summarize
 from ..measure.timing import INTERLEAVE_RECORD, SENTINEL_TOLERANCE, figure_rounds, interleave, seconds_since, stamp
-from ..models import engines, quantization
-from ..models.modeling import load_model, load_tokenizer, load_variant, require_input
+from ..models import engines, quantization, speculative
+from ..models import kv_cache as kv_quant
+from ..models.modeling import load_model, load_tokenizer, load_variant, read_split, require_input
+from ..models.speculative import SPECULATIVE
 from ..registry import built_on
 
 # pandas (reading the validation prompts, the default prompts) and transformers' CompileConfig (a compiled generation)
@@ -55,6 +57,7 @@ class TokenClock:
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self._stamps: list = []
+        self.counts: list[int] = []  # tokens per sequence in each put(): more than 1 where a speculative step accepted
         self.start()
 
     def start(self):
@@ -62,6 +65,7 @@ class TokenClock:
 
     def put(self, value):
         self._stamps.append(stamp(self.cuda))
+        self.counts.append(int(value.shape[-1]) if getattr(value, "ndim", 1) > 1 else 1)
 
     def end(self):
         pass
@@ -124,7 +128,7 @@ def prompt_batches(tokenizer, texts: list[str], batch_size: int, device: torch.d
 
 def mode_kwargs(mode: str, device: torch.device) -> dict:
     """generate()'s arguments for a generation mode (transformers' cache_implementation and compile_config)."""
-    if mode == "dynamic":
+    if mode == "dynamic" or mode in SPECULATIVE:  # a speculative mode's arguments: cell_kwargs
         return {}
     if mode == "static":  # transformers would compile a static-cache generate() on CUDA by itself: not here
         return {"cache_implementation": "static", "disable_compile": True}
@@ -148,19 +152,24 @@ def mode_unavailable(mode: str, model) -> str | None:
 
 
 def generate_timed(model, tokenizer, batch: dict, new_tokens: int, kv_cache: bool = True,
-                   mode: str = "dynamic") -> dict:
-    """One greedy generation of exactly `new_tokens` tokens per sequence, timestamped per token."""
+                   mode: str = "dynamic", extra: dict | None = None) -> dict:
+    """One greedy generation of exactly `new_tokens` tokens per sequence, timestamped as generate() hands them out
+    (a token at a time; speculative modes, the tokens a verification step accepted at once). `extra`: generate()'s
+    arguments for a quantized cache or a speculative mode (cell_kwargs)."""
     prompt_len = batch["input_ids"].shape[1]
     clock = TokenClock(batch["input_ids"].device)
     with torch.no_grad():
         out = model.generate(**batch, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                              num_beams=1, use_cache=kv_cache, streamer=clock, pad_token_id=tokenizer.pad_token_id,
-                             **mode_kwargs(mode, batch["input_ids"].device))
+                             **mode_kwargs(mode, batch["input_ids"].device), **(extra or {}))
     token_times = clock.seconds()[1:]  # the first put() is the prompt itself
-    return {"ttft_s": token_times[0], "token_gaps_s": [b - a for a, b in zip(token_times, token_times[1:])],
+    gaps = [(b - a) / k for a, b, k in zip(token_times, token_times[1:], clock.counts[2:]) for _ in range(k)]
+    return {"ttft_s": token_times[0], "token_gaps_s": gaps,
             "decode_s": token_times[-1] - token_times[0], "new_tokens": out.shape[1] - prompt_len,
+            "decoded_tokens": out.shape[1] - prompt_len - clock.counts[1],  # after the first put's
             "batch_size": int(out.shape[0]), "prompt_tokens": int(batch["attention_mask"].sum()),
-            "texts": tokenizer.batch_decode(out[:, prompt_len:], skip_special_tokens=True)}
+            "texts": tokenizer.batch_decode(out[:, prompt_len:], skip_special_tokens=True),
+            "token_ids": out[:, prompt_len:].tolist()}
 
 
 @dataclass(frozen=True)
@@ -173,28 +182,31 @@ class Where:
     device: torch.device
 
 
-def timed_rounds(where: Where, model, tokenizer, batches: list, kv_cache: bool, mode: str
+def timed_rounds(where: Where, model, tokenizer, batches: list, cell: dict, extra: dict
                  ) -> tuple[list[dict], dict | None]:
     """The timed generations of every prompt batch, `repeats` rounds: the base variant's dynamic generation alone;
     any other variant's interleaved round by round with the base model's (its speed against the base's with an
-    interval, free of the machine's drift between jobs); any other mode with the same model's dynamic generation
-    (what the mode buys). (the kept rounds' generations, the comparison or None)"""
+    interval, free of the machine's drift between jobs); any other mode, a quantized cache or a speculative one,
+    with the same model's dynamic generation (what the mode buys). (the kept rounds' generations, the comparison or
+    None)"""
     b, name, device = where.cfg["bench_inference"], where.name, where.device
-    n, by_round = b["max_new_tokens"], {}
+    n, by_round, kv_cache, mode = b["max_new_tokens"], {}, cell["kv_cache"], cell.get("generation", "dynamic")
+    plain = mode == "dynamic" and not cell.get("kv_quant")
 
     def mine(round_):
-        by_round[round_] = [generate_timed(model, tokenizer, batch, n, kv_cache, mode) for batch in batches]
-    if mode == "dynamic" and b["variants"][name]["kind"] == "base":
+        by_round[round_] = [generate_timed(model, tokenizer, batch, n, kv_cache, mode, extra) for batch in batches]
+    if plain and b["variants"][name]["kind"] == "base":
         for r in range(b["repeats"]):
             mine(r)
         return [g for r in range(b["repeats"]) for g in by_round[r]], None
-    against, other = ("dynamic", model) if mode != "dynamic" else (
+    against, other = ("dynamic", model) if not plain else (
         "base", load_model(where.layout.base_model(), where.dtype, device))
     timed = interleave({name: mine, against: lambda r: [generate_timed(other, tokenizer, x, n, kv_cache)
                                                         for x in batches]},
                        b["repeats"], device, warmup=b["warmup"], tolerance=SENTINEL_TOLERANCE)
     kept = [b["warmup"] + i for i in figure_rounds(timed["rounds"], b["repeats"])]
-    whose = "the same model, dynamic cache" if against == "dynamic" else "the base model"
+    whose = ("the same model, generate()'s own full-precision dynamic cache, no speculation" if against == "dynamic"
+             else "the base model")
     versus = compared_with(timed, name, against, "whole generations of every prompt batch per round; speedup = "
                            f"{against}'s time over this cell's ({whose}); the verdict is said of this cell")
     return [g for r in kept for g in by_round[r]], versus  # the rounds the figures are of (not the warmup's)
@@ -208,43 +220,99 @@ def compared_with(timed: dict, mine: str, against: str, measured: str) -> dict:
             **({"unstable": timed["unstable"]} if "unstable" in timed else {})}
 
 
-def first_generations(model, tokenizer, batches: list, n: int, kv_cache: bool, mode: str, warmup: int) -> dict:
+def first_generations(model, tokenizer, batches: list, n: int, kv_cache: bool, mode: str, warmup: int,
+                      extra: dict | None = None) -> dict:
     """The untimed generations before the timed ones, the first ones timed apart: for `compiled`, each prompt
     batch's first generation (torch.compile's tracing and code generation for its shapes), for another mode the
     first batch's; then more of the first batch, `warmup` in all (one-time work: lazy initialisation, first
     allocations)."""
     def wall(batch) -> float:
         t0 = time.perf_counter()
-        generate_timed(model, tokenizer, batch, n, kv_cache, mode)  # returns once the tokens are read back
+        generate_timed(model, tokenizer, batch, n, kv_cache, mode, extra)  # returns once the tokens are read back
         return time.perf_counter() - t0
     firsts = [wall(batch) for batch in (batches if mode == "compiled" else batches[:min(1, warmup)])]
     for _ in range(warmup - 1):
-        generate_timed(model, tokenizer, batches[0], n, kv_cache, mode)
+        generate_timed(model, tokenizer, batches[0], n, kv_cache, mode, extra)
     return {"first_generations_s": firsts,
             "measured": "wall clock of each prompt batch's first generation, before the timed ones" +
                         (": torch.compile's work for that batch's shapes included" if mode == "compiled" else "")}
 
 
+def cell_kwargs(cfg: dict, cell: dict, layout, dtype: str, device: torch.device) -> tuple[dict, object]:
+    """generate()'s arguments for a cell's quantized cache or speculative mode, and the draft model it loaded."""
+    b = cfg["bench_inference"]
+    if cell.get("kv_quant"):
+        return kv_quant.generate_kwargs(cell["kv_quant"], b["kv_quant_options"]), None
+    mode = cell.get("generation", "dynamic")
+    if mode not in speculative.SPECULATIVE:
+        return {}, None
+    draft = speculative.load_draft(cfg, cell["draft"], layout, dtype, device) if mode == "assisted" else None
+    return speculative.generate_kwargs(mode, b["speculative"], draft), draft
+
+
+def speculation(model, tokenizer, batches: list, n: int, extra: dict) -> dict:
+    """A speculative cell's acceptance, counted in a pass of its own (the counting hook stays out of the timed
+    rounds), and whether its greedy tokens equal the model's own greedy generation, token for token, batch by batch."""
+    counts, differ = [], []
+    for i, batch in enumerate(batches):
+        own = generate_timed(model, tokenizer, batch, n)
+        with speculative.Verifications(model) as seen:
+            spec = generate_timed(model, tokenizer, batch, n, extra=extra)
+        counts.append(seen.of_generation(int(batch["attention_mask"].sum()), spec["new_tokens"]))
+        if own["token_ids"] != spec["token_ids"]:
+            differ.append(i)
+    return speculative.acceptance(counts) | {"greedy_equal": not differ, "batches_compared": len(batches),
+                                             "batches_differing": differ}
+
+
+def quantized_cache(cfg: dict, layout, model, spec: str) -> dict:
+    """What a quantized KV cache costs and holds: the paired perplexity change on validation rows fed through it
+    in chunks against the same chunks through a full-precision cache, and the memory each cache holds after a
+    prefill of each context length (up to the model's positions)."""
+    o = cfg["bench_inference"]["kv_quant_options"]
+    rows = read_split(layout.split("validation"), o["eval_rows"])
+    change = quality.paired_change(kv_quant.chunked_row_nll(model, rows, kv_quant.NONE, o, o["chunk"]),
+                                   kv_quant.chunked_row_nll(model, rows, spec, o, o["chunk"]))
+    top = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None) or 2**31
+    lengths = [n for n in o["context_lengths"] if n <= top]
+    tokens = [t for r in rows for t in r["input_ids"]]
+    full, mine = (kv_quant.memory_by_context(model, tokens, s, o, lengths) for s in (kv_quant.NONE, spec))
+    return {"cache": spec, "options": o, "perplexity_change": change,
+            "quality_measured": f"{len(rows)} validation rows fed {o['chunk']} tokens at a time through the cache, "
+                                "paired with the same chunks through a full-precision cache",
+            "memory_by_context": [{"context": a["context"], "full_mib": a["held_mib"], "quantized_mib": b["held_mib"],
+                                   "ratio": b["held_mib"] / a["held_mib"] if a["held_mib"] and b["held_mib"] else None,
+                                   "kind": a["kind"]} for a, b in zip(full, mine)],
+            "contexts_left_out": [n for n in o["context_lengths"] if n > top]}
+
+
 def inference_cell(cfg: dict, results: str, name: str, dtype: str, device: str, cell: dict, limits: dict,
                    profile_dir: str | None = None) -> dict:
-    """Measure one cell of a variant (`cell`: kv_cache, batch_size, generation mode): prefill and decode, apart,
-    at a fixed length."""
+    """Measure one cell of a variant (`cell`: kv_cache, batch_size, generation mode, and a quantized cache or a
+    draft where it has one): prefill and decode, apart, at a fixed length."""
     b, layout, device = cfg["bench_inference"], Layout(Path(results)), torch.device(device)
     kv_cache, batch_size, generation = cell["kv_cache"], cell["batch_size"], cell.get("generation", "dynamic")
     tokenizer = load_tokenizer(layout.base_model())
     model = load_variant(cfg, b["variants"][name], layout, dtype, device)
-    if reason := mode_unavailable(generation, model):
+    if reason := mode_unavailable(generation, model) or kv_quant.unavailable(cell.get("kv_quant", "none"),
+                                                                             model.config):
         return {"status": "unavailable", "reason": reason}
     asked = prompts(b, layout, tokenizer)
     batches = prompt_batches(tokenizer, [a["text"] for a in asked], batch_size, device)
     n = b["max_new_tokens"]
+    extra, draft = cell_kwargs(cfg, cell, layout, dtype, device)
+    plain = generation == "dynamic" and not cell.get("kv_quant")
     try:
-        firsts = first_generations(model, tokenizer, batches, n, kv_cache, generation, b["warmup"])
+        firsts = first_generations(model, tokenizer, batches, n, kv_cache, generation, b["warmup"], extra)
     except (ValueError, TypeError, NotImplementedError, RuntimeError) as err:
-        if generation == "dynamic" or isinstance(err, torch.OutOfMemoryError):
+        if plain or isinstance(err, torch.OutOfMemoryError):
             raise  # a failure of generate() itself, or memory: recorded as such by run_cell
-        return {"status": "unavailable", "reason": f"{generation} generation is not supported for this model here: "
+        what = f"a {cell['kv_quant']} KV cache" if cell.get("kv_quant") else f"{generation} generation"
+        return {"status": "unavailable", "reason": f"{what} is not supported for this model here: "
                                                    f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"}
+    extras = {"speculation": speculation(model, tokenizer, batches, n, extra)} if generation in SPECULATIVE else {}
+    if cell.get("kv_quant"):
+        extras["quantized_cache"] = quantized_cache(cfg, layout, model, cell["kv_quant"])
     transient = quantized_layer_transient(model, dtype) if device.type == "cpu" else 0
     shape = Generation(batch_size, max(x["input_ids"].shape[1] for x in batches), n, kv_cache)
     prediction = generation_peak(layout.base_model(), dtype, variant_quant(cfg, b["variants"][name]), shape,
@@ -254,22 +322,21 @@ def inference_cell(cfg: dict, results: str, name: str, dtype: str, device: str, 
     # torch.profiler (tens of thousands of events per generation), which would slow the timed decode.
     with track_memory(device) as mem:
         for batch in batches:
-            generate_timed(model, tokenizer, batch, n, kv_cache, generation)
+            generate_timed(model, tokenizer, batch, n, kv_cache, generation, extra)
     # And energy in a pass of its own (this cell alone: the timed rounds interleave another)
-    energy = energy_per_token(*energy_of(lambda: sum(generate_timed(model, tokenizer, x, n, kv_cache, generation)
-                                                     ["batch_size"] * n for x in batches), device))
-    runs, versus = timed_rounds(Where(cfg, layout, name, dtype, device), model, tokenizer, batches, kv_cache,
-                                generation)
+    energy = energy_per_token(*energy_of(lambda: sum(generate_timed(model, tokenizer, x, n, kv_cache, generation,
+                                                                    extra)["batch_size"] * n for x in batches), device))
+    runs, versus = timed_rounds(Where(cfg, layout, name, dtype, device), model, tokenizer, batches, cell, extra)
     profile = None
     if profile_dir:  # after every timed pass: the profiler's cost lands in none of them
         folder = Path(profile_dir)
         profile = profiling.profile_generation(cfg["profile"], folder, f"{profiling.FOLDER}/{folder.name}", device,
                                                lambda: generate_timed(model, tokenizer, batches[0], n, kv_cache,
-                                                                      generation))
+                                                                      generation, extra))
     if any(r["new_tokens"] != n for r in runs):
         raise RuntimeError(f"generation length differs from max_new_tokens={n}")
     ttft = summarize([r["ttft_s"] for r in runs])
-    decode_tps = summarize([r["batch_size"] * (n - 1) / r["decode_s"] for r in runs], unit="tokens/s")
+    decode_tps = summarize([r["batch_size"] * r["decoded_tokens"] / r["decode_s"] for r in runs], unit="tokens/s")
     footprint = quantization.footprint_bytes(model)
     # a decode step reads one row of the input embedding, unless it is the output head too (tied), read whole
     embedding, head = model.get_input_embeddings().weight, model.get_output_embeddings()
@@ -282,7 +349,8 @@ def inference_cell(cfg: dict, results: str, name: str, dtype: str, device: str, 
     per_token |= {"p99_over_p50": per_token["p99"] / per_token["p50"] if per_token["p50"] else None,
                   "tail_cause": explain_tail(runs, kv_cache)}
     log.info("%s kv_cache=%s batch %d %s: TTFT median %.3f s, decode %.1f tokens/s (per token p50 %.1f / p99 %.1f ms), "
-             "peak delta %s MiB (%s)", name, kv_cache, batch_size, generation, ttft["median"], decode_tps["median"],
+             "peak delta %s MiB (%s)", name, kv_cache, batch_size, records.cell_mode(cell), ttft["median"],
+             decode_tps["median"],
              1000 * per_token["median"], 1000 * per_token["p99"], _fmt(mem.get("delta_mib")), mem["kind"])
     return {"ttft": ttft, "decode_tokens_per_s": decode_tps, "per_token_latency": per_token, "memory": mem,
             "generations": len(runs), "prompt_tokens": [r["prompt_tokens"] for r in runs[:len(batches)]],
@@ -290,7 +358,8 @@ def inference_cell(cfg: dict, results: str, name: str, dtype: str, device: str, 
             "roofline": roofline(decode_tps["median"], costs, limits["bandwidth"], limits["matmul"]),
             "memory_prediction": compared(prediction, mem), "first_generations": firsts,
             "vs_base": None, **({f"vs_{versus['against']}": versus} if versus else {}), "energy": energy,
-            "profile": profile,
+            "profile": profile, **extras, **({"draft_parameters": sum(p.numel() for p in draft.parameters())}
+                                             if draft is not None else {}),
             "samples": [{"prompt": a["question"], "answer": t, "reference": a["reference"]}
                         for a, t in zip(asked, runs[0]["texts"])]}
 
@@ -335,11 +404,30 @@ def _fmt(value) -> str:
 
 
 def cells_of(b: dict, variant: dict) -> list[dict]:
-    """A variant's cells: KV cache × batch size × generation mode (its own lists, else the stage's), in that order.
-    A mode that is a way of keeping the KV cache (static, compiled, an engine) has no cell without one."""
-    return [{"kv_cache": kv, "batch_size": batch, "generation": mode}
-            for kv in variant.get("kv_cache", b["kv_cache"]) for batch in variant.get("batch_sizes", b["batch_sizes"])
-            for mode in variant.get("generation", b["generation"]) if kv or mode == "dynamic"]
+    """A variant's cells: KV cache × batch size × generation mode (its own lists, else the stage's), in that order;
+    `assisted` once per draft, and beside the dynamic cell one per quantized cache (kv_quant). A mode that is a way
+    of keeping the KV cache (static, compiled, an engine, a speculative one, a quantized cache) has no cell
+    without one."""
+    drafts = variant.get("drafts", list((b.get("speculative") or {}).get("drafts") or {}))
+    out = []
+    for kv in variant.get("kv_cache", b["kv_cache"]):
+        for batch in variant.get("batch_sizes", b["batch_sizes"]):
+            for mode in variant.get("generation", b["generation"]):
+                cell = {"kv_cache": kv, "batch_size": batch, "generation": mode}
+                if not kv and mode != "dynamic":
+                    continue
+                out += [cell | {"draft": d} for d in drafts] if mode == "assisted" else [cell]
+                if mode == "dynamic" and kv:
+                    out += [cell | {"kv_quant": q} for q in variant.get("kv_quant", b.get("kv_quant") or [])]
+    return out
+
+
+def cell_folder(cell: dict) -> str:
+    """A cell's folder name (its profiles): kv-cache-true-batch-1[-mode][-draft][-kv-quanto-4]."""
+    return (f"kv-cache-{str(cell['kv_cache']).lower()}-batch-{cell['batch_size']}"
+            + ("" if cell["generation"] == "dynamic" else f"-{cell['generation']}")
+            + (f"-{cell['draft']}" if cell.get("draft") else "") + (f"-kv-{cell['kv_quant']}" if cell.get("kv_quant")
+                                                                   else ""))
 
 
 def run(cfg: dict, job: Job) -> dict:
@@ -363,11 +451,11 @@ def run(cfg: dict, job: Job) -> dict:
     if journal.resumed == 0:
         shutil.rmtree(profiles, ignore_errors=True)  # a killed earlier run's
     for cell in cells_of(b, variant):
-        if reason := engines.unavailable(cell["generation"], device, variant["kind"]):
+        if reason := engines.unavailable(cell["generation"], device, variant["kind"]) or (
+                speculative.batch_unavailable(cell["generation"], cell["batch_size"])):
             cells.append(cell | {"status": "unavailable", "reason": reason})
             continue
-        folder = f"kv-cache-{str(cell['kv_cache']).lower()}-batch-{cell['batch_size']}" + (
-            "" if cell["generation"] == "dynamic" else f"-{cell['generation']}")
+        folder = cell_folder(cell)
         profile_dir = str(profiles / folder) if profiling.wanted(cfg, "bench_inference") else None
         result = journal.result(cell, lambda: run_cell(
             engine_cell if cell["generation"] in engines.ENGINES else inference_cell,

@@ -265,6 +265,6 @@ def plot_inference(rows: list[dict], path: Path, question: dict | None = None) -
 
 
 def inference_label(variant: str, cell: dict) -> str:
-    mode = cell.get("generation", "dynamic")
+    mode = records.cell_mode(cell)
     return variant + ("" if cell["kv_cache"] else " (KV off)") + ("" if mode == "dynamic" else f" ({mode})")
 

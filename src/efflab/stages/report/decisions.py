@@ -16,9 +16,12 @@ from pathlib import Path
 from ... import quality, records
 from ...config import task_tolerance
 from ...evaluation import scores
+from ...measure import load
 from ...measure.stats import NOT_DECIDED, compare, ratio_words
 from . import advice
+from . import generation_modes as modes
 from . import options as opts
+from .decide import winner
 from .results import absent
 from .tables.qat import verdict_of
 
@@ -144,7 +147,68 @@ def _serving(job: dict) -> dict:
     decided = [o for o in options if (o["axes"]["speed"] or {}).get("verdict") == "faster"]
     answer = max(decided, key=lambda o: o["axes"]["speed"]["value"])["name"] if decided else None
     return {"question": "Which serving method?", "baseline": "naive", "answer": answer, "frontier": [],
-            "why": "the fastest over naive by its paired burst ratio, where that is decided", "options": options}
+            "why": "the fastest over naive by its paired burst ratio, where that is decided", "options": options,
+            "open_loop": _open_loop(job.get("open_loop"))}
+
+
+def _more_goodput(a: dict, b: dict) -> str:
+    """One method's highest goodput against another's, in the one vocabulary (more / less where their intervals
+    lie apart: the ratio's interval from their far ends, as memory peaks; same within ±X%; not decided)."""
+    if max(a["hi"] or a["value"], b["hi"] or b["value"]) == 0:
+        return "neither met the SLO"
+    tiny = 1e-12
+    value = a["value"] / max(b["value"], tiny)
+    if a["lo"] is None or b["lo"] is None:
+        return compare(value, None, None, n=min(a["n"], b["n"]), higher="more", lower="less")
+    return compare(value, a["lo"] / max(b["hi"], tiny), a["hi"] / max(b["lo"], tiny), n=min(a["n"], b["n"]),
+                   higher="more", lower="less")
+
+
+def _open_loop(o: dict | None) -> dict | None:
+    """The open loop's answer: per method its highest goodput under the SLO (median over the repeats, interval, at
+    which rate; measure.load.best_goodput) and its saturation rate, each method's goodput against every other's,
+    and the method with more than every other, where the intervals say so (one method: none)."""
+    if not o:
+        return None
+    methods = {m: {"best_goodput": load.best_goodput(records.ok([c for c in o["cells"] if c["method"] == m]))} | sat
+               for m, sat in o["saturation"].items()}
+    versus = {a: {b: _more_goodput(methods[a]["best_goodput"], methods[b]["best_goodput"]) for b in methods if b != a}
+              for a in methods}
+    answer = next((a for a, vs in versus.items() if vs and all(v == "more" for v in vs.values())), None)
+    return {"question": "Which method serves the most requests within the SLO (open loop)?", "slo": o["slo"],
+            "answer": answer, "methods": methods, "versus": versus, "saturation_rule": o["saturation_rule"],
+            "why": "the highest goodput (requests/s meeting every SLO bound) over the rates swept, more than every "
+                   "other method's by intervals that lie apart"}
+
+
+def _speculative(options: list[dict], tolerance: float) -> dict:
+    """Which speculative mode pays: faster than the model's own dynamic generation with its own greedy tokens; the
+    fastest of those where the intervals separate. Each option says why where it does not pay."""
+    extra = ("mode", "draft", "acceptance_rate", "accepted_per_step", "tokens_per_step", "proposed", "greedy_equal")
+    made = [_option(o, None, tolerance, {k: o[k] for k in extra}) for o in options]
+    for o in made:
+        o["status"] = modes.speculative_status(o, (o["axes"]["speed"] or {}).get("verdict", "not measured"))
+    paid = [o for o in made if o["status"] == "pays"]
+    answer = paid[0]["name"] if len(paid) == 1 else winner(paid, "speed", "max") if paid else None
+    return {"question": "Which speculative decoding pays on this model?", "baseline": "the same model's dynamic "
+            "generation", "answer": answer, "frontier": [], "options": made,
+            "why": "faster than the model's own dynamic generation, with its greedy tokens; the fastest of those where "
+                   "the intervals separate"}
+
+
+def _kv_quant(variant: str, options: list[dict], tolerance: float) -> dict:
+    """What a quantized KV cache saves and costs on `variant`: the cache holding the least memory among those whose
+    perplexity interval lies within the tolerance (its speed said beside, never hidden)."""
+    base = next((o for o in options if o["baseline"]), None)
+    made = [_option(o, base, tolerance, {k: o.get(k) for k in ("cache", "context", "memory_kind", "memory_ratio")})
+            for o in options]
+    kept = [o for o in made if not o["baseline"] and o["axes"]["memory"] and o["axes"]["memory"]["verdict"] == "less"
+            and (o["axes"]["quality"] or {}).get("verdict") == "within"]
+    answer = min(kept, key=lambda o: o["axes"]["memory"]["value"])["name"] if kept else None
+    return {"question": f"Which KV cache for {variant}?", "variant": variant, "baseline": (base or {}).get("name"),
+            "answer": answer,
+            "frontier": [], "options": made,
+            "why": "the quantized cache holding the least memory whose perplexity interval lies within the tolerance"}
 
 
 def _prune(rows: list[dict], tolerance: float) -> dict:
@@ -167,11 +231,23 @@ def _capacity(job: dict, finetune: list[dict] = ()) -> dict:
                 "subject": s["subject"], "kind": s["kind"], "dimension": s["dimension"],
                 "method": methods.get(s["subject"]) if s["kind"] == "train" else None,
                 "measured_max": s.get("measured_max"), "whole_range_fits": s.get("whole_range_fits", False),
-                "first_failing": s.get("first_failing")} for s in job["searches"] if records.is_ok(s)]
+                "first_failing": s.get("first_failing"), "kv_quant": s.get("kv_quant")}
+               for s in job["searches"] if records.is_ok(s)]
+    # The longest context at batch 1 without and with each quantized KV cache (capacity.kv_quant), per subject
+    plain = {s["subject"]: s for s in job["searches"] if s["dimension"] == "seq_len" and not s.get("kv_quant")}
+    fields = ("status", "reason", "measured_max", "whole_range_fits", "first_failing")
+    context: dict[str, dict] = {}
+    for s in (s for s in job["searches"] if s.get("kv_quant")):
+        full = plain.get(s["paired_with"], {"status": "absent"})
+        context.setdefault(s["paired_with"], {"subject": s["paired_with"], **{k: full.get(k) for k in fields},
+                                              "quantized": []})["quantized"].append(
+            {k: s.get(k) for k in ("kv_quant", *fields, "context_gain", "context_gain_why")})
     return {"question": "What fits the memory budget?", "baseline": None, "frontier": [], "budget": job["budget"],
             "train_seq_len": job["fixed"].get("train_seq_len"), "prompt_len": job["fixed"].get("prompt_len"),
-            "answer": {o["name"]: o["measured_max"] for o in options},
-            "why": "the largest measured size that fits, per subject (None: nothing fits)", "options": options}
+            "answer": {o["name"]: o["measured_max"] for o in options}, "context": list(context.values()),
+            "why": "the largest measured size that fits, per subject (None: nothing fits); `context`: the longest "
+                   "context at batch 1 with the full-precision KV cache and with each quantized one",
+            "options": options}
 
 
 def _step_cost(job: dict) -> dict | None:
@@ -249,6 +325,10 @@ def build(cfg: dict, metrics: dict) -> dict:
         q["qat"] = _qat(records.ok(metrics["qat"])[0], tolerance)
     if records.ok(metrics.get("prune", [])):
         q["prune"] = _prune(metrics["prune"], tolerance)
+    if spec := modes.speculative_options(metrics.get("bench_inference", [])):
+        q["speculative"] = _speculative(spec, tolerance)
+    for variant, options in modes.kv_quant_options(metrics.get("bench_inference", [])).items():
+        q[f"kv_quant:{variant}"] = _kv_quant(variant, options, tolerance)
     if records.ok(metrics.get("bench_serving", [])):
         q["serving"] = _serving(records.ok(metrics["bench_serving"])[0])
     if records.ok(metrics.get("capacity", [])):

@@ -11,7 +11,8 @@ LINKS = {"quantize": "details.md#quantization-scheme", "finetune": "details.md#f
          "inference": "details.md#inference-variant", "attention": "details.md#attention-implementation",
          "merge": "details.md#merge-route", "qat": "#quantization-aware-training-and-the-precision-range-test",
          "prune": "#structured-pruning", "serving": "#serving-naive-vs-static-vs-continuous-batching",
-         "capacity": "#capacity-the-largest-batch-and-sequence-that-fit"}
+         "capacity": "#capacity-the-largest-batch-and-sequence-that-fit",
+         "generation_modes": "#inference-variants-greedy-fixed-length"}
 
 
 def _pct(a):
@@ -105,6 +106,34 @@ def inference(d: dict, tolerance: float) -> str:
         _link("inference")
 
 
+def _acceptance(o: dict) -> str:
+    rate = o.get("acceptance_rate")
+    said = f"{100 * rate:.0f}% of {o['proposed']} candidates accepted" if rate is not None else "nothing proposed"
+    steps = o.get("tokens_per_step")
+    return said + (f", {number(steps, 2)} tokens per step of the model" if steps is not None else "")
+
+
+def speculative(d: dict) -> str:
+    """Which speculative decoding pays: the answer, then each option's speed, acceptance and status."""
+    rest = "; ".join(f"{o['name']} {_said(o['axes']['speed'], _x)} ({_acceptance(o)}): {o['status']}"
+                     for o in d["options"])
+    head = f"**{d['answer']}**" if d["answer"] else "none shown faster with the model's own greedy tokens"
+    return (f"- **Speculative decoding** (vs the same model's dynamic generation): {head}. {rest}."
+            + _link("generation_modes"))
+
+
+def kv_quant(d: dict) -> str:
+    """What a quantized KV cache saves and costs: memory held at the longest context measured, speed, perplexity."""
+    rest = "; ".join(f"{o['cache']}: holds {_mib(o['axes']['memory'])} at {o['context']} tokens "
+                     f"({o['axes']['memory']['verdict'] if o['axes']['memory'] else 'not measured'}), decodes "
+                     f"{_said(o['axes']['speed'], _x)}, perplexity {_said(o['axes']['quality'], _pct)}"
+                     for o in d["options"] if not o["baseline"])
+    base = next((o for o in d["options"] if o["baseline"]), None)
+    against = f" (full precision: {_mib(base['axes']['memory'])} at {base['context']} tokens)" if base else ""
+    head = f"**{d['answer']}**" if d["answer"] else "no quantized cache shown to hold less within the tolerance"
+    return f"- **Quantized KV cache** of {d['variant']}{against}: {head}. {rest}." + _link("generation_modes")
+
+
 def attention(d: dict) -> str:
     cell = d.get("cell") or {}
     where = f" at {cell.get('seq_len')} tokens, {str(cell.get('mode', '')).replace('_', '+')}" if cell else ""
@@ -141,13 +170,26 @@ def prune(d: dict) -> str:
     return f"- **Pruning strategy** (vs the base model): {head}. {rest}." + _link("prune")
 
 
+def _open_loop(o: dict) -> str:
+    """The open loop's line: the SLO, the method with the most goodput where decided, each method's highest goodput
+    (at which rate) and its saturation, all as decisions' `open_loop` holds them."""
+    slo = ", ".join(f"{k.removesuffix('_s').upper()} ≤ {v:g} s" for k, v in o["slo"].items() if v is not None)
+    each = "; ".join(f"{m}: {value_text(f['best_goodput'], ' requests/s')} at {f['best_goodput']['rate']:g} "
+                     f"requests/s offered, {f['said']}" for m, f in o["methods"].items() if f["best_goodput"])
+    head = (f"**{o['answer']}** the most. " if o["answer"] else "no method shown to serve more than every other. "
+            if len(o["methods"]) > 1 else "")
+    return (f"- **Open-loop serving** (goodput: requests/s meeting {slo or 'no SLO bound'}; Poisson arrivals): "
+            f"{head}{each}." + _link("serving"))
+
+
 def serving(d: dict) -> str:
     rest = "; ".join(f"{o['name']} at {o['concurrency']} requests {_said(o['axes']['speed'], _x)}"
                      + (f" ({o['versus_static']} than static)" if o.get("versus_static") in ("faster", "slower")
                         else f" (vs static: {o['versus_static']})" if o.get("versus_static") else "")
                      for o in d["options"] if not o["baseline"])
     head = f"**{d['answer']}**" if d["answer"] else "no method shown faster than naive"
-    return f"- **Serving method** (vs naive, throughput): {head}. {rest}." + _link("serving")
+    return f"- **Serving method** (vs naive, throughput): {head}. {rest}." + _link("serving") + (
+        "\n" + _open_loop(d["open_loop"]) if d.get("open_loop") else "")
 
 
 def _fits(o: dict, rows: str) -> str:
@@ -167,14 +209,27 @@ def _subject(o: dict) -> str:
 
 def capacity(d: dict) -> str:
     by: dict[str, list[dict]] = {}
+    paired = {c["subject"] for c in d.get("context", [])}  # their sequence searches are said with their caches'
     for o in d["options"]:
-        by.setdefault(_subject(o), []).append(o)
+        if not o.get("kv_quant") and not (o["dimension"] == "seq_len" and o["subject"] in paired):
+            by.setdefault(_subject(o), []).append(o)
     said = []
     for subject, searches in by.items():
         rows = f"{d['train_seq_len']}-token rows" if searches[0]["kind"] == "train" else \
             f"{d.get('prompt_len')}-token prompts"
         fitting = searches if any(o["measured_max"] for o in searches) else searches[:1]  # nothing: said once
         said.append(f"{subject}: " + ", ".join(_fits(o, rows) for o in fitting))
+
+    def tokens(s: dict) -> str:  # a sequence search's longest context, or why there is none
+        n = s["measured_max"]
+        return s["status"] if s["status"] != "ok" else "none fits" if not n else \
+            f"{n:,} tokens" + (" or more" if s["whole_range_fits"] else "")
+    for c in d.get("context", []):
+        caches = [f"{tokens(q)} with {q['kv_quant']} " + (f"({q['context_gain']:.2f}×)" if q["context_gain"] else
+                                                           "(gain not decided)")
+                  if q["status"] == "ok" else f"{q['kv_quant']} {q['status']}" for q in c["quantized"]]
+        said.append(f"generating with {c['subject']}, the longest context at batch 1: {tokens(c)} with the "
+                    "full-precision KV cache, " + ", ".join(caches))
     budget = d["budget"]
     held = f", held against `{budget['memory'].split(':')[0]}`" if budget.get("memory") else ""
     return (f"- **What fits {budget['mib']:,.0f} MiB** (`{budget['source']}`{held}): " + "; ".join(said) + "."
@@ -215,6 +270,10 @@ def lines(decisions: dict) -> list[str]:
             out.append(qat(d))
         elif key == "prune":
             out.append(prune(d))
+        elif key == "speculative":
+            out.append(speculative(d))
+        elif key.startswith("kv_quant:"):
+            out.append(kv_quant(d))
         elif key == "serving":
             out.append(serving(d))
         elif key == "capacity":

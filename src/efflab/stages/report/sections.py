@@ -103,8 +103,11 @@ def attention_body(cfg: dict, metrics: dict, table) -> str:
 def inference_body(cfg: dict, metrics: dict, table) -> str:
     energy = energy_note([c.get("energy") for m in records.ok(metrics["bench_inference"])
                           for c in records.ok(m.get("cells", []))])
+    cells = [c for m in records.ok(metrics["bench_inference"]) for c in records.ok(m.get("cells", []))]
     return render("sections/inference.md.j2", i=cfg["bench_inference"], prompts=prompt_count(cfg, metrics),
-                  table=table("bench_inference"), energy=energy, unavailable=unavailable_cells(metrics["bench_inference"]))
+                  table=table("bench_inference"), energy=energy, unavailable=unavailable_cells(metrics["bench_inference"]),
+                  speculative=table("speculative") if any(c.get("speculation") for c in cells) else "",
+                  kv_quant=table("kv_quant") if any(c.get("quantized_cache") for c in cells) else "")
 
 
 def unavailable_cells(jobs: list[dict]) -> str:
@@ -114,7 +117,7 @@ def unavailable_cells(jobs: list[dict]) -> str:
     for m in jobs:
         for c in m.get("cells", []):
             if c.get("status") == "unavailable":
-                where.setdefault((c.get("generation", "dynamic"), c.get("reason", "")), []).append(
+                where.setdefault((records.cell_mode(c), c.get("reason", "")), []).append(
                     f"{m['variant']} at batch {c['batch_size']}")
     lines = [f"- {mode} ({', '.join(cells)}): unavailable: {reason}" for (mode, reason), cells in where.items()]
     return "Not measured here:\n\n" + "\n".join(lines) if lines else ""
@@ -125,7 +128,9 @@ def serving_body(cfg: dict, metrics: dict, table) -> str:
     versus = [{"concurrency": c["concurrency"], "ratio": format_ratio(ratio), "verdict": ratio["verdict"]}
               for c in records.ok(job["cells"]) if (ratio := records.serving_ratio(c, "continuous_vs_static"))]
     return render("sections/serving.md.j2", job=job, bursts=job.get("bursts", 1), versus=versus,
-                  table=table("bench_serving"), latency=table("bench_serving_latency"))
+                  table=table("bench_serving"), latency=table("bench_serving_latency"),
+                  open_loop=job.get("open_loop"),
+                  open_table=table("bench_serving_open_loop") if (job.get("open_loop") or {}).get("cells") else "")
 
 
 def capacity_body(cfg: dict, metrics: dict, table) -> str:
@@ -151,7 +156,10 @@ GPU_PROFILE = Path("workflow/profiles/gpu/params.yaml")
 # Lists of a stage's params whose values are cells of another kind, beside the stages' grids of jobs (sizes such
 # as sequence lengths or batch sizes differ between machines and are not "left out")
 CELL_LISTS = (("qat", "bits"), ("qat", "eval_tasks"), ("bench_attention", "modes"), ("capacity", "runs"),
-              ("capacity", "variants"))
+              ("capacity", "variants"), ("capacity", "kv_quant"), ("bench_inference", "generation"),
+              ("bench_inference", "kv_quant"))
+# A bench_inference variant's own lists of cells (instead of the stage's): compared variant by variant.
+VARIANT_LISTS = ("generation", "kv_quant", "batch_sizes", "kv_cache")
 
 
 def left_out(cfg: dict, larger: dict) -> list[dict]:
@@ -166,9 +174,18 @@ def left_out(cfg: dict, larger: dict) -> list[dict]:
         if missing:
             out.append({"what": stage, "values": missing})
     for stage, key in CELL_LISTS:
-        missing = [v for v in larger[stage][key] if v not in cfg[stage][key]]
+        missing = [v for v in larger[stage].get(key) or [] if v not in cfg[stage].get(key) or []]
         if missing:
             out.append({"what": f"{stage}.{key}", "values": missing})
+    b, big = cfg["bench_inference"], larger["bench_inference"]
+    for name in [n for n in b["variants"] if n in big["variants"]]:
+        for key in VARIANT_LISTS:
+            mine, theirs = (v["variants"][name].get(key, v.get(key)) or [] for v in (b, big))
+            if missing := [v for v in theirs if v not in mine]:
+                out.append({"what": f"bench_inference.variants.{name}.{key}", "values": missing})
+    drafts = (b.get("speculative") or {}).get("drafts") or {}
+    if missing := [d for d in ((big.get("speculative") or {}).get("drafts") or {}) if d not in drafts]:
+        out.append({"what": "bench_inference.speculative.drafts", "values": missing})
     return out
 
 
@@ -189,8 +206,11 @@ def left_out_details(cfg: dict, larger: Path = GPU_PROFILE) -> str:
 
 def run_size(cfg: dict, metrics: dict, larger: Path = GPU_PROFILE) -> str:
     minutes = sum(m.get("wall_s") or 0 for ms in metrics.values() for m in ms) / 60
+    served = records.ok(metrics.get("bench_serving", []))  # what ran, where it ran: a run older than open loop had none
+    open_loop = served[0].get("open_loop") if served else cfg["bench_serving"].get("open_loop")
     return render("sections/run_size.md.j2", ft=cfg["finetune"]["defaults"], q=cfg["quantize"],
-                  a=cfg["bench_attention"], i=cfg["bench_inference"], sv=cfg["bench_serving"], qt=cfg["qat"],
+                  a=cfg["bench_attention"], i=cfg["bench_inference"], sv=cfg["bench_serving"], ol=open_loop or {},
+                  qt=cfg["qat"],
                   cap=cfg["capacity"], prompts=prompt_count(cfg, metrics), minutes=minutes,
                   budget=DEFAULT_BUDGET_MIN, larger=larger, left_out=left_out_of_larger(cfg, larger))
 

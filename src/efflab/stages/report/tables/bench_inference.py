@@ -5,6 +5,8 @@ import pandas as pd
 
 from .... import records
 from ..fmt import MiB, env_of, interval_text, speedup_text, speedup_verdict, status_text
+from ..generation_modes import speculative_options, speculative_status
+from . import change_text
 
 
 def inference_table(rows: list[dict]) -> pd.DataFrame:
@@ -18,7 +20,7 @@ def inference_table(rows: list[dict]) -> pd.DataFrame:
             out.append({
                 "variant": r["variant"], "kind": r["kind"], "of": r["of"] or "-",
                 "KV cache": "on" if c["kv_cache"] else "off", "batch": c["batch_size"],
-                "generation": c.get("generation", "dynamic"), "status": status_text(c),
+                "generation": records.cell_mode(c), "status": status_text(c),
                 "TTFT median (ms)": 1000 * c["ttft"]["median"] if ok else None,
                 "TTFT p90 (ms)": 1000 * c["ttft"]["p90"] if ok else None,
                 "decode tokens/s median": c["decode_tokens_per_s"]["median"] if ok else None,
@@ -64,3 +66,51 @@ def roofline_columns(roof: dict | None) -> dict:
         return {"MiB read per token": None, "% of bandwidth": None, "% of matmul ceiling": None, "bound": "-"}
     return {"MiB read per token": roof["bytes_per_token"] / MiB, "% of bandwidth": 100 * roof["bandwidth_fraction"],
             "% of matmul ceiling": 100 * roof["compute_fraction"], "bound": roof["bound"]}
+
+
+def speculative_table(rows: list[dict]) -> pd.DataFrame:
+    """Each speculative cell (prompt lookup, a draft): its speed over the same model's dynamic generation, what its
+    verification steps accepted, whether its greedy tokens were the model's own, and whether it pays (the speculative
+    decision's status, from the same verdict)."""
+    out = []
+    for o in speculative_options(rows):
+        versus = o["vs_dynamic"]
+        verdict = speedup_verdict(versus, "generation_speedup")
+        rate = o["acceptance_rate"]
+        out.append({"variant": o["variant"], "mode": o["mode"], "draft": o["draft"] or "-",
+                    "speedup vs dynamic [95% CI]": speedup_text(versus, "generation_speedup"), "verdict": verdict,
+                    "candidates proposed": o["proposed"], "accepted %": None if rate is None else 100 * rate,
+                    "tokens per model step": o["tokens_per_step"],
+                    "greedy tokens equal": {True: "yes", False: "no"}.get(o["greedy_equal"], "-"),
+                    "pays?": speculative_status(o, verdict)})
+    return pd.DataFrame(out, columns=SPECULATIVE_COLUMNS)
+
+
+SPECULATIVE_COLUMNS = ["variant", "mode", "draft", "speedup vs dynamic [95% CI]", "verdict", "candidates proposed",
+                       "accepted %", "tokens per model step", "greedy tokens equal", "pays?"]
+
+
+def kv_quant_table(rows: list[dict]) -> pd.DataFrame:
+    """Each quantized-cache cell at each context length measured: the memory the full-precision and the quantized
+    cache hold after that prefill, their ratio, the perplexity change read through the cache (paired, with its
+    interval) and the decode speed over the full-precision cache."""
+    out = []
+    for job in records.ok(rows):
+        for c in records.ok(job.get("cells", [])):
+            q = c.get("quantized_cache")
+            if not c.get("kv_quant") or not q:
+                continue
+            for m in q.get("memory_by_context") or []:
+                out.append({"variant": job["variant"], "cache": c["kv_quant"], "context (tokens)": m["context"],
+                            "full precision (MiB)": m["full_mib"], "quantized (MiB)": m["quantized_mib"],
+                            "ratio": m["ratio"], "memory kind": m["kind"],
+                            "perplexity change % [95% CI]": change_text(q),
+                            "decode speedup vs full cache [95% CI]": speedup_text(c.get("vs_dynamic"),
+                                                                                  "generation_speedup"),
+                            "verdict": speedup_verdict(c.get("vs_dynamic"), "generation_speedup")})
+    return pd.DataFrame(out, columns=KV_QUANT_COLUMNS)
+
+
+KV_QUANT_COLUMNS = ["variant", "cache", "context (tokens)", "full precision (MiB)", "quantized (MiB)", "ratio",
+                    "memory kind", "perplexity change % [95% CI]", "decode speedup vs full cache [95% CI]", "verdict"]
+
