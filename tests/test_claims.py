@@ -512,3 +512,61 @@ def test_the_scale_note_names_a_random_init_model_as_such_and_drops_the_caveat_a
     layout.metrics("base_model").write_text(json.dumps(record | {"dtype": "bfloat16"}))
     note = readings.scale_note(layout)
     assert says in note and ("billion-parameter models on GPUs" in note) == caveat
+
+
+def _kv_cache_memory_record(layout: Layout, full_mib: float) -> None:
+    """A bench_inference baseline record with a quanto-4 cell: the full-precision cache held at 256 and 1024
+    tokens (float32)."""
+    memory = [{"context": 256, "full_mib": full_mib / 4, "quantized_mib": 2.11, "ratio": 0.1875,
+               "kind": "cpu_tensor_held"},
+              {"context": 1024, "full_mib": full_mib, "quantized_mib": 8.44, "ratio": 0.1875, "kind": "cpu_tensor_held"}]
+    _write(layout.metrics("bench_inference", "baseline"), {"status": "ok", "dtype": "float32", "cells": [
+        {"status": "ok", "kv_cache": True, "batch_size": 1, "generation": "dynamic"},
+        {"status": "ok", "kv_cache": True, "batch_size": 1, "generation": "dynamic", "kv_quant": "quanto-4",
+         "quantized_cache": {"cache": "quanto-4", "memory_by_context": memory, "contexts_left_out": []}}]})
+
+
+def test_the_kv_cache_formula_is_checked_against_the_measured_cache_and_its_heads(tmp_path, registry):
+    """The seed's batch × heads × seq_len × dim × layers × 2 against generate()'s measured full-precision cache:
+    SmolLM2's 9 query heads share 3 key/value heads, so the formula over-states the cache 3x and the cause says
+    so; a model with as many key/value heads as query heads holds what the formula says."""
+    claim = next(c for c in registry if c["id"] == "kv-cache-formula-measured")
+    layout = Layout(tmp_path / "results")
+    _kv_cache_memory_record(layout, 45.0)  # 2 × 30 layers × 3 kv heads × 64 × 1024 × 4 B = 45 MiB
+    assert "config.json" in stage.evaluate(claim, layout)["reason"]  # no base model shapes here: not decided
+    _with_base_config(layout)
+    row = stage.evaluate(claim, layout)
+    assert row["verdict"] == "differs" and row["value"] == pytest.approx(1 / 3) and row["evidence"] == "measured"
+    assert "9 query heads share 3 key/value heads" in row["finding"] and "over-state the cache 3x" in row["finding"]
+    assert "1 × 9 heads × 1024 × 64 × 30 layers × 2 × 4 bytes (float32) = 141,557,760 B" in row["reason"]
+    config = json.loads((layout.base_model() / "config.json").read_text()) | {"num_key_value_heads": 9}
+    _write(layout.base_model() / "config.json", config)
+    _kv_cache_memory_record(layout, 135.0)
+    row = stage.evaluate(claim, layout)
+    assert row["verdict"] == "reproduced" and row["value"] == pytest.approx(1.0), row["reason"]
+    _write(layout.metrics("bench_inference", "baseline"), {"status": "ok", "dtype": "float32", "cells": [
+        {"status": "ok", "kv_cache": True, "batch_size": 1, "generation": "dynamic"}]})
+    row = stage.evaluate(claim, layout)
+    assert row["verdict"] == "not reproducible here" and "no full-precision KV cache memory" in row["reason"]
+
+
+def test_the_kv_cache_speedup_reads_the_cells_with_and_without_it(tmp_path, registry):
+    """Decode tokens/s with the KV cache over without it, from two cells timed apart: their own intervals'
+    far ends give the interval; without a cell lacking the cache (the CPU default), not decided here."""
+    claim = next(c for c in registry if c["id"] == "kv-cache-avoids-recompute")
+    layout = Layout(tmp_path / "results")
+
+    def decode(median, lo, hi):
+        return {"n": 6, "median": median, "ci95_median": [lo, hi]}
+    _write(layout.metrics("bench_inference", "baseline"), {"status": "ok", "cells": [
+        {"status": "ok", "kv_cache": True, "batch_size": 1, "generation": "dynamic",
+         "decode_tokens_per_s": decode(40.0, 38.0, 42.0)}]})
+    row = stage.evaluate(claim, layout)
+    assert row["verdict"] == "not reproducible here" and "without the KV cache" in row["reason"]
+    assert "baseline-no-kv-cache: no record" in row["reason"]
+    _write(layout.metrics("bench_inference", "baseline-no-kv-cache"), {"status": "ok", "cells": [
+        {"status": "ok", "kv_cache": False, "batch_size": 1, "generation": "dynamic",
+         "decode_tokens_per_s": decode(20.0, 19.0, 21.0)}]})
+    row = stage.evaluate(claim, layout)
+    assert row["verdict"] == "reproduced" and row["value"] == pytest.approx(2.0)
+    assert (row["ci_low"], row["ci_high"]) == (pytest.approx(38 / 21), pytest.approx(42 / 19))

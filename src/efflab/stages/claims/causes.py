@@ -1,6 +1,7 @@
 """Why a measured figure is what it is, computed from the records and the base model's shapes, never guessed:
 which parameters bitsandbytes left in 16 bits, which parameters pruning cannot cut, what the activation formula
-predicts at the lengths bench_attention measured, what the other batching methods reached."""
+predicts at the lengths bench_attention measured, what the other batching methods reached, which heads a KV cache
+holds."""
 from __future__ import annotations
 
 import math
@@ -158,3 +159,17 @@ def serving_alternatives(m: dict, method: str, best: dict) -> str:
                      f"from batching as such",
         "vllm" not in others and method != "vllm" and "the seed credits vLLM (PagedAttention with continuous "
         "batching), which did not run here"]))
+
+
+def kv_heads_held(shape: dict, context: int, el: float, measured: float) -> str:
+    """What a full-precision KV cache holds by the model's shapes: K and V of its key/value heads, fewer than its
+    query heads under grouped-query (or multi-query) attention, set beside the measured bytes."""
+    heads, kv = shape["heads"], shape["kv_heads"]
+    held = 2 * shape["layers"] * kv * shape["head_dim"] * context * el
+    said = (f"the cache holds K and V of the key/value heads: 2 × {shape['layers']} layers × {kv} kv heads × "
+            f"{shape['head_dim']} × {context} tokens × {el:g} bytes = {held:,.0f} B against the measured "
+            f"{measured:,.0f} B ({measured / held:.4g}x)")
+    if kv == heads:
+        return f"this model has as many key/value heads as query heads ({heads}): {said}"
+    return (f"grouped-query attention: this model's {heads} query heads share {kv} key/value heads, and {said}; the "
+            f"seed's heads (the query heads) over-state the cache {heads / kv:.4g}x")

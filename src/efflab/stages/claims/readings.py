@@ -15,6 +15,7 @@ from .causes import (
     attention_exponent_expected,
     footprint_at_16_bits,
     kept_in_16_bits,
+    kv_heads_held,
     prune_shares,
     serving_alternatives,
 )
@@ -296,6 +297,68 @@ def _inference_speedup(layout, metric: dict) -> Reading:
                                 f"{spread}", tuple(s["ci95"]) if s.get("ci95") else None)
 
 
+def _base_shape(layout) -> dict:
+    """The base model's shape (efflab.architecture.shape) from the config.json base_model leaves."""
+    if not (layout.base_model() / "config.json").is_file():
+        raise NotHere("no base_model/model/config.json (the base model's shapes: a reference run keeps no configs)")
+    return analytic.architecture(str(layout.base_model()))
+
+
+def _kv_cache_memory(layout, metric: dict) -> Reading:
+    """The full-precision KV cache bench_inference measured (generate()'s DynamicCache after a prefill, batch 1,
+    at the longest context a quantized-cache cell measured: the bytes left allocated, exact) over the seed's
+    formula batch × heads × seq_len × dim × layers × 2 in the record's dtype; the cause: which heads it holds."""
+    m = _read(layout.metrics("bench_inference", metric["variant"]))
+    rows = [r for c in records.ok(m.get("cells", [])) for r in (c.get("quantized_cache") or {}).get(
+        "memory_by_context", []) if r.get("full_mib")]
+    if not rows:
+        raise NotHere(f"bench_inference {metric['variant']} measured no full-precision KV cache memory (a "
+                      f"quantized-cache cell measures it: bench_inference.variants.{metric['variant']}.kv_quant)")
+    row, a = max(rows, key=lambda r: r["context"]), _base_shape(layout)
+    el, measured = analytic.bytes_per_element(m["dtype"]), row["full_mib"] * 2**20
+    formula = 1 * a["heads"] * row["context"] * a["head_dim"] * a["layers"] * 2 * el
+    return Reading(measured / formula, f"bench_inference {metric['variant']}: generate()'s full-precision cache after "
+                                       f"a prefill of {row['context']} tokens holds {measured:,.0f} B ({row['kind']});"
+                                       f" the seed's formula, 1 × {a['heads']} heads × {row['context']} × "
+                                       f"{a['head_dim']} × {a['layers']} layers × 2 × {el:g} bytes ({m['dtype']}) = "
+                                       f"{formula:,.0f} B", exact=True,
+                   cause=kv_heads_held(a, row["context"], el, measured))
+
+
+def _decode_cells(layout, variants: list[str]) -> tuple[dict | None, dict | None, list[str]]:
+    """The base model's batch-1 cells with generate()'s dynamic KV cache and without one, from the first of the
+    bench_inference records `variants` that has each, and why each record that is not there gave none."""
+    on = off = None
+    why = []
+    for v in variants:
+        job = records.load_if_there(layout.metrics("bench_inference", v))
+        if not job or not records.is_ok(job):
+            why.append(f"{v}: {(job or {}).get('reason') or 'no record'}")
+            continue
+        on = on or records.reference_cell(job)
+        off = off or next((c for c in records.ok(job.get("cells", [])) if not c["kv_cache"]
+                           and c["batch_size"] == 1), None)
+    return on, off, why
+
+
+def _kv_cache_speedup(layout, metric: dict) -> Reading:
+    """The base model's decode tokens/s with generate()'s KV cache over without it (batch 1), the two cells' own
+    medians (timed in cells of their own, not interleaved), the interval from the far ends of their intervals."""
+    on, off, why = _decode_cells(layout, metric["variants"])
+    if on is None or off is None:
+        missing = "with" if on is None else "without"
+        raise NotHere(f"no batch-1 cell of the base model {missing} the KV cache in bench_inference "
+                      f"{', '.join(metric['variants'])}{' (' + '; '.join(why) + ')' if why else ''}")
+    a, b = on["decode_tokens_per_s"], off["decode_tokens_per_s"]
+    ci = (a["ci95_median"][0] / b["ci95_median"][1], a["ci95_median"][1] / b["ci95_median"][0]) \
+        if a.get("ci95_median") and b.get("ci95_median") else None
+    spread = "the interval from the far ends of the two cells' own" if ci else "no interval (a cell has no 95%"
+    return Reading(a["median"] / b["median"], f"bench_inference, base model, batch 1: decode {a['median']:.4g} "
+                                              f"tokens/s with the KV cache over {b['median']:.4g} without, medians of "
+                                              f"{a['n']} and {b['n']} generations timed in separate cells; {spread} "
+                                              f"95% intervals of the median{'' if ci else ')'}", ci)
+
+
 def _gpu_base_model(layout) -> dict:
     base = _read(layout.metrics("base_model"))
     if base.get("environment", {}).get("device") != "cuda":
@@ -333,7 +396,8 @@ DEFINITION_METRICS = frozenset({"finetune_trainable"})
 METRICS = {"quantize_ratio": _quantize_ratio, "attention_speedup": _attention_speedup,
            "attention_memory_exponent": _attention_memory_exponent, "matmul_ratio": _matmul_ratio,
            "cuda_context": _cuda_context, "prune_ratio": _prune_ratio, "serving_ratio": _serving_ratio,
-           "inference_speedup": _inference_speedup, "task_change": _task_change}
+           "inference_speedup": _inference_speedup, "task_change": _task_change,
+           "kv_cache_memory": _kv_cache_memory, "kv_cache_speedup": _kv_cache_speedup}
 # The fine-tuning ones take the fine-tuning jobs' names as well (registry.names(cfg, "finetune")).
 FINETUNE_METRICS = {"finetune_trainable": _finetune_trainable, "finetune_pair": _finetune_pair}
 
