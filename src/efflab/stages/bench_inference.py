@@ -356,7 +356,9 @@ def inference_cell(cfg: dict, results: str, name: str, dtype: str, device: str, 
             "generations": len(runs), "prompt_tokens": [r["prompt_tokens"] for r in runs[:len(batches)]],
             "memory_footprint_bytes": footprint,
             "roofline": roofline(decode_tps["median"], costs, limits["bandwidth"], limits["matmul"]),
-            "memory_prediction": compared(prediction, mem), "first_generations": firsts,
+            # the estimator models generate()'s full-precision cache and no draft: no prediction for the others
+            **({} if extras or draft is not None else {"memory_prediction": compared(prediction, mem)}),
+            "first_generations": firsts,
             "vs_base": None, **({f"vs_{versus['against']}": versus} if versus else {}), "energy": energy,
             "profile": profile, **extras, **({"draft_parameters": sum(p.numel() for p in draft.parameters())}
                                              if draft is not None else {}),

@@ -56,7 +56,7 @@ def memory_prediction_table(finetune_rows: list[dict], inference_rows: list[dict
                                          if p.get("batch") else f" ({p['phase']})" if p.get("phase") else ""), p, env_of(r))
            for r in finetune_rows if (p := r.get("memory_prediction"))]
     out += [row(f"inference {r['variant']} (KV {'on' if c['kv_cache'] else 'off'}, batch {c['batch_size']}"
-                f"{'' if c.get('generation', 'dynamic') == 'dynamic' else ', ' + c['generation']})",
+                f"{'' if records.cell_mode(c) == 'dynamic' else ', ' + records.cell_mode(c)})",
                 c["memory_prediction"], env_of(r))
             for r in inference_rows for c in r.get("cells", []) if records.is_ok(c) and "memory_prediction" in c]
     return pd.DataFrame(out)
