@@ -10,6 +10,7 @@ from efflab.models import kv_cache, model_check, speculative
 from efflab.models.modeling import load_model, load_tokenizer, read_split, summed_nll
 from efflab.stages import bench_inference
 from efflab.stages.report import glance
+from efflab.stages.report.environments import comparison
 from efflab.stages.report.tables.bench_inference import kv_quant_table, speculative_table
 from tests.test_decisions import _build
 from tests.test_decisions import cfg as decision_cfg  # noqa: F401 (the fixture)
@@ -134,7 +135,8 @@ def _kv_cell(cache, speed, change, full=45.0, mine=8.4):
                                                        "kind": "cpu_tensor_held"} for n in (256, 1024)]}}
 
 
-PLANTED = [{"status": "ok", "variant": "baseline", "kind": "base", "of": None, "cells": [
+PLANTED = [{"status": "ok", "variant": "baseline", "kind": "base", "of": None, "environment": {"fingerprint": "e"},
+            "cells": [
     {"status": "ok", "kv_cache": True, "batch_size": 1, "generation": "dynamic", "memory_footprint_bytes": 2**28},
     _spec_cell("prompt_lookup", (1.45, 1.33, 1.61), 5, 20),
     _spec_cell("assisted", (0.62, 0.55, 0.70), 1, 15, draft="healed-layers-half"),
@@ -158,6 +160,7 @@ def test_which_speculative_decoding_pays_is_decided_once_and_said_alike(decision
     assert "baseline: assisted by healed-layers-half 0.62× [0.55, 0.7], slower (7% of 15 candidates accepted, " \
            "1.1 tokens per step of the model): acceptance too low to pay" in line
     table = speculative_table(PLANTED)
+    assert "pays?" in comparison(table, {}, False)  # as the report renders it, with its environment column
     assert list(table["pays?"]) == list(status.values())
     assert list(table["verdict"]) == [o["axes"]["speed"]["verdict"] for o in q["options"]]
 
@@ -176,6 +179,7 @@ def test_which_kv_cache_names_the_smallest_within_the_tolerance_with_its_speed(d
     assert "quanto-2: holds 6 MiB at 1024 tokens (less), decodes 0.95× [0.9, 1.01]" in line
     assert line in glance.lines(made)
     table = kv_quant_table(PLANTED)
+    assert "quantized (MiB)" in comparison(table, {}, False)
     assert list(table["context (tokens)"]) == [256, 1024, 256, 1024]
     assert table["ratio"].tolist() == pytest.approx([8.4 / 45, 8.4 / 45, 5.6 / 45, 5.6 / 45])
 

@@ -130,3 +130,44 @@ def test_a_width_whose_interval_straddles_the_tolerance_leaves_b_min_undecided()
 def test_a_group_size_that_does_not_divide_a_layer_is_one_line_naming_the_key(prepared):
     with pytest.raises(UserError, match=r"qat.group_size: 48 does not divide the 64 input features of model\.layers"):
         qat.check_group_size(qat.shape_only(prepared / "base_model" / "model"), 48)
+
+
+def _rows_at(ppl: float, n: int = 8, tokens: int = 10, jitter: float = 0.0) -> list[dict]:
+    """n rows of `tokens` tokens whose pooled perplexity is `ppl` (row i's loss shifted by ±jitter, summing to 0)."""
+    import math
+
+    shifts = [jitter * (1 if i % 2 else -1) for i in range(n)]
+    return [{"row": i, "tokens": tokens, "nll_sum": tokens * (math.log(ppl) + s)} for i, s in enumerate(shifts)]
+
+
+def test_the_share_of_ptqs_gap_that_qat_recovers_on_planted_perplexities():
+    """torchao's figure: (ppl_ptq - ppl_qat) / (ppl_ptq - ppl_fp). Full precision 30, PTQ 40, QAT 34: 60% of the
+    gap recovered; rows that move together give an interval around it; a PTQ with no gap has nothing to recover."""
+    from efflab import quality
+
+    fp, ptq, qat = _rows_at(30.0, jitter=0.2), _rows_at(40.0, jitter=0.2), _rows_at(34.0, jitter=0.3)
+    got = quality.recovered_share(fp, ptq, qat)
+    assert got["share"] == pytest.approx(0.6) and got["n_rows"] == 8
+    assert got["ci95"][0] < 0.6 < got["ci95"][1]
+    assert got["ptq_change_pct"] == pytest.approx(100 / 3) and got["qat_change_pct"] == pytest.approx(100 * 4 / 30)
+    none = quality.recovered_share(fp, _rows_at(30.0, jitter=0.2), qat)
+    assert none["share"] is None and "nothing to recover" in none["why"]
+    few = quality.recovered_share(_rows_at(30.0, n=3), _rows_at(40.0, n=3), _rows_at(34.0, n=3))
+    assert few["ci95"] is None
+    with pytest.raises(ValueError, match="not over the same rows"):
+        quality.recovered_share(fp, ptq, qat[:-1])
+
+
+def test_the_qat_glance_says_the_recovered_share_and_the_step_cost_from_the_decision():
+    from efflab.stages.qat import step_cost
+    from efflab.stages.report import glance
+
+    cost = step_cost({"median": 2.6, "ci95_median": [2.4, 2.8]}, {"median": 1.0, "ci95_median": [0.9, 1.1]})
+    assert cost["ratio"] == pytest.approx(2.6) and cost["range"] == pytest.approx([2.4 / 1.1, 2.8 / 0.9])
+    d = {"answer": {"ptq": 8, "qat": 4}, "undecided_at": {}, "options": [],
+         "recovered": {4: {"share": 0.384, "ci95": [0.2, 0.55], "n_rows": 12},
+                       8: {"share": None, "n_rows": 12, "why": "PTQ's perplexity change is no difference measured"}},
+         "step_cost": {4: cost}}
+    line = glance.qat(d)
+    assert ("At 4 bits QAT recovers 38% [20, 55] of PTQ's perplexity gap; at 8 bits PTQ left no gap decided for QAT "
+            "to recover; a 4-bit QAT step takes 2.6× a full-precision step.") in line

@@ -226,7 +226,11 @@ def _check_speculative(cfg: dict, source: str) -> None:
     a quantized cache or a speculative mode has its settings."""
     b = cfg["bench_inference"]
     drafts = (b.get("speculative") or {}).get("drafts") or {}
+    used = {d for v in b["variants"].values() if "assisted" in v.get("generation", b["generation"])
+            for d in v.get("drafts", list(drafts)) if d in drafts}
     for name, spec in drafts.items():
+        if name not in used:  # no assisted cell loads it: a draft of a stage left out is no error
+            continue
         key = f"{source}: bench_inference.speculative.drafts.{name}"
         if "source" in spec:
             classify_source(spec["source"], f"{key}.source")

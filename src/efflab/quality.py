@@ -118,3 +118,40 @@ def paired_mean_change(reference: list[float], variant: list[float], level: floa
     half = float(student_t.ppf(0.5 + level / 2, n - 1)) * se
     out["ci95"] = [mean - half, mean + half]
     return out
+
+
+RECOVERED_METHOD = "bootstrap percentile over validation rows (paired: the three models' losses resampled together)"
+BOOTSTRAP = 2000
+
+
+def recovered_share(reference: list, ptq: list, qat: list, level: float = 0.95, seed: int = 0) -> dict:
+    """The share of post-training quantization's perplexity gap that quantization-aware training recovers, as
+    torchao reports it: (ppl_ptq - ppl_qat) / (ppl_ptq - ppl_reference), the three evaluated on the same rows. Its
+    `level` interval resamples the rows (each row's three losses together) where there are MIN_ROWS rows or more,
+    and only where PTQ's own change is decided worse (its paired interval above 0): with no gap there is nothing to
+    recover, and the share is not computed (`why`)."""
+    rows = [row_losses(x) for x in (reference, ptq, qat)]
+    if len({len(r) for r in rows}) != 1 or any(a[0] != b[0] for r in rows[1:] for a, b in zip(rows[0], r)):
+        raise ValueError("recovered_share: the three evaluations are not over the same rows and tokens")
+    gap = paired_change(reference, ptq)
+    out = {"share": None, "ci95": None, "n_rows": len(rows[0]), "ptq_change_pct": gap["change_pct"],
+           "qat_change_pct": paired_change(reference, qat)["change_pct"], "method": RECOVERED_METHOD}
+    if direction(gap) != "worse":
+        return out | {"why": f"PTQ's perplexity change is {direction(gap)}: no gap decided, nothing to recover"}
+    out["share"] = _share(rows, range(len(rows[0])))
+    if len(rows[0]) >= MIN_ROWS:
+        import random
+
+        draw = random.Random(seed)
+        picks = [[draw.randrange(len(rows[0])) for _ in rows[0]] for _ in range(BOOTSTRAP)]
+        shares = sorted(s for s in (_share(rows, p) for p in picks) if s is not None)
+        cut = (1 - level) / 2
+        out["ci95"] = [shares[int(cut * len(shares))], shares[min(len(shares) - 1, int((1 - cut) * len(shares)))]]
+    return out
+
+
+def _share(rows: list[list[tuple[int, float]]], picked) -> float | None:
+    picked = list(picked)
+    tokens = sum(rows[0][i][0] for i in picked)
+    ppl = [math.exp(sum(r[i][1] for i in picked) / tokens) for r in rows]
+    return None if ppl[1] == ppl[0] else (ppl[1] - ppl[2]) / (ppl[1] - ppl[0])

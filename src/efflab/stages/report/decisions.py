@@ -121,11 +121,15 @@ def _qat(job: dict, tolerance: float) -> dict:
                  "axes": {"quality": opts.change_axis(v.get("perplexity_change"))}}
             options.append({**_option(o, None, tolerance), "method": method, "bits": bits,
                             "verdict": verdict_of(tests[method], bits)})
+    qat = {v["bits"]: v for v in job["variants"] if v["method"] == "qat" and records.is_ok(v)}
     return {"question": "Fewest weight bits, quantized after training (ptq) or during it (qat)",
             "baseline": "the full-precision fine-tune", "frontier": [],
             "answer": {m: tests[m]["b_min"] for m in ("ptq", "qat")},
             "undecided_at": {m: tests[m].get("undecided_at") for m in ("ptq", "qat")},
             "why": "the fewest bits whose perplexity interval lies within the tolerance",
+            "recovered": {b: v["recovered_share"] for b, v in qat.items() if v.get("recovered_share")},
+            "step_cost": {b: v["step_cost_vs_full_precision"] for b, v in qat.items()
+                          if v.get("step_cost_vs_full_precision")},
             "options": options}
 
 

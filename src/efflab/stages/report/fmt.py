@@ -172,3 +172,13 @@ def _with_values(df: pd.DataFrame, texts: dict, ids: list, part: list) -> pd.Dat
     there); the first part keeps every row, so that every row is named once."""
     has = pd.concat([_has_value(texts[c]) for c in part], axis=1).any(axis=1)
     return df.loc[has, ids + part]
+
+
+def recovered_text(r: dict, unit: str = "") -> str:
+    """quality.recovered_share in % with its interval: '38 [20, 55]' ('38% [20, 55]' with unit '%'),
+    '52 (n=3, no interval)'; '' where there is no share."""
+    if r.get("share") is None:
+        return ""
+    ci = r.get("ci95")
+    return f"{100 * r['share']:.0f}{unit}" + (f" [{100 * ci[0]:.0f}, {100 * ci[1]:.0f}]" if ci else
+                                         f" (n={r['n_rows']}, no interval)")

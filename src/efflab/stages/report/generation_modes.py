@@ -11,6 +11,7 @@ from __future__ import annotations
 from ... import records
 from ...models.speculative import SPECULATIVE
 from .decide import axis
+from .fmt import env_of
 from .options import change_axis, ratio_axis
 
 MiB = 2**20
@@ -35,6 +36,7 @@ def speculative_options(inference: list[dict]) -> list[dict]:
                     "draft": c.get("draft"), "acceptance_rate": s.get("acceptance_rate"),
                     "accepted_per_step": s.get("accepted_per_step"), "tokens_per_step": s.get("tokens_per_step"),
                     "proposed": s.get("proposed"), "greedy_equal": s.get("greedy_equal"), "vs_dynamic": c.get("vs_dynamic"),
+                    "env": env_of(job),
                     "axes": {"speed": ratio_axis((c.get("vs_dynamic") or {}).get("generation_speedup"))}})
     return out
 

@@ -3,7 +3,7 @@ and its cost on the other axes) with the link to its table, then the facts of th
 `facts`). Nothing here decides: every word of a verdict is the one decisions.json holds."""
 from __future__ import annotations
 
-from .fmt import number
+from .fmt import number, recovered_text
 from .render import value_text
 
 # Where each question's table is: the glance's option tables in details.md, the stages' sections in report.md.
@@ -160,7 +160,22 @@ def qat(d: dict) -> str:
         return f"**{bits} bits**" if bits else f"not decided at this size from {at} bits" if at else "none"
     widths = "; ".join(f"{o['name']} {_said(o['axes']['quality'], _pct)}" for o in d["options"])
     return (f"- **Fewest weight bits** (vs the full-precision fine-tune): quantized after training {said('ptq')}, "
-            f"with quantization-aware training {said('qat')}. {widths}." + _link("qat"))
+            f"with quantization-aware training {said('qat')}. {widths}.{_recovered(d)}" + _link("qat"))
+
+
+def _recovered(d: dict) -> str:
+    """QAT as torchao reports it: the share of PTQ's gap it recovers per width, and what its step costs."""
+    said = []
+    for bits, r in (d.get("recovered") or {}).items():
+        if r.get("share") is None:
+            said.append(f"at {bits} bits PTQ left no gap decided for QAT to recover")
+            continue
+        said.append(f"at {bits} bits QAT recovers {recovered_text(r, '%')} of PTQ's perplexity gap")
+    for bits, c in (d.get("step_cost") or {}).items():
+        said.append(f"a {bits}-bit QAT step takes {number(c['ratio'], 2)}× a full-precision step"
+                    + ("" if c.get("range") else " (one run each: no interval)"))
+    text = "; ".join(said)
+    return f" {text[:1].upper()}{text[1:]}." if said else ""
 
 
 def prune(d: dict) -> str:

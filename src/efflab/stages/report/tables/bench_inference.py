@@ -77,7 +77,7 @@ def speculative_table(rows: list[dict]) -> pd.DataFrame:
         versus = o["vs_dynamic"]
         verdict = speedup_verdict(versus, "generation_speedup")
         rate = o["acceptance_rate"]
-        out.append({"variant": o["variant"], "mode": o["mode"], "draft": o["draft"] or "-",
+        out.append({"variant": o["variant"], "mode": o["mode"], "draft": o["draft"] or "-", "env": o["env"],
                     "speedup vs dynamic [95% CI]": speedup_text(versus, "generation_speedup"), "verdict": verdict,
                     "candidates proposed": o["proposed"], "accepted %": None if rate is None else 100 * rate,
                     "tokens per model step": o["tokens_per_step"],
@@ -87,7 +87,7 @@ def speculative_table(rows: list[dict]) -> pd.DataFrame:
 
 
 SPECULATIVE_COLUMNS = ["variant", "mode", "draft", "speedup vs dynamic [95% CI]", "verdict", "candidates proposed",
-                       "accepted %", "tokens per model step", "greedy tokens equal", "pays?"]
+                       "accepted %", "tokens per model step", "greedy tokens equal", "pays?", "env"]
 
 
 def kv_quant_table(rows: list[dict]) -> pd.DataFrame:
@@ -107,10 +107,12 @@ def kv_quant_table(rows: list[dict]) -> pd.DataFrame:
                             "perplexity change % [95% CI]": change_text(q),
                             "decode speedup vs full cache [95% CI]": speedup_text(c.get("vs_dynamic"),
                                                                                   "generation_speedup"),
-                            "verdict": speedup_verdict(c.get("vs_dynamic"), "generation_speedup")})
+                            "verdict": speedup_verdict(c.get("vs_dynamic"), "generation_speedup"),
+                            "env": env_of(job)})
     return pd.DataFrame(out, columns=KV_QUANT_COLUMNS)
 
 
 KV_QUANT_COLUMNS = ["variant", "cache", "context (tokens)", "full precision (MiB)", "quantized (MiB)", "ratio",
-                    "memory kind", "perplexity change % [95% CI]", "decode speedup vs full cache [95% CI]", "verdict"]
+                    "memory kind", "perplexity change % [95% CI]", "decode speedup vs full cache [95% CI]", "verdict",
+                    "env"]
 

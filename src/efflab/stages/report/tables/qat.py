@@ -6,10 +6,11 @@ import pandas as pd
 from .... import records
 from ....measure.stats import NOT_DECIDED
 from .. import spread
-from ..fmt import MiB, env_of, status_text
+from ..fmt import MiB, env_of, recovered_text, status_text
 
 QAT_COLUMNS = ["bits", "PTQ perplexity", "PTQ change vs full precision (%)", "PTQ verdict", "QAT perplexity",
-               "QAT change vs full precision (%)", "QAT verdict", "packed weights (MiB)", "env"]
+               "QAT change vs full precision (%)", "QAT verdict", "QAT recovers of PTQ's gap (%)",
+               "QAT step × full precision", "packed weights (MiB)", "env"]
 
 
 def qat_table(jobs: list[dict]) -> pd.DataFrame:
@@ -32,8 +33,19 @@ def qat_table(jobs: list[dict]) -> pd.DataFrame:
                             "packed weights (MiB)": v["weight_bytes"]["packed_bytes"] / MiB}
                 else:
                     row[f"{label} verdict"] = status_text(v)
+            row |= recovered_columns(next(v for v in job["variants"] if (v["method"], v["bits"]) == ("qat", bits)))
             out.append(row)
     return pd.DataFrame(out, columns=QAT_COLUMNS)
+
+
+def recovered_columns(v: dict) -> dict:
+    """A QAT model's share of PTQ's gap recovered (quality.recovered_share) and its step time over the full-precision
+    fine-tune's; '-' for a record from before they were measured."""
+    r, c = v.get("recovered_share") or {}, v.get("step_cost_vs_full_precision") or {}
+    share = recovered_text(r) or ("no PTQ gap decided" if r else "-")
+    return {"QAT recovers of PTQ's gap (%)": share,
+            "QAT step × full precision": f"{c['ratio']:.2f}" + (
+                f" (range {c['range'][0]:.2f}–{c['range'][1]:.2f})" if c.get("range") else "") if c else "-"}
 
 
 def verdict_of(test: dict | None, bits: int) -> str:
