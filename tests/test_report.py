@@ -480,6 +480,13 @@ def test_the_run_size_names_what_the_default_leaves_to_the_gpu_profile():
                                                              config.load(config.REPO_ROOT / sections.GPU_PROFILE))}
     assert out["qat.eval_tasks"] == ["efflab_validation_gen", "efflab_validation_ll"]
     assert out["qat.bits"] == [2, 3] and "lora-r8-padded" in out["finetune"]
+    # a variant's own cell lists (issue 53): the GPU profile's assisted generation and 2-bit KV cache
+    assert "assisted" in out["bench_inference.variants.baseline.generation"]
+    assert out["bench_inference.variants.baseline.kv_quant"] == ["quanto-2"]
+    assert out["capacity.kv_quant"] == ["quanto-4", "quanto-2"]
+    test_params = config.load(config.REPO_ROOT / "tests" / "config" / "params.test.yaml")
+    test_params["capacity"].pop("kv_quant", None)  # a params file without the list: nothing asked, nothing fails
+    assert sections.left_out(test_params, config.load(config.REPO_ROOT / sections.GPU_PROFILE))
 
 
 def test_did_not_run_lists_the_failed_cells_of_a_job_that_ran_one_row_per_reason():

@@ -272,24 +272,11 @@ def tables(cells: dict, tolerance: dict) -> tuple[list, list, list]:
 
 
 def against_ptq(fp: dict, ptq: dict, qat: dict) -> dict:
-    """A QAT model as torchao reports it: the share of the same width's PTQ perplexity gap it recovers (paired over
-    the validation rows), and what its training step costs against the full-precision fine-tune's."""
-    out = {"step_cost_vs_full_precision": step_cost(qat.get("step_time"), fp.get("step_time"))}
-    if records.is_ok(ptq):
-        out["recovered_share"] = quality.recovered_share(fp["rows"], ptq["rows"], qat["rows"])
-    return out
-
-
-def step_cost(mine: dict | None, reference: dict | None) -> dict | None:
-    """The ratio of two runs' median step times, timed in separate runs of this job (not interleaved): its range
-    from the far ends of the two medians' 95% intervals where both have one."""
-    if not mine or not reference or not reference.get("median"):
-        return None
-    a, b = mine.get("ci95_median"), reference.get("ci95_median")
-    return {"ratio": mine["median"] / reference["median"], "range": [a[0] / b[1], a[1] / b[0]] if a and b else None,
-            "measured": "median step time of the QAT model's training over the full-precision fine-tune's, same "
-                        "batches and steps, separate runs (not interleaved): the range is from the far ends of the "
-                        "medians' 95% intervals"}
+    """A QAT model as torchao reports it: the share of the same width's PTQ perplexity gap it recovers, paired over
+    the validation rows. (What its step costs against the full-precision fine-tune's is said by the report, from the
+    step times: decisions' qat_step_cost fact.)"""
+    return {"recovered_share": quality.recovered_share(fp["rows"], ptq["rows"], qat["rows"])} if records.is_ok(ptq) \
+        else {}
 
 
 def precision_tests(variants: list[dict], tolerance_pct: float, reference: float | None, bits: list[int]) -> dict:

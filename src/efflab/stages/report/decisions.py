@@ -128,8 +128,6 @@ def _qat(job: dict, tolerance: float) -> dict:
             "undecided_at": {m: tests[m].get("undecided_at") for m in ("ptq", "qat")},
             "why": "the fewest bits whose perplexity interval lies within the tolerance",
             "recovered": {b: v["recovered_share"] for b, v in qat.items() if v.get("recovered_share")},
-            "step_cost": {b: v["step_cost_vs_full_precision"] for b, v in qat.items()
-                          if v.get("step_cost_vs_full_precision")},
             "options": options}
 
 

@@ -164,16 +164,13 @@ def qat(d: dict) -> str:
 
 
 def _recovered(d: dict) -> str:
-    """QAT as torchao reports it: the share of PTQ's gap it recovers per width, and what its step costs."""
+    """QAT as torchao reports it: the share of PTQ's gap it recovers, per width."""
     said = []
     for bits, r in (d.get("recovered") or {}).items():
         if r.get("share") is None:
             said.append(f"at {bits} bits PTQ left no gap decided for QAT to recover")
             continue
         said.append(f"at {bits} bits QAT recovers {recovered_text(r, '%')} of PTQ's perplexity gap")
-    for bits, c in (d.get("step_cost") or {}).items():
-        said.append(f"a {bits}-bit QAT step takes {number(c['ratio'], 2)}× a full-precision step"
-                    + ("" if c.get("range") else " (one run each: no interval)"))
     text = "; ".join(said)
     return f" {text[:1].upper()}{text[1:]}." if said else ""
 

@@ -174,7 +174,7 @@ def left_out(cfg: dict, larger: dict) -> list[dict]:
         if missing:
             out.append({"what": stage, "values": missing})
     for stage, key in CELL_LISTS:
-        missing = [v for v in larger[stage].get(key) or [] if v not in cfg[stage].get(key) or []]
+        missing = [v for v in larger[stage].get(key) or [] if v not in (cfg[stage].get(key) or [])]
         if missing:
             out.append({"what": f"{stage}.{key}", "values": missing})
     b, big = cfg["bench_inference"], larger["bench_inference"]

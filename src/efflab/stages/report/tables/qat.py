@@ -10,7 +10,7 @@ from ..fmt import MiB, env_of, recovered_text, status_text
 
 QAT_COLUMNS = ["bits", "PTQ perplexity", "PTQ change vs full precision (%)", "PTQ verdict", "QAT perplexity",
                "QAT change vs full precision (%)", "QAT verdict", "QAT recovers of PTQ's gap (%)",
-               "QAT step × full precision", "packed weights (MiB)", "env"]
+               "packed weights (MiB)", "env"]
 
 
 def qat_table(jobs: list[dict]) -> pd.DataFrame:
@@ -39,13 +39,9 @@ def qat_table(jobs: list[dict]) -> pd.DataFrame:
 
 
 def recovered_columns(v: dict) -> dict:
-    """A QAT model's share of PTQ's gap recovered (quality.recovered_share) and its step time over the full-precision
-    fine-tune's; '-' for a record from before they were measured."""
-    r, c = v.get("recovered_share") or {}, v.get("step_cost_vs_full_precision") or {}
-    share = recovered_text(r) or ("no PTQ gap decided" if r else "-")
-    return {"QAT recovers of PTQ's gap (%)": share,
-            "QAT step × full precision": f"{c['ratio']:.2f}" + (
-                f" (range {c['range'][0]:.2f}–{c['range'][1]:.2f})" if c.get("range") else "") if c else "-"}
+    """A QAT model's share of PTQ's gap recovered (quality.recovered_share); '-' for a record from before it."""
+    r = v.get("recovered_share") or {}
+    return {"QAT recovers of PTQ's gap (%)": recovered_text(r) or ("no PTQ gap decided" if r else "-")}
 
 
 def verdict_of(test: dict | None, bits: int) -> str:
