@@ -193,6 +193,7 @@ def test_capacity_names_an_unknown_run_or_variant(write_params, tmp_path):
 # -- the longest context with a quantized KV cache (capacity.kv_quant) ------------------------------------------------
 
 
+@pytest.mark.integration  # real quanto-4 generation: quanto compiles its CPU kernels on a fresh install's first use
 def test_a_quantized_cache_search_passes_its_cache_to_generate(results, test_cfg, monkeypatch):
     """A cell of `<subject>+kv-quanto-4` generates with transformers' QuantizedCache (kv_cache.generate_kwargs, with
     bench_inference.kv_quant_options); the full-precision one with generate()'s own cache. Real generations of the
@@ -221,6 +222,7 @@ def test_a_quantized_cache_search_passes_its_cache_to_generate(results, test_cfg
     assert "cache_implementation" not in plain and "cache_config" not in plain
 
 
+@pytest.mark.integration  # real quanto-4 generation: quanto compiles its CPU kernels on a fresh install's first use
 def test_each_quantized_cache_searches_the_base_model_s_longest_context_and_an_unavailable_one_is_said(
         results, write_params, monkeypatch):
     """capacity.kv_quant with no variant of kind base searched (int8's quantize job did not run here: its searches
