@@ -14,8 +14,6 @@ from .decide import axis
 from .fmt import env_of
 from .options import change_axis, ratio_axis
 
-MiB = 2**20
-
 
 def _cells(inference: list[dict], keep) -> list[tuple[dict, dict]]:
     return [(job, c) for job in records.ok(inference) for c in records.ok(job.get("cells", [])) if keep(c)]
