@@ -18,7 +18,7 @@ import yaml
 
 from .evaluation.task import TASKS as EVAL_TASKS
 from .evaluation.task import unknown_tasks
-from .experiment import ADAPTER_METHODS, MODEL_KINDS, finetune_run, merge_runs
+from .experiment import ADAPTER_METHODS, MODEL_KINDS, drafts_of, finetune_run, merge_runs
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCHEMA_PATH = REPO_ROOT / "workflow" / "schemas" / "params.schema.yaml"
@@ -226,8 +226,7 @@ def _check_speculative(cfg: dict, source: str) -> None:
     a quantized cache or a speculative mode has its settings."""
     b = cfg["bench_inference"]
     drafts = (b.get("speculative") or {}).get("drafts") or {}
-    used = {d for v in b["variants"].values() if "assisted" in v.get("generation", b["generation"])
-            for d in v.get("drafts", list(drafts)) if d in drafts}
+    used = {d for v in b["variants"].values() for d in drafts_of(b, v) if d in drafts}
     for name, spec in drafts.items():
         if name not in used:  # no assisted cell loads it: a draft of a stage left out is no error
             continue
@@ -243,7 +242,7 @@ def _check_speculative(cfg: dict, source: str) -> None:
             if draft not in drafts:
                 raise UserError(f"{key}.drafts: {draft!r} is not a draft in bench_inference.speculative.drafts "
                                 f"({', '.join(drafts) or 'none'})")
-        if "assisted" in modes and not variant.get("drafts", list(drafts)):
+        if "assisted" in modes and not drafts_of(b, variant):
             raise UserError(f"{key}.generation: assisted needs a draft model (expected at least one in "
                             "bench_inference.speculative.drafts)")
         if {"prompt_lookup", "assisted"} & set(modes) and "speculative" not in b:

@@ -112,3 +112,11 @@ def evaluated_models(cfg: dict) -> dict[str, dict]:
         return models
     kept = set(chosen) | {models[n]["reference"] for n in chosen if n in models and models[n]["reference"]}
     return {n: m for n, m in models.items() if n in kept}  # what a chosen model is paired with is evaluated too
+
+
+def drafts_of(b: dict, variant: dict) -> list[str]:
+    """The draft names a bench_inference variant's assisted cells take (`b`: the bench_inference section): its own
+    `drafts`, else every one of speculative.drafts; [] where it generates no assisted cell."""
+    if "assisted" not in variant.get("generation", b["generation"]):
+        return []
+    return variant.get("drafts", list((b.get("speculative") or {}).get("drafts") or {}))

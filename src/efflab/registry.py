@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .config import TASK_TOLERANCES, lookup
-from .experiment import HEALED, MODEL, evaluated_models, finetune_run, merge_runs, model_paths
+from .experiment import HEALED, MODEL, drafts_of, evaluated_models, finetune_run, merge_runs, model_paths
 
 # What stages write besides metrics.json, by name (layout says where; experiment.MODEL_KINDS which holds a model).
 QAT_MODEL = "finetuned"  # qat's full-precision fine-tune
@@ -84,10 +84,7 @@ def _draft_models(cfg: dict, name: str) -> list[str]:
     """The model folders of the drafts a variant's assisted cells load, those this run makes (a `source` draft is
     outside the results folder)."""
     b = cfg["bench_inference"]
-    variant, drafts = b["variants"][name], (b.get("speculative") or {}).get("drafts") or {}
-    if "assisted" not in variant.get("generation", b["generation"]):
-        return []
-    used = [drafts[d] for d in variant.get("drafts", list(drafts))]
+    used = [b["speculative"]["drafts"][d] for d in drafts_of(b, b["variants"][name])]
     return [model_paths(d["kind"], d.get("of"))[-1] for d in used if "kind" in d]
 
 

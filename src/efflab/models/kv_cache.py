@@ -13,6 +13,8 @@ import re
 
 import torch
 
+from .modeling import summed_nll
+
 NONE = "none"
 # backend -> (the module transformers imports, the package that installs it, the bit widths transformers accepts)
 BACKENDS = {"quanto": ("optimum.quanto", "optimum-quanto", (2, 4)), "hqq": ("hqq", "hqq", (1, 2, 3, 4, 8))}
@@ -89,12 +91,9 @@ def chunked_row_nll(model, rows: list[dict], spec: str, settings: dict, chunk: i
         for start in range(0, ids.shape[1], chunk):
             step = model(input_ids=ids[:, start:start + chunk], past_key_values=cache, use_cache=True)
             cache = step.past_key_values
-            logits.append(step.logits.float())
-        whole = torch.cat(logits, dim=1)[:, :-1]
-        target = labels[:, 1:]
-        nll = torch.nn.functional.cross_entropy(whole.reshape(-1, whole.shape[-1]), target.reshape(-1),
-                                                ignore_index=-100, reduction="sum")
-        out.append({"row": i, "tokens": int((target != -100).sum()), "nll_sum": float(nll)})
+            logits.append(step.logits)
+        nll, tokens = summed_nll(torch.cat(logits, dim=1), labels)
+        out.append({"row": i, "tokens": tokens, "nll_sum": nll})
     return out
 
 

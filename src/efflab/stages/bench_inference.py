@@ -191,7 +191,7 @@ def timed_rounds(where: Where, model, tokenizer, batches: list, cell: dict, extr
     None)"""
     b, name, device = where.cfg["bench_inference"], where.name, where.device
     n, by_round, kv_cache, mode = b["max_new_tokens"], {}, cell["kv_cache"], cell.get("generation", "dynamic")
-    plain = mode == "dynamic" and not cell.get("kv_quant")
+    plain = plain_cell(cell)
 
     def mine(round_):
         by_round[round_] = [generate_timed(model, tokenizer, batch, n, kv_cache, mode, extra) for batch in batches]
@@ -236,6 +236,11 @@ def first_generations(model, tokenizer, batches: list, n: int, kv_cache: bool, m
     return {"first_generations_s": firsts,
             "measured": "wall clock of each prompt batch's first generation, before the timed ones" +
                         (": torch.compile's work for that batch's shapes included" if mode == "compiled" else "")}
+
+
+def plain_cell(cell: dict) -> bool:
+    """Whether a cell is generate()'s own dynamic full-precision generation (no other mode, no quantized cache)."""
+    return cell.get("generation", "dynamic") == "dynamic" and not cell.get("kv_quant")
 
 
 def cell_kwargs(cfg: dict, cell: dict, layout, dtype: str, device: torch.device) -> tuple[dict, object]:
@@ -301,7 +306,7 @@ def inference_cell(cfg: dict, results: str, name: str, dtype: str, device: str, 
     batches = prompt_batches(tokenizer, [a["text"] for a in asked], batch_size, device)
     n = b["max_new_tokens"]
     extra, draft = cell_kwargs(cfg, cell, layout, dtype, device)
-    plain = generation == "dynamic" and not cell.get("kv_quant")
+    plain = plain_cell(cell)
     try:
         firsts = first_generations(model, tokenizer, batches, n, kv_cache, generation, b["warmup"], extra)
     except (ValueError, TypeError, NotImplementedError, RuntimeError) as err:
@@ -410,7 +415,7 @@ def cells_of(b: dict, variant: dict) -> list[dict]:
     `assisted` once per draft, and beside the dynamic cell one per quantized cache (kv_quant). A mode that is a way
     of keeping the KV cache (static, compiled, an engine, a speculative one, a quantized cache) has no cell
     without one."""
-    drafts = variant.get("drafts", list((b.get("speculative") or {}).get("drafts") or {}))
+    drafts = experiment.drafts_of(b, variant)
     out = []
     for kv in variant.get("kv_cache", b["kv_cache"]):
         for batch in variant.get("batch_sizes", b["batch_sizes"]):
