@@ -307,7 +307,7 @@ def test_a_memory_gap_beyond_its_measured_error_is_decided_and_one_within_it_is_
     assert q["memory_kind"] == "cpu_peak_rss" and q["memory_error"]["pairs"] == 2
     line = glance.finetune(q)
     assert "least memory **lora** (1,409 MiB, 0.44× full's 3,215)" in line
-    assert "(`cpu_peak_rss`, ±2.8% measured error: the largest of 2 differences" in line
+    assert "(`cpu_peak_rss`, ±2.8% measured error, from 2 pairs of processes)" in line
     close = [runs[0], _run("lora", "lora", STEPS, 3150.0, 3.0)]
     near = _build(cfg, finetune=close, capacity=MEASURED)["questions"]["finetune"]
     assert near["answer"]["memory"] is None and _option(near, "lora")["axes"]["memory"]["verdict"] not in (

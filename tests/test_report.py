@@ -205,7 +205,8 @@ def _capacity_report(job) -> tuple[str, str, pd.DataFrame]:
     from efflab.stages.report.tables import capacity as tables
 
     metrics = {"qat": [], "capacity": [job], "finetune": [], "bench_attention": [], "base_model": [{"config": {}}]}
-    return (sections.capacity_body({}, metrics, lambda key: "TABLE"), glance.capacity(decisions._capacity(job)),
+    return (sections.capacity_body({}, metrics, lambda key: "TABLE") + sections.capacity_misses(metrics),
+            glance.capacity(decisions._capacity(job)),
             tables.capacity_table([job]))
 
 

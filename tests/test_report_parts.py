@@ -17,7 +17,8 @@ TEMPLATES = REPO / "src" / "efflab" / "stages" / "report" / "templates" / "secti
 # Captions that are no part's plot: the Snakefile's `report:` page, and the long results table (summary.csv).
 OTHER_CAPTIONS = {"workflow", "summary"}
 # Section templates that are no part's: what report.md says around the parts, and details.md's memory section.
-OTHER_SECTIONS = {"header", "how_to_read", "footer", "memory", "not_run", "profile", "run_size", "samples"}
+OTHER_SECTIONS = {"header", "how_to_read", "footer", "memory", "not_run", "profile", "run_size", "samples",
+                  "capacity_misses"}
 TABLES = [(part, table) for part in PARTS.values() for table in part.tables]
 PLOTS = [plot for plot, _ in report_plots()]
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pandas as pd
 
@@ -74,6 +75,11 @@ def setting_text(value) -> str:
 
 def ratio_of(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None or not a else b / a
+
+
+def anchor(heading: str) -> str:
+    """A heading's link target as GitHub and MkDocs make it: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
 
 
 def one_line(text: str | None, limit: int = 240) -> str:

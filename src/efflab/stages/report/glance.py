@@ -68,8 +68,7 @@ def _least_memory(d: dict, opts: dict) -> str:
 def _peaks(d: dict) -> str:
     """Every run's peak against the baseline's, with the memory kind and its measured error (or why none)."""
     error, kind = d.get("memory_error"), d.get("memory_kind")
-    said = (f"±{error['pct']:.1f}% measured error: the largest of {error['pairs']} differences between two "
-            "processes' readings of the same loaded model, capacity" if error
+    said = (f"±{error['pct']:.1f}% measured error, from {error['pairs']} pairs of processes" if error
             else "one measurement per run: no record read it twice")
     runs = "; ".join(f"{o['name']} {o['axes']['memory']['value']:,.0f} MiB"
                      + (f", {o['axes']['memory']['verdict']}" if error else "")

@@ -28,6 +28,8 @@ class Table:
     # them (fmt.markdown; None: its leading text columns, up to 4).
     keys: int | None = None
     reads: tuple[str, ...] = ()  # the stages whose records the builder takes, in order; () for its part's own
+    # A table a reader looks up rather than reads: its heading in details.md, where it goes; report.md links it there.
+    details: str | None = None
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,9 @@ def _parts(*parts: Part) -> dict[str, Part]:
 # In the report's order.
 PARTS = _parts(
     Part("quantize", "## Quantization (post-training: bitsandbytes, torchao, HQQ)", "quantize", "Quantization",
-         tables=(Table("quantize", "tables.quantize.quantize_table"),),
+         tables=(Table("quantize", "tables.quantize.quantize_table"),
+                 Table("quantize_adapter", "tables.quantize.adapter_table", keys=2,
+                       details="LoRA on each quantization scheme")),
          plots=("quantize",)),
     Part("prune", "## Structured pruning", "prune", "Pruning",
          tables=(Table("prune", "tables.prune.prune_table", keys=1),),
@@ -64,17 +68,21 @@ PARTS = _parts(
                  Table("merge_targets", "tables.merge.merge_targets_table", keys=2))),
     Part("bench_attention", "## Attention implementations", "attention", "Attention",
          tables=(Table("bench_attention", "tables.bench_attention.attention_table", keys=4),
-                 Table("attention_memory_exponent", "tables.bench_attention.exponent_table")),
+                 Table("attention_memory_exponent", "tables.bench_attention.exponent_table",
+                       details="Attention memory against sequence length")),
          plots=("bench_attention", "bench_attention_memory")),
     Part("bench_inference", "## Inference variants (greedy, fixed length)", "inference", "Inference",
          tables=(Table("bench_inference", "tables.bench_inference.inference_table", keys=6),
+                 Table("bench_inference_costs", "tables.bench_inference.costs_table", keys=6,
+                       details="Inference cells: first generation, memory and the roofline"),
                  Table("speculative", "tables.bench_inference.speculative_table", keys=3),
                  Table("kv_quant", "tables.bench_inference.kv_quant_table", keys=3)),
          plots=("bench_inference", "inference_pareto")),
     Part("bench_serving", "## Serving: naive vs static vs continuous batching", "serving", "Serving",
          tables=(Table("bench_serving", "tables.bench_serving.serving_table", keys=2),
                  Table("bench_serving_latency", "tables.bench_serving.serving_latency_table", keys=2),
-                 Table("bench_serving_open_loop", "tables.bench_serving.open_loop_table", keys=2)),
+                 Table("bench_serving_open_loop", "tables.bench_serving.open_loop_table", keys=2,
+                       details="Open-loop serving, rate by rate")),
          plots=("bench_serving",)),
     Part("capacity", "## Capacity: the largest batch and sequence that fit", "capacity", "Capacity",
          tables=(Table("capacity", "tables.capacity.capacity_table", keys=2),),
@@ -91,6 +99,11 @@ ELSEWHERE = {
     "claims": ("the notes above the sections (notes.claims_lines); the rule's input is its page, claims.md", False),
     "report": ("the report itself", False),
 }
+
+
+def details_tables() -> list[Table]:
+    """The tables report.md links to details.md, in the report's order."""
+    return [t for part in PARTS.values() for t in part.tables if t.details]
 
 
 def report_plots() -> list[tuple[str, str]]:

@@ -10,7 +10,7 @@ from ...measure.stats import EQUIVALENCE_MARGIN, format_ratio
 from ...measure.timing import SENTINEL_TOLERANCE
 from . import task_quality
 from .environments import comparison
-from .fmt import markdown, one_line
+from .fmt import markdown, one_line, status_text
 from .render import render
 from .results import absent
 from .tables import MEMORY_TARGET, memory_prediction_table
@@ -62,7 +62,8 @@ def evaluate_body(cfg: dict, metrics: dict, table) -> str:
 
 
 def quantize_body(cfg: dict, metrics: dict, table) -> str:
-    return render("sections/quantize.md.j2", rows=cfg["quantize"]["eval_rows"], table=table("quantize"))
+    return render("sections/quantize.md.j2", rows=cfg["quantize"]["eval_rows"], table=table("quantize"),
+                  adapter=table("quantize_adapter"))
 
 
 def prune_body(cfg: dict, metrics: dict, table) -> str:
@@ -96,8 +97,11 @@ def merge_body(cfg: dict, metrics: dict, table) -> str:
 
 def attention_body(cfg: dict, metrics: dict, table) -> str:
     measured = records.ok(metrics["bench_attention"])[0].get("measured", "model forward")
+    missing = [f"- {r.get('implementation') or r.get('name')}: {status_text(r)}"
+               for r in metrics["bench_attention"] if not records.is_ok(r)]
     return render("sections/attention.md.j2", measured=measured[0].upper() + measured[1:],
-                  table=table("bench_attention"), exponents=table("attention_memory_exponent"))
+                  table=table("bench_attention"), exponents=table("attention_memory_exponent"),
+                  missing="Not measured here:\n\n" + "\n".join(missing) if missing else "")
 
 
 def inference_body(cfg: dict, metrics: dict, table) -> str:
@@ -105,7 +109,8 @@ def inference_body(cfg: dict, metrics: dict, table) -> str:
                           for c in records.ok(m.get("cells", []))])
     cells = [c for m in records.ok(metrics["bench_inference"]) for c in records.ok(m.get("cells", []))]
     return render("sections/inference.md.j2", i=cfg["bench_inference"], prompts=prompt_count(cfg, metrics),
-                  table=table("bench_inference"), energy=energy, unavailable=unavailable_cells(metrics["bench_inference"]),
+                  table=table("bench_inference"), costs=table("bench_inference_costs"), energy=energy,
+                  unavailable=unavailable_cells(metrics["bench_inference"]),
                   speculative=table("speculative") if any(c.get("speculation") for c in cells) else "",
                   kv_quant=table("kv_quant") if any(c.get("quantized_cache") for c in cells) else "")
 
@@ -135,11 +140,22 @@ def serving_body(cfg: dict, metrics: dict, table) -> str:
 
 def capacity_body(cfg: dict, metrics: dict, table) -> str:
     job = records.ok(metrics["capacity"])[0]
-    explained = [{"search": s, "largest": capacity_largest(s, job["fixed"]), "measured": capacity_measured(s),
-                  "cause": capacity_cause(s), "off": capacity_estimator_off(s["at_max"])}
-                 for s in job["searches"] if records.is_ok(s) and capacity_cause(s) is not None]
-    return render("sections/capacity.md.j2", job=job, table=table("capacity"), explained=explained,
-                  held=capacity_held([job]), target=MEMORY_TARGET)
+    return render("sections/capacity.md.j2", job=job, table=table("capacity"), explained=_capacity_explained(job),
+                  held=capacity_held([job]))
+
+
+def capacity_misses(metrics: dict) -> str:
+    """details.md: for each search, its measured maximum against the prediction, and what moved it."""
+    job = next(iter(records.ok(metrics.get("capacity", []))), None)
+    explained = _capacity_explained(job) if job else []
+    return render("sections/capacity_misses.md.j2", explained=explained, held=capacity_held([job]),
+                  target=MEMORY_TARGET) if explained else ""
+
+
+def _capacity_explained(job: dict) -> list[dict]:
+    return [{"search": s, "largest": capacity_largest(s, job["fixed"]), "measured": capacity_measured(s),
+             "cause": capacity_cause(s), "off": capacity_estimator_off(s["at_max"])}
+            for s in job["searches"] if records.is_ok(s) and capacity_cause(s) is not None]
 
 
 def memory_section(finetune: list[dict], inference: list[dict], environments: dict, allow_mixed: bool) -> str:

@@ -10,15 +10,16 @@ from . import advice, decisions, notes, task_quality
 from . import sections as sec
 from .draw import Inputs, draw_plots, questions
 from .environments import comparison, environment_table, provenance_table
-from .fmt import env_of, markdown
+from .fmt import anchor, env_of, markdown
 from .pareto import finetune_pareto, inference_pareto, write_fronts
-from .parts import PARTS
+from .parts import PARTS, details_tables
 from .render import render
 from .results import read_results
 from .tables import build_tables, not_run_table
 from .tidy import results_table
 
 log = logging.getLogger("efflab")
+DETAILS = {t.name: t.details for t in details_tables()}  # the tables report.md links to details.md, by name
 
 
 def refuse_stale(layout, jobs: dict[str, dict]) -> None:
@@ -31,6 +32,8 @@ def refuse_stale(layout, jobs: dict[str, dict]) -> None:
 def report_text(cfg: dict, metrics: dict, tables: dict, environments: dict, made: dict) -> str:
     """report.md: the answers first, then each stage in detail, then what did not run and the run's size."""
     def table(key: str) -> str:
+        if key in DETAILS:
+            return f"In details.md: [{DETAILS[key]}](details.md#{anchor(DETAILS[key])})."
         return comparison(tables[key], environments, cfg["report"]["allow_mixed_environments"])
 
     parts = [sec.header(metrics["base_model"][0], metrics["prepare_data"][0]), *advice.glance(made, cfg),
@@ -39,9 +42,16 @@ def report_text(cfg: dict, metrics: dict, tables: dict, environments: dict, made
     for part in PARTS.values():
         body = getattr(sec, f"{part.section}_body")
         parts += sec.section(cfg, metrics, part.stage, part.title, lambda body=body: body(cfg, metrics, table))
-    parts += [sec.profiles(metrics), sec.samples(metrics["bench_inference"]), sec.not_run(not_run_table(metrics)),
+    parts += [sec.profiles(metrics), sec.not_run(not_run_table(metrics)),
               sec.run_size(cfg, metrics), render("sections/footer.md.j2")]
     return "\n".join(p.rstrip("\n") + "\n" if p else "" for p in parts)
+
+
+def more_tables(cfg: dict, tables: dict, environments: dict) -> str:
+    """details.md's tables that report.md links to, each under its heading; none where no stage gave rows."""
+    shown = [f"### {DETAILS[k]}\n\n{comparison(tables[k], environments, cfg['report']['allow_mixed_environments'])}"
+             for k in DETAILS if k in tables and not tables[k].empty]
+    return "## More tables\n\n" + "\n\n".join(shown) if shown else ""
 
 
 def run(cfg: dict, job: Job) -> dict:
@@ -67,6 +77,8 @@ def run(cfg: dict, job: Job) -> dict:
     answers = task_quality.answers(metrics["evaluate"])
     (out / "details.md").write_text(render(
         "details.md.j2", decisions="\n".join(advice.lines(facts, cfg)), memory=memory,
+        more=more_tables(cfg, tables, environments), samples=sec.samples(metrics["bench_inference"]),
+        capacity=sec.capacity_misses(metrics),
         left_out=sec.left_out_details(cfg),
         provenance=markdown(provenance_table(jobs)),
         environments=markdown(environment_table(environments)),

@@ -12,9 +12,7 @@ from ..fmt import env_of, interval_text, speedup_text, speedup_verdict, status_t
 def attention_table(rows: list[dict]) -> pd.DataFrame:
     out = []
     for r in rows:
-        if not records.is_ok(r):  # the whole implementation did not run: one row, not one per cell
-            out.append({"implementation": r.get("implementation") or r.get("name"), "status": status_text(r),
-                        "env": env_of(r) if "environment" in r else None})
+        if not records.is_ok(r):  # the whole implementation did not run: a line under the table (sections)
             continue
         for row in r["rows"]:
             ok = records.is_ok(row)

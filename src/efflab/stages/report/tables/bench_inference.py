@@ -10,6 +10,16 @@ from . import change_text
 
 
 def inference_table(rows: list[dict]) -> pd.DataFrame:
+    """Each cell's speed: TTFT, decode rate, per-token latency, its bound and its speedup with verdict."""
+    return _cells(rows)[INFERENCE_COLUMNS]
+
+
+def costs_table(rows: list[dict]) -> pd.DataFrame:
+    """Each cell's costs beside its speed (details.md): the first generation, memory, the roofline, energy."""
+    return _cells(rows)[COSTS_COLUMNS]
+
+
+def _cells(rows: list[dict]) -> pd.DataFrame:
     out = []
     for r in rows:
         for c in r.get("cells", []):  # a job that failed outside its cells has none (table of jobs not run)
@@ -41,7 +51,7 @@ def inference_table(rows: list[dict]) -> pd.DataFrame:
                 "verdict": speedup_verdict(versus, "generation_speedup") if records.is_ok(c) else "-",
                 "env": env_of(r),
             })
-    return pd.DataFrame(out, columns=INFERENCE_COLUMNS)
+    return pd.DataFrame(out, columns=list(dict.fromkeys(INFERENCE_COLUMNS + COSTS_COLUMNS)))
 
 
 def first_generation(cell: dict) -> float | None:
@@ -51,11 +61,12 @@ def first_generation(cell: dict) -> float | None:
 
 
 # TTFT p90, per-token p90 and p99/p50 are in summary.csv (the long results table).
-INFERENCE_COLUMNS = ["variant", "kind", "of", "KV cache", "batch", "generation", "status", "TTFT median (ms)",
-                     "decode tokens/s median", "decode tokens/s 95% CI or range", "per-token p50 (ms)",
-                     "per-token p99 (ms)", "tail cause (p99/p50 > 1.5)", "first generation (s)", "peak delta (MiB)",
-                     "memory kind", "footprint (MiB)", "MiB read per token", "% of bandwidth", "% of matmul ceiling",
-                     "bound", "energy (J/token)", "timed against", "speedup [95% CI]", "verdict", "env"]
+CELL_KEYS = ["variant", "kind", "of", "KV cache", "batch", "generation"]
+INFERENCE_COLUMNS = [*CELL_KEYS, "status", "TTFT median (ms)", "decode tokens/s median",
+                     "decode tokens/s 95% CI or range", "per-token p50 (ms)", "per-token p99 (ms)",
+                     "tail cause (p99/p50 > 1.5)", "bound", "timed against", "speedup [95% CI]", "verdict", "env"]
+COSTS_COLUMNS = [*CELL_KEYS, "status", "first generation (s)", "peak delta (MiB)", "memory kind", "footprint (MiB)",
+                 "MiB read per token", "% of bandwidth", "% of matmul ceiling", "energy (J/token)", "env"]
 
 
 def roofline_columns(roof: dict | None) -> dict:

@@ -16,10 +16,17 @@ def quantize_table(rows: list[dict]) -> pd.DataFrame:
         "footprint (MiB)": r["memory_footprint_bytes"] / MiB, "x smaller than baseline": r["footprint_ratio_vs_base"],
         "on disk (MiB)": r["bytes_on_disk"] / MiB, "load (s)": r["load_s"],
         "val perplexity": r["validation"]["perplexity"], "perplexity change (%) [95% CI]": change_text(r),
-        "LoRA on it": adapter_text(r.get("adapter")), "env": env_of(r),
+        "env": env_of(r),
     } for r in records.ok(rows)], columns=["scheme", "method", "double quant", "quantized as", "footprint (MiB)",
                                            "x smaller than baseline", "on disk (MiB)", "load (s)", "val perplexity",
-                                           "perplexity change (%) [95% CI]", "LoRA on it", "env"])
+                                           "perplexity change (%) [95% CI]", "env"])
+
+
+def adapter_table(rows: list[dict]) -> pd.DataFrame:
+    """Whether a LoRA adapter trains on each scheme and merges back (details.md)."""
+    return pd.DataFrame([{"scheme": r["scheme"], "method": r["method"], "LoRA on it": adapter_text(r.get("adapter")),
+                          "env": env_of(r)} for r in records.ok(rows)],
+                        columns=["scheme", "method", "LoRA on it", "env"])
 
 
 def quantized_as(record: dict) -> str:
