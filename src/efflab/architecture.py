@@ -141,11 +141,12 @@ def lora_targets(config, targets: str | list[str] | None) -> str | list[str]:
     return sorted(PEFT_DEFAULTS.get(text_config(config).model_type) or []) or "all-linear"
 
 
-def lora_config(config, lora: dict):
+def lora_config(config, lora: dict, **init):
     """peft's LoraConfig for the settings `lora` (r, alpha, dropout, target_modules, use_dora, use_rslora) on a
-    model of `config`: one construction for fine-tuning, healing and the dry-run check."""
+    model of `config`: one construction for fine-tuning, healing and the dry-run check. `init`: the initialisation's
+    keys (init_lora_weights and its method's config: lora_init.adapt)."""
     from peft import LoraConfig
 
     return LoraConfig(task_type="CAUSAL_LM", r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
                       bias="none", target_modules=lora_targets(config, lora["target_modules"]),
-                      use_dora=lora.get("use_dora", False), use_rslora=lora.get("use_rslora", False))
+                      use_dora=lora.get("use_dora", False), use_rslora=lora.get("use_rslora", False), **init)

@@ -178,6 +178,16 @@ def _check_bf16_weights(run: dict, where: str) -> None:
                         f"got 'fp16'")
 
 
+def _check_optimizer(run: dict, where: str) -> None:
+    """A low-rank optimizer (GaLore, APOLLO) projects full weights' gradients: it has nothing to do on an adapter."""
+    if run["optimizer"].startswith(LOW_RANK_OPTIMIZERS) and run["method"] != "full":
+        raise UserError(f"{where}.optimizer: {run['optimizer']} projects the gradients of full weights; expected "
+                        f"method full, got {run['method']!r} (use adamw_* for an adapter)")
+
+
+LOW_RANK_OPTIMIZERS = ("galore_", "apollo_")  # transformers' GaLore and APOLLO optimizers (training.LOW_RANK)
+
+
 def _cross_check(cfg: dict, source: str) -> None:
     schemes = cfg["quantize"]["schemes"]
     runs = cfg["finetune"]["runs"]
@@ -194,6 +204,7 @@ def _cross_check(cfg: dict, source: str) -> None:
             raise UserError(f"{source}: finetune.runs.{name}.quant.method: QLoRA needs a 4-bit base "
                             f"(nf4 or fp4), got {run['quant']['method']!r}")
         _check_bf16_weights(run, f"{source}: finetune.runs.{name}")
+        _check_optimizer(run, f"{source}: finetune.runs.{name}")
     for name in cfg["merge"]["runs"] or []:
         if name not in runs or runs[name]["method"] not in ADAPTER_METHODS:
             raise UserError(f"{source}: merge.runs: {name!r} is not a lora/qlora run in finetune.runs")

@@ -17,7 +17,7 @@ from contextlib import nullcontext
 
 import torch
 
-from . import architecture
+from . import lora_init
 from .config import UserError
 from .experiment import base_quant
 from .models.modeling import load_model
@@ -37,10 +37,23 @@ def mixed_precision(run: dict, dtype: str, device: torch.device) -> str:
     return want
 
 
+# transformers' low-rank optimizers (config.LOW_RANK_OPTIMIZERS): the package each needs, by prefix
+LOW_RANK = {"galore_": ("galore_torch", "galore-torch"), "apollo_": ("apollo_torch", "apollo-torch")}
+
+
+def low_rank(optimizer: str) -> tuple[str, str] | None:
+    """(module, pip name) of a GaLore-class optimizer's package; None for the others."""
+    return next((package for prefix, package in LOW_RANK.items() if optimizer.startswith(prefix)), None)
+
+
 def unavailable_knobs(run: dict, device: torch.device) -> list[str]:
     """The knobs of a run that this device cannot honour. Such a run is recorded as unavailable with these
     reasons rather than trained without them: a row labelled tf32 that ran without TF32 would be a lie."""
     reasons = []
+    package = low_rank(run["optimizer"])
+    if package and importlib.util.find_spec(package[0]) is None:
+        reasons.append(f"optimizer {run['optimizer']} needs the {package[1]} package, which is not installed "
+                       f"(pip install {package[1]})")
     if device.type != "cuda":
         if run["mixed_precision"] == "fp16":
             reasons.append("mixed_precision fp16 (with gradient scaling) needs a CUDA GPU")
@@ -73,7 +86,7 @@ def collator(run: dict, tokenizer):
 def build_model(run: dict, layout, dtype: str, device: torch.device):
     """The model to train: full weights in fp32, or the frozen base (4-bit for QLoRA) with LoRA; with
     bf16_weights, full weights, or LoRA's base and adapters (QLoRA's adapters), in bf16."""
-    from peft import get_peft_model, prepare_model_for_kbit_training
+    from peft import prepare_model_for_kbit_training
 
     bf16 = run.get("bf16_weights")
     if run["method"] == "full":
@@ -96,14 +109,27 @@ def build_model(run: dict, layout, dtype: str, device: torch.device):
         checkpointing_enable(model)
         model.enable_input_require_grads()
     try:
-        model = get_peft_model(model, architecture.lora_config(model.config, run["lora"]))
+        made = lora_init.adapt(model, run["lora"], bool(quant), layout.base_model(),
+                               _calibration(run, layout, device) if lora_init.lora_init(run["lora"])
+                               in lora_init.DATA_DRIVEN else [])
     except ValueError as err:
         raise UserError(f"finetune.lora.target_modules: {str(err).splitlines()[0]}") from None
+    model = made.model
+    model.efflab_init = {"init": made.init, "seconds": made.seconds, "rows": made.rows}
     if bf16:  # peft keeps adapters in fp32 whatever the base's dtype
         for p in model.parameters():
             if p.requires_grad:
                 p.data = p.data.to(torch.bfloat16)
     return model
+
+
+def _calibration(run: dict, layout, device: torch.device) -> list[dict]:
+    """The training rows eva and corda read: the first batches of the train split, padded."""
+    from .models.modeling import load_tokenizer, read_split
+
+    pad = load_tokenizer(layout.base_model()).pad_token_id or 0
+    return lora_init.calibration_batches(read_split(layout.split("train"), lora_init.CALIBRATION_BATCHES *
+                                                    run["batch_size"]), run["batch_size"], pad, device)
 
 
 def checkpointing_enable(model) -> None:

@@ -27,6 +27,7 @@ from ...estimators.memory import compared, training_peak
 from ...experiment import finetune_run
 from ...layout import LOSS_COLUMNS, Job, Layout
 from ...logs import log_file_path, setup_child_logging
+from ...lora_init import Refused
 from ...measure.energy import EnergyMeter, energy_per_token
 from ...measure.env import environment
 from ...measure.flops import count_parameters, matmul_ceiling, mfu, published_peak_tflops, training_flops_per_token
@@ -38,6 +39,7 @@ from ...registry import LOSS_CSV
 from ...training import (
     build_model,
     collator,
+    low_rank,
     mixed_precision,
     optimizer_cls_and_kwargs,
     optimizer_name,
@@ -71,15 +73,22 @@ def run(cfg: dict, job: Job) -> dict:
     device = job.device
     missing = unavailable_knobs(run_cfg, device)
     if missing:
-        reason = "; ".join(missing)
-        job.layout.write_not_run("finetune", job.out, "unavailable", reason)
-        log.warning("%s: unavailable: %s", job.name, reason)
-        return {"status": "unavailable", "reason": reason, "run": job.name, "method": run_cfg["method"],
-                "settings": run_cfg, "environment": environment(device, run_cfg)}
+        return unavailable(job, run_cfg, "; ".join(missing))
     if run_cfg["num_processes"] * run_cfg["num_machines"] > 1 or run_cfg["accelerate_config"]:
         if "LOCAL_RANK" not in os.environ:
             return launch_distributed(run_cfg, job)
-    return train(cfg, job, run_cfg)
+    try:
+        return train(cfg, job, run_cfg)
+    except Refused as err:  # peft cannot initialise the adapter this way for this model
+        return unavailable(job, run_cfg, str(err))
+
+
+def unavailable(job: Job, run_cfg: dict, reason: str) -> dict:
+    """The record of a run this device or model cannot do as asked, with the reason."""
+    job.layout.write_not_run("finetune", job.out, "unavailable", reason)
+    log.warning("%s: unavailable: %s", job.name, reason)
+    return {"status": "unavailable", "reason": reason, "run": job.name, "method": run_cfg["method"],
+            "settings": run_cfg, "environment": environment(job.device, run_cfg)}
 
 
 def _free_port() -> int:
@@ -197,6 +206,7 @@ def training_arguments(run_cfg: dict, scratch: Path, precision: str, device: tor
         learning_rate=run_cfg["learning_rate"], lr_scheduler_type=run_cfg["lr_scheduler"],
         warmup_steps=run_cfg["warmup_steps"], weight_decay=run_cfg["weight_decay"],
         max_grad_norm=run_cfg["max_grad_norm"], optim=run_cfg["optimizer"], bf16=precision == "bf16", fp16=precision == "fp16",
+        optim_target_modules="all-linear" if low_rank(run_cfg["optimizer"]) else None,
         tf32=run_cfg["tf32"] if device.type == "cuda" else None, torch_compile=run_cfg["torch_compile"],
         full_determinism=run_cfg["deterministic"],
         logging_steps=1, eval_strategy="no", report_to=[], seed=run_cfg["seed"],
@@ -306,7 +316,15 @@ def train(cfg: dict, job: Job, run_cfg: dict) -> dict:
     (finetune_run, resolved once a process) are `run_cfg`."""
     from transformers import Trainer
 
-    from .callbacks import KILL_ENV, CountLongestSteps, KillAfterCheckpoint, SequenceLengths, StepTimes, quiet_progress
+    from .callbacks import (
+        KILL_ENV,
+        CountLongestSteps,
+        KillAfterCheckpoint,
+        SequenceLengths,
+        StepTimes,
+        ValidationEvery,
+        quiet_progress,
+    )
 
     r = prepare(job, run_cfg)
     run_cfg, model, device = r.run_cfg, r.model, r.device
@@ -335,6 +353,11 @@ def train(cfg: dict, job: Job, run_cfg: dict) -> dict:
     if resume:
         log.info("%s: resuming from %s (step %d)", job.name, resume, resumed["global_step"])
     processed = SequenceLengths(model)
+    target = cfg["finetune"].get("target")
+    evals = ValidationEvery(target["every"], lambda m: eval_loss(m, r.val_rows, run_cfg["batch_size"], r.tokenizer),
+                            step_times, processed, tensors) if target and r.rank == 0 else None
+    if evals:
+        trainer.add_callback(evals)  # after the step timer and the count: the validation is in neither
     prediction = training_peak(job.layout.base_model(), run_cfg, r.dtype, r.precision,  # from config and data only
                                [len(row["input_ids"]) for row in r.train_rows], device.type)
     done = fit(cfg, job, trainer, tensors, device, resume, profiled)
@@ -362,7 +385,34 @@ def train(cfg: dict, job: Job, run_cfg: dict) -> dict:
     log.info("%s: validation loss %.3f -> %.3f in %d steps, %.0f tokens/s (steady), MFU %.1f%% of the measured "
              "ceiling, peak %s MiB (%s)", job.name, before["loss"], after["loss"], steps, rates["tokens_per_s"],
              100 * rates["mfu_vs_measured_ceiling"], _fmt(done["memory"]["peak_mib"]), done["memory"]["kind"])
-    return record(job.name, r, t, trainer, processed, rates, steady, prediction)
+    return record(job.name, r, t, trainer, processed, rates, steady, prediction) | {
+        "validation_curve": validation_curve(t, evals, step_times, target, run_cfg), "lora_init": _init_cost(model)}
+
+
+# lora.init modes whose adapter starts as a no-op (B = 0) on the unchanged base: the model before training is the base
+NO_OP_INITS = ("default", "gaussian", "eva")
+
+
+def validation_curve(t: "Trained", evals, step_times, target: dict | None, run_cfg: dict) -> dict | None:
+    """The validation loss at step 0, every `every` steps and the last step, each with the training seconds so far
+    (time to quality: the report finds the first point at or below finetune.target). None without a target."""
+    if evals is None:
+        return None
+    resumed = t.resumed["global_step"]
+    last = {"step": resumed + t.steps, "loss": t.after["loss"],
+            "train_s": sum(step_times.durations) if step_times else None}
+    start = [] if resumed else [{"step": 0, "loss": t.before["loss"], "train_s": 0.0}]
+    return {"every": target["every"], "points": start + evals.curve + [last],
+            "counts": "training time: the timed steps' sum up to the point (validation outside it)",
+            # its step-0 loss is the base model's (auto targets are read from such a run)
+            "starts_from_base": not resumed and not run_cfg.get("bf16_weights") and (
+                run_cfg["method"] == "full" or run_cfg["method"] == "lora" and not run_cfg["lora"].get("use_dora")
+                and (run_cfg["lora"].get("init") or "default") in NO_OP_INITS)}
+
+
+def _init_cost(model) -> dict | None:
+    """How the adapter was initialised and what it cost (lora_init.adapt); None for a full fine-tune."""
+    return getattr(model, "efflab_init", None)
 
 
 @dataclass

@@ -95,6 +95,34 @@ class StepTimes(TrainerCallback):
         self.tokens.append(state.num_input_tokens_seen - self._seen)
 
 
+class ValidationEvery(TrainerCallback):
+    """The validation loss every `every` optimizer steps (time to quality, finetune.target), taken after the step's
+    timer and tensor count stop (it is added to the Trainer after them): its time is in no step's time. Each point
+    is (step, loss, training seconds so far: the sum of the timed steps). The last step's loss is the run's
+    validation loss after training, taken once, by the stage."""
+
+    def __init__(self, every: int, evaluate, step_times: StepTimes | None, processed: "SequenceLengths",
+                 tensors: CpuTensorPeak):
+        self.every, self.evaluate, self.step_times, self.curve = every, evaluate, step_times, []
+        self.processed, self.tensors = processed, tensors
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if state.global_step % self.every or state.global_step >= state.max_steps:
+            return
+        counting = self.tensors.counting
+        if counting:  # neither the training's token count nor its live tensors see the validation
+            self.tensors.pause()
+        self.processed.paused = True
+        was_training = model.training
+        model.eval()
+        self.curve.append({"step": state.global_step, "loss": self.evaluate(model)["loss"],
+                           "train_s": sum(self.step_times.durations) if self.step_times else None})
+        model.train(was_training)
+        self.processed.paused = False
+        if counting:
+            self.tensors.resume()
+
+
 class SequenceLengths:
     """What the model computes in training, seen at its forward: every token position (pad tokens included,
     so the report can say how much of the compute went to padding) and each sequence's real length, from
@@ -103,12 +131,12 @@ class SequenceLengths:
     sum(len^2) / sum(len), the token-weighted mean length, not over the mean length."""
 
     def __init__(self, model):
-        self.positions, self.tokens, self.squares = 0, 0, 0
+        self.positions, self.tokens, self.squares, self.paused = 0, 0, 0, False
         self._hook = model.register_forward_pre_hook(self._seen, with_kwargs=True)
 
     def _seen(self, module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
-        if ids is None:
+        if ids is None or self.paused:
             return
         self.positions += ids.numel()
         lengths = self.lengths(ids, kwargs.get("attention_mask"), kwargs.get("position_ids"))
