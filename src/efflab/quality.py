@@ -155,3 +155,39 @@ def _share(rows: list[list[tuple[int, float]]], picked) -> float | None:
     tokens = sum(rows[0][i][0] for i in picked)
     ppl = [math.exp(sum(r[i][1] for i in picked) / tokens) for r in rows]
     return None if ppl[1] == ppl[0] else (ppl[1] - ppl[2]) / (ppl[1] - ppl[0])
+
+
+def time_to_target(points: list[dict], target: float, step_time: dict | None) -> dict:
+    """Time to quality on one run's validation curve (MLPerf Training's measure): the first point (step, loss) at or
+    below `target`, and the time to it as steps × the median step time, with the 95% interval of that median where
+    the run's steps give one. One seed: the step count itself has no interval. A run that never reaches the target
+    is "not reached in N steps", and the least time it would have needed is more than N steps' (`lo`)."""
+    median = (step_time or {}).get("median")
+    lo, hi = (step_time or {}).get("ci95_median") or (None, None)
+    n = (step_time or {}).get("n")
+    hit = next((p for p in points if p["loss"] <= target), None)
+    if hit is None:
+        ran = points[-1]["step"] if points else 0
+        return {"reached": False, "steps": None, "steps_run": ran, "why": f"not reached in {ran} steps",
+                "time_s": None, "lo": ran * lo if lo is not None else None, "hi": None, "n": n,
+                "last_loss": points[-1]["loss"] if points else None}
+    steps = hit["step"]
+    return {"reached": True, "steps": steps, "steps_run": points[-1]["step"], "loss": hit["loss"],
+            "time_s": steps * median if median is not None else None,
+            "lo": steps * lo if lo is not None else None, "hi": steps * hi if hi is not None else None, "n": n,
+            "measured_s": hit.get("train_s")}
+
+
+def first_to_target(times: dict[str, dict]) -> tuple[str | None, str]:
+    """The run that reaches the target first, decided only where its interval ends below every other run's start
+    (a run that never reached it starts after all the steps it ran): (name or None, why)."""
+    reached = {k: t for k, t in times.items() if t["reached"] and t["time_s"] is not None}
+    if not reached:
+        return None, "no run reached the target"
+    best = min(reached, key=lambda k: reached[k]["time_s"])
+    others = [t for k, t in times.items() if k != best]
+    if reached[best]["hi"] is None or any(t["lo"] is None for t in others):
+        return None, "not decided at this size: a step time without a 95% interval"
+    if all(reached[best]["hi"] < t["lo"] for t in others):
+        return best, "its interval ends before every other run's begins"
+    return None, "not decided at this size: the intervals overlap"

@@ -297,6 +297,20 @@ def _inference_speedup(layout, metric: dict) -> Reading:
                                 f"{spread}", tuple(s["ci95"]) if s.get("ci95") else None)
 
 
+def _qat_recovered(layout, metric: dict) -> Reading:
+    """The share of PTQ's perplexity gap QAT recovers (torchao's measure, the qat record's recovered_share), at the
+    lowest width where PTQ left a decided gap, in %, with its bootstrap interval over the paired rows."""
+    m = _read(layout.metrics("qat"))
+    shares = sorted((v["bits"], v["recovered_share"]) for v in m.get("variants", [])
+                    if v.get("method") == "qat" and (v.get("recovered_share") or {}).get("share") is not None)
+    if not shares:
+        raise NotHere("qat: PTQ left no decided perplexity gap at any width, so QAT had nothing to recover")
+    bits, s = shares[0]
+    return Reading(100 * s["share"], f"qat, {bits} bits: (PTQ's perplexity change {s['ptq_change_pct']:+.1f}% − "
+                                     f"QAT's {s['qat_change_pct']:+.1f}%) / PTQ's, over {s['n_rows']} validation rows "
+                                     f"({s['method']})", tuple(100 * x for x in s["ci95"]) if s.get("ci95") else None)
+
+
 def _base_shape(layout) -> dict:
     """The base model's shape (efflab.architecture.shape) from the config.json base_model leaves."""
     if not (layout.base_model() / "config.json").is_file():
@@ -397,7 +411,8 @@ METRICS = {"quantize_ratio": _quantize_ratio, "attention_speedup": _attention_sp
            "attention_memory_exponent": _attention_memory_exponent, "matmul_ratio": _matmul_ratio,
            "cuda_context": _cuda_context, "prune_ratio": _prune_ratio, "serving_ratio": _serving_ratio,
            "inference_speedup": _inference_speedup, "task_change": _task_change,
-           "kv_cache_memory": _kv_cache_memory, "kv_cache_speedup": _kv_cache_speedup}
+           "kv_cache_memory": _kv_cache_memory, "kv_cache_speedup": _kv_cache_speedup,
+           "qat_recovered": _qat_recovered}
 # The fine-tuning ones take the fine-tuning jobs' names as well (registry.names(cfg, "finetune")).
 FINETUNE_METRICS = {"finetune_trainable": _finetune_trainable, "finetune_pair": _finetune_pair}
 

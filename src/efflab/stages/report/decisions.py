@@ -18,7 +18,7 @@ from ...config import task_tolerance
 from ...evaluation import scores
 from ...measure import load
 from ...measure.stats import NOT_DECIDED, compare, ratio_words
-from . import advice
+from . import advice, target
 from . import generation_modes as modes
 from . import options as opts
 from .decide import winner
@@ -54,7 +54,8 @@ def against_tolerance(cfg: dict, metrics: dict) -> dict:
         return job | {"changes": changes, "gate": scores.gate_verdict(changes)}
 
     return metrics | {"qat": [qat(j) for j in metrics.get("qat", [])],
-                      "evaluate": [gated(j) for j in metrics.get("evaluate", [])]}
+                      "evaluate": [gated(j) for j in metrics.get("evaluate", [])],
+                      "finetune": target.with_targets(cfg, metrics.get("finetune", []))}
 
 
 def axis_verdict(key: str, a: dict | None, base: dict | None, tolerance: float) -> str:
@@ -307,6 +308,8 @@ def build(cfg: dict, metrics: dict) -> dict:
                                   "pair's own comparison, memory by peaks apart by more than their measured error",
                                   tolerance)
         q["finetune"] |= {"memory_kind": f["kind"], "memory_error": errors.get(f["kind"])}
+    if ttt := target.question(cfg, metrics.get("finetune", [])):
+        q["finetune_target"] = ttt
     if facts["inference"]:
         f = facts["inference"]
         q["inference"] = _question("Which inference variant and generation mode?", f, "base",

@@ -12,7 +12,8 @@ LINKS = {"quantize": "details.md#quantization-scheme", "finetune": "details.md#f
          "merge": "details.md#merge-route", "qat": "#quantization-aware-training-and-the-precision-range-test",
          "prune": "#structured-pruning", "serving": "#serving-naive-vs-static-vs-continuous-batching",
          "capacity": "#capacity-the-largest-batch-and-sequence-that-fit",
-         "generation_modes": "#inference-variants-greedy-fixed-length"}
+         "generation_modes": "#inference-variants-greedy-fixed-length",
+         "finetune_target": "#time-to-target"}
 
 
 def _pct(a):
@@ -89,6 +90,32 @@ def finetune(d: dict) -> str:
                       if not o["baseline"])
     return (f"- **Fine-tuning method** (vs {base}): " + ", ".join(parts) + f"; on the frontier of memory × step "
             f"time × perplexity: {front}. {_peaks(d)} Step time over {base}'s: {steps}." + _link("finetune"))
+
+
+def _to_target(o: dict) -> str:
+    """One method's time to the target: steps, time [interval] and the peak it trained at, or that it did not."""
+    t, m = o["time"], o["memory"]
+    lr = f" (lr {o['learning_rate']:g}, best of {len(o['swept'])})" if o.get("swept") else ""
+    if not t["reached"]:
+        return f"{o['name']}{lr}: {t['why']}" + (f" (> {t['lo']:.3g} s)" if t["lo"] is not None else "")
+    time = value_text({"value": t["time_s"], "lo": t["lo"], "hi": t["hi"], "n": t["n"]}, " s") \
+        if t["time_s"] is not None else "no step timer"
+    return f"{o['name']}{lr}: {t['steps']} steps, {time}" + (f", {m['value']:,.0f} MiB" if m["value"] else "")
+
+
+def finetune_target(d: dict) -> str:
+    """Which fine-tune reaches the target loss first (MLPerf's time to quality), and at what memory."""
+    t = d["target"]
+    if t.get("loss") is None:
+        return f"- **Time to target**: not measured: {t['why']}."
+    said = (f"the base model's {t['base_loss']:.4g} −{t['below_base_pct']:g}%" if t["source"] == "auto"
+            else "finetune.target.loss")
+    kind = next((o["memory"]["kind"] for o in d["options"] if o["memory"].get("kind")), None)
+    first = next((o for o in d["options"] if o["name"] == d["answer"]), None)
+    head = f"first **{first['name']}**" if first else f"first {d['why']}"
+    rest = "; ".join(_to_target(o) for o in d["options"])
+    return (f"- **Time to target** (validation loss ≤ {t['loss']:.4g}: {said}; time = steps × median step"
+            + (f", memory `{kind}`" if kind else "") + f"): {head}. {rest}." + _link("finetune_target"))
 
 
 def inference(d: dict, tolerance: float) -> str:
@@ -271,6 +298,8 @@ def lines(decisions: dict) -> list[str]:
             out.append(quantize(d, tolerance))
         elif key == "finetune":
             out.append(finetune(d))
+        elif key == "finetune_target":
+            out.append(finetune_target(d))
         elif key == "inference":
             out.append(inference(d, tolerance))
         elif key == "attention":

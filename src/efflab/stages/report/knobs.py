@@ -36,6 +36,17 @@ def knob_timing(a: dict, b: dict, bench_finetune: list[dict]) -> tuple[dict | No
     return ratio, ratio_of(a["tokens_per_s"], b["tokens_per_s"])
 
 
+def _steps(r: dict) -> str:
+    """A run's steps to the loss target (report.target.with_targets), or "not reached"."""
+    t = r.get("time_to_target")
+    return "-" if not t else str(t["steps"]) if t["reached"] else f"not reached ({t['steps_run']})"
+
+
+def _init_s(r: dict) -> str:
+    init = r.get("lora_init")
+    return f"{init['init']} {init['seconds']:.2g}" if init else "-"
+
+
 def knob_table(rows: list[dict], bench_finetune: list[dict] = ()) -> pd.DataFrame:
     out = []
     for knob, value_a, value_b, a, b in records.knob_pairs(rows):
@@ -57,6 +68,8 @@ def knob_table(rows: list[dict], bench_finetune: list[dict] = ()) -> pd.DataFram
             "step time verdict": ratio["verdict"] if ratio else "-",
             "tokens/s ratio (interleaved)": tokens_ratio if (ratio or {}).get("source") == "interleaved" else None,
             "val loss after": f"{a['validation_after']['loss']:.4f} → {b['validation_after']['loss']:.4f}",
+            "steps to target": f"{_steps(a)} → {_steps(b)}" if a.get("time_to_target") else None,
+            "adapter init (s)": f"{_init_s(a)} → {_init_s(b)}" if knob == "lora.init" else None,
             "env": env_of(a) if env_of(a) == env_of(b) else f"{env_of(a)} / {env_of(b)}",
         })
     return pd.DataFrame(out)

@@ -61,6 +61,7 @@ PARTS = _parts(
          plots=("qat",)),
     Part("finetune", "## Fine-tuning: full vs LoRA vs QLoRA", "finetune", "Fine-tuning",
          tables=(Table("finetune", "tables.finetune.finetune_table", keys=1),
+                 Table("finetune_target", "tables.finetune.target_table", keys=1),
                  Table("finetune_knobs", "knobs.knob_table", keys=3, reads=("finetune", "bench_finetune"))),
          plots=("finetune", "finetune_pareto", "finetune_loss")),
     Part("merge", "## Merging adapters", "merge", "Merging",

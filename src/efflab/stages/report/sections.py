@@ -86,9 +86,13 @@ def qat_body(cfg: dict, metrics: dict, table) -> str:
 
 
 def finetune_body(cfg: dict, metrics: dict, table) -> str:
+    timed = [r for r in records.ok(metrics["finetune"]) if r.get("time_to_target")]
     return render("sections/finetune.md.j2", table=table("finetune"), knobs=table("finetune_knobs"),
                   energy=energy_note([r.get("energy") for r in records.ok(metrics["finetune"])]),
-                  bf=cfg["bench_finetune"], tolerance=SENTINEL_TOLERANCE)
+                  bf=cfg["bench_finetune"], tolerance=SENTINEL_TOLERANCE,
+                  target=timed[0]["time_to_target"]["target"] if timed else None,
+                  target_every=timed[0]["validation_curve"]["every"] if timed else None,
+                  target_table=table("finetune_target"))
 
 
 def merge_body(cfg: dict, metrics: dict, table) -> str:

@@ -29,3 +29,33 @@ def finetune_table(rows: list[dict]) -> pd.DataFrame:
         "val loss before": r["validation_before"]["loss"], "val loss after": r["validation_after"]["loss"],
         "energy (J/token)": (r.get("energy") or {}).get("joules_per_token"), "env": env_of(r),
     } for r in records.ok(rows)])
+
+
+def target_table(rows: list[dict]) -> pd.DataFrame:
+    """Each run's time to the loss target (report.target.with_targets put it on the record): the learning rate and
+    adapter init it trained with, steps and time (steps × the median step time, its 95% interval), the measured
+    training seconds at that step, and the peak memory it trained at. No verdict: the glance's, decided once."""
+    out = []
+    for r in records.ok(rows):
+        t = r.get("time_to_target")
+        if not t:
+            continue
+        init = r.get("lora_init")
+        out.append({
+            "run": r["run"], "method": r["method"], "learning rate": r["settings"].get("learning_rate"),
+            "adapter init (s)": f"{init['init']} {init['seconds']:.2g}" if init else "-",
+            "optimizer": r.get("optimizer"),
+            "steps to target": t["steps"] if t["reached"] else t["why"],
+            "time to target (s) [95%]": _time_text(t),
+            "measured training (s)": t.get("measured_s"),
+            f"peak memory (MiB, {r['train_memory']['kind']})": peak_mib(r["train_memory"]),
+            "env": env_of(r)})
+    return pd.DataFrame(out)
+
+
+def _time_text(t: dict) -> str:
+    if not t["reached"]:
+        return f"> {t['lo']:.3g}" if t["lo"] is not None else "-"
+    if t["time_s"] is None:
+        return "no step timer"
+    return f"{t['time_s']:.3g} [{t['lo']:.3g}, {t['hi']:.3g}]" if t["lo"] is not None else f"{t['time_s']:.3g}"

@@ -1,0 +1,96 @@
+"""Time to quality: which fine-tune reaches the validation-loss target first, and at what memory.
+
+The target is finetune.target.loss, or (auto) the base model's validation loss lowered by below_base_pct: the
+step-0 loss of a run whose model before training is the base (validation_curve.starts_from_base). Each run's
+time to it (quality.time_to_target) is put on its record once (with_targets), before any table or decision reads
+it. Runs that differ only in their learning rate or seed are one method's sweep: the method is represented by
+its run that reaches the target first (the learning rate chosen per method, as MLPerf's submitters tune theirs),
+and the methods are compared by quality.first_to_target.
+"""
+from __future__ import annotations
+
+import json
+
+from ... import quality, records
+from ...measure.timing import SENTINEL_TOLERANCE
+
+SWEPT = ("learning_rate", "seed")  # settings a method's sweep varies: runs differing only in these are one method
+
+
+def target_of(cfg: dict, finetune: list[dict]) -> dict | None:
+    """The loss target and where it comes from; None where params.yaml sets none."""
+    t = cfg["finetune"].get("target")
+    if not t:
+        return None
+    if t["loss"] != "auto":
+        return {"loss": float(t["loss"]), "source": "finetune.target.loss"}
+    base = next((r["validation_curve"]["points"][0]["loss"] for r in records.ok(finetune)
+                 if (r.get("validation_curve") or {}).get("starts_from_base")), None)
+    if base is None:
+        return {"loss": None, "source": "auto", "why": "no run starts from the base model's weights (a full "
+                "fine-tune, or LoRA with a no-op init): set finetune.target.loss"}
+    return {"loss": base * (1 - t["below_base_pct"] / 100), "source": "auto", "base_loss": base,
+            "below_base_pct": t["below_base_pct"]}
+
+
+def with_targets(cfg: dict, finetune: list[dict]) -> list[dict]:
+    """The finetune records, each with its time to the target (`time_to_target`, the target under its "target"):
+    what every table, sentence and decision reads."""
+    target = target_of(cfg, finetune)
+    if not target or target["loss"] is None:
+        return finetune
+
+    def timed(r: dict) -> dict:
+        curve = r.get("validation_curve") if records.is_ok(r) else None
+        if not curve:
+            return r
+        return r | {"time_to_target": quality.time_to_target(curve["points"], target["loss"], r.get("step_time"))
+                    | {"target": target}}
+    return [timed(r) for r in finetune]
+
+
+def sweep_key(r: dict) -> str:
+    """What a run is apart from its learning rate and seed: runs with one key are one method's sweep."""
+    return json.dumps({k: v for k, v in (r.get("settings") or {}).items() if k not in SWEPT}, sort_keys=True,
+                      default=str)
+
+
+def question(cfg: dict, finetune: list[dict]) -> dict | None:
+    """decisions.json's time-to-target question: per method (its sweep's first run), steps and time to the target
+    with their interval, the peak memory it trained at, and the run that reaches it first where that is decided.
+    `finetune`: the records with_targets timed."""
+    runs = [r for r in records.ok(finetune) if r.get("time_to_target")]
+    if not runs:
+        target = target_of(cfg, finetune)
+        return {"question": "Which fine-tune reaches the target loss first?", "answer": None, "options": [],
+                "why": target["why"], "target": target, "baseline": None, "frontier": []} \
+            if target and target.get("why") else None
+    target = runs[0]["time_to_target"]["target"]
+    sweeps: dict[str, list[dict]] = {}
+    for r in runs:
+        sweeps.setdefault(sweep_key(r), []).append(r)
+    options = [_option(sorted(group, key=_first)) for group in sweeps.values()]
+    answer, why = quality.first_to_target({o["name"]: o["time"] for o in options})
+    by_name = {r["run"]: r for r in runs}
+    changed = answer and next((w for o in options if o["name"] != answer
+                               if (w := records.speed_changed(by_name[answer], by_name[o["name"]],
+                                                              SENTINEL_TOLERANCE))), None)
+    if changed:  # each run timed its own steps, in its own process: only at one machine speed do they compare
+        answer, why = None, f"not decided: {changed}"
+    return {"question": "Which fine-tune reaches the target loss first?", "baseline": None, "answer": answer,
+            "why": why, "target": target, "frontier": [], "options": options}
+
+
+def _first(r: dict) -> tuple:
+    t = r["time_to_target"]
+    return (not t["reached"], t["time_s"] if t["time_s"] is not None else float("inf"))
+
+
+def _option(group: list[dict]) -> dict:
+    best = group[0]
+    memory = (best.get("train_memory") or {})
+    return {"name": best["run"], "method": best["method"], "time": best["time_to_target"],
+            "learning_rate": best["settings"].get("learning_rate"),
+            "swept": {r["run"]: r["settings"].get("learning_rate") for r in group} if len(group) > 1 else None,
+            "memory": {"value": memory.get("peak_mib"), "kind": memory.get("kind")},
+            "init": (best.get("lora_init") or {}).get("init"), "optimizer": best.get("optimizer")}
