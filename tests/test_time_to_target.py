@@ -98,6 +98,22 @@ def test_a_first_needs_one_machine_speed_and_the_learning_rate_is_chosen_per_met
     assert q["answer"] is None and q["why"].startswith("not decided: the machine's speed changed between the runs")
 
 
+def test_seeds_of_one_learning_rate_give_the_median_seed_and_the_range_of_their_intervals():
+    seeded = [_run(f"lora-s{i}", "lora", losses, 1e-3) for i, losses in
+              enumerate([[3.40, 3.36, 3.30], [3.40, 3.39, 3.36], [3.40, 3.35, 3.30]])]
+    for i, r in enumerate(seeded):
+        r["settings"] = r["settings"] | {"seed": i}
+    _, q = _decide(seeded)
+    (o,) = q["options"]
+    assert o["seeds"] == ["lora-s0", "lora-s1", "lora-s2"] and o["time"]["steps_each"] == [2, 4, 2]
+    assert o["time"]["steps"] == 2 and o["time"]["n"] == 3, "the median seed's 2 steps"
+    assert (o["time"]["lo"], o["time"]["hi"]) == pytest.approx((2 * 1.8, 4 * 2.4)), "fastest's low to slowest's high"
+    assert "(median of 3 seeds, steps 2, 4, 2)" in glance.finetune_target(q)
+    seeded[0]["validation_curve"]["points"][-1]["loss"] = seeded[0]["validation_curve"]["points"][1]["loss"] = 3.39
+    _, q = _decide(seeded)
+    assert q["options"][0]["time"]["steps"] == 4 and q["options"][0]["time"]["hi"] is None, "a seed never got there"
+
+
 def test_without_a_run_from_the_base_the_auto_target_says_which_key_to_set():
     _, q = _decide([_run("qlora-r8", "qlora", [3.58, 3.50], 1e-3, from_base=False)])
     assert q["answer"] is None and q["options"] == [] and "set finetune.target.loss" in q["why"]

@@ -95,7 +95,9 @@ def finetune(d: dict) -> str:
 def _to_target(o: dict) -> str:
     """One method's time to the target: steps, time [interval] and the peak it trained at, or that it did not."""
     t, m = o["time"], o["memory"]
-    lr = f" (lr {o['learning_rate']:g}, best of {len(o['swept'])})" if o.get("swept") else ""
+    lr = (f" (lr {o['learning_rate']:g}, best of {len(set(o['swept'].values()))})" if o.get("swept") else "") \
+        + (f" (median of {len(o['seeds'])} seeds, steps {', '.join('never' if s is None else str(s) for s in t['steps_each'])})"
+           if o.get("seeds") else "")
     if not t["reached"]:
         return f"{o['name']}{lr}: {t['why']}" + (f" (> {t['lo']:.3g} s)" if t["lo"] is not None else "")
     time = value_text({"value": t["time_s"], "lo": t["lo"], "hi": t["hi"], "n": t["n"]}, " s") \

@@ -69,7 +69,7 @@ def question(cfg: dict, finetune: list[dict]) -> dict | None:
     sweeps: dict[str, list[dict]] = {}
     for r in runs:
         sweeps.setdefault(sweep_key(r), []).append(r)
-    options = [_option(sorted(group, key=_first)) for group in sweeps.values()]
+    options = [_option(group) for group in sweeps.values()]
     answer, why = quality.first_to_target({o["name"]: o["time"] for o in options})
     by_name = {r["run"]: r for r in runs}
     changed = answer and next((w for o in options if o["name"] != answer
@@ -81,16 +81,39 @@ def question(cfg: dict, finetune: list[dict]) -> dict | None:
             "why": why, "target": target, "frontier": [], "options": options}
 
 
-def _first(r: dict) -> tuple:
-    t = r["time_to_target"]
+def _first(t: dict) -> tuple:
     return (not t["reached"], t["time_s"] if t["time_s"] is not None else float("inf"))
 
 
+def over_seeds(times: list[dict]) -> dict:
+    """One learning rate's time to target over its seeds (runs that differ in the seed alone): the median seed's
+    (a seed that never reached it counting as never, as MLPerf counts it), its interval from the fastest seed's
+    lower end to the slowest's upper end (open where a seed did not reach it), n the seeds."""
+    if len(times) == 1:
+        return times[0]
+    ranked = sorted(times, key=_first)
+    mid = ranked[(len(ranked) - 1) // 2]
+    reached = [t for t in ranked if t["reached"]]
+    lows = [t["lo"] for t in ranked if t["lo"] is not None]
+    base = {"seeds": len(times), "n": len(times), "steps_each": [t["steps"] for t in times]}
+    if not mid["reached"]:
+        return mid | base | {"why": f"not reached by the median of {len(times)} seeds", "lo": min(lows or [None])}
+    return mid | base | {"lo": min(lows) if len(lows) == len(times) else None,
+                         "hi": max(t["hi"] for t in reached) if len(reached) == len(times) and
+                         all(t["hi"] is not None for t in reached) else None}
+
+
 def _option(group: list[dict]) -> dict:
-    best = group[0]
+    """A method's sweep: its learning rates, each over its seeds; the rate that reaches the target first."""
+    rates: dict[object, list[dict]] = {}
+    for r in group:
+        rates.setdefault(r["settings"].get("learning_rate"), []).append(r)
+    timed = {lr: over_seeds([r["time_to_target"] for r in runs]) for lr, runs in rates.items()}
+    lr = min(timed, key=lambda k: _first(timed[k]))
+    best = rates[lr][0]
     memory = (best.get("train_memory") or {})
-    return {"name": best["run"], "method": best["method"], "time": best["time_to_target"],
-            "learning_rate": best["settings"].get("learning_rate"),
-            "swept": {r["run"]: r["settings"].get("learning_rate") for r in group} if len(group) > 1 else None,
+    return {"name": best["run"], "method": best["method"], "time": timed[lr], "learning_rate": lr,
+            "swept": {r["run"]: r["settings"].get("learning_rate") for r in group} if len(rates) > 1 else None,
+            "seeds": [r["run"] for r in rates[lr]] if len(rates[lr]) > 1 else None,
             "memory": {"value": memory.get("peak_mib"), "kind": memory.get("kind")},
             "init": (best.get("lora_init") or {}).get("init"), "optimizer": best.get("optimizer")}
