@@ -16,7 +16,9 @@ from efflab.experiment import finetune_run
 from efflab.layout import Layout
 from tests.helpers import BIN, REPO, run_stage
 
-INITS = ["gaussian", "pissa_niter_2", "olora", "eva", "corda", "loftq", "orthogonal"]
+# eva: peft's SVD loop runs until each layer's components converge, about 2 minutes on the tiny random model
+INITS = ["gaussian", "pissa_niter_2", "olora", pytest.param("eva", marks=pytest.mark.integration), "corda", "loftq",
+         "orthogonal"]
 
 
 def _adapter(results, params, run: str) -> dict[str, torch.Tensor]:

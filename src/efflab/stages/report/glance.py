@@ -67,14 +67,12 @@ def _least_memory(d: dict, opts: dict) -> str:
 
 
 def _peaks(d: dict) -> str:
-    """Every run's peak against the baseline's, with the memory kind and its measured error (or why none)."""
+    """The memory kind the peaks are of and its measured error (or why none); each run's peak and verdict are in
+    details.md's table of the options."""
     error, kind = d.get("memory_error"), d.get("memory_kind")
     said = (f"±{error['pct']:.1f}% measured error, from {error['pairs']} pairs of processes" if error
             else "one measurement per run: no record read it twice")
-    runs = "; ".join(f"{o['name']} {o['axes']['memory']['value']:,.0f} MiB"
-                     + (f", {o['axes']['memory']['verdict']}" if error else "")
-                     for o in d["options"] if not o["baseline"] and o["axes"].get("memory"))
-    return f"Peak memory (`{kind}`, {said}): {runs}."
+    return f"peak memory (`{kind}`, {said})"
 
 
 def finetune(d: dict) -> str:
@@ -86,10 +84,8 @@ def finetune(d: dict) -> str:
         parts.append(f"{what} **{name}** ({text(opts[name]['axes'][key])})" if name
                      else f"{what} not decided at this size")
     front = ", ".join(f"**{n}**" for n in d["frontier"])
-    steps = "; ".join(f"{o['name']} step {_said(o['axes'].get('step_ratio'), _x)}" for o in d["options"]
-                      if not o["baseline"])
-    return (f"- **Fine-tuning method** (vs {base}): " + ", ".join(parts) + f"; on the frontier of memory × step "
-            f"time × perplexity: {front}. {_peaks(d)} Step time over {base}'s: {steps}." + _link("finetune"))
+    return (f"- **Fine-tuning method** (vs {base}; {_peaks(d)}): " + ", ".join(parts) + f"; on the frontier of "
+            f"memory × step time × perplexity: {front}." + _link("finetune"))
 
 
 def _to_target(o: dict) -> str:

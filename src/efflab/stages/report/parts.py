@@ -75,7 +75,7 @@ PARTS = _parts(
     Part("bench_inference", "## Inference variants (greedy, fixed length)", "inference", "Inference",
          tables=(Table("bench_inference", "tables.bench_inference.inference_table", keys=6),
                  Table("bench_inference_costs", "tables.bench_inference.costs_table", keys=6,
-                       details="Inference cells: first generation, memory and the roofline"),
+                       details="Inference cells: per-token latency, memory and the roofline"),
                  Table("speculative", "tables.bench_inference.speculative_table", keys=3),
                  Table("kv_quant", "tables.bench_inference.kv_quant_table", keys=3)),
          plots=("bench_inference", "inference_pareto")),

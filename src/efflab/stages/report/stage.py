@@ -38,7 +38,8 @@ def report_text(cfg: dict, metrics: dict, tables: dict, environments: dict, made
 
     parts = [sec.header(metrics["base_model"][0], metrics["prepare_data"][0]), *advice.glance(made, cfg),
              *notes.lines(metrics), *notes.claims_lines(metrics["claims"], "../claims/claims.md"),
-             sec.how_to_read(cfg)]
+             "## In detail\n\nHow to read the numbers, and the words of every verdict: "
+             "[details.md](details.md#how-to-read-the-numbers).\n"]
     for part in PARTS.values():
         body = getattr(sec, f"{part.section}_body")
         parts += sec.section(cfg, metrics, part.stage, part.title, lambda body=body: body(cfg, metrics, table))
@@ -76,7 +77,7 @@ def run(cfg: dict, job: Job) -> dict:
                                 cfg["report"]["allow_mixed_environments"])
     answers = task_quality.answers(metrics["evaluate"])
     (out / "details.md").write_text(render(
-        "details.md.j2", decisions="\n".join(advice.lines(facts, cfg)), memory=memory,
+        "details.md.j2", how_to_read=sec.how_to_read(cfg), decisions="\n".join(advice.lines(facts, cfg)), memory=memory,
         more=more_tables(cfg, tables, environments), samples=sec.samples(metrics["bench_inference"]),
         capacity=sec.capacity_misses(metrics),
         left_out=sec.left_out_details(cfg),

@@ -24,8 +24,11 @@ def target_of(cfg: dict, finetune: list[dict]) -> dict | None:
         return None
     if t["loss"] != "auto":
         return {"loss": float(t["loss"]), "source": "finetune.target.loss"}
-    base = next((r["validation_curve"]["points"][0]["loss"] for r in records.ok(finetune)
-                 if (r.get("validation_curve") or {}).get("starts_from_base")), None)
+    curves = [r["validation_curve"] for r in records.ok(finetune) if r.get("validation_curve")]
+    if not curves:
+        return {"loss": None, "source": "auto", "why": "no run recorded a validation curve (these records were made "
+                "without finetune.target)"}
+    base = next((c["points"][0]["loss"] for c in curves if c.get("starts_from_base")), None)
     if base is None:
         return {"loss": None, "source": "auto", "why": "no run starts from the base model's weights (a full "
                 "fine-tune, or LoRA with a no-op init): set finetune.target.loss"}

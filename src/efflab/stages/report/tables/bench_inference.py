@@ -10,12 +10,13 @@ from . import change_text
 
 
 def inference_table(rows: list[dict]) -> pd.DataFrame:
-    """Each cell's speed: TTFT, decode rate, per-token latency, its bound and its speedup with verdict."""
+    """Each cell's speed: TTFT, decode rate and its speedup with verdict."""
     return _cells(rows)[INFERENCE_COLUMNS]
 
 
 def costs_table(rows: list[dict]) -> pd.DataFrame:
-    """Each cell's costs beside its speed (details.md): the first generation, memory, the roofline, energy."""
+    """Each cell's latency tail and costs beside its speed (details.md): per-token latency and its tail's cause, the
+    first generation, memory, the roofline and its bound, energy."""
     return _cells(rows)[COSTS_COLUMNS]
 
 
@@ -63,10 +64,10 @@ def first_generation(cell: dict) -> float | None:
 # TTFT p90, per-token p90 and p99/p50 are in summary.csv (the long results table).
 CELL_KEYS = ["variant", "kind", "of", "KV cache", "batch", "generation"]
 INFERENCE_COLUMNS = [*CELL_KEYS, "status", "TTFT median (ms)", "decode tokens/s median",
-                     "decode tokens/s 95% CI or range", "per-token p50 (ms)", "per-token p99 (ms)",
-                     "tail cause (p99/p50 > 1.5)", "bound", "timed against", "speedup [95% CI]", "verdict", "env"]
-COSTS_COLUMNS = [*CELL_KEYS, "status", "first generation (s)", "peak delta (MiB)", "memory kind", "footprint (MiB)",
-                 "MiB read per token", "% of bandwidth", "% of matmul ceiling", "energy (J/token)", "env"]
+                     "decode tokens/s 95% CI or range", "timed against", "speedup [95% CI]", "verdict", "env"]
+COSTS_COLUMNS = [*CELL_KEYS, "status", "per-token p50 (ms)", "per-token p99 (ms)", "tail cause (p99/p50 > 1.5)",
+                 "first generation (s)", "peak delta (MiB)", "memory kind", "footprint (MiB)", "MiB read per token",
+                 "% of bandwidth", "% of matmul ceiling", "bound", "energy (J/token)", "env"]
 
 
 def roofline_columns(roof: dict | None) -> dict:
