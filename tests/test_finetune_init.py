@@ -48,9 +48,23 @@ def test_each_init_starts_from_another_adapter_than_the_default_and_trains(resul
     assert model.efflab_init["rows"] > 0 if init in lora_init.DATA_DRIVEN else model.efflab_init["rows"] == 0
     m = run_stage("finetune", params, results, init)
     assert m["status"] == "ok" and m["lora_init"]["init"] == init
-    weights = [p for p in m["validation_curve"]["points"]]
-    assert weights[0]["step"] == 0 and weights[-1]["step"] == 3
+    points = m["validation_curve"]["points"]
+    assert points[0]["step"] == 0 and points[-1]["step"] == 3
     assert m["last_loss"] < m["first_loss"] or m["validation_after"]["loss"] < m["validation_before"]["loss"]
+    # what later stages load, the saved adapter on the original base, is the model that was trained (PiSSA, OLoRA
+    # and CorDA trained against a residual base: their adapter is saved converted)
+    assert _reloaded_loss(results, params, init) == pytest.approx(m["validation_after"]["loss"], abs=1e-4)
+
+
+def _reloaded_loss(results, params, run: str) -> float:
+    from peft import PeftModel
+
+    from efflab.models.modeling import eval_loss, load_model, load_tokenizer, read_split
+    layout, settings = Layout(results), finetune_run(load(params), run)
+    base = load_model(layout.base_model(), "float32", torch.device("cpu"))
+    model = PeftModel.from_pretrained(base, str(layout.model("finetune", run))).eval()
+    rows = read_split(layout.split("validation"), settings["eval_rows"])
+    return eval_loss(model, rows, settings["batch_size"], load_tokenizer(layout.base_model()))["loss"]
 
 
 def test_the_default_init_starts_from_the_base_and_says_so(results, write_params):
@@ -120,3 +134,29 @@ def test_an_unknown_init_or_optimizer_is_a_one_line_error_at_dry_run(tmp_path, t
     errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("efflab: error")]
     assert len(errors) == 1 and message in errors[0], proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
+
+
+def test_the_validations_between_steps_are_timed_apart_and_counted_nowhere(monkeypatch):
+    """ValidationEvery takes the loss every `every` steps (not at the last: the stage takes that one), pauses the
+    token and tensor counts around it, and keeps its own seconds, which fit() takes out of the training time."""
+    from types import SimpleNamespace
+
+    from efflab.stages.finetune import callbacks
+
+    now = [0.0]
+    monkeypatch.setattr(callbacks.time, "perf_counter", lambda: now[0])
+
+    def evaluate(model):
+        assert processed.paused and not tensors.counting, "nothing counts the validation"
+        now[0] += 5.0
+        return {"loss": 1.0}
+    processed = SimpleNamespace(paused=False)
+    tensors = SimpleNamespace(counting=True, pause=lambda: setattr(tensors, "counting", False),
+                              resume=lambda: setattr(tensors, "counting", True))
+    step_times = SimpleNamespace(durations=[1.0, 1.0])
+    evals = callbacks.ValidationEvery(2, evaluate, step_times, processed, tensors)
+    model = torch.nn.Linear(1, 1)
+    for step in range(1, 7):
+        evals.on_step_end(None, SimpleNamespace(global_step=step, max_steps=6), None, model=model)
+    assert [p["step"] for p in evals.curve] == [2, 4] and evals.seconds == 10.0
+    assert model.training and not processed.paused and tensors.counting

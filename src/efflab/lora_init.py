@@ -19,6 +19,9 @@ import torch
 from . import architecture
 
 DATA_DRIVEN = ("eva", "corda")  # modes that read the layers' inputs on training rows
+# modes that move the weights' principal part into the adapter and leave the base the residual: their trained adapter
+# is saved converted to one on the original base (peft's path_initial_model_for_weight_conversion)
+RESIDUAL = ("pissa", "olora", "corda")
 CALIBRATION_BATCHES = 4  # batches of training rows the data-driven modes read
 
 
@@ -36,6 +39,20 @@ class Initialised:
 
 def lora_init(lora: dict) -> str:
     return lora.get("init") or "default"
+
+
+def rewrites_base(init: str) -> bool:
+    return init.startswith(RESIDUAL)
+
+
+def save_initial(model, folder) -> str:
+    """The adapter as initialised, saved where the trained one's conversion reads it (init_lora_weights True in its
+    config, as peft asks, so that reading it does not decompose the residual base again)."""
+    config = model.peft_config["default"]
+    asked, config.init_lora_weights = config.init_lora_weights, True
+    model.save_pretrained(str(folder), safe_serialization=True)
+    config.init_lora_weights = asked
+    return str(folder)
 
 
 def peft_value(init: str):

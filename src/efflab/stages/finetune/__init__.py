@@ -27,7 +27,7 @@ from ...estimators.memory import compared, training_peak
 from ...experiment import finetune_run
 from ...layout import LOSS_COLUMNS, Job, Layout
 from ...logs import log_file_path, setup_child_logging
-from ...lora_init import Refused
+from ...lora_init import Refused, lora_init, rewrites_base, save_initial
 from ...measure.energy import EnergyMeter, energy_per_token
 from ...measure.env import environment
 from ...measure.flops import count_parameters, matmul_ceiling, mfu, published_peak_tflops, training_flops_per_token
@@ -222,9 +222,10 @@ COUNTED_STEPS = ("the first step, from the start of training, and each later ste
                  "micro-batch than any counted step's (where the peak can be); the others were not counted")
 
 
-def fit(cfg: dict, job: Job, trainer, tensors, device: torch.device, resume: str | None, profiled: bool) -> dict:
+def fit(cfg: dict, job: Job, trainer, tensors, device: torch.device, resume: str | None, profiled: bool,
+        evals=None) -> dict:
     """trainer.train() with its memory tracked and its energy counted at the ends (and profiled where asked):
-    the train result, seconds, memory, energy and profile."""
+    the train result, seconds (without the validations `evals` took between steps), memory, energy and profile."""
     with track_memory(device, tensors) as memory:
         profiler = None
         if profiled:
@@ -233,18 +234,22 @@ def fit(cfg: dict, job: Job, trainer, tensors, device: torch.device, resume: str
         meter = EnergyMeter(device).start()  # two counter reads, at the ends: nothing in between
         t0 = time.perf_counter()
         result = trainer.train(resume_from_checkpoint=resume)
-        seconds = time.perf_counter() - t0 - tensors.overhead_s  # the tensor count's pauses are not training
+        # the tensor count's pauses and the validations between steps are not training
+        seconds = time.perf_counter() - t0 - tensors.overhead_s - (evals.seconds if evals else 0.0)
         energy = meter.stop()
         profile = profiler.close() if profiler else None
     return {"result": result, "train_s": seconds, "memory": memory, "energy": energy, "profile": profile}
 
 
-def save_model(model, tokenizer, run_cfg: dict, dtype: str, folder: Path) -> None:
-    """The full model in the base's dtype, or the peft adapter (its target modules sorted: a stable file)."""
+def save_model(model, tokenizer, run_cfg: dict, dtype: str, folder: Path, initial: str | None = None) -> None:
+    """The full model in the base's dtype, or the peft adapter (its target modules sorted: a stable file); an
+    adapter whose init left the base a residual (PiSSA, OLoRA, CorDA), converted against its `initial` state to one
+    on the original base, which every later stage loads."""
     if run_cfg["method"] == "full":
         model.to(getattr(torch, dtype)).save_pretrained(folder, safe_serialization=True)
     else:
-        model.save_pretrained(folder, safe_serialization=True)
+        model.save_pretrained(folder, safe_serialization=True,
+                              **({"path_initial_model_for_weight_conversion": initial} if initial else {}))
         _sort_target_modules(folder / "adapter_config.json")
     tokenizer.save_pretrained(folder)
 
@@ -334,6 +339,8 @@ def train(cfg: dict, job: Job, run_cfg: dict) -> dict:
         log.info("%s: matmul ceiling %.3f TFLOP/s (%s, measured in this process)", job.name, ceiling["tflops"],
                  r.matmul_dtype)
     scratch, resume = checkpoints(job.layout, job.name, run_cfg, r.rank)
+    initial = save_initial(model, scratch / "initial") if r.rank == 0 and run_cfg["method"] != "full" and \
+        rewrites_base(lora_init(run_cfg["lora"])) else None
     profiled = r.rank == 0 and profiling.wanted(cfg, "finetune")
     on = run_cfg["instruments"]
     tensors = CpuTensorPeak(unavailable=profiling.REPLACES_TENSOR_PEAK if profiled else
@@ -360,7 +367,7 @@ def train(cfg: dict, job: Job, run_cfg: dict) -> dict:
         trainer.add_callback(evals)  # after the step timer and the count: the validation is in neither
     prediction = training_peak(job.layout.base_model(), run_cfg, r.dtype, r.precision,  # from config and data only
                                [len(row["input_ids"]) for row in r.train_rows], device.type)
-    done = fit(cfg, job, trainer, tensors, device, resume, profiled)
+    done = fit(cfg, job, trainer, tensors, device, resume, profiled, evals)
     if counted and counted.steps:  # none where the count did not run (a GPU, a profiled run)
         done["memory"]["tensors"] |= {"counted_steps": counted.steps, "counted": COUNTED_STEPS}
     processed.remove()
@@ -376,7 +383,7 @@ def train(cfg: dict, job: Job, run_cfg: dict) -> dict:
         if r.rank != 0:  # only rank 0 writes outputs and metrics
             return {}
     curve = write_loss_curve(trainer.state.log_history, job.out / LOSS_CSV)
-    save_model(model, r.tokenizer, run_cfg, r.dtype, job.out / "model")
+    save_model(model, r.tokenizer, run_cfg, r.dtype, job.out / "model", initial)
     shutil.rmtree(scratch, ignore_errors=True)  # the run is complete: its step checkpoints are not needed
     steps = done["result"].global_step - resumed["global_step"]  # what this process trained (and timed)
     t = Trained(done, resumed, ranks, steps, trainer.state.num_input_tokens_seen - resumed["num_input_tokens_seen"],
@@ -404,6 +411,7 @@ def validation_curve(t: "Trained", evals, step_times, target: dict | None, run_c
     start = [] if resumed else [{"step": 0, "loss": t.before["loss"], "train_s": 0.0}]
     return {"every": target["every"], "points": start + evals.curve + [last],
             "counts": "training time: the timed steps' sum up to the point (validation outside it)",
+            "validation_s": evals.seconds,
             # its step-0 loss is the base model's (auto targets are read from such a run)
             "starts_from_base": not resumed and not run_cfg.get("bf16_weights") and (
                 run_cfg["method"] == "full" or run_cfg["method"] == "lora" and not run_cfg["lora"].get("use_dora")
@@ -455,7 +463,8 @@ def record(name: str, r: Prepared, t: Trained, trainer, processed, rates: dict, 
         "throughput": rates,
         "memory_prediction": compared(prediction, done["memory"]),
         "train_memory": done["memory"],
-        "energy": energy_per_token(done["energy"], tokens) | {"counts": "the whole training loop, warm-up steps included"},
+        "energy": energy_per_token(done["energy"], tokens) | {
+            "counts": "the whole training loop, warm-up steps and the validations between steps included"},
         "profile": done["profile"],
         "first_loss": curve[0]["loss"], "last_loss": curve[-1]["loss"],
         "validation_before": before, "validation_after": after,

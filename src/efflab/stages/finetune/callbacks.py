@@ -104,7 +104,7 @@ class ValidationEvery(TrainerCallback):
     def __init__(self, every: int, evaluate, step_times: StepTimes | None, processed: "SequenceLengths",
                  tensors: CpuTensorPeak):
         self.every, self.evaluate, self.step_times, self.curve = every, evaluate, step_times, []
-        self.processed, self.tensors = processed, tensors
+        self.processed, self.tensors, self.seconds = processed, tensors, 0.0  # seconds: the validations' own
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         if state.global_step % self.every or state.global_step >= state.max_steps:
@@ -113,11 +113,12 @@ class ValidationEvery(TrainerCallback):
         if counting:  # neither the training's token count nor its live tensors see the validation
             self.tensors.pause()
         self.processed.paused = True
-        was_training = model.training
+        t0, was_training = time.perf_counter(), model.training
         model.eval()
         self.curve.append({"step": state.global_step, "loss": self.evaluate(model)["loss"],
                            "train_s": sum(self.step_times.durations) if self.step_times else None})
         model.train(was_training)
+        self.seconds += time.perf_counter() - t0
         self.processed.paused = False
         if counting:
             self.tensors.resume()
