@@ -82,6 +82,15 @@ def anchor(heading: str) -> str:
     return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
 
 
+def brief(verdict: str) -> str:
+    """A verdict without the detail of its why, where the text beside it states that once: "not decided: the
+    machine's speed changed: 10 of 12 rounds ..." reads "not decided: the machine's speed changed"."""
+    for head in ("not decided: ", "not a verdict: "):
+        if verdict.startswith(head):
+            return head + verdict[len(head):].split(": ")[0]
+    return verdict
+
+
 def one_line(text: str | None, limit: int = 240) -> str:
     text = " ".join((text or "").split())
     return (text[:limit] + "…" if len(text) > limit else text).replace("|", "\\|")

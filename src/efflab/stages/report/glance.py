@@ -3,7 +3,7 @@ and its cost on the other axes) with the link to its table, then the facts of th
 `facts`). Nothing here decides: every word of a verdict is the one decisions.json holds."""
 from __future__ import annotations
 
-from .fmt import number, recovered_text
+from .fmt import brief, number, recovered_text
 from .render import value_text
 
 # Where each question's table is: the glance's option tables in details.md, the stages' sections in report.md.
@@ -13,7 +13,7 @@ LINKS = {"quantize": "details.md#quantization-scheme", "finetune": "details.md#f
          "prune": "#structured-pruning", "serving": "#serving-naive-vs-static-vs-continuous-batching",
          "capacity": "#capacity-the-largest-batch-and-sequence-that-fit",
          "generation_modes": "#inference-variants-greedy-fixed-length",
-         "finetune_target": "#time-to-target"}
+         "finetune_target": "details.md#time-to-target-run-by-run"}
 
 
 def _pct(a):
@@ -219,12 +219,19 @@ def _open_loop(o: dict) -> str:
 
 
 def serving(d: dict) -> str:
-    rest = "; ".join(f"{o['name']} at {o['concurrency']} requests {_said(o['axes']['speed'], _x)}"
+    """The serving answer; a why that several verdicts share (the machine's speed changed) said once, at the end."""
+    opts = [o for o in d["options"] if not o["baseline"]]
+    whys = [w for o in opts for w in ((o["axes"]["speed"] or {}).get("verdict", ""), o.get("versus_static") or "")
+            if brief(w) != w]
+    rest = "; ".join(f"{o['name']} at {o['concurrency']} requests "
+                     + (f"{_x(o['axes']['speed'])}, {brief(o['axes']['speed']['verdict'])}" if o["axes"]["speed"]
+                        else "not measured")
                      + (f" ({o['versus_static']} than static)" if o.get("versus_static") in ("faster", "slower")
-                        else f" (vs static: {o['versus_static']})" if o.get("versus_static") else "")
-                     for o in d["options"] if not o["baseline"])
+                        else f" (vs static: {brief(o['versus_static'])})" if o.get("versus_static") else "")
+                     for o in opts)
     head = f"**{d['answer']}**" if d["answer"] else "no method shown faster than naive"
-    return f"- **Serving method** (vs naive, throughput): {head}. {rest}." + _link("serving") + (
+    why = f" Why: {whys[0].split(': ', 1)[1]}." if whys else ""
+    return f"- **Serving method** (vs naive, throughput): {head}. {rest}.{why}" + _link("serving") + (
         "\n" + _open_loop(d["open_loop"]) if d.get("open_loop") else "")
 
 

@@ -5,7 +5,7 @@ import pandas as pd
 
 from ... import records
 from ...measure.timing import SENTINEL_TOLERANCE
-from .fmt import env_of, median_text, pct, peak_mib, ratio_of, setting_text
+from .fmt import env_of, pct, peak_mib, ratio_of, setting_text
 
 
 def _tensor_peaks(a: dict, b: dict) -> str:
@@ -63,7 +63,6 @@ def knob_table(rows: list[dict], bench_finetune: list[dict] = ()) -> pd.DataFram
             "memory change (%)": pct(memory_ratio - 1) if memory_ratio else None,
             "memory kind": a["train_memory"]["kind"],
             "live tensor peak (MiB)": _tensor_peaks(a, b),
-            "median step, separate runs (s)": f"{median_text(a.get('step_time'))} → {median_text(b.get('step_time'))}",
             "step time ratio [95% CI]": _ratio_ci(ratio),
             "step time verdict": ratio["verdict"] if ratio else "-",
             "tokens/s ratio (interleaved)": tokens_ratio if (ratio or {}).get("source") == "interleaved" else None,

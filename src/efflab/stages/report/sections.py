@@ -10,7 +10,7 @@ from ...measure.stats import EQUIVALENCE_MARGIN, format_ratio
 from ...measure.timing import SENTINEL_TOLERANCE
 from . import task_quality
 from .environments import comparison
-from .fmt import markdown, one_line, status_text
+from .fmt import brief, markdown, one_line, status_text
 from .render import render
 from .results import absent
 from .tables import MEMORY_TARGET, memory_prediction_table
@@ -134,7 +134,7 @@ def unavailable_cells(jobs: list[dict]) -> str:
 
 def serving_body(cfg: dict, metrics: dict, table) -> str:
     job = records.ok(metrics["bench_serving"])[0]
-    versus = [{"concurrency": c["concurrency"], "ratio": format_ratio(ratio), "verdict": ratio["verdict"]}
+    versus = [{"concurrency": c["concurrency"], "ratio": format_ratio(ratio), "verdict": brief(ratio["verdict"])}
               for c in records.ok(job["cells"]) if (ratio := records.serving_ratio(c, "continuous_vs_static"))]
     return render("sections/serving.md.j2", job=job, bursts=job.get("bursts", 1), versus=versus,
                   table=table("bench_serving"), latency=table("bench_serving_latency"),

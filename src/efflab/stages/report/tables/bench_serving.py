@@ -5,7 +5,7 @@ import pandas as pd
 
 from .... import records
 from ....measure.stats import format_ratio, ratio_words
-from ..fmt import env_of, status_text
+from ..fmt import brief, env_of, status_text
 from ..spread import of_median, text
 
 SERVING_COLUMNS = ["method", "concurrency", "status", "requests/s", "output tokens/s", "x naive [95% CI]",
@@ -14,7 +14,7 @@ SERVING_COLUMNS = ["method", "concurrency", "status", "requests/s", "output toke
 
 def _serving_ratio(cell: dict, key: str) -> tuple[str, str]:
     ratio = records.serving_ratio(cell, key)
-    return (format_ratio(ratio), ratio_words(ratio)) if ratio else ("-", "-")
+    return (format_ratio(ratio), brief(ratio_words(ratio))) if ratio else ("-", "-")  # the section says why once
 
 
 def serving_table(jobs: list[dict]) -> pd.DataFrame:
