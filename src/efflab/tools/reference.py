@@ -45,7 +45,8 @@ def device_name(results: Path) -> str:
 def copy_reference(results: Path, to: Path) -> Path:
     target = to / device_name(results)
     files = sorted({p for pattern in KEPT for p in results.rglob(pattern)
-                    if "model" not in p.relative_to(results).parts and to.resolve() not in p.resolve().parents})
+                    if "model" not in p.relative_to(results).parts and to.resolve() not in p.resolve().parents
+                    and p.relative_to(results).parts[0] != "reference"})  # a clone's kept runs are not this run's
     if target.exists():
         shutil.rmtree(target)
     for src in files:
