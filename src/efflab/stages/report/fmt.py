@@ -82,6 +82,12 @@ def anchor(heading: str) -> str:
     return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
 
 
+def init_text(run: dict) -> str:
+    """A fine-tuning run's adapter initialisation and its seconds ('pissa 0.41'), or '-' (a full fine-tune)."""
+    init = run.get("lora_init")
+    return f"{init['init']} {init['seconds']:.2g}" if init else "-"
+
+
 def brief(verdict: str) -> str:
     """A verdict without the detail of its why, where the text beside it states that once: "not decided: the
     machine's speed changed: 10 of 12 rounds ..." reads "not decided: the machine's speed changed"."""

@@ -5,7 +5,7 @@ import pandas as pd
 
 from ... import records
 from ...measure.timing import SENTINEL_TOLERANCE
-from .fmt import env_of, pct, peak_mib, ratio_of, setting_text
+from .fmt import env_of, init_text, pct, peak_mib, ratio_of, setting_text
 
 
 def _tensor_peaks(a: dict, b: dict) -> str:
@@ -42,11 +42,6 @@ def _steps(r: dict) -> str:
     return "-" if not t else str(t["steps"]) if t["reached"] else f"not reached ({t['steps_run']})"
 
 
-def _init_s(r: dict) -> str:
-    init = r.get("lora_init")
-    return f"{init['init']} {init['seconds']:.2g}" if init else "-"
-
-
 def knob_table(rows: list[dict], bench_finetune: list[dict] = ()) -> pd.DataFrame:
     out = []
     for knob, value_a, value_b, a, b in records.knob_pairs(rows):
@@ -68,7 +63,7 @@ def knob_table(rows: list[dict], bench_finetune: list[dict] = ()) -> pd.DataFram
             "tokens/s ratio (interleaved)": tokens_ratio if (ratio or {}).get("source") == "interleaved" else None,
             "val loss after": f"{a['validation_after']['loss']:.4f} → {b['validation_after']['loss']:.4f}",
             "steps to target": f"{_steps(a)} → {_steps(b)}" if a.get("time_to_target") else None,
-            "adapter init (s)": f"{_init_s(a)} → {_init_s(b)}" if knob == "lora.init" else None,
+            "adapter init (s)": f"{init_text(a)} → {init_text(b)}" if knob == "lora.init" else None,
             "env": env_of(a) if env_of(a) == env_of(b) else f"{env_of(a)} / {env_of(b)}",
         })
     return pd.DataFrame(out)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pandas as pd
 
 from .... import records
-from ..fmt import env_of, median_text, pct, peak_mib
+from ..fmt import env_of, init_text, median_text, pct, peak_mib
 
 
 def tokens_per_s(run: dict) -> float:
@@ -40,10 +40,9 @@ def target_table(rows: list[dict]) -> pd.DataFrame:
         t = r.get("time_to_target")
         if not t:
             continue
-        init = r.get("lora_init")
         out.append({
             "run": r["run"], "method": r["method"], "learning rate": r["settings"].get("learning_rate"),
-            "adapter init (s)": f"{init['init']} {init['seconds']:.2g}" if init else "-",
+            "adapter init (s)": init_text(r),
             "optimizer": r.get("optimizer"),
             "steps to target": t["steps"] if t["reached"] else t["why"],
             "time to target (s) [95%]": _time_text(t),
