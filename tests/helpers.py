@@ -30,6 +30,16 @@ def run_stage(stage: str, params: Path, results: Path, name: str | None = None) 
     return json.loads((folder / "metrics.json").read_text())
 
 
+def rounding_tolerance(dtype, scale: float, roundings: int, floor: float = 1e-3) -> float:
+    """The largest difference from a reference of magnitude up to `scale` that `roundings` roundings to `dtype` can
+    explain (each at most finfo.eps of the value: a first-order bound), and never below `floor`, the float32
+    tolerance of a comparison whose two sides sum in different orders. The dtype is the one the kernel that runs
+    computes in (e.g. quantization.four_bit_kernel_dtype), so the tolerance follows the kernel, not the machine."""
+    import torch
+
+    return max(floor, roundings * torch.finfo(dtype).eps * scale)
+
+
 class BackgroundPipeline:
     """The CI pipeline run by `snakemake --cores 2` in a temporary folder, started in the background so that a
     test can do its own work (the SLURM run) meanwhile; `wait()` gives its folder and wall time."""

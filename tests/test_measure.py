@@ -468,6 +468,21 @@ def test_a_decode_rate_is_placed_between_the_bandwidth_and_the_matmul_ceilings()
     assert bandwidth.roofline(10_000.0, compute_heavy, limits["bandwidth"], limits["matmul"])["bound"] == "compute-bound"
 
 
+def test_a_pass_that_gives_several_tokens_reads_its_weights_once_for_all_of_them():
+    """Prompt lookup's 8 tokens in 3 passes of the model (5 candidates accepted of 12 shown): a token reads 3/8 of a
+    pass's bytes and processes (3 + 12) / 8 tokens' FLOPs, so a rate that would read 2.4x the bandwidth at one
+    pass per token stays under it."""
+    from efflab.measure import bandwidth
+
+    costs = {"bytes_per_token": 8e9, "flops_per_token": 1e9, "weights_bytes": 8e9, "mean_context": 30}
+    spec = bandwidth.speculative_costs(costs, {"steps": 3, "proposed": 12, "accepted": 5})
+    assert spec["bytes_per_token"] == pytest.approx(8e9 * 3 / 8) and spec["tokens_per_pass"] == pytest.approx(8 / 3)
+    assert spec["flops_per_token"] == pytest.approx(1e9 * 15 / 8)
+    limits = {"gb_per_s": 100.0}, {"tflops": 1.0}
+    assert bandwidth.roofline(30.0, costs, *limits)["bandwidth_fraction"] == pytest.approx(2.4)
+    assert bandwidth.roofline(30.0, spec, *limits)["bandwidth_fraction"] == pytest.approx(0.9)
+
+
 def test_a_training_steps_phases_are_cut_at_its_marks_and_add_up_to_it():
     """PhaseClock's arithmetic on known marks: two micro-batches (each forward's backward runs until the next
     forward, the last one's until the optimizer), and a compiled model with no forward marks."""

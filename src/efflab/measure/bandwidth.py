@@ -52,6 +52,17 @@ def decode_roofline(shape: dict, weight_bytes: int, element_bytes: int, matmul_p
             "mean_context": mean_context, "weights_bytes": weight_bytes, "kv_cache_bytes_per_token": kv_bytes}
 
 
+def speculative_costs(costs: dict, counts: dict) -> dict:
+    """A decode step's costs where the model verifies candidates (speculative decoding, prompt lookup, batch 1): a
+    pass of the model reads its weights and its cache once for all the tokens it gives (accepted + 1), and processes
+    every candidate it was shown (proposed + 1), so per new token the bytes shrink and the FLOPs grow by those
+    counts. A draft model's own reads are not counted: they could only lower the fraction of a ceiling."""
+    steps, proposed, accepted = counts["steps"], counts["proposed"], counts["accepted"]
+    given, shown = (steps + accepted) / steps, (steps + proposed) / (steps + accepted)
+    return costs | {"bytes_per_token": costs["bytes_per_token"] / given, "flops_per_token": costs["flops_per_token"]
+                    * shown, "tokens_per_pass": given, "counted": "the model's own passes, not a draft's"}
+
+
 def roofline(tokens_per_s: float, costs: dict, bandwidth: dict, ceiling: dict) -> dict:
     """The fractions of the bandwidth and matmul ceilings a decode rate reaches, and what bounds it."""
     bandwidth_fraction = tokens_per_s * costs["bytes_per_token"] / (bandwidth["gb_per_s"] * 1e9)

@@ -63,6 +63,17 @@ def bnb_config(quant: dict, compute_dtype: torch.dtype):
                               bnb_4bit_compute_dtype=compute_dtype)
 
 
+def four_bit_kernel_dtype(compute_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype bitsandbytes' 4-bit matmul computes in: its `bnb_4bit_compute_dtype`, except on a CPU with
+    AVX512-BF16, where an eval-mode layer repacks its weights for a fused kernel that takes bf16 inputs only (the
+    layer's output is then bf16-rounded whatever the compute dtype)."""
+    if device.type != "cpu":
+        return compute_dtype
+    from bitsandbytes.functional import has_avx512bf16
+
+    return torch.bfloat16 if has_avx512bf16() else compute_dtype
+
+
 def torchao_config(quant: dict, device: torch.device):
     """torchao's weight-only int8, int4 (CUDA's packed kernel), and dynamic int8 activations with int8 weights."""
     from torchao.quantization import Int4WeightOnlyConfig, Int8DynamicActivationInt8WeightConfig, Int8WeightOnlyConfig

@@ -27,7 +27,7 @@ from .. import architecture, cli, experiment, profiling, quality, records
 from ..config import UserError
 from ..estimators.memory import Generation, compared, generation_peak, quantized_layer_transient, variant_quant
 from ..layout import Job, Layout
-from ..measure.bandwidth import bandwidth_ceiling, decode_roofline, roofline
+from ..measure.bandwidth import bandwidth_ceiling, decode_roofline, roofline, speculative_costs
 from ..measure.device import DTYPES
 from ..measure.energy import energy_of, energy_per_token
 from ..measure.env import environment
@@ -350,6 +350,8 @@ def inference_cell(cfg: dict, results: str, name: str, dtype: str, device: str, 
     costs = decode_roofline(architecture.shape(model.config),
                             footprint - (0 if tied else quantization.tensor_bytes(embedding)), DTYPES[dtype].itemsize,
                             matmul_params(model)["total"], prompt_len, n, batch_size, kv_cache)
+    if "speculation" in extras:  # a pass of the model gives several tokens: a token costs a share of its reads
+        costs = speculative_costs(costs, extras["speculation"])
     per_token = summarize([g for r in runs for g in r["token_gaps_s"]], keep_samples=False)
     per_token |= {"p99_over_p50": per_token["p99"] / per_token["p50"] if per_token["p50"] else None,
                   "tail_cause": explain_tail(runs, kv_cache)}
