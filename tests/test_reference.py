@@ -11,8 +11,8 @@ from tests.helpers import REPO
 
 RUNS = sorted(p.parent.parent for p in (REPO / "results" / "reference").glob("*/report/report.md"))
 # The rendered text; the PNGs are drawn by matplotlib (bytes vary by version) and the stage's metrics.json by run.
-COMPARED = {"report": ("report.md", "details.md", "decisions.json", "summary.csv", "finetune_pareto.csv",
-                       "inference_pareto.csv"),
+COMPARED = {"report": ("report.md", "details.md", "decisions.json", "statements.jsonl", "summary.csv",
+                       "finetune_pareto.csv", "inference_pareto.csv"),
             "claims": ("claims.md", "claims.csv", "summary.json")}
 
 

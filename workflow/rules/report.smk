@@ -17,6 +17,7 @@ rule report:
         metrics="results/report/metrics.json",
         figures="results/report/figures.json",
         decisions="results/report/decisions.json",
+        statements="results/report/statements.jsonl",  # the ledger of what each place states (report.ledger)
     params:
         file=PARAMS,
         settings=settings("report"),

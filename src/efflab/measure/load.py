@@ -113,7 +113,9 @@ def saturation(cells: list[dict]) -> dict:
 
 
 def best_goodput(cells: list[dict]) -> dict | None:
-    """The cell of highest median goodput (the lower rate on a tie), as an axis: value, interval, n and rate."""
+    """The cell of highest median goodput (the lower rate on a tie), as an axis: value, interval, n and rate; cells
+    whose goodput was withheld (report.screen: beyond its bound) are not among them."""
+    cells = [c for c in cells if c["goodput_per_s"].get("median") is not None]
     if not cells:
         return None
     c = max(sorted(cells, key=lambda c: c["rate"]), key=lambda c: c["goodput_per_s"]["median"])

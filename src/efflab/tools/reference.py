@@ -23,9 +23,9 @@ import yaml
 from .. import cli, records, registry
 from ..config import REPO_ROOT
 
+# the raw CSVs the report cites too
 KEPT = ("metrics.json", "loss.csv", "claims.csv", "claims.md", "summary.json", "report.md", "details.md", "summary.csv",
-        "*_pareto.csv", "requests.csv", "cells.csv", "evals.csv", "decisions.json", "*.png")  # the raw CSVs the
-# report cites too
+        "*_pareto.csv", "requests.csv", "cells.csv", "evals.csv", "decisions.json", "statements.jsonl", "*.png")
 # What a re-render makes again from the records: the claims stage, then the report (it quotes the claims' counts).
 RENDERED = ("claims", "report")
 

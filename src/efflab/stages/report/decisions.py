@@ -254,13 +254,16 @@ def _capacity(job: dict, finetune: list[dict] = ()) -> dict:
 
 
 def _step_cost(job: dict) -> dict | None:
-    """QAT's median training step over the full-precision fine-tune's (one run each, its steps' medians)."""
-    steps = {v["variant"]: (v.get("step_time") or {}).get("median") for v in job.get("variants", [])}
-    qat_steps = [t for name, t in steps.items() if name.startswith("qat-") and t]
-    if not steps.get("full precision") or not qat_steps:
+    """QAT's median training step over the full-precision fine-tune's, at each width (one run each, its steps'
+    medians: no interval); `value` is the widest cost."""
+    step = lambda v: (v.get("step_time") or {}).get("median")  # noqa: E731
+    full = next((step(v) for v in job.get("variants", []) if v["variant"] == "full precision"), None)
+    by_bits = {v["bits"]: step(v) / full for v in job.get("variants", []) if v["method"] == "qat" and step(v) and full}
+    if not by_bits:
         return None
-    return {"fact": "qat_step_cost", "value": max(qat_steps) / steps["full precision"], "lo": None, "hi": None,
-            "n": 1, "verdict": "one run each: the ratio of their steps' medians, no interval"}
+    return {"fact": "qat_step_cost", "value": max(by_bits.values()), "lo": None, "hi": None, "n": 1,
+            "by_bits": dict(sorted(by_bits.items())),
+            "verdict": f"{NOT_DECIDED}: one run each, the ratio of their steps' medians has no interval"}
 
 
 def said_facts(metrics: dict) -> list[dict]:
@@ -272,8 +275,10 @@ def said_facts(metrics: dict) -> list[dict]:
     untouched = next((r for r in runs if r["method"] != "qlora"), None)  # its validation_before: the base as loaded
     for r in (r for r in runs if r["method"] == "qlora"):
         a = opts.paired_axis((untouched or {}).get("validation_before"), r.get("validation_after"))
-        if a and a["lo"] is not None and a["lo"] > 0:
-            out.append({"fact": "qlora_worse_than_base", "run": r["run"], **a, "verdict": "worse"})
+        if a and a["lo"] is not None and a["lo"] > 0:  # where it stands: its 4-bit base before, what training did
+            out.append({"fact": "qlora_worse_than_base", "run": r["run"], **a, "verdict": "worse",
+                        "four_bit_base": opts.paired_axis(untouched["validation_before"], r.get("validation_before")),
+                        "training": opts.paired_axis(r.get("validation_before"), r.get("validation_after"))})
         for m in (m for m in records.ok(metrics.get("merge", [])) if m["run"] == r["run"]):
             target = m.get("targets", {}).get("round-trip merge re-quantized to nf4")
             merged = opts.paired_axis(r.get("validation_before"), (target or {}).get("validation"))
@@ -281,7 +286,7 @@ def said_facts(metrics: dict) -> list[dict]:
             if merged and adapter and adapter["hi"] is not None and adapter["hi"] < 0 and merged["hi"] is not None \
                     and merged["hi"] >= 0:
                 out.append({"fact": "requantized_merge_loses_the_fine_tune", "run": r["run"], **merged,
-                            "verdict": "not better than the untrained 4-bit base", "adapter": adapter,
+                            "verdict": "not better: than the untrained 4-bit base", "adapter": adapter,
                             "perplexity": target["validation"]["perplexity"],
                             "base_perplexity": r["validation_before"]["perplexity"]})
     job = next(iter(records.ok(metrics.get("qat", []))), None)
@@ -353,6 +358,7 @@ VOCABULARY = {"faster / slower": "the 95% interval of the ratio excludes 1",
               "within / beyond +X%": "a quality change's whole interval is at or below / above its tolerance",
               "less / more": "memory: footprints (exact) that differ, or peaks further apart than their kind's "
                              "measured error (`memory_error`)",
+              "worse / not better": "a quality change whose whole interval is above 0 / that reaches 0 or above",
               NOT_DECIDED: "everything else, with about the n that would decide it where computable",
               "not decided: <why>": "no comparison (the machine's speed changed, too few stable rounds)"}
 

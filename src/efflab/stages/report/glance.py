@@ -3,6 +3,7 @@ and its cost on the other axes) with the link to its table, then the facts of th
 `facts`). Nothing here decides: every word of a verdict is the one decisions.json holds."""
 from __future__ import annotations
 
+from ...measure.bounds import at_bound
 from .fmt import brief, number, recovered_text
 from .render import value_text
 
@@ -166,12 +167,17 @@ def attention(d: dict) -> str:
     return f"- **Attention implementation** (vs eager{where}): {head}. Speed: {rest}." + _link("attention")
 
 
+def kl_text(kl: float) -> str:
+    """A mean KL as read: a float32 sum a few 1e-9 below 0 is 0 to within rounding, and said so with its value."""
+    return f"0 to within float rounding, {kl:.1e}" if at_bound("kl", kl) else number(kl, 3)
+
+
 def merge(key: str, d: dict) -> str:
     run = key.split(":", 1)[1]
     a = d["answer"]
     opts = {o["name"]: o for o in d["options"]}
     closest = a["closest"]
-    text = f"**{closest}** is closest to the adapter (mean KL {number(opts[closest]['axes']['kl']['value'], 3)})" \
+    text = f"**{closest}** is closest to the adapter (mean KL {kl_text(opts[closest]['axes']['kl']['value'])})" \
         if closest else "no route"
     if a["best_quality"] and a["best_quality"] != closest:
         text += f"; **{a['best_quality']}** has the lower perplexity ({_pct(opts[a['best_quality']]['axes']['quality'])} vs the adapter)"
@@ -282,20 +288,36 @@ def capacity(d: dict) -> str:
 def fact(f: dict) -> str:
     """One of decisions.json's `facts` as a sentence."""
     if f["fact"] == "qlora_worse_than_base":
+        base, trained = f.get("four_bit_base"), f.get("training")
+        lowered = bool(trained) and trained["hi"] is not None and trained["hi"] < 0
+        whence = (f" Its 4-bit base starts {_pct(base)} against the untouched base, and training lowered that base's "
+                  f"perplexity by {_pct(trained)}: the gap is the 4-bit base's, not training's." if base and lowered
+                  else "")
         return (f"**QLoRA after training ({f['run']}) has a higher perplexity than the untouched base model**: "
-                f"{_pct(f)}, paired on the same rows (the whole interval above 0).")
+                f"{_pct(f)}, paired on the same rows (the whole interval above 0).{whence}")
     if f["fact"] == "requantized_merge_loses_the_fine_tune":
         return (f"**Re-quantizing the {f['run']} merge to 4 bits undoes the fine-tune's gain**: perplexity "
                 f"{number(f['perplexity'])} against the untrained 4-bit base's {number(f['base_perplexity'])} "
                 f"({_pct(f)}), where the adapter was {_pct(f['adapter'])}.")
     if f["fact"] == "qat_step_cost":
-        return (f"**A QAT training step took {f['value']:.1f}× a full-precision one here** (one run each, the ratio "
-                "of their steps' medians: no interval).")
-    return ""
+        widths = ", ".join(f"{x:.2f}× at {b} bits" for b, x in (f.get("by_bits") or {}).items())
+        return (f"**A QAT training step took up to {f['value']:.2f}× a full-precision one here**"
+                + (f" ({widths})" if widths else "") + "; one run each, the ratio of their steps' medians: no "
+                "interval.")
+    raise KeyError(f"decisions.json's fact {f['fact']!r} has no sentence")
 
 
 def lines(decisions: dict) -> list[str]:
     """The glance's question lines, in the report's order, for the questions the records answer."""
+    return list(by_question(decisions).values())
+
+
+def by_question(decisions: dict) -> dict[str, str]:
+    """Each question's glance line, by its key in decisions.json (what the ledger checks each line against)."""
+    return {key: text for key, text in zip(decisions["questions"], _lines(decisions))}
+
+
+def _lines(decisions: dict) -> list[str]:
     q, tolerance = decisions["questions"], decisions["tolerance_pct"]
     out = []
     for key, d in q.items():
@@ -323,4 +345,6 @@ def lines(decisions: dict) -> list[str]:
             out.append(serving(d))
         elif key == "capacity":
             out.append(capacity(d))
+        else:
+            raise KeyError(f"decisions.json's question {key!r} has no glance line")
     return out

@@ -235,6 +235,16 @@ def run_size(cfg: dict, metrics: dict, larger: Path = GPU_PROFILE) -> str:
                   budget=DEFAULT_BUDGET_MIN, larger=larger, left_out=left_out_of_larger(cfg, larger))
 
 
+def withheld(figures: list[dict]) -> str:
+    """The figures the records hold beyond their physical bounds (report.screen), each with why it cannot be true:
+    left out of every table, line and plot."""
+    if not figures:
+        return ""
+    said = "; ".join(f"{w['stage']}" + (f" {w['job']}" if w["job"] != w["stage"] else "")
+                     + f", {w['where']}: {w['metric']} {w['reason']}" for w in figures)
+    return (f"**Withheld**, as beyond a physical bound (left out of every table, line and plot): {said}.\n")
+
+
 def not_run(table: pd.DataFrame) -> str:
     return render("sections/not_run.md.j2", table=markdown(table) if not table.empty else "")
 

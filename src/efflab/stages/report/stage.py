@@ -6,7 +6,7 @@ import logging
 from ... import provenance
 from ...config import UserError
 from ...layout import Job
-from . import advice, decisions, notes, task_quality
+from . import advice, decisions, glance, ledger, notes, task_quality
 from . import sections as sec
 from .draw import Inputs, draw_plots, questions
 from .environments import comparison, environment_table, provenance_table
@@ -15,6 +15,7 @@ from .pareto import finetune_pareto, inference_pareto, write_fronts
 from .parts import PARTS, details_tables
 from .render import render
 from .results import read_results
+from .screen import screen
 from .tables import build_tables, not_run_table
 from .tidy import results_table
 
@@ -29,7 +30,7 @@ def refuse_stale(layout, jobs: dict[str, dict]) -> None:
                                                               else "") + "; rerun it (snakemake reruns what changed)")
 
 
-def report_text(cfg: dict, metrics: dict, tables: dict, environments: dict, made: dict) -> str:
+def report_text(cfg: dict, metrics: dict, tables: dict, environments: dict, made: dict, withheld: list[dict]) -> str:
     """report.md: the answers first, then each stage in detail, then what did not run and the run's size."""
     def table(key: str) -> str:
         if key in DETAILS:
@@ -37,6 +38,7 @@ def report_text(cfg: dict, metrics: dict, tables: dict, environments: dict, made
         return comparison(tables[key], environments, cfg["report"]["allow_mixed_environments"])
 
     parts = [sec.header(metrics["base_model"][0], metrics["prepare_data"][0]), *advice.glance(made, cfg),
+             *filter(None, [sec.withheld(withheld)]),
              *notes.lines(metrics), *notes.claims_lines(metrics["claims"], "../claims/claims.md"),
              "## In detail\n\nHow to read the numbers, and the words of every verdict: "
              "[details.md](details.md#how-to-read-the-numbers).\n"]
@@ -46,6 +48,19 @@ def report_text(cfg: dict, metrics: dict, tables: dict, environments: dict, made
     parts += [sec.profiles(metrics), sec.not_run(not_run_table(metrics)),
               sec.run_size(cfg, metrics), render("sections/footer.md.j2")]
     return "\n".join(p.rstrip("\n") + "\n" if p else "" for p in parts)
+
+
+def check_statements(made: dict, withheld: list[dict], out) -> None:
+    """statements.jsonl: what decisions.json and the glance state of each finding, and what was withheld; the
+    report stops where two of them disagree, a verdict is outside the vocabulary or a figure beyond its bound."""
+    book = ledger.Ledger()
+    book.from_decisions(made)
+    book.withheld(withheld)
+    book.write(out / "statements.jsonl")
+    problems = ledger.check(book.statements) + ledger.check_lines(book.statements, glance.by_question(made),
+                                                                  "report.md")
+    if problems:
+        raise RuntimeError(f"the report contradicts itself ({len(problems)}): " + "; ".join(problems[:12]))
 
 
 def more_tables(cfg: dict, tables: dict, environments: dict) -> str:
@@ -62,6 +77,7 @@ def run(cfg: dict, job: Job) -> dict:
     metrics = read_results(cfg, layout)
     jobs = {f"{s}/{m['name']}" if m.get("name") else s: m for s, ms in metrics.items() for m in ms}
     refuse_stale(layout, jobs)
+    metrics, withheld = screen(metrics)  # a figure beyond its physical bound is withheld from every place alike
     metrics = decisions.against_tolerance(cfg, metrics)
     tables = build_tables(metrics)
     made = decisions.build(cfg, metrics)  # every verdict, once: the glance, the plots and figures.json read it
@@ -86,7 +102,8 @@ def run(cfg: dict, job: Job) -> dict:
         answers=render("answers.md.j2", answers=answers, max_new_tokens=cfg["evaluate"]["max_new_tokens"],
                        **{k: v for k, v in task_quality.facts(cfg, metrics["evaluate"]).items()
                           if k in ("resolution", "commands")}) if answers else ""))
-    (out / "report.md").write_text(report_text(cfg, metrics, tables, environments, made))
+    (out / "report.md").write_text(report_text(cfg, metrics, tables, environments, made, withheld))
+    check_statements(made, withheld, out)
     log.info("report: %s", job.final / "report.md")
     return {"tables": {k: len(v) for k, v in tables.items()}, "plots": plots,
             "not_run": len(not_run_table(metrics)), "environments": len(environments),

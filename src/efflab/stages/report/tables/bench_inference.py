@@ -4,7 +4,7 @@ from __future__ import annotations
 import pandas as pd
 
 from .... import records
-from ..fmt import MiB, env_of, interval_text, speedup_text, speedup_verdict, status_text
+from ..fmt import MiB, env_of, interval_text, pct, speedup_text, speedup_verdict, status_text
 from ..generation_modes import speculative_options, speculative_status
 from . import change_text
 
@@ -76,8 +76,8 @@ def roofline_columns(roof: dict | None) -> dict:
     (a record measured before the probe: empty)."""
     if not roof:
         return {"MiB read per token": None, "% of bandwidth": None, "% of matmul ceiling": None, "bound": "-"}
-    return {"MiB read per token": roof["bytes_per_token"] / MiB, "% of bandwidth": 100 * roof["bandwidth_fraction"],
-            "% of matmul ceiling": 100 * roof["compute_fraction"], "bound": roof["bound"]}
+    return {"MiB read per token": roof["bytes_per_token"] / MiB, "% of bandwidth": pct(roof["bandwidth_fraction"]),
+            "% of matmul ceiling": pct(roof["compute_fraction"]), "bound": roof["bound"]}
 
 
 def speculative_table(rows: list[dict]) -> pd.DataFrame:

@@ -1,0 +1,177 @@
+"""The ledger of the report's statements, and the checker that holds them to one answer per question.
+
+A statement is one finding's figure or verdict as one place states it: finding (a question of decisions.json, or
+a fact), subject (the option), reference (what it is compared with), metric, value, interval, n, verdict, and the
+file and anchor where it stands. decisions.json states every finding once; each place that says a finding's figure
+again (a glance line, a table of the same question) states it through `Ledger.state`, and the report writes them
+all to statements.jsonl. The checker fails the report where:
+- two statements of one finding, subject and metric differ in value, interval or verdict;
+- a verdict lies outside the one vocabulary (decisions.json's `vocabulary`);
+- a figure lies beyond its physical bound (measure.bounds) and was not withheld (report.screen).
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from ...measure.bounds import violation
+from ...measure.stats import NOT_DECIDED
+
+# The words a verdict may be, whole or as its head (measure.stats, report.decisions, advice and generation_modes),
+# before a parenthesis or a colon that says more ("not decided at this size (n=1, no 95% interval)").
+VERDICTS = {"faster", "slower", "less", "more", "within", "beyond", "worse", "better", "passes", "fails",
+            "pays", "baseline", "not measured", "not decided at this size", "not decided", "fails the task gate",
+            "not gated", "withheld", "not better", "-"}
+_HEAD = re.compile(r"^(same within ±[\d.]+%|[^(:]+?)(?:\s*[(:].*)?$")
+# An option's verdicts that are not an axis's: its status against the question's objective, its comparison with
+# another option than the baseline.
+OPTION_VERDICTS = ("status", "versus_static")
+
+
+@dataclass(frozen=True)
+class Statement:
+    finding: str
+    subject: str
+    metric: str
+    value: float | None
+    lo: float | None = None
+    hi: float | None = None
+    n: int | None = None
+    verdict: str | None = None
+    reference: str | None = None
+    file: str = "decisions.json"
+    anchor: str = ""
+
+
+def in_vocabulary(verdict: str | None) -> bool:
+    """Whether a verdict is one of the vocabulary's words (its head, where it says more after '(' or ':'); a fact's
+    verdict may carry its own words after the head ("not better than the untrained 4-bit base")."""
+    if verdict is None:
+        return True
+    head = _HEAD.match(verdict.strip())
+    return bool(head) and (head.group(1).startswith("same within ±") or head.group(1).strip() in VERDICTS
+                           or verdict.split(" ")[0] in VERDICTS)
+
+
+class Ledger:
+    """Every statement the report makes of a finding, in the order made."""
+
+    def __init__(self):
+        self.statements: list[Statement] = []
+
+    def state(self, finding: str, subject: str, metric: str, axis: dict | None, *, verdict: str | None = None,
+              reference: str | None = None, file: str, anchor: str = "") -> dict | None:
+        """Record that `file` states `axis` (a decisions axis: value, lo, hi, n, verdict) of the finding; returns
+        the axis, so that a renderer states it in the same call that records it."""
+        if axis is not None:
+            self.statements.append(Statement(finding, subject, metric, axis.get("value"), axis.get("lo"),
+                                             axis.get("hi"), axis.get("n"), verdict or axis.get("verdict"),
+                                             reference, file, anchor))
+        return axis
+
+    def from_decisions(self, made: dict) -> None:
+        """decisions.json's statements: every option's axes, status and comparisons of every question, an answer
+        not decided, and every fact."""
+        for key, q in made["questions"].items():
+            said = lambda metric, subject, a, **kw: self.state(key, subject, metric, a, reference=q.get("baseline"),  # noqa: E731
+                                                               anchor=key, file="decisions.json", **kw)
+            for o in q.get("options", []):
+                for metric, a in (o.get("axes") or {}).items():
+                    said(metric, o["name"], a)
+                for field in OPTION_VERDICTS:
+                    if isinstance(o.get(field), str):
+                        said(field, o["name"], {"value": None}, verdict=o[field])
+                if isinstance(o.get("time"), dict):
+                    t = o["time"]
+                    said("time_to_target", o["name"], {"value": t.get("time_s"), "lo": t.get("lo"), "hi": t.get("hi"),
+                                                       "n": t.get("n")}, verdict=None)
+            if q.get("answer") is None and str(q.get("why", "")).startswith("not decided"):
+                said("answer", "-", {"value": None}, verdict=q["why"])
+            for axis, name in (q["answer"].items() if isinstance(q.get("answer"), dict) else ()):
+                if name is None and axis in (q.get("options") or [{}])[0].get("axes", {}):  # no winner on that axis
+                    said(f"answer.{axis}", "-", {"value": None}, verdict=NOT_DECIDED)
+            for method, m in ((q.get("open_loop") or {}).get("methods") or {}).items():
+                said("goodput", method, m.get("best_goodput"), verdict=None)
+        for f in made.get("facts", []):
+            if isinstance(f, dict) and "fact" in f:
+                self.state(f["fact"], f.get("run") or "-", "value", f, anchor="facts", file="decisions.json")
+
+    def withheld(self, figures: list[dict]) -> None:
+        """The figures report.screen withheld as beyond their bounds: stated as withheld, with no value."""
+        for w in figures:
+            self.statements.append(Statement(f"{w['stage']}.{w['metric']}", f"{w['job']} {w['where']}", w["metric"],
+                                             None, verdict="withheld", file="report.md", anchor="withheld"))
+
+    def write(self, path: Path) -> None:
+        path.write_text("".join(json.dumps(asdict(s), default=_plain) + "\n" for s in self.statements))
+
+
+def _plain(x):
+    return None if isinstance(x, float) and not math.isfinite(x) else str(x)
+
+
+def _same(a: float | None, b: float | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
+
+
+BOUNDED = {"bandwidth_fraction": "bandwidth_fraction", "compute_fraction": "compute_fraction", "kl": "kl",
+           "acceptance_rate": "acceptance_rate", "mfu": "mfu"}
+
+
+def check(statements: list[Statement]) -> list[str]:
+    """What makes the statements contradict each other or the world: one line per problem, none when they hold."""
+    problems, first = [], {}
+    for s in statements:
+        key = (s.finding, s.subject, s.metric)
+        if key in first:
+            f = first[key]
+            if not (_same(f.value, s.value) and _same(f.lo, s.lo) and _same(f.hi, s.hi) and f.verdict == s.verdict):
+                problems.append(f"{s.finding} {s.subject} {s.metric}: {s.file}#{s.anchor} states "
+                                f"{_said(s)} where {f.file}#{f.anchor} states {_said(f)}")
+        else:
+            first[key] = s
+        if not in_vocabulary(s.verdict):
+            problems.append(f"{s.finding} {s.subject} {s.metric}: verdict {s.verdict!r} ({s.file}#{s.anchor}) is "
+                            "outside the vocabulary")
+        bound = BOUNDED.get(s.metric)
+        why = violation(bound, s.value) if bound else None
+        if why:
+            problems.append(f"{s.finding} {s.subject} {s.metric} ({s.file}#{s.anchor}): {why}")
+    return problems
+
+
+def _said(s: Statement) -> str:
+    interval = f" [{s.lo:.4g}, {s.hi:.4g}]" if s.lo is not None and s.hi is not None else ""
+    value = "no value" if s.value is None else f"{s.value:.4g}"
+    return f"{value}{interval} ({s.verdict})"
+
+
+# The vocabulary's words as a reader meets them in a line of prose, whole words only.
+_WORDS = re.compile(r"\b(faster|slower|within|beyond|pays|passes|fails|not decided at this size|same within ±[\d.]+%)"
+                    r"(?![\w-])")
+
+
+# "none shown within +5% perplexity", "no variant shown both faster than the base and within ...": a question's
+# objective, said where no option meets it, not a verdict of one.
+_OBJECTIVE = re.compile(r"\b(?:no|none)\b[^.;:]*?\bshown\b[^.;:]*")
+
+
+def stated_words(line: str) -> set[str]:
+    """The verdict words a line of the report says, leaving out a question's objective said unmet."""
+    return {m.group(1) for m in _WORDS.finditer(_OBJECTIVE.sub("", line))}
+
+
+def check_lines(statements: list[Statement], lines: dict[str, str], file: str) -> list[str]:
+    """Each line of `file` that answers a finding (`lines`: finding -> its text) may say only the verdict words its
+    finding's statements hold: a word from anywhere else was decided outside the ledger."""
+    held: dict[str, set[str]] = {}
+    for s in statements:
+        for word in stated_words(s.verdict or ""):
+            held.setdefault(s.finding, set()).add(word)
+    return [f"{finding} ({file}): says {word!r}, which no statement of it holds"
+            for finding, line in lines.items() for word in sorted(stated_words(line) - held.get(finding, set()))]

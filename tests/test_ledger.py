@@ -1,0 +1,110 @@
+"""The statements ledger and its checker (report.ledger), and the physical bounds every figure is held to
+(measure.bounds, report.screen): planted records and statements, each bound broken once."""
+import json
+
+import pytest
+
+from efflab.measure import bounds
+from efflab.stages.report import glance, ledger
+from efflab.stages.report.screen import screen
+from tests.helpers import REPO
+
+AVX2 = REPO / "results" / "reference" / "amd-epyc-avx2" / "report"
+
+
+def _s(value, verdict="faster", file="decisions.json", lo=None, hi=None, **kw):
+    fields = {"finding": "inference", "subject": "int8", "metric": "speed"} | kw
+    return ledger.Statement(value=value, lo=lo, hi=hi, n=6, verdict=verdict, file=file, **fields)
+
+
+def test_two_statements_of_one_finding_that_differ_fail_and_equal_ones_pass():
+    same = [_s(1.2, lo=1.1, hi=1.3), _s(1.2, lo=1.1, hi=1.3, file="report.md")]
+    assert ledger.check(same) == []
+    for planted in (_s(1.25, lo=1.1, hi=1.3, file="report.md"), _s(1.2, lo=1.1, hi=1.3, verdict="slower"),
+                    _s(1.2, lo=1.0, hi=1.3, file="details.md")):
+        problems = ledger.check([same[0], planted])
+        assert len(problems) == 1 and "inference int8 speed" in problems[0], problems
+
+
+def test_a_verdict_outside_the_one_vocabulary_fails():
+    for word in ("faster", "same within ±10%", "not decided at this size (n=1, no 95% interval)", "within",
+                 "not decided: the machine's speed changed", "fails the task gate", "not better: than the base"):
+        assert ledger.in_vocabulary(word), word
+    for word in ("pretty fast", "one run each: no interval", "undecided"):
+        assert not ledger.in_vocabulary(word), word
+        assert "outside the vocabulary" in ledger.check([_s(1.0, verdict=word)])[0]
+
+
+@pytest.mark.parametrize("metric, value, top, bad", [
+    ("bandwidth_fraction", 1.18, None, True), ("bandwidth_fraction", 0.6, None, False),
+    ("compute_fraction", 1.01, None, True), ("mfu", 1.2, None, True), ("mfu", 0.57, None, False),
+    ("kl", -3.1e-9, None, False), ("kl", -1e-3, None, True), ("acceptance_rate", 1.5, None, True),
+    ("accepted", 21, 20, True), ("accepted", 5, 20, False), ("goodput", 10.7, 8.2, True), ("share", -0.1, None, True)])
+def test_each_physical_bound_refuses_what_cannot_be_true(metric, value, top, bad):
+    assert (bounds.violation(metric, value, top) is not None) == bad
+
+
+def test_a_kl_a_rounding_below_zero_is_said_zero_with_its_value_and_never_printed_as_a_bare_zero():
+    assert bounds.at_bound("kl", -3.1e-9) and not bounds.at_bound("kl", 0.03)
+    assert glance.kl_text(-3.1e-9) == "0 to within float rounding, -3.1e-09"
+    assert glance.kl_text(0.0314) == "0.0314"
+    assert "below 0" in ledger.check([_s(-0.01, verdict=None, metric="kl")])[0]
+
+
+def _records(bandwidth=0.5, mfu=0.4, accepted=5, served=1.0, offered=1.2):
+    cell = {"status": "ok", "kv_cache": True, "batch_size": 1, "generation": "prompt_lookup",
+            "roofline": {"bandwidth_fraction": bandwidth, "compute_fraction": 0.01, "bound": "memory-bound"},
+            "speculation": {"steps": 3, "proposed": 20, "accepted": accepted, "acceptance_rate": accepted / 20}}
+    rounds = [{"requests_per_s": served, "offered_per_s": offered, "goodput_per_s": served}]
+    stats = {"median": served, "ci95_median": None, "n": 1}
+    serving = {"name": None, "stage": "bench_serving", "status": "ok", "open_loop": {"cells": [
+        {"method": "continuous", "rate": 1, "status": "ok", "requests": 5, "by_round": rounds,
+         "requests_per_s": stats, "goodput_per_s": stats, "output_tokens_per_s": stats}]}}
+    return {"bench_inference": [{"name": "baseline", "status": "ok", "cells": [cell]}],
+            "finetune": [{"name": "full", "status": "ok", "throughput": {"mfu_vs_measured_ceiling": mfu}}],
+            "bench_serving": [serving]}
+
+
+def test_the_screen_withholds_each_figure_beyond_its_bound_from_every_record_and_says_why():
+    assert screen(_records())[1] == []
+    for planted, metric in ((dict(bandwidth=1.18), "bandwidth_fraction"), (dict(mfu=1.3), "mfu_vs_measured_ceiling"),
+                            (dict(accepted=21), "acceptance_rate"), (dict(served=1.3, offered=1.2), "goodput")):
+        records = _records(**planted)
+        screened, withheld = screen(records)
+        assert metric in [w["metric"] for w in withheld], planted
+        assert records == _records(**planted), "the records read are left as they were"
+    screened, _ = screen(_records(bandwidth=1.18, served=1.3))
+    cell = screened["bench_inference"][0]["cells"][0]
+    assert cell["roofline"]["bandwidth_fraction"] is None and cell["roofline"]["bound"] == "withheld"
+    assert screened["bench_serving"][0]["open_loop"]["cells"][0]["goodput_per_s"]["median"] is None
+
+
+def test_a_glance_line_may_say_only_the_verdicts_its_finding_holds():
+    held = [_s(0.44, verdict="slower"), _s(3.1, verdict="not decided at this size", metric="quality")]
+    fine = {"inference": "no variant shown both faster than the base and within +5% perplexity. int8 0.44×, slower, "
+                         "perplexity +3.1% (not decided at this size)"}
+    assert ledger.check_lines(held, fine, "report.md") == []
+    planted = {"inference": fine["inference"].replace("slower", "faster")}
+    assert ledger.check_lines(held, planted, "report.md") == [
+        "inference (report.md): says 'faster', which no statement of it holds"]
+
+
+def test_a_flipped_verdict_in_the_decisions_is_followed_by_the_glance_and_caught_where_a_line_keeps_the_old_one():
+    """The AVX2 reference's decisions: int8's quality verdict planted as 'within'. The glance re-rendered from them
+    says it, the checker passes; the line rendered before the change no longer matches what the ledger holds."""
+    made = json.loads((AVX2 / "decisions.json").read_text())
+    before = glance.by_question(made)
+    int8 = next(o for o in made["questions"]["quantize"]["options"] if o["name"] == "int8")
+    int8["axes"]["quality"]["verdict"], int8["status"] = "beyond", "beyond"
+    book = ledger.Ledger()
+    book.from_decisions(made)
+    assert ledger.check(book.statements) == []
+    assert ledger.check_lines(book.statements, glance.by_question(made), "report.md") == []
+    stale = ledger.check_lines(book.statements, {"quantize": before["quantize"]}, "report.md")
+    assert stale == ["quantize (report.md): says 'not decided at this size', which no statement of it holds"]
+
+
+def test_every_reference_run_s_statements_hold_together():
+    for path in sorted((REPO / "results" / "reference").glob("*/report/statements.jsonl")):
+        statements = [ledger.Statement(**json.loads(line)) for line in path.read_text().splitlines()]
+        assert statements and ledger.check(statements) == [], path
