@@ -108,3 +108,14 @@ def test_every_reference_run_s_statements_hold_together():
     for path in sorted((REPO / "results" / "reference").glob("*/report/statements.jsonl")):
         statements = [ledger.Statement(**json.loads(line)) for line in path.read_text().splitlines()]
         assert statements and ledger.check(statements) == [], path
+
+
+def test_an_interval_end_near_its_verdict_s_bound_keeps_the_digits_that_set_it_apart():
+    """A ratio decided faster on a lower end of 1.0011 is not printed [1, ...], nor a change reaching -0.04% [0, ...];
+    float noise on the bound stays the bound."""
+    from efflab.stages.report.render import value_text
+
+    assert value_text({"value": 1.2, "lo": 1.0011, "hi": 1.27, "n": 6}, "×") == "1.2× [1.001, 1.27]"
+    assert value_text({"value": 3.1, "lo": -0.04, "hi": 6.4, "n": 16}, "%", signed=True) == "+3.1% [-0.04, +6.4]"
+    assert value_text({"value": 0.6, "lo": 0.55, "hi": 0.7, "n": 6}, "×") == "0.6× [0.55, 0.7]"
+    assert value_text({"value": 1.0, "lo": 1 + 1e-9, "hi": 1.2, "n": 6}, "×") == "1× [1, 1.2]"

@@ -210,7 +210,8 @@ def attention_facts(attention: list[dict]) -> dict | None:
     return {"options": options, "cell": cell, "front": front, "faster": [o["name"] for o in faster],
             "pick": next((o for o in options if o["name"] == pick), None),
             "table": _table(options, {"speed": ("speed × eager (interleaved)", ""),
-                                      "memory": ("peak memory over baseline", " MiB"),
+                                      "memory": (f"peak over the start (`{options[0].get('memory_kind')}`)",
+                                                 " MiB"),
                                       "agreement": ("max abs difference vs eager", "")}, front,
                             lambda o: {"verdict": "baseline" if o["baseline"] else speed_word(o["axes"]["speed"])})}
 

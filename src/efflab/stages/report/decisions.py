@@ -326,6 +326,7 @@ def build(cfg: dict, metrics: dict) -> dict:
         q["attention"] = _question("Which attention implementation?", f, "eager", (f["pick"] or {}).get("name"),
                                    "faster than eager; the fastest where intervals separate", tolerance)
         q["attention"]["cell"] = f["cell"]
+        q["attention"]["memory_kind"] = f["options"][0].get("memory_kind")
     for m in facts["merge"]:
         q[f"merge:{m['run']}"] = _question(f"Which merge route for {m['run']}?", m, "the adapter",
                                            {"closest": m["closest"], "best_quality": m["best_quality"]},

@@ -10,6 +10,7 @@ exactly 1), `step` (a run's median step time in s with its interval: runs in sep
 from __future__ import annotations
 
 from ... import quality, records
+from ...measure.memory import allocated_delta
 from ...measure.timing import SENTINEL_TOLERANCE
 from .decide import axis
 from .fmt import MiB, peak_mib
@@ -220,9 +221,10 @@ def attention_options(attention: list[dict]) -> tuple[list[dict], dict | None]:
     out = []
     for impl, row in cells[key].items():
         eager = impl == "eager"
-        out.append({"name": impl, "baseline": eager, "axes": {
+        peak, kind = allocated_delta(row["memory"])  # the kind the attention table and its plot read, named
+        out.append({"name": impl, "baseline": eager, "memory_kind": kind, "axes": {
             "speed": _one() if eager else ratio_axis((row.get("vs_eager") or {}).get("speedup")),
-            "memory": axis(row["memory"].get("delta_mib"), n=1),
+            "memory": axis(peak, n=1),
             "agreement": axis(row.get("max_abs_diff_vs_eager"), exact=True)}})
     return out, {"mode": key[0], "seq_len": key[1], "batch": key[2]}
 

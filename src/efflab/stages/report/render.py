@@ -23,12 +23,25 @@ def value_text(a: dict | None, unit: str = "", digits: int = 3, signed: bool = F
             return f"{x:,.0f}"
         return percent(x, signed) if unit == "%" else number(x, digits, signed)
 
+    def end(x: float) -> str:
+        """An interval's end, with the digits that keep it apart from the verdict's bound (1 for a ratio, 0 for a
+        change) where it is not on it: a lower end of 1.0011 is what makes a ratio faster, and '1' would hide it."""
+        bound = 0.0 if unit == "%" or signed else 1.0
+        text = said(x)
+        if "MiB" in unit or abs(x - bound) < 1e-6 or text != said(bound):  # float noise is on the bound
+            return text
+        for more in range(digits + 1, digits + 6):
+            text = number(x, more, signed) if unit != "%" else f"{x:{'+' if signed else ''}.{more - 2}f}"
+            if float(text.replace(",", "")) != bound:
+                return text
+        return said(x)
+
     v = f"{said(a['value'])}{unit}"
     if a["lo"] is None:
         return v + (f" (n={a['n']}, no interval)" if a.get("n") else "")
     if a["lo"] == a["hi"] == a["value"]:
         return v
-    return f"{v} [{said(a['lo'])}, {said(a['hi'])}]"
+    return f"{v} [{end(a['lo'])}, {end(a['hi'])}]"
 
 
 @cache
