@@ -68,11 +68,13 @@ def test_the_auto_target_the_first_run_and_a_run_that_never_reaches_it_in_every_
     times = {o["name"]: o["time"] for o in q["options"]}
     assert times["full"]["steps"] == 4 and not times["lora-r8"]["reached"] and not times["qlora-r8"]["reached"]
     # full: 4 steps × [1.8, 2.4] = [7.2, 9.6]; lora-r8 ran 6 steps at >= 0.9 s: > 5.4 s, so they overlap
-    assert q["answer"] is None and "overlap" in q["why"]
+    # lora-r8's step over full's (the runs' own medians: [0.9/2.4, 1.2/1.8]) × its 6+ steps over full's 4 reaches 1
+    assert q["answer"] is None and q["why"] == ("not decided at this size: lora-r8's steps to it (6+) × its step time "
+                                                "over full's (0.375–0.667) reach full's 4")
     line = glance.finetune_target(q)
     assert "validation loss ≤ 3.366: the base model's 3.4 −1%" in line
     assert "full: 4 steps, 8 s [7.2, 9.6], 3,200 MiB" in line and "lora-r8: not reached in 6 steps (> 5.4 s)" in line
-    assert "first not decided at this size: the intervals overlap" in line
+    assert "first not decided at this size: lora-r8's steps" in line
     table = target_table(timed).set_index("run")
     assert table.loc["full", "steps to target"] == 4 and table.loc["qlora-r8", "steps to target"] == \
         "not reached in 6 steps"
@@ -95,7 +97,8 @@ def test_a_first_needs_one_machine_speed_and_the_learning_rate_is_chosen_per_met
     assert "lora-r8-lr3e-3 (lr 0.003, best of 2): 2 steps" in glance.finetune_target(q)
     runs[1]["throughput"] = runs[2]["throughput"] = {"matmul_ceiling": {"tflops": 0.5}}
     _, q = _decide(runs)
-    assert q["answer"] is None and q["why"].startswith("not decided: the machine's speed changed between the runs")
+    assert q["answer"] is None and q["why"].startswith("not decided: lora-r8-lr3e-3 against full: the machine's "
+                                                        "speed changed between the runs")
 
 
 def test_seeds_of_one_learning_rate_give_the_median_seed_and_the_range_of_their_intervals():
@@ -129,3 +132,25 @@ def test_the_decision_is_in_decisions_json_once(test_cfg):
     metrics = decisions.against_tolerance(test_cfg, {"finetune": runs, "qat": [], "evaluate": []})
     assert metrics["finetune"][0]["time_to_target"]["steps"] == 2
     assert target.question(test_cfg, metrics["finetune"])["answer"] == "full"
+
+
+def test_the_time_covers_the_first_step_and_the_ranking_follows_the_interleaved_step_pair():
+    """Two runs 4 steps to the target. Their own medians put lora-r8-gc's step at 1.5x lora-r8's; the interleaved
+    pair (bench_finetune) measured it faster, 0.8 [0.75, 0.85]: the two measurements disagree, and no run is named
+    first. Each time counts its first step as measured (6 s) and the other 3 at the median."""
+    slow = {"median": 3.0, "ci95_median": [2.8, 3.3], "n": 6, "first_step_s": 6.0, "excluded": "the first 1 step(s)"}
+    runs = [_run("lora-r8", "lora", [3.40, 3.37, 3.30], 1e-3, step=STEP | {"first_step_s": 6.0, "excluded": "1"}),
+            _run("lora-r8-gc", "lora", [3.40, 3.37, 3.30], 1e-3, step=slow)]
+    runs[1]["settings"] = runs[1]["settings"] | {"gradient_checkpointing": True}
+    timed = target.with_targets(CFG, runs)
+    t = timed[0]["time_to_target"]
+    assert (t["time_s"], t["lo"], t["hi"]) == pytest.approx((6 + 3 * 2.0, 6 + 3 * 1.8, 6 + 3 * 2.4))
+    assert target.question(CFG, timed)["answer"] == "lora-r8", "on the runs' own medians"
+    pair = {"status": "ok", "a": "lora-r8", "b": "lora-r8-gc",
+            "step_time_ratio": {"median": 0.8, "ci95": [0.75, 0.85], "rounds": 6, "verdict": "faster"}}
+    bench = [{"status": "ok", "pairs": [pair]}]
+    q = target.question(CFG, timed, bench)
+    assert q["answer"] is None and q["why"] == ("not decided: lora-r8-gc is ahead on the paired steady steps, lora-r8 "
+                                                "on the time with its warm-up step (one measurement per run)")
+    pair["step_time_ratio"] |= {"median": 1.3, "ci95": [1.2, 1.4], "verdict": "slower"}
+    assert target.question(CFG, timed, bench)["answer"] == "lora-r8", "gc's steps measured 1.2x or more, paired"

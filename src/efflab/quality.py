@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import math
 
+from .measure.stats import NOT_DECIDED
+
 # scipy.stats takes 1-2 s to import on 2 cores and only a t interval needs it: it is imported inside the two
 # functions that compute one, and only with MIN_ROWS rows or more, so that importing this module (every stage that
 # compares models, evaluation.scores, the report and claims) does not pay it, nor a comparison too small for one.
@@ -157,37 +159,78 @@ def _share(rows: list[list[tuple[int, float]]], picked) -> float | None:
     return None if ppl[1] == ppl[0] else (ppl[1] - ppl[2]) / (ppl[1] - ppl[0])
 
 
+def warmup_seconds(step_time: dict | None) -> list[float]:
+    """The seconds of the steps the steady step time leaves out (timing_warmup_steps), first first: recorded as
+    `warmup_steps_s`, or (records made before) the first step alone where one was left out."""
+    st = step_time or {}
+    if st.get("warmup_steps_s") is not None:
+        return list(st["warmup_steps_s"])
+    return [st["first_step_s"]] if st.get("excluded") and st.get("first_step_s") is not None else []
+
+
 def time_to_target(points: list[dict], target: float, step_time: dict | None) -> dict:
     """Time to quality on one run's validation curve (MLPerf Training's measure): the first point (step, loss) at or
-    below `target`, and the time to it as steps × the median step time, with the 95% interval of that median where
-    the run's steps give one. One seed: the step count itself has no interval. A run that never reaches the target
-    is "not reached in N steps", and the least time it would have needed is more than N steps' (`lo`)."""
+    below `target`, and the time of the steps it took: its warm-up steps as measured (the first included) and the
+    rest × the median steady step, with that median's 95% interval where the run's steps give one. One seed: the
+    step count itself has no interval. A run that never reaches the target is "not reached in N steps", and the least
+    time it would have needed is more than N steps' (`lo`)."""
     median = (step_time or {}).get("median")
     lo, hi = (step_time or {}).get("ci95_median") or (None, None)
-    n = (step_time or {}).get("n")
+    n, warm = (step_time or {}).get("n"), warmup_seconds(step_time)
+
+    def took(steps: int, per_step: float | None) -> float | None:
+        return None if per_step is None else sum(warm[:steps]) + max(0, steps - len(warm)) * per_step
     hit = next((p for p in points if p["loss"] <= target), None)
     if hit is None:
         ran = points[-1]["step"] if points else 0
         return {"reached": False, "steps": None, "steps_run": ran, "why": f"not reached in {ran} steps",
-                "time_s": None, "lo": ran * lo if lo is not None else None, "hi": None, "n": n,
+                "time_s": None, "lo": took(ran, lo), "hi": None, "n": n,
                 "last_loss": points[-1]["loss"] if points else None}
     steps = hit["step"]
     return {"reached": True, "steps": steps, "steps_run": points[-1]["step"], "loss": hit["loss"],
-            "time_s": steps * median if median is not None else None,
-            "lo": steps * lo if lo is not None else None, "hi": steps * hi if hi is not None else None, "n": n,
-            "measured_s": hit.get("train_s")}
+            "time_s": took(steps, median), "lo": took(steps, lo), "hi": took(steps, hi), "n": n,
+            "warmup_steps": min(steps, len(warm)), "measured_s": hit.get("train_s")}
 
 
-def first_to_target(times: dict[str, dict]) -> tuple[str | None, str]:
-    """The run that reaches the target first, decided only where its interval ends below every other run's start
-    (a run that never reached it starts after all the steps it ran): (name or None, why)."""
+def first_to_target(times: dict[str, dict], step_ratio=None) -> tuple[str | None, str]:
+    """The run that reaches the target first, decided on the paired step measurement where `step_ratio(best, other)`
+    gives it (records.step_ratio: other's step time over best's, interleaved or paired): a run is first where, for
+    every other run, its steps over this one's × that ratio's lower end exceed 1 (a run that never reached it took
+    more than the steps it ran), and only where it also has the least time with its warm-up steps (measured once per
+    run): where the two measurements order the runs two ways, none is first. Without `step_ratio`,
+    where the least time's interval ends before every other run's begins. (name or None, why)."""
     reached = {k: t for k, t in times.items() if t["reached"] and t["time_s"] is not None}
     if not reached:
         return None, "no run reached the target"
+    if step_ratio is not None:  # the least time, where its pairs put it ahead of every other run too
+        order = sorted(reached, key=lambda k: reached[k]["time_s"])
+        tried = [_first_by_pairs(k, reached[k], {o: t for o, t in times.items() if o != k}, step_ratio)
+                 for k in order]
+        ahead = next((k for k, t in zip(order, tried) if t[0]), None)
+        if ahead and ahead != order[0]:  # the two measurements order the runs two ways: no answer
+            return None, (f"not decided: {ahead} is ahead on the paired steady steps, {order[0]} on the time with "
+                          "its warm-up step (one measurement per run)")
+        return tried[0]
     best = min(reached, key=lambda k: reached[k]["time_s"])
-    others = [t for k, t in times.items() if k != best]
-    if reached[best]["hi"] is None or any(t["lo"] is None for t in others):
+    others = {k: t for k, t in times.items() if k != best}
+    if reached[best]["hi"] is None or any(t["lo"] is None for t in others.values()):
         return None, "not decided at this size: a step time without a 95% interval"
-    if all(reached[best]["hi"] < t["lo"] for t in others):
+    if all(reached[best]["hi"] < t["lo"] for t in others.values()):
         return best, "its interval ends before every other run's begins"
     return None, "not decided at this size: the intervals overlap"
+
+
+def _first_by_pairs(best: str, b: dict, others: dict[str, dict], step_ratio) -> tuple[str | None, str]:
+    """first_to_target on the paired step times: best's steps against each other run's, each scaled by the ratio."""
+    for name, t in others.items():
+        r = step_ratio(best, name)
+        if not r or r.get("why"):
+            return None, f"not decided: {name} against {best}: " + ((r or {}).get("why") or "no paired step time")
+        if not r.get("ci95"):
+            return None, f"{NOT_DECIDED}: {name}'s step time over {best}'s has no 95% interval"
+        steps = t["steps"] if t["reached"] else t["steps_run"]
+        if not b["steps"] or steps / b["steps"] * r["ci95"][0] <= 1:
+            return None, (f"{NOT_DECIDED}: {name}'s steps to it ({steps}{'' if t['reached'] else '+'}) × its step "
+                          f"time over {best}'s ({r['ci95'][0]:.3g}–{r['ci95'][1]:.3g}) reach {best}'s {b['steps']}")
+    return best, "its steps × every other run's paired step time over its own lie apart"
+

@@ -159,7 +159,7 @@ def steady_steps(step_times, warmup: int) -> dict:
     skip = warmup if len(durations) > warmup else 0
     steady_s, steady_tokens = durations[skip:], tokens[skip:]
     return {"step_time": summarize(steady_s) | {
-                "first_step_s": durations[0] if durations else None,
+                "first_step_s": durations[0] if durations else None, "warmup_steps_s": durations[:skip],
                 "excluded": f"the first {skip} step(s) (timing_warmup_steps)" if skip else None},
             "steps": len(steady_s), "excluded_steps": skip, "tokens": sum(steady_tokens),
             "seconds": sum(steady_s),

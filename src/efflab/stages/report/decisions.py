@@ -313,7 +313,7 @@ def build(cfg: dict, metrics: dict) -> dict:
                                   "pair's own comparison, memory by peaks apart by more than their measured error",
                                   tolerance)
         q["finetune"] |= {"memory_kind": f["kind"], "memory_error": errors.get(f["kind"])}
-    if ttt := target.question(cfg, metrics.get("finetune", [])):
+    if ttt := target.question(cfg, metrics.get("finetune", []), metrics.get("bench_finetune", [])):
         q["finetune_target"] = ttt
     if facts["inference"]:
         f = facts["inference"]

@@ -113,7 +113,7 @@ def finetune_target(d: dict) -> str:
     first = next((o for o in d["options"] if o["name"] == d["answer"]), None)
     head = f"first **{first['name']}**" if first else f"first {d['why']}"
     rest = "; ".join(_to_target(o) for o in d["options"])
-    return (f"- **Time to target** (validation loss ≤ {t['loss']:.4g}: {said}; time = steps × median step"
+    return (f"- **Time to target** (validation loss ≤ {t['loss']:.4g}: {said}; time = the warm-up step as measured + the rest × median step"
             + (f", memory `{kind}`" if kind else "") + f"): {head}. {rest}." + _link("finetune_target"))
 
 

@@ -5,7 +5,7 @@ step-0 loss of a run whose model before training is the base (validation_curve.s
 time to it (quality.time_to_target) is put on its record once (with_targets), before any table or decision reads
 it. Runs that differ only in their learning rate or seed are one method's sweep: the method is represented by
 its run that reaches the target first (the learning rate chosen per method, as MLPerf's submitters tune theirs),
-and the methods are compared by quality.first_to_target.
+and the methods are compared by quality.first_to_target on the paired step times (records.step_ratio).
 """
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def sweep_key(r: dict) -> str:
                       default=str)
 
 
-def question(cfg: dict, finetune: list[dict]) -> dict | None:
+def question(cfg: dict, finetune: list[dict], bench_finetune: list[dict] = ()) -> dict | None:
     """decisions.json's time-to-target question: per method (its sweep's first run), steps and time to the target
     with their interval, the peak memory it trained at, and the run that reaches it first where that is decided.
     `finetune`: the records with_targets timed."""
@@ -73,13 +73,11 @@ def question(cfg: dict, finetune: list[dict]) -> dict | None:
     for r in runs:
         sweeps.setdefault(sweep_key(r), []).append(r)
     options = [_option(group) for group in sweeps.values()]
-    answer, why = quality.first_to_target({o["name"]: o["time"] for o in options})
     by_name = {r["run"]: r for r in runs}
-    changed = answer and next((w for o in options if o["name"] != answer
-                               if (w := records.speed_changed(by_name[answer], by_name[o["name"]],
-                                                              SENTINEL_TOLERANCE))), None)
-    if changed:  # each run timed its own steps, in its own process: only at one machine speed do they compare
-        answer, why = None, f"not decided: {changed}"
+    # ranked on the one step-time comparison the knob table and the fine-tuning decision read (interleaved, else
+    # paired step by step, else the runs' own at one machine speed: records.step_ratio gives why not otherwise)
+    answer, why = quality.first_to_target({o["name"]: o["time"] for o in options}, lambda a, b: records.step_ratio(
+        by_name[a], by_name[b], bench_finetune, SENTINEL_TOLERANCE))
     return {"question": "Which fine-tune reaches the target loss first?", "baseline": None, "answer": answer,
             "why": why, "target": target, "frontier": [], "options": options}
 
