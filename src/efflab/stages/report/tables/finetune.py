@@ -33,8 +33,9 @@ def finetune_table(rows: list[dict]) -> pd.DataFrame:
 
 def target_table(rows: list[dict]) -> pd.DataFrame:
     """Each run's time to the loss target (report.target.with_targets put it on the record): the learning rate and
-    adapter init it trained with, steps and time (the warm-up steps as measured + the rest × the median step time, its 95% interval), the measured
-    training seconds at that step, and the peak memory it trained at. No verdict: the glance's, decided once."""
+    adapter init it trained with, steps and time (the warm-up steps as measured + the rest × the median step time,
+    its 95% interval), the measured training seconds at that step, and the peak memory it trained at. No verdict:
+    the glance's, decided once."""
     out = []
     for r in records.ok(rows):
         t = r.get("time_to_target")
