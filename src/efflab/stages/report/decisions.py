@@ -199,19 +199,30 @@ def _speculative(options: list[dict], tolerance: float) -> dict:
                    "the intervals separate"}
 
 
+KV_SPEED_FLOOR = 0.9  # a quantized cache is an answer only if its decode is shown no slower than this × the full cache
+
+
 def _kv_quant(variant: str, options: list[dict], tolerance: float) -> dict:
     """What a quantized KV cache saves and costs on `variant`: the cache holding the least memory among those whose
-    perplexity interval lies within the tolerance (its speed said beside, never hidden)."""
+    perplexity interval lies within the tolerance and whose decode speed's interval lies at or above KV_SPEED_FLOOR;
+    a cache that meets the first two but not the speed is a trade (`trades`: the MiB it saves, the speed it costs)."""
     base = next((o for o in options if o["baseline"]), None)
     made = [_option(o, base, tolerance, {k: o.get(k) for k in ("cache", "context", "memory_kind", "memory_ratio")})
             for o in options]
     kept = [o for o in made if not o["baseline"] and o["axes"]["memory"] and o["axes"]["memory"]["verdict"] == "less"
             and (o["axes"]["quality"] or {}).get("verdict") == "within"]
-    answer = min(kept, key=lambda o: o["axes"]["memory"]["value"])["name"] if kept else None
+    fast = [o for o in kept if (o["axes"]["speed"] or {}).get("lo") is not None
+            and o["axes"]["speed"]["lo"] >= KV_SPEED_FLOOR]
+    answer = min(fast, key=lambda o: o["axes"]["memory"]["value"])["name"] if fast else None
+    full = (base or {}).get("axes", {}).get("memory") or {}
+    trades = [{"name": o["name"], "cache": o["cache"], "context": o["context"], "speed": o["axes"]["speed"],
+               "saves_mib": full["value"] - o["axes"]["memory"]["value"] if full.get("value") else None}
+              for o in kept if o not in fast]
     return {"question": f"Which KV cache for {variant}?", "variant": variant, "baseline": (base or {}).get("name"),
-            "answer": answer,
+            "answer": answer, "trades": trades, "speed_floor": KV_SPEED_FLOOR,
             "frontier": [], "options": made,
-            "why": "the quantized cache holding the least memory whose perplexity interval lies within the tolerance"}
+            "why": "the quantized cache holding the least memory whose perplexity interval lies within the tolerance "
+                   f"and whose decode speed's interval lies at or above {KV_SPEED_FLOOR:g}× the full-precision cache's"}
 
 
 def _prune(rows: list[dict], tolerance: float) -> dict:

@@ -155,8 +155,13 @@ def kv_quant(d: dict) -> str:
                      for o in d["options"] if not o["baseline"])
     base = next((o for o in d["options"] if o["baseline"]), None)
     against = f" (full precision: {_mib(base['axes']['memory'])} at {base['context']} tokens)" if base else ""
-    head = f"**{d['answer']}**" if d["answer"] else "no quantized cache shown to hold less within the tolerance"
-    return f"- **Quantized KV cache** of {d['variant']}{against}: {head}. {rest}." + _link("generation_modes")
+    floor = d.get("speed_floor")
+    head = f"**{d['answer']}**" if d["answer"] else ("no quantized cache shown to hold less within the tolerance"
+                                                     + (f" and decode no slower than {floor:g}×" if floor else ""))
+    trades = "; ".join(f"a trade: {t['cache']} saves {t['saves_mib']:,.0f} MiB at {t['context']} tokens for a decode "
+                       f"of {_x(t['speed'])}" for t in d.get("trades", []) if t["saves_mib"] is not None)
+    return (f"- **Quantized KV cache** of {d['variant']}{against}: {head}" + (f"; {trades}" if trades else "")
+            + f". {rest}." + _link("generation_modes"))
 
 
 def attention(d: dict) -> str:
