@@ -177,9 +177,9 @@ def test_which_kv_cache_names_the_smallest_within_the_tolerance_and_not_slower_e
     assert q["answer"] is None and [t["cache"] for t in q["trades"]] == ["quanto-4"]
     line = glance.kv_quant(q)
     assert line.startswith("- **Quantized KV cache** of baseline (full precision: 45 MiB at 1024 tokens): no quantized "
-                           "cache shown to hold less within the tolerance and decode no slower than 0.9×; a trade: "
-                           "quanto-4 saves 37 MiB at 1024 tokens for a decode of 0.89× [0.8, 1.07].")
-    assert "quanto-2: holds 6 MiB at 1024 tokens (less), decodes 0.95× [0.9, 1.01]" in line
+                           "cache shown to hold less within the tolerance and generate no slower than 0.9×; a trade: "
+                           "quanto-4 saves 37 MiB at 1024 tokens for a generation speed of 0.89× [0.8, 1.07].")
+    assert "quanto-2: holds 6 MiB at 1024 tokens (less), generates 0.95× [0.9, 1.01]" in line
     assert line in glance.lines(made)
     quick = [PLANTED[0] | {"cells": PLANTED[0]["cells"][:4] + [_kv_cell("quanto-4", (0.98, 0.93, 1.07), (1.0, -0.9,
                                                                                                         2.9))]}]

@@ -46,7 +46,7 @@ def test_each_physical_bound_refuses_what_cannot_be_true(metric, value, top, bad
 
 def test_a_kl_a_rounding_below_zero_is_said_zero_with_its_value_and_never_printed_as_a_bare_zero():
     assert bounds.at_bound("kl", -3.1e-9) and not bounds.at_bound("kl", 0.03)
-    assert glance.kl_text(-3.1e-9) == "0 to within float rounding, -3.1e-09"
+    assert glance.kl_text(-3.1e-9) == "0 up to float rounding, -3.1e-09"
     assert glance.kl_text(0.0314) == "0.0314"
     assert "below 0" in ledger.check([_s(-0.01, verdict=None, metric="kl")])[0]
 

@@ -56,8 +56,9 @@ def _relative(path: str) -> str:
 # Pareto tables, and the report's figures as images.
 PARETO = {"finetune_pareto.csv": ("Fine-tuning: speed against peak memory", "peak_memory_mib", "peak memory (MiB)",
                                   "tokens_per_s", "training tokens/s"),
-          "inference_pareto.csv": ("Inference: decode speed against footprint", "footprint_mib",
-                                   "weights in memory (MiB)", "decode_tokens_per_s", "decode tokens/s")}
+          "inference_pareto.csv": ("Inference: generation speed against footprint", "footprint_mib",
+                                   "weights in memory (MiB)", "generation_speedup",
+                                   "generation speed × the base model's")}
 
 
 def plots(jobs: list[dict]) -> list[dict]:

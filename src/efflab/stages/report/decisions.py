@@ -187,7 +187,8 @@ def _open_loop(o: dict | None) -> dict | None:
 def _speculative(options: list[dict], tolerance: float) -> dict:
     """Which speculative mode pays: faster than the model's own dynamic generation with its own greedy tokens; the
     fastest of those where the intervals separate. Each option says why where it does not pay."""
-    extra = ("mode", "draft", "acceptance_rate", "accepted_per_step", "tokens_per_step", "proposed", "greedy_equal")
+    extra = ("mode", "draft", "acceptance_rate", "accepted_per_step", "tokens_per_step", "proposed", "greedy_equal",
+             "prompts", "passes")
     made = [_option(o, None, tolerance, {k: o[k] for k in extra}) for o in options]
     for o in made:
         o["status"] = modes.speculative_status(o, (o["axes"]["speed"] or {}).get("verdict", "not measured"))

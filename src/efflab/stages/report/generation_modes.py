@@ -34,6 +34,7 @@ def speculative_options(inference: list[dict]) -> list[dict]:
                     "draft": c.get("draft"), "acceptance_rate": s.get("acceptance_rate"),
                     "accepted_per_step": s.get("accepted_per_step"), "tokens_per_step": s.get("tokens_per_step"),
                     "proposed": s.get("proposed"), "greedy_equal": s.get("greedy_equal"), "vs_dynamic": c.get("vs_dynamic"),
+                    "prompts": s.get("batches_compared"), "passes": s.get("steps"),
                     "env": env_of(job),
                     "axes": {"speed": ratio_axis((c.get("vs_dynamic") or {}).get("generation_speedup"))}})
     return out

@@ -48,7 +48,7 @@ def quantize(d: dict, tolerance: float) -> str:
         smaller = base["axes"]["memory"]["value"] / o["axes"]["memory"]["value"] if base else None
         head = (f"**{o['name']}**: perplexity {_pct(o['axes']['quality'])}, within +{tolerance:g}%; "
                 f"{_mib(o['axes']['memory'])}" + (f" ({smaller:.2f}× smaller)" if smaller else "")
-                + f"; decodes {_said(o['axes']['speed'], _x)}")
+                + f"; generates {_said(o['axes']['speed'], _x)}")
     else:
         head = f"none shown within +{tolerance:g}% perplexity"
     return f"- **Quantization scheme** (vs {d['baseline']}): {head}" + (f". Others: {rest}" if rest else "") + \
@@ -121,7 +121,7 @@ def inference(d: dict, tolerance: float) -> str:
     opts = {o["name"]: o for o in d["options"]}
     if d["answer"]:
         o = opts[d["answer"]]
-        head = (f"**{o['name']}**, decodes {_said(o['axes']['speed'], _x)}, {_mib(o['axes']['memory'])}, "
+        head = (f"**{o['name']}**, generates {_said(o['axes']['speed'], _x)}, {_mib(o['axes']['memory'])}, "
                 f"perplexity {_pct(o['axes'].get('quality'))}")
     else:
         head = f"no variant shown both faster than the base and within +{tolerance:g}% perplexity"
@@ -134,8 +134,11 @@ def inference(d: dict, tolerance: float) -> str:
 def _acceptance(o: dict) -> str:
     rate = o.get("acceptance_rate")
     said = f"{100 * rate:.0f}% of {o['proposed']} candidates accepted" if rate is not None else "nothing proposed"
-    steps = o.get("tokens_per_step")
-    return said + (f", {number(steps, 2)} tokens per step of the model" if steps is not None else "")
+    steps, prompts = o.get("tokens_per_step"), o.get("prompts")
+    # what the acceptance rests on: one prompt's candidates are not a workload's (the verdict's interval is of rounds)
+    rests = f"; on {prompts} prompt{'s' if prompts != 1 else ''} and {o['passes']} steps of the model" \
+        if prompts and o.get("passes") else ""
+    return said + (f", {number(steps, 2)} tokens per step of the model" if steps is not None else "") + rests
 
 
 def speculative(d: dict) -> str:
@@ -150,16 +153,16 @@ def speculative(d: dict) -> str:
 def kv_quant(d: dict) -> str:
     """What a quantized KV cache saves and costs: memory held at the longest context measured, speed, perplexity."""
     rest = "; ".join(f"{o['cache']}: holds {_mib(o['axes']['memory'])} at {o['context']} tokens "
-                     f"({o['axes']['memory']['verdict'] if o['axes']['memory'] else 'not measured'}), decodes "
+                     f"({o['axes']['memory']['verdict'] if o['axes']['memory'] else 'not measured'}), generates "
                      f"{_said(o['axes']['speed'], _x)}, perplexity {_said(o['axes']['quality'], _pct)}"
                      for o in d["options"] if not o["baseline"])
     base = next((o for o in d["options"] if o["baseline"]), None)
     against = f" (full precision: {_mib(base['axes']['memory'])} at {base['context']} tokens)" if base else ""
     floor = d.get("speed_floor")
     head = f"**{d['answer']}**" if d["answer"] else ("no quantized cache shown to hold less within the tolerance"
-                                                     + (f" and decode no slower than {floor:g}×" if floor else ""))
-    trades = "; ".join(f"a trade: {t['cache']} saves {t['saves_mib']:,.0f} MiB at {t['context']} tokens for a decode "
-                       f"of {_x(t['speed'])}" for t in d.get("trades", []) if t["saves_mib"] is not None)
+                                                     + (f" and generate no slower than {floor:g}×" if floor else ""))
+    trades = "; ".join(f"a trade: {t['cache']} saves {t['saves_mib']:,.0f} MiB at {t['context']} tokens for a "
+                       f"generation speed of {_x(t['speed'])}" for t in d.get("trades", []) if t["saves_mib"] is not None)
     return (f"- **Quantized KV cache** of {d['variant']}{against}: {head}" + (f"; {trades}" if trades else "")
             + f". {rest}." + _link("generation_modes"))
 
@@ -174,7 +177,7 @@ def attention(d: dict) -> str:
 
 def kl_text(kl: float) -> str:
     """A mean KL as read: a float32 sum a few 1e-9 below 0 is 0 to within rounding, and said so with its value."""
-    return f"0 to within float rounding, {kl:.1e}" if at_bound("kl", kl) else number(kl, 3)
+    return f"0 up to float rounding, {kl:.1e}" if at_bound("kl", kl) else number(kl, 3)
 
 
 def merge(key: str, d: dict) -> str:

@@ -262,8 +262,9 @@ def plot_finetune_pareto(points: list[dict], path: Path, question: dict | None =
 
 
 def plot_inference_pareto(points: list[dict], path: Path, question: dict | None = None) -> None:
-    _plot_front(points, "model footprint (MiB)", "decode speed × the base model's\n(interleaved; batch 1, KV cache)",
-                "Inference variants: footprint, decode speed and perplexity change", path,
+    _plot_front(points, "model footprint (MiB)", "generation speed × the base model's\n(whole generations, "
+                "prefill included;\ninterleaved; batch 1, KV cache)",
+                "Inference variants: footprint, generation speed and perplexity change", path,
                 {"baseline": "the base model", "missing": "quality not measured"}, question)
 
 

@@ -59,8 +59,10 @@ def check_statements(made: dict, withheld: list[dict], out) -> None:
     book.write(out / "statements.jsonl")
     problems = ledger.check(book.statements) + ledger.check_lines(book.statements, glance.by_question(made),
                                                                   "report.md")
+    for problem in problems:
+        log.error("report: statements disagree: %s", problem)
     if problems:
-        raise RuntimeError(f"the report contradicts itself ({len(problems)}): " + "; ".join(problems[:12]))
+        raise RuntimeError(f"the report contradicts itself ({len(problems)}, each in the log): " + "; ".join(problems[:3]))
 
 
 def more_tables(cfg: dict, tables: dict, environments: dict) -> str:
