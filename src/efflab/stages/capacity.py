@@ -50,6 +50,7 @@ import csv
 import json
 import logging
 import shutil
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -254,7 +255,10 @@ def cell(cfg: dict, results: str, spec: dict, timed: int) -> dict:
             "tensor_growth_mib": tensors.get("delta_mib"),
             **({"tensor_unavailable": tensors["unavailable"]} if "unavailable" in tensors else {}),
             "file_growth_mib": None if device.type == "cuda" or None in (files, files_after) else files_after - files,
-            "tokens": tokens, "step_s": step_s, "tokens_per_s": tokens / step_s["median"] if step_s else None,
+            "tokens": tokens, "step_s": step_s,
+            # the median of the steps' rates: the one figure the record's speed() states too (tokens over the median
+            # step differs from it wherever the steps are even in number)
+            "tokens_per_s": statistics.median(tokens / s for s in step_s["samples"]) if step_s else None,
             "predicted_growth_mib": [predicted(b, n) for b, n in spec["sizes"]]}
 
 
