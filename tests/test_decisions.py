@@ -8,7 +8,7 @@ import pytest
 from efflab import config
 from efflab.measure import stats
 from efflab.measure.stats import summarize
-from efflab.stages.report import advice, decisions, fmt, glance, knobs, pareto
+from efflab.stages.report import advice, decisions, fmt, glance, knobs, pareto, short_glance
 from tests.helpers import TEST_PARAMS
 from tests.test_advice import CFG, INFERENCE, QUANTIZE, metrics
 
@@ -240,12 +240,16 @@ def test_capacity_answers_the_largest_size_that_fits_per_subject_and_nothing_whe
                            "128-token rows fits; lora-r8: batch 5, 1,024 tokens or more at batch 1. ([table]")
 
 
-def test_the_glance_is_one_line_per_question_and_states_the_decisions_verdicts(cfg):
+def test_every_answer_is_a_full_line_and_the_glance_is_short_lines_of_the_same_verdicts(cfg):
     made = _build(cfg, quantize=QUANTIZE, bench_inference=INFERENCE, finetune=FINETUNE, bench_attention=ATTENTION,
                   merge=MERGE, qat=QAT, prune=PRUNE, bench_serving=SERVING, capacity=CAPACITY)
-    text = advice.glance(made, cfg)[0]
+    text = advice.every_answer(made)  # the full lines, in details.md
     questions = [line for line in text.splitlines() if line.startswith("- **")]
-    assert len(questions) == len(made["questions"]) and len(text.splitlines()) <= 40
+    assert len(questions) == len(made["questions"]) + bool(made["questions"]["serving"].get("open_loop"))
+    short = short_glance.lines(made)  # the glance: at most 10 bullets of at most 200 characters as read
+    bullets = [b for line in short.values() for b in line.splitlines()]
+    assert len(bullets) <= short_glance.MAX_LINES - 2 and max(map(short_glance.visible, bullets)) <= 200
+    assert "_more" in short or len(bullets) == len(questions)
     for key, axis in (("inference", "speed"), ("attention", "speed"), ("serving", "speed"), ("prune", "quality")):
         line = next(line for line in questions if glance.LINKS[key] in line)
         for o in made["questions"][key]["options"]:

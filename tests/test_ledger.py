@@ -119,3 +119,16 @@ def test_an_interval_end_near_its_verdict_s_bound_keeps_the_digits_that_set_it_a
     assert value_text({"value": 3.1, "lo": -0.04, "hi": 6.4, "n": 16}, "%", signed=True) == "+3.1% [-0.04, +6.4]"
     assert value_text({"value": 0.6, "lo": 0.55, "hi": 0.7, "n": 6}, "×") == "0.6× [0.55, 0.7]"
     assert value_text({"value": 1.0, "lo": 1 + 1e-9, "hi": 1.2, "n": 6}, "×") == "1× [1, 1.2]"
+
+
+def test_each_reference_glance_is_read_in_a_minute_scale_first_then_short_lines():
+    """At most 12 lines (the scale, the answers, the pointer to the full ones), each at most 200 characters as read."""
+    from efflab.stages.report.short_glance import MAX_CHARS, MAX_LINES, visible
+
+    for path in sorted((REPO / "results" / "reference").glob("*/report/report.md")):
+        glance_text = path.read_text().split("## At a glance: your model on your data\n")[1].split("\n### ")[0]
+        lines = [line for line in glance_text.split("\n**Withheld**")[0].splitlines() if line.strip()]
+        assert lines[0].startswith("**Scale**: a 134.5M-parameter llama on 2 CPU cores"), path
+        assert len(lines) <= MAX_LINES and max(map(visible, lines)) <= MAX_CHARS, (path, lines)
+        details = (path.parent / "details.md").read_text()
+        assert "## Every answer in full" in details and "| TTFT |" in details

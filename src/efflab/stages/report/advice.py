@@ -15,11 +15,13 @@ from ...experiment import evaluated_name
 from ...measure.stats import NOT_DECIDED, against_tolerance, compare
 from ...measure.timing import SENTINEL_TOLERANCE
 from . import options as opts
+from . import short_glance
 from .decide import beats, best_point, frontier, winner
 from .fmt import markdown
 from .glance import fact
 from .glance import lines as question_lines
 from .render import render, value_text
+from .sections import prompt_count
 
 SPEED, QUALITY = {"speed": "max"}, {"quality": "min"}
 
@@ -257,11 +259,26 @@ def lines(facts: dict, cfg: dict) -> list[str]:
     return [render("advice.md.j2", size=run_size(cfg), **facts)]
 
 
-def glance(decisions: dict, cfg: dict) -> list[str]:
-    """The glance at the top of report.md: one line per question (report.glance) and the facts that hold."""
-    return [render("glance.md.j2", size=run_size(cfg), tolerance=decisions["tolerance_pct"],
-                   questions=question_lines(decisions),
-                   facts=[fact(f) for f in decisions.get("facts", [])])]
+def glance(decisions: dict, cfg: dict, metrics: dict) -> list[str]:
+    """The glance at the top of report.md, read in a minute: the run's scale, then a short line per question
+    (report.short_glance); each question's full line goes to details.md (every_answer)."""
+    size = run_size(cfg) | {"rows": _rows(cfg), "prompts": prompt_count(cfg, metrics)}
+    return [render("glance.md.j2", scale=short_glance.scale(size, metrics["base_model"][0]),
+                   questions=list(short_glance.lines(decisions).values()), full=short_glance.FULL)]
+
+
+def _rows(cfg: dict) -> str:
+    """The validation rows the perplexities rest on, as a range where the stages read different numbers of them."""
+    rows = sorted({cfg[s]["eval_rows"] for s in ("quantize", "qat", "prune") if "eval_rows" in cfg.get(s, {})}
+                  | {cfg["finetune"]["defaults"]["eval_rows"]})
+    return f"{rows[0]}–{rows[-1]}" if len(rows) > 1 else str(rows[0])
+
+
+def every_answer(decisions: dict) -> str:
+    """details.md's full answers: each question's line with every option's cost, then the facts that hold."""
+    facts = [f"- {fact(f)}" for f in decisions.get("facts", [])]
+    return "## Every answer in full\n\n" + "\n".join(question_lines(decisions)) + (
+        "\n\n" + "\n".join(facts) if facts else "") + "\n"
 
 
 def beaten_by(options: list[dict], name: str, key: str, better: str) -> list[str]:

@@ -82,8 +82,9 @@ def attention_law(bench_attention: list[dict], config: dict, claims: list[dict] 
             "claim": ATTENTION_CLAIM, "verdict": claim_verdict(claims, ATTENTION_CLAIM), "link": CLAIMS_LINK}
 
 
-def lines(metrics: dict) -> list[str]:
-    return [render("notes.md.j2", qlora=qlora_above_lora(metrics["finetune"]),
+def lines(metrics: dict, facts: list[str] = ()) -> list[str]:
+    """Results that may surprise: decisions.json's facts (their sentences), then the notes computed here."""
+    return [render("notes.md.j2", facts=list(facts), qlora=qlora_above_lora(metrics["finetune"]),
                    attention=attention_law(metrics["bench_attention"], metrics["base_model"][0].get("config", {}),
                                            metrics.get("claims", [])))]
 

@@ -6,11 +6,12 @@ import logging
 from ... import provenance
 from ...config import UserError
 from ...layout import Job
-from . import advice, decisions, glance, ledger, notes, task_quality
+from . import advice, decisions, glance, ledger, notes, short_glance, task_quality
 from . import sections as sec
 from .draw import Inputs, draw_plots, questions
 from .environments import comparison, environment_table, provenance_table
 from .fmt import anchor, env_of, markdown
+from .glance import fact
 from .pareto import finetune_pareto, inference_pareto, write_fronts
 from .parts import PARTS, details_tables
 from .render import render
@@ -37,9 +38,10 @@ def report_text(cfg: dict, metrics: dict, tables: dict, environments: dict, made
             return f"In details.md: [{DETAILS[key]}](details.md#{anchor(DETAILS[key])})."
         return comparison(tables[key], environments, cfg["report"]["allow_mixed_environments"])
 
-    parts = [sec.header(metrics["base_model"][0], metrics["prepare_data"][0]), *advice.glance(made, cfg),
+    parts = [sec.header(metrics["base_model"][0], metrics["prepare_data"][0]), *advice.glance(made, cfg, metrics),
              *filter(None, [sec.withheld(withheld)]),
-             *notes.lines(metrics), *notes.claims_lines(metrics["claims"], "../claims/claims.md"),
+             *notes.lines(metrics, [fact(f) for f in made.get("facts", [])]),
+             *notes.claims_lines(metrics["claims"], "../claims/claims.md"),
              "## In detail\n\nHow to read the numbers, and the words of every verdict: "
              "[details.md](details.md#how-to-read-the-numbers).\n"]
     for part in PARTS.values():
@@ -57,8 +59,9 @@ def check_statements(made: dict, withheld: list[dict], out) -> None:
     book.from_decisions(made)
     book.withheld(withheld)
     book.write(out / "statements.jsonl")
-    problems = ledger.check(book.statements) + ledger.check_lines(book.statements, glance.by_question(made),
-                                                                  "report.md")
+    problems = (ledger.check(book.statements)
+                + ledger.check_lines(book.statements, glance.by_question(made), "details.md")
+                + ledger.check_lines(book.statements, short_glance.lines(made), "report.md"))
     for problem in problems:
         log.error("report: statements disagree: %s", problem)
     if problems:
@@ -95,7 +98,8 @@ def run(cfg: dict, job: Job) -> dict:
                                 cfg["report"]["allow_mixed_environments"])
     answers = task_quality.answers(metrics["evaluate"])
     (out / "details.md").write_text(render(
-        "details.md.j2", how_to_read=sec.how_to_read(cfg), decisions="\n".join(advice.lines(facts, cfg)), memory=memory,
+        "details.md.j2", how_to_read=sec.how_to_read(cfg), every_answer=advice.every_answer(made),
+        decisions="\n".join(advice.lines(facts, cfg)), memory=memory,
         more=more_tables(cfg, tables, environments), samples=sec.samples(metrics["bench_inference"]),
         capacity=sec.capacity_misses(metrics),
         left_out=sec.left_out_details(cfg),
