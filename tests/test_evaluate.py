@@ -145,12 +145,43 @@ def test_a_broken_model_fails_the_gate(results, test_cfg, tmp_path):
 @pytest.mark.parametrize(("changes", "tolerance", "higher", "verdict"), [
     ({"change": -12.0, "ci95": [-15.0, -11.0]}, 10.0, True, "fails"),   # chrF fell by more than 10 throughout
     ({"change": -3.0, "ci95": [-6.0, 0.5]}, 10.0, True, "passes"),
-    ({"change": -9.0, "ci95": [-14.0, -4.0]}, 10.0, True, "undecided"),
+    ({"change": -9.0, "ci95": [-14.0, -4.0]}, 10.0, True, "not decided at this size"),
     ({"change": 0.3, "ci95": [0.2, 0.4]}, 0.1, False, "fails"),        # bits per byte rose by more than 0.1
-    ({"change": 0.3, "ci95": None}, 0.1, False, "undecided"),           # too few documents for an interval
+    ({"change": 0.3, "ci95": None}, 0.1, False, "not decided at this size"),  # too few documents for an interval
 ])
 def test_the_gate_is_decided_by_the_interval_of_the_drop(changes, tolerance, higher, verdict):
     assert scores.gate(changes, tolerance, higher) == verdict
+
+
+def _gen(responses, exact, chrf):
+    docs = [{"doc_id": i, "target": "t", "response": r, "scores": {"exact_match": e, "chrf": c}}
+            for i, (r, e, c) in enumerate(zip(responses, exact, chrf))]
+    return {"status": "ok", "metrics": {"exact_match": {"value": sum(exact) / len(exact)},
+                                        "chrf": {"value": sum(chrf) / len(chrf)}},
+            "higher_is_better": {"exact_match": True, "chrf": True}, "docs": docs}
+
+
+def test_a_gate_counts_only_what_the_base_resolves_fails_on_empty_answers_and_else_cannot_tell():
+    """Six documents: the base matches none exactly (exact_match 0: nothing to lose), so exact_match cannot tell; a
+    model that answers nothing fails whatever chrF's interval says; where no metric resolves, the gate cannot tell."""
+    base = {"tasks": {GEN_TASK: _gen(["a b"] * 6, [0] * 6, [12.0, 14.0, 10.0, 13.0, 11.0, 12.0])}}
+    tolerance = {"exact_match": 0.1, "chrf": 10.0}
+    same = scores.paired_changes({GEN_TASK: _gen(["a b"] * 6, [0] * 6, [12.0, 13.0, 11.0, 13.0, 11.0, 12.0])},
+                                 base, tolerance)
+    assert same[GEN_TASK]["exact_match"]["gate"].startswith("cannot tell at this size: the base model scores 0")
+    assert same[GEN_TASK]["chrf"]["gate"] == "passes" and scores.gate_verdict(same)["verdict"] == "passes"
+    silent = scores.paired_changes({GEN_TASK: _gen([""] * 6, [0] * 6, [0.0] * 6)}, base, tolerance)
+    assert silent[GEN_TASK]["empty answers"]["gate"] == "fails: all 6 answers empty"
+    assert scores.gate_verdict(silent)["verdict"] == "fails" and f"{GEN_TASK}/empty answers" in scores.gate_verdict(
+        silent)["failed"]
+    only_shares = scores.paired_changes({GEN_TASK: _gen(["a"] * 6, [0] * 6, [12.0] * 6)}, base, {"exact_match": 0.1})
+    assert scores.gate_verdict(only_shares)["verdict"] == "cannot tell at this size"
+    old = {"model": "m", "tasks": {GEN_TASK: _gen([""] * 6, [0] * 6, [0.0] * 6)},
+           "changes": {GEN_TASK: {k: {x: y for x, y in c.items() if x not in ("unresolved", "reference_value")}
+                                  for k, c in silent[GEN_TASK].items() if k != "empty answers"}}}
+    again = scores.with_resolution(old, base)  # a record made before: the same from the base's record
+    assert again[GEN_TASK]["empty answers"]["gate"] == "fails: all 6 answers empty"
+    assert again[GEN_TASK]["exact_match"]["unresolved"].startswith("cannot tell")
 
 
 def test_paired_mean_change_gives_an_interval_only_from_six_documents():

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 from .. import quality
+from ..measure.stats import NOT_DECIDED
 
 # lm-eval may be absent (an offline machine's bundle can leave it out: the evaluate stage then records itself
 # unavailable), and the report and claims stages import this module all the same: lm-eval's aggregation registry is
@@ -57,26 +58,63 @@ def change(reference: dict, variant: dict, metric: str) -> dict | None:
     return quality.paired_mean_change([ref[i] for i in ids], [var[i] for i in ids])
 
 
+# Metrics that are a share of documents (0-1): a model's score resolves no finer than one document in n.
+SHARES = {"exact_match", "acc"}
+CANNOT_TELL = "cannot tell at this size"
+
+
+def unresolved(metric: str, base_value: float | None, n: int | None, higher_is_better: bool) -> str | None:
+    """Why a metric cannot gate at this size, or None: a higher-is-better score the base model does not get above
+    what n documents resolve (a share: one document in n; any other score: 0) has nothing to lose."""
+    if not higher_is_better or base_value is None or not n:
+        return None
+    floor = 1 / n if metric in SHARES else 0.0
+    if base_value <= floor:
+        return (f"{CANNOT_TELL}: the base model scores {base_value:.3g} on {metric}, no more than "
+                + (f"one document in {n}" if metric in SHARES else "0"))
+    return None
+
+
 def gate(chg: dict | None, tolerance: float, higher_is_better: bool) -> str:
     """`fails` when the whole interval of the drop (the change in the worse direction) exceeds `tolerance`,
-    `passes` when the whole interval is within it, `undecided` otherwise or without an interval."""
+    `passes` when the whole interval is within it, not decided at this size otherwise or without an interval; a
+    change recorded unresolved (`unresolved`) cannot tell."""
+    if chg and chg.get("unresolved"):
+        return chg["unresolved"]
     if not chg or chg.get("ci95") is None:
-        return "undecided"
+        return NOT_DECIDED
     lo, hi = sorted(-x if higher_is_better else x for x in chg["ci95"])
-    return "fails" if lo > tolerance else "passes" if hi <= tolerance else "undecided"
+    return "fails" if lo > tolerance else "passes" if hi <= tolerance else NOT_DECIDED
 
 
 def overall(verdicts: list[str]) -> str:
-    """A variant fails the gate when any metric fails, passes when every metric passes; else undecided."""
-    if "fails" in verdicts:
+    """A variant fails the gate when any metric fails, passes when every metric that resolves at this size passes,
+    cannot tell where none resolves; else not decided at this size. A metric that cannot tell does not count."""
+    if any(v.startswith("fails") for v in verdicts):
         return "fails"
-    return "passes" if verdicts and all(v == "passes" for v in verdicts) else "undecided"
+    counted = [v for v in verdicts if not v.startswith(CANNOT_TELL)]
+    if not counted:
+        return CANNOT_TELL if verdicts else NOT_DECIDED
+    return "passes" if all(v == "passes" for v in counted) else NOT_DECIDED
+
+
+def empty_answers(result: dict, ref: dict) -> dict | None:
+    """A generation task whose every answer is empty where the reference model answered: a gate that fails whatever
+    its scores' intervals (chrF 0 on six documents has no interval to fail by)."""
+    answers = [d.get("response") for d in result.get("docs", []) if "response" in d]
+    if not answers or any((a or "").strip() for a in answers):
+        return None
+    if not any((d.get("response") or "").strip() for d in ref.get("docs", [])):
+        return None
+    return {"change": float(len(answers)), "n": len(answers), "ci95": None, "method": "answers counted",
+            "higher_is_better": False, "tolerance": 0, "gate": f"fails: all {len(answers)} answers empty"}
 
 
 def paired_changes(results: dict, reference: dict | None, tolerance: dict) -> dict:
     """Per task and metric of `results` (harness.evaluate's): the change against `reference` (a record holding the
     reference model's "tasks") on the same documents, its interval and its gate ("not gated" without a
-    tolerance for the metric)."""
+    tolerance for the metric; cannot tell where the reference's score does not resolve at this size), and a
+    generation task's empty answers (`empty answers`, failing)."""
     out = {}
     for task, result in results.items():
         ref = (reference or {}).get("tasks", {}).get(task)
@@ -87,16 +125,39 @@ def paired_changes(results: dict, reference: dict | None, tolerance: dict) -> di
             if chg is None:
                 continue
             better_up = bool(result["higher_is_better"].get(metric, True))
+            base = (ref.get("metrics", {}).get(metric) or {}).get("value")
+            chg = chg | {"reference_value": base, "unresolved": unresolved(metric, base, chg.get("n"), better_up)}
             out.setdefault(task, {})[metric] = {
                 **chg, "higher_is_better": better_up, "tolerance": tolerance.get(metric),
                 "gate": gate(chg, tolerance[metric], better_up) if metric in tolerance else "not gated"}
+        if empty := empty_answers(result, ref):
+            out.setdefault(task, {})["empty answers"] = empty
+    return out
+
+
+def with_resolution(job: dict, reference: dict | None) -> dict:
+    """A record's changes with what paired_changes adds to records made before it (the reference's score and whether
+    it resolves at this size, a generation task's empty answers), read from the reference model's own record."""
+    out = {}
+    for task, by in job["changes"].items():
+        ref = ((reference or {}).get("tasks") or {}).get(task) or {}
+        out[task] = {}
+        for metric, c in by.items():
+            if "unresolved" not in c and metric != "empty answers":
+                base = (ref.get("metrics", {}).get(metric) or {}).get("value")
+                c = c | {"reference_value": base,
+                         "unresolved": unresolved(metric, base, c.get("n"), c["higher_is_better"])}
+            out[task][metric] = c
+        if "empty answers" not in by and ref.get("status") == "ok" and \
+                (empty := empty_answers(job["tasks"].get(task, {}), ref)):
+            out[task]["empty answers"] = empty
     return out
 
 
 def gate_verdict(changes: dict) -> dict:
     """The model's gate over its gated metrics, and the metrics it fails on."""
     verdicts = [m["gate"] for task in changes.values() for m in task.values() if m["gate"] != "not gated"]
-    failed = sorted(f"{t}/{m}" for t, task in changes.items() for m, c in task.items() if c["gate"] == "fails")
+    failed = sorted(f"{t}/{m}" for t, task in changes.items() for m, c in task.items() if c["gate"].startswith("fails"))
     return {"verdict": overall(verdicts), "failed": failed}
 
 

@@ -45,12 +45,15 @@ def against_tolerance(cfg: dict, metrics: dict) -> dict:
                                         if v["method"] == m}, pct) for m in ("ptq", "qat")}
         return job | {"precision_range_test": tests, "tolerance_pct": pct}
 
+    evaluated = {j["model"]: j for j in records.ok(metrics.get("evaluate", []))}
+
     def gated(job: dict) -> dict:
         if not records.is_ok(job) or not job.get("reference"):
             return job
-        changes = {t: {m: c | {"tolerance": tasks.get(m), "gate": scores.gate(c, tasks[m], c["higher_is_better"])
-                               if m in tasks else "not gated"} for m, c in by.items()}
-                   for t, by in job["changes"].items()}
+        changes = scores.with_resolution(job, evaluated.get(job["reference"]))
+        changes = {t: {m: c | ({"tolerance": tasks.get(m), "gate": scores.gate(c, tasks[m], c["higher_is_better"])
+                                if m in tasks else "not gated"} if m != "empty answers" else {})
+                       for m, c in by.items()} for t, by in changes.items()}
         return job | {"changes": changes, "gate": scores.gate_verdict(changes)}
 
     return metrics | {"qat": [qat(j) for j in metrics.get("qat", [])],

@@ -9,11 +9,13 @@ import pandas as pd
 
 from ... import records
 from ...config import task_tolerance
+from ...evaluation.scores import CANNOT_TELL
 from ...measure.stats import NOT_DECIDED
 from .fmt import markdown, number, one_line
 
-# The gate as the report's one vocabulary says it (the record keeps passes / fails / undecided)
+# The gate as the report's one vocabulary says it (records made before it said undecided)
 GATE_WORDS = {"undecided": NOT_DECIDED}
+GATES = ("passes", "fails", NOT_DECIDED, CANNOT_TELL)
 
 
 def _num(value, digits: int = 4) -> str:
@@ -95,11 +97,14 @@ def answers(jobs: list[dict]) -> list[dict]:
 def facts(cfg: dict, jobs: list[dict]) -> dict:
     e = cfg["evaluate"]
     ok = records.ok(jobs)
-    gates = {v: sorted(j["model"] for j in ok if j["gate"]["verdict"] == v) for v in ("passes", "fails", "undecided")}
+    gates = {v: sorted(j["model"] for j in ok if GATE_WORDS.get(j["gate"]["verdict"], j["gate"]["verdict"]) == v)
+             for v in GATES}
+    cannot = sorted({f"{m} ({c['unresolved'].split(': ', 1)[1]})" for j in ok for by in j["changes"].values()
+                     for m, c in by.items() if c.get("unresolved")})
     unavailable = sorted({f"{t} ({r['reason']})" for j in ok for t, r in j["tasks"].items() if r["status"] != "ok"})
     tolerance = task_tolerance(cfg)
     return {"e": e, "tolerance": tolerance, "table": markdown(table(jobs)), "gates": gates,
             "resolution": resolution(jobs, tolerance),
-            "failed_on": {j["model"]: j["gate"]["failed"] for j in ok if j["gate"]["failed"]},
+            "failed_on": {j["model"]: j["gate"]["failed"] for j in ok if j["gate"]["failed"]}, "cannot": cannot,
             "unavailable": unavailable, "answers": answers(jobs),
             "commands": next((j["commands"] for j in ok if j["model"] == "base"), {})}
