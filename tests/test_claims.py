@@ -570,3 +570,29 @@ def test_the_kv_cache_speedup_reads_the_cells_with_and_without_it(tmp_path, regi
     row = stage.evaluate(claim, layout)
     assert row["verdict"] == "reproduced" and row["value"] == pytest.approx(2.0)
     assert (row["ci_low"], row["ci_high"]) == (pytest.approx(38 / 21), pytest.approx(42 / 19))
+
+
+def test_one_seed_sentence_gets_one_verdict_its_strongest_reading_s():
+    """INT8's "~2x memory savings" is computed (reproduced) and measured on schemes this run did not quantize (not
+    reproducible here): the sentence is reproduced, on its computed reading; a measured reading that decides would
+    take precedence over the computation."""
+    import pandas as pd
+
+    from efflab.stages.claims.sentences import sentence_counts, with_sentences
+    from efflab.stages.claims.verdict import EVIDENCE, VERDICTS
+
+    def row(claim, evidence, verdict, quote="INT8: ~2x memory savings"):
+        return {"id": claim, "source": "s", "quote": quote, "evidence": evidence, "verdict": verdict}
+    df = with_sentences(pd.DataFrame([row("int8-2x", "computed", "reproduced"),
+                                      row("int8-2x-measured", "measured", "not reproducible here"),
+                                      row("other", "definition", "differs", quote="another sentence")]))
+    assert df["sentence_verdict"].tolist() == ["reproduced", "reproduced", "differs"]
+    assert df["sentence_claim"].tolist() == ["int8-2x", "int8-2x", "other"]
+    counts = sentence_counts(df, VERDICTS, EVIDENCE)
+    assert counts["sentences"] == 2 and counts["by_sentence_verdict"]["reproduced"] == 1
+    measured = with_sentences(pd.DataFrame([row("int8-2x", "computed", "reproduced"),
+                                            row("int8-2x-measured", "measured", "differs")]))
+    assert measured["sentence_verdict"].tolist() == ["differs", "differs"], "a measurement decides before arithmetic"
+    for report in sorted((REPO / "results" / "reference").glob("*/report/report.md")):  # the re-rendered runs
+        kept = pd.read_csv(path := report.parent.parent / "claims" / "claims.csv")
+        assert (kept.groupby(["source", "quote"])["sentence_verdict"].nunique() == 1).all(), path

@@ -42,10 +42,18 @@ def _units_line(seed: dict, fits: dict | None) -> str:
             + (f" Its byte figures with a value here fit: {tally}." if tally else ""))
 
 
+def _verdict_cell(r) -> str:
+    """The sentence's one verdict on the reading it rests on; another reading of the same sentence is said as a
+    reading, pointing at the claim that decides."""
+    if r.id == r.sentence_claim:
+        return verdict_class(r.verdict)
+    return f"reading: {verdict_class(r.verdict)} (the sentence: `{r.sentence_claim}`)"
+
+
 def _seed_section(source: str, seed: dict, rows: pd.DataFrame, fits: dict | None) -> list[str]:
     table = _table(["claim", "quantity", "seed", "this run", "band", "verdict", "evidence"],
                    [[r.id, r.quantity.replace("_", " ").replace(":", ": ") or "—", r.reported, r.reproduced or "—",
-                     r.band, verdict_class(r.verdict), r.evidence] for r in rows.itertuples()])
+                     r.band, _verdict_cell(r), r.evidence] for r in rows.itertuples()])
     open_ = rows[rows["verdict"].map(verdict_class).isin(["differs", "inconclusive"])]
     notes = [f"- **{r.id}** ({verdict_class(r.verdict)}): {r.finding}" for r in open_.itertuples() if r.finding]
     return [f"## `{source}`: {seed['title']}", "", _units_line(seed, fits), "", *table, "",
@@ -55,7 +63,11 @@ def _seed_section(source: str, seed: dict, rows: pd.DataFrame, fits: dict | None
 def markdown(df: pd.DataFrame, seeds: dict, counts: dict) -> str:
     lines = ["# Published numbers: reported vs reproduced", "",
              f"{counts['claims']} numeric claims of the seed texts (workflow/claims.yaml), by what decides each "
-             f"(evidence) and its verdict:", "", *_counts_table(counts), "", HOW_TO_READ, ""]
+             f"(evidence) and its verdict:", "", *_counts_table(counts), "",
+             f"They read {counts['sentences']} sentences of the seeds; each sentence has one verdict, its strongest "
+             "reading's (one that decides, measured before computed before a definition): "
+             + ", ".join(f"{n} {v}" for v, n in counts["by_sentence_verdict"].items() if n)
+             + ". A claim that is another reading of a sentence says so in its verdict cell.", "", HOW_TO_READ, ""]
     for source, seed in seeds.items():
         rows = df[df["source"] == source]
         if len(rows):

@@ -16,12 +16,14 @@ from .page import markdown
 from .quantities import DEFINITIONS, compute
 from .readings import DEFINITION_METRICS, NotHere, read, scale_note
 from .registry import REGISTRY, default_tolerance, load
+from .sentences import sentence_counts, with_sentences
 from .verdict import EVIDENCE, VERDICTS, band, band_text, judge, reported_text, units_label, verdict_class
 
 log = logging.getLogger("efflab")
 
 COLUMNS = ["id", "source", "quote", "kind", "evidence", "quantity", "reported", "units", "band", "band_low",
-           "band_high", "reproduced", "value", "ci_low", "ci_high", "ratio", "verdict", "unit_fit", "reason", "finding"]
+           "band_high", "reproduced", "value", "ci_low", "ci_high", "ratio", "verdict", "unit_fit", "reason", "finding",
+           "sentence_verdict", "sentence_claim"]
 
 
 def evidence_of(claim: dict) -> str:
@@ -117,8 +119,8 @@ def _needs_gpu(row: dict, claim: dict, notes: list[str]) -> dict:
 
 def evaluate_all(claims: list[dict], layout, tolerance: dict | None = None,
                  finetune: Sequence[str] = ()) -> pd.DataFrame:
-    return pd.DataFrame([evaluate(c, layout, tolerance, finetune) for c in claims],
-                        columns=COLUMNS).fillna({"finding": "", "unit_fit": ""})
+    rows = pd.DataFrame([evaluate(c, layout, tolerance, finetune) for c in claims], columns=COLUMNS[:-2])
+    return with_sentences(rows.fillna({"finding": "", "unit_fit": ""}))
 
 
 def summary(df: pd.DataFrame, seeds: dict) -> dict:
@@ -133,6 +135,7 @@ def summary(df: pd.DataFrame, seeds: dict) -> dict:
             "by_evidence": {e: int((df["evidence"] == e).sum()) for e in EVIDENCE},
             "units": {s: {**{k: seed["units"][k] for k in ("convention", "evidence_kind")}, "byte_figures": fits[s]}
                       for s, seed in seeds.items() if "units" in seed},
+            **sentence_counts(df, VERDICTS, EVIDENCE),
             "differs": df.loc[classes == "differs", "id"].tolist(),
             "inconclusive": df.loc[classes == "inconclusive", "id"].tolist()}
 
