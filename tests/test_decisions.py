@@ -300,6 +300,19 @@ def test_each_memory_kind_s_measured_error_is_the_largest_spread_of_its_repeated
     assert e["from"].startswith("capacity:")
 
 
+def test_a_peak_s_error_comes_from_the_same_work_measured_twice_where_the_records_hold_it():
+    """The lora-r8 training cell at its maximum peaked at 1,851.4 MiB in the search and 1,841.5 MiB re-run to be
+    timed (0.54%): the error of a training peak, not the loaded model's 0.009% spread."""
+    from efflab.stages.report import options
+
+    repeated = _repeated("batch_size", 481.855, 481.859)
+    repeated["at_max"] |= {"peak_mib": 1841.5078125}
+    old = options.memory_errors(_measured(repeated))["cpu_peak_rss"]
+    assert old["from"] == options.LOADED_REPEATS and old["pct"] < 0.01
+    error = options.memory_errors(_measured(repeated | {"search_peak_mib": 1851.38671875}))["cpu_peak_rss"]
+    assert error["from"] == options.PEAK_REPEATS and error["pct"] == pytest.approx(100 * 9.87890625 / 1841.5078125)
+
+
 def test_a_memory_gap_beyond_its_measured_error_is_decided_and_one_within_it_is_not(cfg):
     """3,215 against 1,409 MiB, each one measurement, with a measured error of 2.8%: the smaller run has the least
     memory. 3,215 against 3,150 (2% apart) is within that error: no run is named."""

@@ -489,7 +489,9 @@ def searched(cfg: dict, at: Searching, subject: Subject, dimension: str, sizes: 
         rerun = best in found["timings"]
         maximum = found["timings"][best] if rerun else found["seen"][best]
         entry |= {"at_max": at_max(maximum, growth[best], first["loaded_mib"]),
-                  "timed_in": "a re-run of the maximum" if rerun else "the search's cell", **speed(maximum)}
+                  "timed_in": "a re-run of the maximum" if rerun else "the search's cell", **speed(maximum),
+                  # the same work's peak read twice, in two processes: what a training peak's error is measured on
+                  **({"search_peak_mib": found["seen"][best].get("peak_mib")} if rerun else {})}
     log.info("capacity %s %s, largest %s: predicted %s, measured %s%s (%d cells)", kind, subject.name, dimension,
              entry.get("predicted_max"), entry["measured_max"],
              " (the whole range fits)" if entry["whole_range_fits"] else "", len(found["seen"]))

@@ -146,25 +146,39 @@ def _loaded_pair(search: dict) -> tuple[float, float] | None:
     return (loaded - shift, loaded) if min(loaded - shift, loaded) > 0 else None
 
 
-def repeat_error(kind: str, pairs: list[tuple[float, float]]) -> dict:
+PEAK_REPEATS = ("capacity: the peak its budget holds of one training or generation cell, run twice in two fresh "
+                "processes (each search's maximum, in the search and again to be timed)")
+
+
+def _peak_pair(search: dict) -> tuple[float, float] | None:
+    """A capacity search's two readings of its maximum's peak, in the search's cell and in its timed re-run: the same
+    work measured twice, the error a peak of that work carries."""
+    a, b = search.get("search_peak_mib"), (search.get("at_max") or {}).get("peak_mib")
+    return (a, b) if a and b and search.get("timed_in") == "a re-run of the maximum" else None
+
+
+def repeat_error(kind: str, pairs: list[tuple[float, float]], source: str = LOADED_REPEATS) -> dict:
     """The measurement error of a memory kind from pairs of readings of the same thing in separate processes: the
     largest relative difference of a pair (over its smaller reading), with how many pairs and where from."""
     largest = max(pairs, key=lambda p: abs(p[0] - p[1]) / min(p))
     return {"kind": kind, "pct": 100 * abs(largest[0] - largest[1]) / min(largest), "pairs": len(pairs),
-            "largest_mib": abs(largest[0] - largest[1]), "of_mib": min(largest), "from": LOADED_REPEATS}
+            "largest_mib": abs(largest[0] - largest[1]), "of_mib": min(largest), "from": source}
 
 
 def memory_errors(capacity: list[dict]) -> dict[str, dict]:
-    """The run-to-run spread of each memory kind the records read twice (repeat_error), by kind: capacity's
-    loaded memory, of the kind its budget holds (`budget.memory`: cpu_peak_rss on a CPU). A kind no record read
-    twice has none: its single measurements decide nothing."""
-    pairs: dict[str, list[tuple[float, float]]] = {}
+    """The run-to-run spread of each memory kind the records read twice (repeat_error), by kind, of the kind
+    capacity's budget holds (`budget.memory`: cpu_peak_rss on a CPU): the peaks of one cell's work run twice where
+    the records hold them (the kind of work a training peak is), else the loaded model's memory read twice (records
+    made before). A kind no record read twice has none: its single measurements decide nothing."""
+    out: dict[str, dict] = {}
     for job in records.ok(capacity):
         kind = str((job.get("budget") or {}).get("memory", "")).split(":")[0]
-        found = [p for p in map(_loaded_pair, records.ok(job.get("searches", []))) if p]
-        if kind and found:
-            pairs.setdefault(kind, []).extend(found)
-    return {kind: repeat_error(kind, ps) for kind, ps in pairs.items()}
+        searches = records.ok(job.get("searches", []))
+        peaks = [p for p in map(_peak_pair, searches) if p]
+        loaded = [p for p in map(_loaded_pair, searches) if p]
+        if kind and (peaks or loaded):
+            out[kind] = repeat_error(kind, peaks, PEAK_REPEATS) if peaks else repeat_error(kind, loaded)
+    return out
 
 
 def memory_axis(memory: dict | None) -> dict | None:
