@@ -132,3 +132,19 @@ def test_each_reference_glance_is_read_in_a_minute_scale_first_then_short_lines(
         assert len(lines) <= MAX_LINES and max(map(visible, lines)) <= MAX_CHARS, (path, lines)
         details = (path.parent / "details.md").read_text()
         assert "## Every answer in full" in details and "| TTFT |" in details
+
+
+def test_the_questions_table_is_the_one_place_a_question_is_defined():
+    """decisions.json's keys, the glance's links and the short glance's order all derive from report.questions: an
+    unknown key fails loudly rather than dropping out of the glance."""
+    from efflab.stages.report import questions, short_glance
+
+    made = json.loads((AVX2 / "decisions.json").read_text())
+    assert {questions.kind_of(k) for k in made["questions"]} <= set(questions.BY_KIND)
+    assert all(made["questions"][k]["objective"] == questions.of(k).objective for k in made["questions"])
+    assert set(glance.LINKS) == set(questions.BY_KIND)
+    assert [k for k in short_glance.ORDER if k != "open_loop"] == list(questions.ORDER)
+    with pytest.raises(KeyError, match="not in report.questions"):
+        short_glance.lines(made | {"questions": made["questions"] | {"mystery": {"answer": None}}})
+    with pytest.raises(KeyError, match="has no glance line"):
+        glance.lines(made | {"questions": made["questions"] | {"mystery": {"answer": None}}})

@@ -18,7 +18,7 @@ from ...config import task_tolerance
 from ...evaluation import scores
 from ...measure import load
 from ...measure.stats import NOT_DECIDED, compare, ratio_words
-from . import advice, target
+from . import advice, questions, target
 from . import generation_modes as modes
 from . import options as opts
 from .decide import winner
@@ -332,7 +332,7 @@ def build(cfg: dict, metrics: dict) -> dict:
         q["finetune_target"] = ttt
     if facts["inference"]:
         f = facts["inference"]
-        q["inference"] = _question("Which inference variant and generation mode?", f, "base",
+        q["inference"] = _question(questions.BY_KIND["inference"].ask, f, "base",
                                    (f["pick"] or {}).get("name"), "faster than the base model and within the "
                                    "quality tolerance; the fastest of those where intervals separate",
                                    tolerance, f["status"])
@@ -359,10 +359,9 @@ def build(cfg: dict, metrics: dict) -> dict:
         q["serving"] = _serving(records.ok(metrics["bench_serving"])[0])
     if records.ok(metrics.get("capacity", [])):
         q["capacity"] = _capacity(records.ok(metrics["capacity"])[0], metrics.get("finetune", []))
-    stages = {"quantize": "quantize", "finetune": "finetune", "inference": "bench_inference",
-              "attention": "bench_attention", "qat": "qat", "prune": "prune", "serving": "bench_serving",
-              "capacity": "capacity"}
-    missing = {k: absent(cfg, metrics, s) or "its records give no comparison" for k, s in stages.items()
+    for key, d in q.items():  # what an answer must be, from the one table of questions
+        d["objective"] = questions.of(key).objective
+    missing = {k: absent(cfg, metrics, s) or "its records give no comparison" for k, s in questions.asked_once().items()
                if k not in q}
     return {"tolerance_pct": tolerance, "vocabulary": VOCABULARY, "memory_error": errors, "questions": q,
             "facts": said_facts(metrics), "absent": missing,

@@ -5,16 +5,12 @@ from __future__ import annotations
 
 from ...measure.bounds import at_bound
 from .fmt import brief, number, recovered_text
+from .questions import QUESTIONS
 from .render import value_text
 
-# Where each question's table is: the glance's option tables in details.md, the stages' sections in report.md.
-LINKS = {"quantize": "details.md#quantization-scheme", "finetune": "details.md#fine-tuning-method",
-         "inference": "details.md#inference-variant", "attention": "details.md#attention-implementation",
-         "merge": "details.md#merge-route", "qat": "#quantization-aware-training-and-the-precision-range-test",
-         "prune": "#structured-pruning", "serving": "#serving-naive-vs-static-vs-continuous-batching",
-         "capacity": "#capacity-the-largest-batch-and-sequence-that-fit",
-         "generation_modes": "#inference-variants-greedy-fixed-length",
-         "finetune_target": "details.md#time-to-target-run-by-run"}
+# Where each question's table is (report.questions): the glance's option tables in details.md, the stages' sections
+# in report.md.
+LINKS = {q.kind: q.link for q in QUESTIONS}
 
 
 def _pct(a):
@@ -147,7 +143,7 @@ def speculative(d: dict) -> str:
                      for o in d["options"])
     head = f"**{d['answer']}**" if d["answer"] else "none shown faster with the model's own greedy tokens"
     return (f"- **Speculative decoding** (vs the same model's dynamic generation): {head}. {rest}."
-            + _link("generation_modes"))
+            + _link("speculative"))
 
 
 def kv_quant(d: dict) -> str:
@@ -164,7 +160,7 @@ def kv_quant(d: dict) -> str:
     trades = "; ".join(f"a trade: {t['cache']} saves {t['saves_mib']:,.0f} MiB at {t['context']} tokens for a "
                        f"generation speed of {_x(t['speed'])}" for t in d.get("trades", []) if t["saves_mib"] is not None)
     return (f"- **Quantized KV cache** of {d['variant']}{against}: {head}" + (f"; {trades}" if trades else "")
-            + f". {rest}." + _link("generation_modes"))
+            + f". {rest}." + _link("kv_quant"))
 
 
 def attention(d: dict) -> str:

@@ -8,17 +8,15 @@ import re
 
 from .fmt import brief
 from .glance import LINKS, kl_text
+from .questions import QUESTIONS, kind_of, of
 from .render import value_text
 
 MAX_LINES = 12  # the scale line and the closing pointer included
 MAX_CHARS = 200  # of what a reader sees: a link's target is not counted
 FULL = "details.md#every-answer-in-full"
-ORDER = ("quantize", "finetune", "finetune_target", "inference", "attention", "speculative", "kv_quant", "serving",
-         "open_loop", "capacity", "merge", "qat", "prune")
-TITLES = {"quantize": "Quantization", "finetune": "Fine-tuning", "finetune_target": "Time to target",
-          "inference": "Inference", "attention": "Attention", "speculative": "Speculative decoding",
-          "kv_quant": "Quantized KV cache", "serving": "Serving", "open_loop": "Open-loop serving",
-          "capacity": "What fits", "merge": "Merge route", "qat": "Fewest weight bits", "prune": "Pruning"}
+# report.questions' order and labels, with the open loop after the serving method it belongs to
+ORDER = tuple(k for q in QUESTIONS for k in ((q.kind, "open_loop") if q.kind == "serving" else (q.kind,)))
+TITLES = {q.kind: q.title for q in QUESTIONS} | {"open_loop": "Open-loop serving"}
 
 
 def _said(a: dict | None, unit: str = "×", signed: bool = False) -> str:
@@ -155,7 +153,7 @@ def _entries(decisions: dict) -> list[tuple[str, str, str, str]]:
     """(the question's key in decisions.json, its kind, title, text) for every question answered, in ORDER."""
     tolerance, out = decisions["tolerance_pct"], []
     for key, d in decisions["questions"].items():
-        kind = key.split(":", 1)[0]
+        kind = of(key).kind  # a key that is not a row of report.questions fails here
         text = merge(key, d) if kind == "merge" else \
             SAYS[kind](d, tolerance) if kind in ("quantize", "inference") else SAYS[kind](d)
         out.append((key, kind, TITLES[kind], text))
@@ -164,7 +162,6 @@ def _entries(decisions: dict) -> list[tuple[str, str, str, str]]:
     return sorted(out, key=lambda e: ORDER.index(e[1]))
 
 
-LINKED = {"open_loop": "serving", "speculative": "generation_modes", "kv_quant": "generation_modes"}  # glance.LINKS
 SAYS = {"quantize": quantize, "finetune": finetune, "finetune_target": finetune_target, "inference": inference,
         "attention": attention, "speculative": speculative, "kv_quant": kv_quant, "serving": serving,
         "capacity": capacity, "qat": qat, "prune": prune}
@@ -183,7 +180,7 @@ def lines(decisions: dict) -> dict[str, str]:
     shown = entries if len(entries) <= room else entries[:room - 1]
     out: dict[str, str] = {}
     for key, kind, title, text in shown:
-        link = LINKS.get(LINKED.get(kind, kind), FULL)
+        link = LINKS[kind_of(key)]
         out[key] = (out[key] + "\n" if key in out else "") + f"- **{title}**: {text}. ([table]({link}))"
     rest = entries[len(shown):]
     if rest:
