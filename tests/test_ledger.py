@@ -148,3 +148,14 @@ def test_the_questions_table_is_the_one_place_a_question_is_defined():
         short_glance.lines(made | {"questions": made["questions"] | {"mystery": {"answer": None}}})
     with pytest.raises(KeyError, match="has no glance line"):
         glance.lines(made | {"questions": made["questions"] | {"mystery": {"answer": None}}})
+
+
+def test_a_ratio_decided_on_its_extreme_rounds_says_so():
+    """From 6 to 8 rounds the median's 95% interval is their range: faster means faster in every round."""
+    from efflab.measure.stats import interval_is_range
+    from efflab.stages.report.short_glance import _said
+
+    assert [n for n in range(3, 12) if interval_is_range(n)] == [6, 7, 8]
+    assert _said({"value": 1.2, "lo": 1.0011, "hi": 1.27, "n": 6, "verdict": "faster"}) == \
+        "1.2× [1.001, 1.27], faster in all 6 rounds"
+    assert _said({"value": 1.2, "lo": 1.05, "hi": 1.27, "n": 12, "verdict": "faster"}) == "1.2× [1.05, 1.27], faster"

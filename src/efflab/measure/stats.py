@@ -55,6 +55,15 @@ def median_ci_order(ordered: list[float], level: float = 0.95) -> tuple[list[flo
     return [ordered[k - 1], ordered[n - k]], 1 - 2 * tail
 
 
+def interval_is_range(n: int | None, level: float = 0.95) -> bool:
+    """Whether the order-statistic interval of n values' median (median_ci_order) is their whole range, [x(1), x(n)]:
+    then a ratio's verdict rests on its extreme rounds (faster: every one of the n rounds was), and says so."""
+    if not n:
+        return False
+    ci = median_ci_order(list(range(n)), level)
+    return ci is not None and ci[0] == [0, n - 1]
+
+
 # "No significant difference" is itself a claim: that the two sides are within this much of each other.
 EQUIVALENCE_MARGIN = 0.10
 

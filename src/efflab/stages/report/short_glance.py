@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 
+from ...measure.stats import interval_is_range
 from .fmt import brief
 from .glance import LINKS, kl_text
 from .questions import QUESTIONS, kind_of, of
@@ -20,8 +21,12 @@ TITLES = {q.kind: q.title for q in QUESTIONS} | {"open_loop": "Open-loop serving
 
 
 def _said(a: dict | None, unit: str = "×", signed: bool = False) -> str:
-    return f"{value_text(a, unit, signed=signed)}, {brief(a['verdict'])}" if a and a.get("verdict") else \
-        value_text(a, unit, signed=signed)
+    """An axis with its verdict; a ratio decided on its extreme rounds (its interval is their range) says so."""
+    if not a or not a.get("verdict"):
+        return value_text(a, unit, signed=signed)
+    extreme = a["verdict"] in ("faster", "slower") and unit == "×" and interval_is_range(a.get("n"))
+    return f"{value_text(a, unit, signed=signed)}, {brief(a['verdict'])}" + (
+        f" in all {a['n']} rounds" if extreme else "")
 
 
 def _opts(d: dict) -> dict:
@@ -101,8 +106,7 @@ def kv_quant(d: dict) -> str:
 def serving(d: dict) -> str:
     if d["answer"]:
         o = _opts(d)[d["answer"]]
-        return f"**{o['name']}**, throughput {value_text(o['axes']['speed'], '×')} naive's, " + \
-            brief(o["axes"]["speed"]["verdict"])
+        return f"**{o['name']}**, throughput over naive's {_said(o['axes']['speed'])}"
     return "no method shown faster than naive"
 
 
