@@ -138,6 +138,24 @@ def lora_parameters(name: str, r: int, targets, **overrides) -> int:
     return sum(lora_matrix_parameters(lay["out"], lay["in"], r) for lay in targeted_layers(name, targets, **overrides))
 
 
+def attention_crossover(config: dict) -> float | None:
+    """The sequence length at which eager attention's scores and softmax (2 × heads × L² floats a layer) reach the
+    activations that grow with L (about (4 × hidden + 3 × intermediate) × L a layer), from the sizes a config names;
+    None where it names them not."""
+    heads, hidden, inter = (config.get(k) for k in ("num_attention_heads", "hidden_size", "intermediate_size"))
+    return (4 * hidden + 3 * inter) / (2 * heads) if heads and hidden and inter else None
+
+
+def attention_exponent(config: dict, short: int, long: int, squared: bool = True) -> float | None:
+    """The exponent k of memory ~ L^k between two lengths that the crossover's law gives (L × (1 + L / crossover),
+    the L² term `squared`: eager; without it, flash and SDPA's memory-efficient kernels: 1)."""
+    crossover = attention_crossover(config)
+    if crossover is None or short == long:
+        return None
+    grow = (lambda n: n * (1 + n / crossover)) if squared else (lambda n: n)  # noqa: E731
+    return math.log(grow(long) / grow(short)) / math.log(long / short)
+
+
 def activation_bytes(name: str, seq_len: int, batch: int, bytes_per_el: float = 2, flash: bool = False,
                      checkpointing: bool = False, **overrides) -> float:
     """Activations a training step keeps for the backward pass, all layers.

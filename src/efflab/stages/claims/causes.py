@@ -4,6 +4,7 @@ predicts at the lengths bench_attention measured, what the other batching method
 holds."""
 from __future__ import annotations
 
+import json
 import math
 import re
 
@@ -26,6 +27,12 @@ def _named(layout) -> tuple[str, list[tuple[str, int]]] | None:
     if not (layout.base_model() / "config.json").is_file():
         return None
     return name, [(n, p.numel()) for n, p in analytic.meta_model(name).named_parameters()]
+
+
+def _recorded_config(layout) -> dict:
+    """The model sizes the base_model stage recorded (its metrics.json `config`), for a kept run without the folder."""
+    path = layout.metrics("base_model")
+    return (json.loads(path.read_text()).get("config") or {}) if path.is_file() else {}
 
 
 def _listed(params: list[tuple[str, int]], total: int) -> str:
@@ -106,8 +113,13 @@ def attention_exponent_expected(layout, impl: str, seqs: list[int]) -> str:
     shortest and longest sequence bench_attention measured: the asymptote is not reached at short lengths."""
     if len(seqs) < 2 or seqs[0] == seqs[-1]:
         return ""
-    if _named(layout) is None:
-        return NO_SHAPES
+    if _named(layout) is None:  # a kept run: the sizes its base_model record names, by the report's own law
+        config = _recorded_config(layout)
+        k = analytic.attention_exponent(config, seqs[0], seqs[-1], squared=impl == "eager")
+        return NO_SHAPES if k is None else (
+            f"by the crossover law (the L² scores overtake the linear activations at "
+            f"{analytic.attention_crossover(config):,.0f} tokens, from the base_model record's sizes), this model's "
+            f"exponent between {seqs[0]} and {seqs[-1]} tokens is {k:.3f}")
     name, flash = str(layout.base_model()), impl != "eager"
     ratio = (analytic.activation_bytes(name, seqs[-1], 1, 2, flash=flash)
              / analytic.activation_bytes(name, seqs[0], 1, 2, flash=flash))

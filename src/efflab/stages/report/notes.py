@@ -3,6 +3,7 @@ show of a result that may surprise, and the seed-claims check in brief."""
 from __future__ import annotations
 
 from ... import records
+from ...estimators import analytic
 from .render import render
 
 
@@ -72,10 +73,10 @@ def attention_law(bench_attention: list[dict], config: dict, claims: list[dict] 
                    for f in r.get("memory_exponents", []) if f.get("exponent") is not None]
             for impl in ("eager", "sdpa")}
     heads, hidden, inter = (config.get(k) for k in ("num_attention_heads", "hidden_size", "intermediate_size"))
-    if not fits["eager"] or not (heads and hidden and inter) or all(f["exponent"] > 1.5 for f in fits["eager"]):
+    crossover = analytic.attention_crossover(config)  # the law the claims' cause computes with too
+    if not fits["eager"] or crossover is None or all(f["exponent"] > 1.5 for f in fits["eager"]):
         return None
     lengths = sorted({row["seq_len"] for r in records.ok(bench_attention) for row in r.get("rows", [])})
-    crossover = (4 * hidden + 3 * inter) / (2 * heads)
     share = lengths[-1] / crossover  # the L² term over the linear ones at the longest length
     return {"fits": fits["eager"], "sdpa": fits["sdpa"], "heads": heads, "hidden": hidden, "inter": inter,
             "lengths": lengths, "crossover": crossover, "share": share, "local_k": 1 + share / (1 + share),
