@@ -132,7 +132,8 @@ def _qat(job: dict, tolerance: float) -> dict:
             "undecided_at": {m: tests[m].get("undecided_at") for m in ("ptq", "qat")},
             "why": "the fewest bits whose perplexity interval lies within the tolerance",
             "recovered": {b: v["recovered_share"] for b, v in qat.items() if v.get("recovered_share")},
-            "options": options}
+            # its own quantizer and reference: not the quantize stage's schemes, nor their base-model baseline
+            "quantizer": job.get("quantizer"), "group_size": job.get("group_size"), "options": options}
 
 
 def _serving(job: dict) -> dict:

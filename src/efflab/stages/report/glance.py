@@ -193,7 +193,10 @@ def qat(d: dict) -> str:
         bits, at = d["answer"][method], d["undecided_at"].get(method)
         return f"**{bits} bits**" if bits else f"not decided at this size from {at} bits" if at else "none"
     widths = "; ".join(f"{o['name']} {_said(o['axes']['quality'], _pct)}" for o in d["options"])
-    return (f"- **Fewest weight bits** (vs the full-precision fine-tune): quantized after training {said('ptq')}, "
+    lib = (d.get("quantizer") or "").split(" ")[0]
+    what = f"; {lib}'s quantizer, one scale per {d['group_size']} weights, not the quantize stage's schemes" \
+        if lib and d.get("group_size") else ""
+    return (f"- **Fewest weight bits** (vs the full-precision fine-tune{what}): quantized after training {said('ptq')}, "
             f"with quantization-aware training {said('qat')}. {widths}.{_recovered(d)}" + _link("qat"))
 
 

@@ -142,7 +142,9 @@ def qat(d: dict) -> str:
     def said(method: str) -> str:
         bits, at = d["answer"][method], d["undecided_at"].get(method)
         return f"**{bits} bits**" if bits else f"not decided at this size from {at} bits" if at else "none"
-    return f"PTQ {said('ptq')}, QAT {said('qat')}"
+    lib = (d.get("quantizer") or "").split(" ")[0]
+    return f"PTQ {said('ptq')}, QAT {said('qat')}" + (
+        f" ({lib}'s quantizer against the fine-tune: not Quantization's schemes)" if lib else "")
 
 
 def prune(d: dict) -> str:
