@@ -315,7 +315,7 @@ def test_dvc_tracks_the_snakemake_run_and_reruns_what_a_param_change_touches(loc
     assert "figures.json" in shown and "metrics.json" not in shown, "the DVC metrics are the jobs' figures"
     plots = json.loads(sh([BIN / "dvc", "plots", "show", "--json"], tmp_path).stdout)
     for title in ("Training loss by fine-tuning run", "Fine-tuning: speed against peak memory",
-                  "Inference: decode speed against footprint"):
+                  "Inference: generation speed against footprint"):
         assert title in json.dumps(plots), f"dvc plots show has no plot titled {title!r}"
     assert "results/report/quantize.png" in json.dumps(plots), "the report's figures are DVC image plots"
     sh([BIN / "dvc", "plots", "show", "-o", tmp_path / "dvc_plots"], tmp_path)
