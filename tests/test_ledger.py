@@ -86,7 +86,7 @@ def test_a_glance_line_may_say_only_the_verdicts_its_finding_holds():
     assert ledger.check_lines(held, fine, "report.md") == []
     planted = {"inference": fine["inference"].replace("slower", "faster")}
     assert ledger.check_lines(held, planted, "report.md") == [
-        "inference (report.md): says 'faster', which no statement of it holds"]
+        "inference (report.md): says 'faster' of int8, which no statement of it holds"]
 
 
 def test_a_flipped_verdict_in_the_decisions_is_followed_by_the_glance_and_caught_where_a_line_keeps_the_old_one():
@@ -101,7 +101,7 @@ def test_a_flipped_verdict_in_the_decisions_is_followed_by_the_glance_and_caught
     assert ledger.check(book.statements) == []
     assert ledger.check_lines(book.statements, glance.by_question(made), "report.md") == []
     stale = ledger.check_lines(book.statements, {"quantize": before["quantize"]}, "report.md")
-    assert stale == ["quantize (report.md): says 'not decided at this size', which no statement of it holds"]
+    assert stale == ["quantize (report.md): says 'not decided at this size' of int8, which no statement of it holds"]
 
 
 def test_every_reference_run_s_statements_hold_together():
@@ -159,3 +159,51 @@ def test_a_ratio_decided_on_its_extreme_rounds_says_so():
     assert _said({"value": 1.2, "lo": 1.0011, "hi": 1.27, "n": 6, "verdict": "faster"}) == \
         "1.2× [1.001, 1.27], faster in all 6 rounds"
     assert _said({"value": 1.2, "lo": 1.05, "hi": 1.27, "n": 12, "verdict": "faster"}) == "1.2× [1.05, 1.27], faster"
+
+
+FLIP = {"faster": "slower", "slower": "faster", "within": "beyond", "beyond": "within", "less": "more",
+        "more": "less"}
+
+
+def _flips(made: dict):
+    """Every (question, option, axis) of the decisions whose verdict has an opposite."""
+    for key, q in made["questions"].items():
+        for i, o in enumerate(q.get("options", [])):
+            for axis, a in (o.get("axes") or {}).items():
+                if a and a.get("verdict") in FLIP:
+                    yield key, i, axis
+
+
+@pytest.mark.parametrize("run", ["amd-epyc-avx2", "intel-r-xeon-r-processor-avx512-bf16"])
+def test_each_finding_s_flipped_verdict_is_followed_by_every_line_that_states_it(run):
+    """Planted: each option's verdict on each axis turned to its opposite, one at a time, in a reference's decisions.
+    The ledger re-read from them, the glance's full and short lines re-rendered from them hold together; the line
+    rendered before a flip, where it said the old word and nothing else holds it, no longer does."""
+    import copy
+
+    from efflab.stages.report import short_glance
+
+    made = json.loads((REPO / "results" / "reference" / run / "report" / "decisions.json").read_text())
+    flips = list(_flips(made))
+    assert len(flips) >= 8, flips
+    caught = 0
+    for key, i, axis in flips:
+        planted = copy.deepcopy(made)
+        a = planted["questions"][key]["options"][i]["axes"][axis]
+        old, a["verdict"] = a["verdict"], FLIP[a["verdict"]]
+        book = ledger.Ledger()
+        book.from_decisions(planted)
+        assert ledger.check(book.statements) == [], (key, axis)
+        assert ledger.check_lines(book.statements, glance.by_question(planted), "details.md") == [], (key, axis)
+        assert ledger.check_lines(book.statements, short_glance.lines(planted), "report.md") == [], (key, axis)
+        before = glance.by_question(made)[key]
+        name = planted["questions"][key]["options"][i]["name"]
+        still = {w for st in book.statements if st.finding == key and st.subject in (name, "-")
+                 for w in ledger.stated_words(st.verdict or "")}  # its status may still say the old word
+        names = [o["name"] for o in planted["questions"][key]["options"]]
+        said = old not in still and any(ledger._named_in(c, names) == [name] and old in ledger.stated_words(c)
+                                        for c in ledger._clauses(before))  # a clause of this option alone
+        stale = ledger.check_lines(book.statements, {key: before}, "details.md")
+        assert bool(stale) == said or not said, (key, name, axis, stale)
+        caught += bool(stale)
+    assert caught >= 8, (caught, len(flips))  # the flips whose old word a line printed beside the option

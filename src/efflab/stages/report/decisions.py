@@ -220,7 +220,7 @@ def _kv_quant(variant: str, options: list[dict], tolerance: float) -> dict:
             and o["axes"]["speed"]["lo"] >= KV_SPEED_FLOOR]
     answer = min(fast, key=lambda o: o["axes"]["memory"]["value"])["name"] if fast else None
     full = (base or {}).get("axes", {}).get("memory") or {}
-    trades = [{"name": o["name"], "cache": o["cache"], "context": o["context"], "speed": o["axes"]["speed"],
+    trades = [{"name": o["name"], "cache": o["cache"], "context": o["context"],  # its speed: the option's axis
                "saves_mib": full["value"] - o["axes"]["memory"]["value"] if full.get("value") else None}
               for o in kept if o not in fast]
     return {"question": f"Which KV cache for {variant}?", "variant": variant, "baseline": (base or {}).get("name"),

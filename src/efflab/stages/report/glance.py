@@ -157,8 +157,10 @@ def kv_quant(d: dict) -> str:
     floor = d.get("speed_floor")
     head = f"**{d['answer']}**" if d["answer"] else ("no quantized cache shown to hold less within the tolerance"
                                                      + (f" and generate no slower than {floor:g}×" if floor else ""))
+    speed = {o["name"]: o["axes"]["speed"] for o in d["options"]}
     trades = "; ".join(f"a trade: {t['cache']} saves {t['saves_mib']:,.0f} MiB at {t['context']} tokens for a "
-                       f"generation speed of {_x(t['speed'])}" for t in d.get("trades", []) if t["saves_mib"] is not None)
+                       f"generation speed of {_x(speed[t['name']])}" for t in d.get("trades", [])
+                       if t["saves_mib"] is not None)
     return (f"- **Quantized KV cache** of {d['variant']}{against}: {head}" + (f"; {trades}" if trades else "")
             + f". {rest}." + _link("kv_quant"))
 

@@ -166,12 +166,42 @@ def stated_words(line: str) -> set[str]:
     return {m.group(1) for m in _WORDS.finditer(_OBJECTIVE.sub("", line))}
 
 
+def _clauses(line: str) -> list[str]:
+    """A line cut at '; ', '. ' and ': ' outside parentheses: a parenthesis stays with the clause it qualifies."""
+    out, depth, start = [], 0, 0
+    for i, ch in enumerate(line):
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if depth == 0 and ch in ";.:" and line[i + 1:i + 2] == " ":
+            out.append(line[start:i])
+            start = i + 1
+    return out + [line[start:]]
+
+
+def _named_in(clause: str, subjects: list[str]) -> list[str]:
+    """The subjects a clause names, a name inside a longer one named too counted once (lora-r8 in lora-r8-gc)."""
+    found = [x for x in subjects if x and x != "-" and x in clause]
+    return [x for x in found if not any(x != y and x in y and y in clause for y in found)]
+
+
 def check_lines(statements: list[Statement], lines: dict[str, str], file: str) -> list[str]:
     """Each line of `file` that answers a finding (`lines`: finding -> its text) may say only the verdict words its
-    finding's statements hold: a word from anywhere else was decided outside the ledger."""
-    held: dict[str, set[str]] = {}
+    statements hold, clause by clause: a clause that names options may say only what those options' statements
+    hold, any other clause what the finding's hold. A word from anywhere else was decided outside the ledger."""
+    held: dict[str, dict[str, set[str]]] = {}
     for s in statements:
-        for word in stated_words(s.verdict or ""):
-            held.setdefault(s.finding, set()).add(word)
-    return [f"{finding} ({file}): says {word!r}, which no statement of it holds"
-            for finding, line in lines.items() for word in sorted(stated_words(line) - held.get(finding, set()))]
+        words = stated_words(s.verdict or "")
+        by = held.setdefault(s.finding, {})
+        by.setdefault(s.subject, set()).update(words)
+        by.setdefault("*", set()).update(words)
+    problems = []
+    for finding, line in lines.items():
+        by = held.get(finding, {})
+        subjects = sorted((k for k in by if k != "*"), key=len, reverse=True)
+        for clause in _clauses(line):
+            named = _named_in(clause, subjects)
+            # the question's own statements (subject "-": an answer not decided) hold in any clause
+            allowed = set().union(by.get("-", set()), *(by[x] for x in named)) if named else by.get("*", set())
+            for word in sorted(stated_words(clause) - allowed):
+                problems.append(f"{finding} ({file}): says {word!r}" + (f" of {', '.join(named)}" if named else "")
+                                + ", which no statement of it holds")
+    return problems

@@ -98,9 +98,10 @@ def kv_quant(d: dict) -> str:
         o = _opts(d)[d["answer"]]
         return f"**{o['cache']}** holds {value_text(o['axes']['memory'], ' MiB')} at {o['context']} tokens"
     trade = next((t for t in d.get("trades", []) if t["saves_mib"] is not None), None)
-    return "none both holds less within the tolerance and generates no slower than " \
+    return "none shown to hold less within the tolerance and generate no slower than " \
            f"{d.get('speed_floor', 0.9):g}×" + (f"; a trade: {trade['cache']} saves {trade['saves_mib']:,.0f} MiB "
-                                                  f"for {value_text(trade['speed'], '×')}" if trade else "")
+                                                  f"for {value_text(_opts(d)[trade['name']]['axes']['speed'], '×')}"
+                                                  if trade else "")
 
 
 def serving(d: dict) -> str:
