@@ -105,7 +105,7 @@ def test_qat_draws_each_paired_interval_and_labels_each_point_with_the_decisions
     assert not [t for t in labels.values() if "fail" in t]
     assert len(_intervals(ax)) == len(question["options"])
     assert any(list(line.get_ydata()) == [5.0, 5.0] for line in ax.get_lines()), "the tolerance line"
-    assert "QAT undecided from 4 bits" in ax.get_title() and "PTQ 8 bits" in ax.get_title()
+    assert "QAT not decided at this size from 4 bits" in ax.get_title() and "PTQ 8 bits" in ax.get_title()
 
 
 def _qat_option(method, bits, verdict, quality=None):

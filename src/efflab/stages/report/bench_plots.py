@@ -128,8 +128,10 @@ def plot_capacity(jobs: list[dict], path: Path) -> None:
     searches = [s for job in ok for s in job["searches"] if records.is_ok(s)]
     fixed = ok[0]["fixed"] if ok else {}
     held = "reserved memory" if ok and ok[0]["budget"]["memory"].startswith("cuda") else "RSS"
-    titles = {"batch_size": f"largest batch (training rows of {fixed.get('train_seq_len')} tokens;\n"
-                            f"generation: {fixed.get('prompt_len')}-token prompts, {fixed.get('new_tokens')} new)",
+    generating = any(s["kind"] != "train" for s in searches)  # the title names only what a panel draws
+    titles = {"batch_size": f"largest batch (training rows of {fixed.get('train_seq_len')} tokens"
+                            + (f";\ngeneration: {fixed.get('prompt_len')}-token prompts, {fixed.get('new_tokens')} new)"
+                               if generating else ")"),
               "seq_len": "longest sequence at batch 1"}
     units = {"batch_size": "batch size (sequences)", "seq_len": "sequence length (tokens)"}
     fig, axes = plt.subplots(2, 2, figsize=(12, 8.5))
@@ -143,8 +145,11 @@ def plot_capacity(jobs: list[dict], path: Path) -> None:
                                   fontsize=10)
     budget = next((j["budget"] for j in ok), None)
     fig.suptitle("What fits" + (f" in {budget['mib']:.0f} MiB ({budget['source']})" if budget else ""))
-    held = Patch(color="tab:orange", label=f"{held}, measured: above the blue bar, memory the estimator does not model")
-    fig.legend(handles=CAPACITY_LEGEND + [held], loc="lower center", ncol=2, fontsize=8)
+    held = Patch(color="tab:orange", label=f"{held} growth, measured (below): what it holds beyond the blue bar is "
+                                           "memory the estimator does not model")
+    # the legend names only what is drawn: the hatched bar only where a search fit its whole grid
+    drawn = CAPACITY_LEGEND[:2] + (CAPACITY_LEGEND[2:] if any(s.get("whole_range_fits") for s in searches) else [])
+    fig.legend(handles=drawn + [held], loc="lower center", ncol=2, fontsize=8)
     save_figure(fig, path, bottom=0.08)
 
 def _seq_axis(ax, df: pd.DataFrame, log_y: bool = True) -> None:

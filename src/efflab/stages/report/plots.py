@@ -122,7 +122,7 @@ def _qat_answer(question: dict) -> str:
         bits, undecided = question["answer"][method], question["undecided_at"][method]
         if bits:
             return f"{bits} bits"
-        return f"undecided from {undecided} bits" if undecided else "none"
+        return f"not decided at this size from {undecided} bits" if undecided else "none"
     return "fewest bits within the tolerance: " + ", ".join(f"{m.upper()} {said(m)}" for m in question["answer"])
 
 
@@ -135,7 +135,9 @@ def plot_qat(question: dict, job: dict, path: Path, tolerance_pct: float) -> Non
     for k, (method, colour) in enumerate((("ptq", "tab:red"), ("qat", "tab:blue"))):
         mine = [o for o in question["options"] if o["method"] == method]
         x, changes = [o["bits"] + 0.08 * (2 * k - 1) for o in mine], [_qat_change(o, job) for o in mine]
-        ax.plot(x, spread_values(changes), "o-", color=colour, label=method.upper())
+        # a line only between widths with none between them: 4 and 8 bits joined would draw 5-7, never measured
+        joined = all(b - a == 1 for a, b in zip([o["bits"] for o in mine], [o["bits"] for o in mine][1:]))
+        ax.plot(x, spread_values(changes), "o-" if joined else "o", color=colour, label=method.upper())
         kinds |= spread_bars(ax, x, changes, colour)
         for xi, c, o in ((xi, c, o) for xi, c, o in zip(x, changes, mine) if c):
             placed.append((xi, c["value"]))
