@@ -12,7 +12,7 @@ from pathlib import Path
 import pandas as pd
 
 from ... import records
-from .spread import of_axis, of_median, of_speedup, spread
+from .spread import of_axis, of_speedup, spread
 from .tables.finetune import tokens_per_s
 
 # The spread of a peak that is its kind's measured error (decisions.json `memory_error`), not a 95% interval.
@@ -29,7 +29,8 @@ def of_memory(axis: dict | None) -> dict | None:
 
 def finetune_pareto(rows: list[dict], facts: dict | None) -> list[dict]:
     """Each run: its peak training memory (one measurement, ± its kind's measured error where there is one: its
-    `memory_error_pct`), its median step time with its spread, and its validation perplexity change over the first
+    `memory_error_pct`), its step time over the first run's (the decision's paired ratio), and its validation
+    perplexity change over the first
     run (paired, where both carry per-row losses); dominated or not as the fine-tuning decision (decisions.build,
     each pair by its own comparison) says."""
     if not facts:
@@ -38,7 +39,9 @@ def finetune_pareto(rows: list[dict], facts: dict | None) -> list[dict]:
     return [{"name": o["name"], "baseline": o["baseline"], "kind": o["memory_kind"],
              "memory": (o["axes"]["memory"] or {}).get("value"), "tokens_per_s": tokens_per_s(runs[o["name"]]),
              "memory_error_pct": (o["axes"]["memory"] or {}).get("error_pct"),
-             "x": of_memory(o["axes"]["memory"]), "y": of_median(runs[o["name"]].get("step_time")),
+             # the step as the decision compares it: over the reference's, paired (records.step_ratio), never the
+             # runs' own medians side by side (each timed in its own process)
+             "x": of_memory(o["axes"]["memory"]), "y": of_axis(o["axes"]["step_ratio"]),
              "quality": of_axis(o["axes"]["quality"]), "quality_point": None,
              "dominated": o["name"] not in facts["front"]} for o in facts["options"]]
 

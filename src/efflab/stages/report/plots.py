@@ -257,7 +257,8 @@ def _plot_front(points: list[dict], xlabel: str, ylabel: str, title: str, path: 
 def plot_finetune_pareto(points: list[dict], path: Path, question: dict | None = None) -> None:
     kind = points[0]["kind"] if points else ""
     _plot_front(points, f"peak training memory (MiB, {kind}; one measurement per run)",
-                "median optimizer step (s; lower is better)",
+                f"optimizer step × {next((p['name'] for p in points if p['baseline']), 'the first run')}'s\n(paired; "
+                "lower is better)",
                 "Fine-tuning: memory, step time and validation perplexity", path,
                 {"baseline": "reference for perplexity", "missing": "perplexity not paired with the reference's rows"},
                 question)
