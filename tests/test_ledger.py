@@ -207,3 +207,19 @@ def test_each_finding_s_flipped_verdict_is_followed_by_every_line_that_states_it
         assert bool(stale) == said or not said, (key, name, axis, stale)
         caught += bool(stale)
     assert caught >= 8, (caught, len(flips))  # the flips whose old word a line printed beside the option
+
+
+def test_every_link_of_each_reference_report_and_details_lands_on_a_heading():
+    """A link from report.md or details.md to a section of either ('#x', 'details.md#x', 'report.md#x') names a
+    heading that file has: the full answers moved to details.md keep their links working from there."""
+    import re
+
+    from efflab.stages.report.fmt import anchor
+
+    for folder in sorted(p.parent for p in (REPO / "results" / "reference").glob("*/report/report.md")):
+        heads = {f: {anchor(h) for h in re.findall(r"^#+ (.+)$", (folder / f).read_text(), re.M)}
+                 for f in ("report.md", "details.md")}
+        for name in heads:
+            for target, fragment in re.findall(r"\]\(((?:report|details)\.md)?#([a-z0-9-]+)\)",
+                                               (folder / name).read_text()):
+                assert fragment in heads[target or name], (folder.parent.name, name, target, fragment)

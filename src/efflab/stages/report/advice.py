@@ -277,7 +277,9 @@ def _rows(cfg: dict) -> str:
 def every_answer(decisions: dict) -> str:
     """details.md's full answers: each question's line with every option's cost, then the facts that hold."""
     facts = [f"- {fact(f)}" for f in decisions.get("facts", [])]
-    return "## Every answer in full\n\n" + "\n".join(question_lines(decisions)) + (
+    # the lines' links are report.md's: from details.md its own sections are '#...' and report.md's 'report.md#...'
+    lines = [line.replace("](#", "](report.md#").replace("](details.md#", "](#") for line in question_lines(decisions)]
+    return "## Every answer in full\n\n" + "\n".join(lines) + (
         "\n\n" + "\n".join(facts) if facts else "") + "\n"
 
 

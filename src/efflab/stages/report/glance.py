@@ -67,7 +67,8 @@ def _peaks(d: dict) -> str:
     """The memory kind the peaks are of and its measured error (or why none); each run's peak and verdict are in
     details.md's table of the options."""
     error, kind = d.get("memory_error"), d.get("memory_kind")
-    said = (f"±{number(error['pct'], 2)}% measured error, from {error['pairs']} pairs of processes" if error
+    said = (f"±{number(error['pct'], 2)}% measured error, from {error['pairs']} pair{'s' if error['pairs'] != 1 else ''}"
+            " of processes" if error
             else "one measurement per run: no record read it twice")
     return f"peak memory (`{kind}`, {said})"
 

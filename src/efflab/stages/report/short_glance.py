@@ -187,7 +187,9 @@ def lines(decisions: dict) -> dict[str, str]:
     shown = entries if len(entries) <= room else entries[:room - 1]
     out: dict[str, str] = {}
     for key, kind, title, text in shown:
-        link = LINKS[kind_of(key)]
+        d = decisions["questions"][key]
+        # a question measured nothing has no table to link to: its full line says why
+        link = LINKS[kind_of(key)] if d.get("options", True) else FULL
         out[key] = (out[key] + "\n" if key in out else "") + f"- **{title}**: {text}. ([table]({link}))"
     rest = entries[len(shown):]
     if rest:
