@@ -204,13 +204,16 @@ def first_to_target(times: dict[str, dict], step_ratio=None) -> tuple[str | None
         return None, "no run reached the target"
     if step_ratio is not None:  # the least time, where its pairs put it ahead of every other run too
         order = sorted(reached, key=lambda k: reached[k]["time_s"])
-        tried = [_first_by_pairs(k, reached[k], {o: t for o, t in times.items() if o != k}, step_ratio)
-                 for k in order]
-        ahead = next((k for k, t in zip(order, tried) if t[0]), None)
-        if ahead and ahead != order[0]:  # the two measurements order the runs two ways: no answer
+        by_pairs = lambda k: _first_by_pairs(k, reached[k], {o: t for o, t in times.items() if o != k},  # noqa: E731
+                                             step_ratio)
+        least = by_pairs(order[0])
+        if least[0]:
+            return least
+        ahead = next((k for k in order[1:] if by_pairs(k)[0]), None)
+        if ahead:  # the two measurements order the runs two ways: no answer
             return None, (f"not decided: {ahead} is ahead on the paired steady steps, {order[0]} on the time with "
                           "its warm-up step (one measurement per run)")
-        return tried[0]
+        return least
     best = min(reached, key=lambda k: reached[k]["time_s"])
     others = {k: t for k, t in times.items() if k != best}
     if reached[best]["hi"] is None or any(t["lo"] is None for t in others.values()):

@@ -191,16 +191,27 @@ def merge(key: str, d: dict) -> str:
     return f"- **Merge route for {run}**: {text}." + _link("merge")
 
 
+def b_min_text(d: dict, method: str, bold: bool = True) -> str:
+    """A method's fewest bits within the tolerance (B_min), as the qat decision holds it, or where it is not decided."""
+    bits, at = d["answer"][method], d["undecided_at"].get(method)
+    if bits:
+        return f"**{bits} bits**" if bold else f"{bits} bits"
+    return f"not decided at this size from {at} bits" if at else "none"
+
+
+def quantizer_library(d: dict) -> str:
+    """The library the qat decision's quantizer is of ('torchao'), or '' where its record says none."""
+    return (d.get("quantizer") or "").split(" ")[0]
+
+
 def qat(d: dict) -> str:
-    def said(method: str) -> str:
-        bits, at = d["answer"][method], d["undecided_at"].get(method)
-        return f"**{bits} bits**" if bits else f"not decided at this size from {at} bits" if at else "none"
     widths = "; ".join(f"{o['name']} {_said(o['axes']['quality'], _pct)}" for o in d["options"])
-    lib = (d.get("quantizer") or "").split(" ")[0]
+    lib = quantizer_library(d)
     what = f"; {lib}'s quantizer, one scale per {d['group_size']} weights, not the quantize stage's schemes" \
         if lib and d.get("group_size") else ""
-    return (f"- **Fewest weight bits** (vs the full-precision fine-tune{what}): quantized after training {said('ptq')}, "
-            f"with quantization-aware training {said('qat')}. {widths}.{_recovered(d)}" + _link("qat"))
+    return (f"- **Fewest weight bits** (vs the full-precision fine-tune{what}): quantized after training "
+            f"{b_min_text(d, 'ptq')}, with quantization-aware training {b_min_text(d, 'qat')}. {widths}."
+            f"{_recovered(d)}" + _link("qat"))
 
 
 def _recovered(d: dict) -> str:

@@ -2,12 +2,14 @@
 
 A statement is one finding's figure or verdict as one place states it: finding (a question of decisions.json, or
 a fact), subject (the option), reference (what it is compared with), metric, value, interval, n, verdict, and the
-file and anchor where it stands. decisions.json states every finding once; each place that says a finding's figure
-again (a glance line, a table of the same question) states it through `Ledger.state`, and the report writes them
-all to statements.jsonl. The checker fails the report where:
-- two statements of one finding, subject and metric differ in value, interval or verdict;
+file and anchor where it stands. decisions.json states every finding once (`Ledger.from_decisions`), the figures
+report.screen withheld are stated as withheld, and the report writes them all to statements.jsonl. The checker
+fails the report where:
+- two statements of one finding, subject and metric differ in value, interval or verdict (`check`);
 - a verdict lies outside the one vocabulary (decisions.json's `vocabulary`);
-- a figure lies beyond its physical bound (measure.bounds) and was not withheld (report.screen).
+- a figure lies beyond its physical bound (measure.bounds) and was not withheld (report.screen);
+- a glance line, short or full, says a verdict word that no statement of its question holds (`check_lines`). The
+  stage sections' tables and the claims page are not checked against it yet.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ...measure.bounds import violation
+from ...measure.bounds import BOUNDS, violation
 from ...measure.stats import NOT_DECIDED
 
 # The words a verdict may be, whole or as its head (measure.stats, report.decisions, advice and generation_modes),
@@ -63,14 +65,12 @@ class Ledger:
         self.statements: list[Statement] = []
 
     def state(self, finding: str, subject: str, metric: str, axis: dict | None, *, verdict: str | None = None,
-              reference: str | None = None, file: str, anchor: str = "") -> dict | None:
-        """Record that `file` states `axis` (a decisions axis: value, lo, hi, n, verdict) of the finding; returns
-        the axis, so that a renderer states it in the same call that records it."""
+              reference: str | None = None, file: str, anchor: str = "") -> None:
+        """Record that `file` states `axis` (a decisions axis: value, lo, hi, n, verdict) of the finding."""
         if axis is not None:
             self.statements.append(Statement(finding, subject, metric, axis.get("value"), axis.get("lo"),
                                              axis.get("hi"), axis.get("n"), verdict or axis.get("verdict"),
                                              reference, file, anchor))
-        return axis
 
     def from_decisions(self, made: dict) -> None:
         """decisions.json's statements: every option's axes, status and comparisons of every question, an answer
@@ -119,10 +119,6 @@ def _same(a: float | None, b: float | None) -> bool:
     return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
 
 
-BOUNDED = {"bandwidth_fraction": "bandwidth_fraction", "compute_fraction": "compute_fraction", "kl": "kl",
-           "acceptance_rate": "acceptance_rate", "mfu": "mfu"}
-
-
 def check(statements: list[Statement]) -> list[str]:
     """What makes the statements contradict each other or the world: one line per problem, none when they hold."""
     problems, first = [], {}
@@ -138,8 +134,7 @@ def check(statements: list[Statement]) -> list[str]:
         if not in_vocabulary(s.verdict):
             problems.append(f"{s.finding} {s.subject} {s.metric}: verdict {s.verdict!r} ({s.file}#{s.anchor}) is "
                             "outside the vocabulary")
-        bound = BOUNDED.get(s.metric)
-        why = violation(bound, s.value) if bound else None
+        why = violation(s.metric, s.value) if s.metric in BOUNDS else None
         if why:
             problems.append(f"{s.finding} {s.subject} {s.metric} ({s.file}#{s.anchor}): {why}")
     return problems

@@ -24,6 +24,7 @@ from .figure import (
     verdict_colour,
 )
 from .fmt import MiB, setting_text
+from .glance import b_min_text
 from .spread import CI, as_ratio, of_axis, of_change, spread, text
 
 
@@ -118,12 +119,8 @@ def _qat_change(option: dict, job: dict) -> dict | None:
 
 def _qat_answer(question: dict) -> str:
     """The decision's answer: each method's fewest bits within the tolerance (B_min), or none, and where not."""
-    def said(method: str) -> str:
-        bits, undecided = question["answer"][method], question["undecided_at"][method]
-        if bits:
-            return f"{bits} bits"
-        return f"not decided at this size from {undecided} bits" if undecided else "none"
-    return "fewest bits within the tolerance: " + ", ".join(f"{m.upper()} {said(m)}" for m in question["answer"])
+    return "fewest bits within the tolerance: " + ", ".join(f"{m.upper()} {b_min_text(question, m, bold=False)}"
+                                                              for m in question["answer"])
 
 
 def plot_qat(question: dict, job: dict, path: Path, tolerance_pct: float) -> None:

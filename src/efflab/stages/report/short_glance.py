@@ -7,8 +7,9 @@ from __future__ import annotations
 import re
 
 from ...measure.stats import interval_is_range
+from .decide import best_point
 from .fmt import brief
-from .glance import LINKS, kl_text
+from .glance import LINKS, b_min_text, kl_text, quantizer_library
 from .questions import QUESTIONS, kind_of, of
 from .render import value_text
 
@@ -33,17 +34,18 @@ def _opts(d: dict) -> dict:
     return {o["name"]: o for o in d.get("options", [])}
 
 
-def _closest(d: dict, key: str, better=max) -> dict | None:
-    """The option a reader would guess from the table (best point on `key`), to say when it is not an answer."""
-    have = [o for o in d["options"] if not o.get("baseline") and (o["axes"].get(key) or {}).get("value") is not None]
-    return better(have, key=lambda o: o["axes"][key]["value"]) if have else None
+def _closest(d: dict, key: str, better: str = "max") -> dict | None:
+    """The option other than the baseline a reader would guess from the table (decide.best_point), to say when it
+    is not an answer."""
+    name = best_point([o for o in d["options"] if not o.get("baseline")], key, better)
+    return _opts(d)[name] if name else None
 
 
 def quantize(d: dict, tolerance: float) -> str:
     if d["answer"] and not _opts(d)[d["answer"]]["baseline"]:
         o = _opts(d)[d["answer"]]
         return f"**{o['name']}**, perplexity {_said(o['axes']['quality'], '%', True)}, {value_text(o['axes']['memory'], ' MiB')}"
-    o = _closest(d, "quality", min)
+    o = _closest(d, "quality", "min")
     return f"none shown within +{tolerance:g}% perplexity" + (
         f"; nearest {o['name']} {_said(o['axes']['quality'], '%', True)}" if o else "")
 
@@ -140,11 +142,8 @@ def merge(key: str, d: dict) -> str:
 
 
 def qat(d: dict) -> str:
-    def said(method: str) -> str:
-        bits, at = d["answer"][method], d["undecided_at"].get(method)
-        return f"**{bits} bits**" if bits else f"not decided at this size from {at} bits" if at else "none"
-    lib = (d.get("quantizer") or "").split(" ")[0]
-    return f"PTQ {said('ptq')}, QAT {said('qat')}" + (
+    lib = quantizer_library(d)
+    return f"PTQ {b_min_text(d, 'ptq')}, QAT {b_min_text(d, 'qat')}" + (
         f" ({lib}'s quantizer against the fine-tune: not Quantization's schemes)" if lib else "")
 
 
