@@ -105,7 +105,7 @@ SPECULATIVE_COLUMNS = ["variant", "mode", "draft", "speedup vs dynamic [95% CI]"
 def kv_quant_table(rows: list[dict]) -> pd.DataFrame:
     """Each quantized-cache cell at each context length measured: the memory the full-precision and the quantized
     cache hold after that prefill, their ratio, the perplexity change read through the cache (paired, with its
-    interval) and the decode speed over the full-precision cache."""
+    interval) and the generation speed over the full-precision cache."""
     out = []
     for job in records.ok(rows):
         for c in records.ok(job.get("cells", [])):
@@ -117,7 +117,7 @@ def kv_quant_table(rows: list[dict]) -> pd.DataFrame:
                             "full precision (MiB)": m["full_mib"], "quantized (MiB)": m["quantized_mib"],
                             "ratio": m["ratio"], "memory kind": m["kind"],
                             "perplexity change % [95% CI]": change_text(q),
-                            "decode speedup vs full cache [95% CI]": speedup_text(c.get("vs_dynamic"),
+                            "generation speedup vs full cache [95% CI]": speedup_text(c.get("vs_dynamic"),
                                                                                   "generation_speedup"),
                             "verdict": speedup_verdict(c.get("vs_dynamic"), "generation_speedup"),
                             "env": env_of(job)})
@@ -125,6 +125,6 @@ def kv_quant_table(rows: list[dict]) -> pd.DataFrame:
 
 
 KV_QUANT_COLUMNS = ["variant", "cache", "context (tokens)", "full precision (MiB)", "quantized (MiB)", "ratio",
-                    "memory kind", "perplexity change % [95% CI]", "decode speedup vs full cache [95% CI]", "verdict",
+                    "memory kind", "perplexity change % [95% CI]", "generation speedup vs full cache [95% CI]", "verdict",
                     "env"]
 

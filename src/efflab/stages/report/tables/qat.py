@@ -6,7 +6,7 @@ import pandas as pd
 from .... import records
 from ....measure.stats import NOT_DECIDED
 from .. import spread
-from ..fmt import MiB, env_of, recovered_text, status_text
+from ..fmt import MiB, env_of, percent, recovered_text, status_text
 
 QAT_COLUMNS = ["bits", "PTQ perplexity", "PTQ change vs full precision (%)", "PTQ verdict", "QAT perplexity",
                "QAT change vs full precision (%)", "QAT verdict", "QAT recovers of PTQ's gap (%)",
@@ -28,7 +28,7 @@ def qat_table(jobs: list[dict]) -> pd.DataFrame:
                 if records.is_ok(v):
                     row |= {f"{label} perplexity": v["perplexity"],
                             f"{label} change vs full precision (%)": spread.text(
-                                spread.of_change(v.get("perplexity_change")), "{:+.1f}"),
+                                spread.of_change(v.get("perplexity_change")), percent),
                             f"{label} verdict": verdict_of(tests[method], bits),
                             "packed weights (MiB)": v["weight_bytes"]["packed_bytes"] / MiB}
                 else:
