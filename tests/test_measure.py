@@ -129,7 +129,7 @@ def test_a_known_allocation_is_seen_by_the_memory_tracker():
 
 
 def test_the_tensor_peak_counts_live_bytes_not_what_malloc_keeps():
-    before = torch.ones(32 * MiB // 4)  # allocated before: the allocator does not report its free
+    before = torch.ones(32 * MiB // 4)  # allocated before: its free is not counted
     tensors = memory.CpuTensorPeak()
     with memory.track_memory(CPU, tensors) as mem:
         a = torch.zeros(16 * MiB // 4)
@@ -148,6 +148,23 @@ def test_the_tensor_peak_counts_live_bytes_not_what_malloc_keeps():
     idle = memory.CpuTensorPeak()
     idle.resume()  # never started (a GPU run's counter): resuming starts nothing
     assert not idle.counting and not torch.autograd._profiler_enabled()
+
+
+def test_a_free_of_a_block_allocated_before_is_not_counted_where_the_allocator_reports_a_stale_size():
+    earlier = memory.CpuTensorPeak().start()
+    seen = [torch.zeros(4096) for _ in range(64)]  # their sizes enter the allocator's table while it counts
+    earlier.stop()
+    addresses = {t.data_ptr() for t in seen}
+    del seen  # freed with the profiler off: the table keeps them
+    before = [torch.ones(4096) for _ in range(64)]  # malloc hands the same addresses out again
+    reused = sum(t.data_ptr() in addresses for t in before)
+    tensors = memory.CpuTensorPeak().start()
+    kept = torch.zeros(3 * MiB // 4)
+    del before  # the allocator reports the frees at reused addresses, with the sizes it kept
+    counted = tensors.stop()
+    assert reused > 0 and counted["unpaired_frees"] >= reused
+    assert counted["end_delta_mib"] == pytest.approx(3, abs=1e-6) and kept.numel()
+    assert counted["delta_mib"] == pytest.approx(3, abs=1e-6)
 
 
 def test_auto_dtype_is_chosen_by_measurement_on_cpu():

@@ -85,10 +85,11 @@ class CpuTensorPeak:
     profiler costs one small event per allocation: a 12-step LoRA run of the default model makes 375k, which
     lengthened each step by ~5% (its backward) on a 2-core AVX2 CPU (benchmarks/finetune_throughput.py), hence
     `pause()` and `resume()`. It sees the tensors of this thread and of the threads it hands work to (the
-    autograd engine's), not Python objects, not allocator overhead. Frees of tensors allocated before the block
-    are not reported (the allocator learns a block's size only while the profiler runs), so it counts the
-    tensors allocated inside the block; except the frees of blocks allocated while an earlier counter ran in the
-    process, which are reported: collect the garbage before starting (track_memory does).
+    autograd engine's), not Python objects, not allocator overhead. It counts the tensors allocated inside the
+    block: each event carries its block's address, and a free is counted only where this counter saw that
+    address allocated. The allocator itself reports some frees of blocks allocated before (its size table keeps
+    the addresses an earlier profiler saw allocated and not freed while it ran, stale once reused), with a
+    size that may not be the block's: those are skipped and counted in `unpaired_frees`.
 
     `pause()` folds the events recorded so far into the running count and stops counting, `resume()` starts
     again: a long run holds one step's events at a time, and the steps that cannot hold the peak run without the
@@ -110,7 +111,8 @@ class CpuTensorPeak:
 
     def __init__(self, unavailable: str | None = None):
         """`unavailable`: the reason it is not to run (e.g. another torch.profiler will): start() does nothing."""
-        self.current = self.peak = self.events = 0
+        self.current = self.peak = self.events = self.unpaired_frees = 0
+        self._live: dict[int, int] = {}  # address -> bytes of each block allocated while counting, not yet freed
         self.overhead_s = 0.0
         self._profiler = None
         self._paused = False  # resume() restarts only a count that pause() stopped, never one not started
@@ -137,14 +139,22 @@ class CpuTensorPeak:
     def _fold(self) -> None:
         torch.autograd._enable_record_function(True)
         self._profiler.stop()
-        events = [e for e in self._profiler.profiler.kineto_results.events() if e.name() == "[memory]"
-                  and e.device_type() == torch.autograd.DeviceType.CPU]
-        events.sort(key=lambda e: e.start_ns())  # stable: same-time events keep their recorded order
-        for e in events:
-            self.current += e.nbytes()
-            self.peak = max(self.peak, self.current)
+        events = _cpu_allocations(self._profiler.profiler.kineto_results.experimental_event_tree())
+        for ptr, nbytes in events:
+            self._count(ptr, nbytes)
         self.events += len(events)
         self._profiler = None
+
+    def _count(self, ptr: int, nbytes: int) -> None:
+        if nbytes >= 0:
+            # a block allocated again at an address still held was freed while paused: it is gone now
+            self.current += nbytes - self._live.get(ptr, 0)
+            self._live[ptr] = nbytes
+            self.peak = max(self.peak, self.current)
+        elif ptr in self._live:
+            self.current -= self._live.pop(ptr)
+        else:
+            self.unpaired_frees += 1
 
     @property
     def counting(self) -> bool:
@@ -171,7 +181,23 @@ class CpuTensorPeak:
         if self.unavailable:
             return {"kind": self.KIND, "delta_mib": None, "unavailable": self.unavailable}
         return {"kind": self.KIND, "delta_mib": self.peak / MiB, "end_delta_mib": self.current / MiB,
-                "allocator_events": self.events, "pause_resume_s": self.overhead_s}
+                "allocator_events": self.events, "unpaired_frees": self.unpaired_frees,
+                "pause_resume_s": self.overhead_s}
+
+
+def _cpu_allocations(tree) -> list[tuple[int, int]]:
+    """(address, bytes: negative for a free) of every CPU allocator event in a profiler's event tree, in time
+    order; an allocation made inside an operator the autograd engine's threads record is its child."""
+    from torch._C._profiler import _EventType
+
+    found, stack = [], list(reversed(tree))
+    while stack:  # depth first, in recorded order: events of one time keep it
+        event = stack.pop()
+        stack.extend(reversed(event.children))
+        if event.tag == _EventType.Allocation and event.typed[1].device.type == "cpu":
+            found.append((event.start_time_ns, len(found), event.typed[1].ptr, event.typed[1].alloc_size))
+    found.sort()
+    return [(ptr, nbytes) for _, _, ptr, nbytes in found]
 
 
 def live_tensor_bytes(fn) -> float | None:
