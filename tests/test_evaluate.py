@@ -250,3 +250,16 @@ def test_without_lm_eval_installed_a_model_s_evaluation_is_unavailable_with_its_
     record = run_stage("evaluate", TEST_PARAMS, results, "base")
     assert record["status"] == "unavailable" and "lm-eval is not installed" in record["reason"]
     assert record["model"] == "base"
+
+
+def test_a_task_tolerance_is_held_to_its_share_of_the_base_score_and_the_gate_can_fail():
+    base = {"tasks": {"gen": {"status": "ok", "metrics": {"chrf": {"value": 12.05}},
+                              "docs": [{"doc_id": i, "scores": {"chrf": 12.05 + (i % 3)}} for i in range(12)]}}}
+    worse = {"gen": {"status": "ok", "metrics": {"chrf": {"value": 9.0}}, "higher_is_better": {"chrf": True},
+                     "docs": [{"doc_id": i, "scores": {"chrf": 9.0 + (i % 3) + (i % 2) * 0.2}} for i in range(12)]}}
+    absolute = scores.paired_changes(worse, base, {"chrf": 10.0})["gen"]["chrf"]
+    relative = scores.paired_changes(worse, base, {"chrf": 10.0}, relative=0.1)["gen"]["chrf"]
+    assert absolute["ci95"][1] < -1.205, absolute  # a fall of about 3 points, its whole interval below -1.2
+    assert absolute["tolerance"] == 10.0 and absolute["gate"] == "passes"  # 10 points of 12: most of it may go
+    assert relative["tolerance"] == pytest.approx(1.205) and relative["gate"] == "fails"
+    assert scores.tolerance_of(0.02, 1.5, 0.1) == 0.02  # the metric's own where it is the less

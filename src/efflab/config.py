@@ -310,8 +310,15 @@ TASK_TOLERANCES = ("bits_per_byte", "chrf", "exact_match", "acc")
 
 
 def task_tolerance(cfg: dict) -> dict[str, float]:
-    """The tolerance of each gated lm-eval metric: evaluate's gate and qat's task scores."""
+    """The tolerance of each gated lm-eval metric, in its own units: evaluate's gate and qat's task scores. Each
+    is held to `tolerance.task_relative` of the reference model's score too, where that is less
+    (evaluation.scores.tolerance_of)."""
     return {m: cfg["tolerance"][m] for m in TASK_TOLERANCES}
+
+
+def task_relative(cfg: dict) -> float:
+    """The share of the reference model's score a gated lm-eval metric may lose at most (tolerance.task_relative)."""
+    return cfg["tolerance"]["task_relative"]
 
 
 def lookup(cfg: dict, dotted: str):

@@ -55,7 +55,7 @@ class Stage:
 
 # How a model is scored (the evaluate stage; qat scores its models in its own job through the same code).
 EVALUATION = ("evaluate.docs", "evaluate.max_new_tokens", "evaluate.batch_size",
-              "evaluate.bootstrap_iters", *(f"tolerance.{m}" for m in TASK_TOLERANCES))
+              "evaluate.bootstrap_iters", *(f"tolerance.{m}" for m in TASK_TOLERANCES), "tolerance.task_relative")
 
 
 # What jobs read of the first two stages: the base model's record (its size scales every job's resources; its

@@ -75,6 +75,14 @@ def unresolved(metric: str, base_value: float | None, n: int | None, higher_is_b
     return None
 
 
+def tolerance_of(absolute: float, reference_value: float | None, relative: float | None) -> float:
+    """The change a score may take in the worse direction: the metric's own tolerance, or `relative` of the reference
+    model's score where that is less (10 chrF points on a base score of 12 would let most of the score go)."""
+    if relative is None or not reference_value:
+        return absolute
+    return min(absolute, relative * abs(reference_value))
+
+
 def gate(chg: dict | None, tolerance: float, higher_is_better: bool) -> str:
     """`fails` when the whole interval of the drop (the change in the worse direction) exceeds `tolerance`,
     `passes` when the whole interval is within it, not decided at this size otherwise or without an interval; a
@@ -110,11 +118,12 @@ def empty_answers(result: dict, ref: dict) -> dict | None:
             "higher_is_better": False, "tolerance": 0, "gate": f"fails: all {len(answers)} answers empty"}
 
 
-def paired_changes(results: dict, reference: dict | None, tolerance: dict) -> dict:
+def paired_changes(results: dict, reference: dict | None, tolerance: dict, relative: float | None = None) -> dict:
     """Per task and metric of `results` (harness.evaluate's): the change against `reference` (a record holding the
     reference model's "tasks") on the same documents, its interval and its gate ("not gated" without a
     tolerance for the metric; cannot tell where the reference's score does not resolve at this size), and a
-    generation task's empty answers (`empty answers`, failing)."""
+    generation task's empty answers (`empty answers`, failing). A metric's tolerance is `tolerance_of` its own and
+    `relative` of the reference's score."""
     out = {}
     for task, result in results.items():
         ref = (reference or {}).get("tasks", {}).get(task)
@@ -127,9 +136,10 @@ def paired_changes(results: dict, reference: dict | None, tolerance: dict) -> di
             better_up = bool(result["higher_is_better"].get(metric, True))
             base = (ref.get("metrics", {}).get(metric) or {}).get("value")
             chg = chg | {"reference_value": base, "unresolved": unresolved(metric, base, chg.get("n"), better_up)}
+            held = tolerance_of(tolerance[metric], base, relative) if metric in tolerance else None
             out.setdefault(task, {})[metric] = {
-                **chg, "higher_is_better": better_up, "tolerance": tolerance.get(metric),
-                "gate": gate(chg, tolerance[metric], better_up) if metric in tolerance else "not gated"}
+                **chg, "higher_is_better": better_up, "tolerance": held,
+                "gate": gate(chg, held, better_up) if held is not None else "not gated"}
         if empty := empty_answers(result, ref):
             out.setdefault(task, {})["empty answers"] = empty
     return out

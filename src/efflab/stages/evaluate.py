@@ -16,7 +16,7 @@ import logging
 import time
 
 from .. import cli, records
-from ..config import task_tolerance
+from ..config import task_relative, task_tolerance
 from ..evaluation import harness, scores, task
 from ..experiment import evaluated_models
 from ..layout import Job
@@ -59,7 +59,7 @@ def run(cfg: dict, job: Job) -> dict:
     eval_s = time.perf_counter() - t0
     ref_record = records.read(layout, "evaluate", reference) if reference else None
     changes = scores.paired_changes(results, ref_record if ref_record and records.is_ok(ref_record) else None,
-                                     task_tolerance(cfg))
+                                     task_tolerance(cfg), task_relative(cfg))
     gate = scores.gate_verdict(changes) if reference else {"verdict": "reference", "failed": []}
     for name, result in results.items():
         shown = ", ".join(f"{m} {v['value']:.4g}" for m, v in result.get("metrics", {}).items())

@@ -31,7 +31,7 @@ import torch
 
 from .. import cli, quality, records
 from ..architecture import linear_layers, matmul_shape, undivided_layer
-from ..config import UserError, task_tolerance
+from ..config import UserError, task_relative, task_tolerance
 from ..evaluation import harness, scores, task
 from ..layout import Job, Layout
 from ..measure.env import environment
@@ -237,9 +237,10 @@ def run_cells(cfg: dict, layout, journal, bits: list[int], dtype: str, device) -
     return cells
 
 
-def tables(cells: dict, tolerance: dict) -> tuple[list, list, list]:
+def tables(cells: dict, tolerance: dict, relative: float | None = None) -> tuple[list, list, list]:
     """(evals rows, loss rows, one entry per model) from the cells' results; each PTQ and QAT model's task scores
-    paired with the full-precision fine-tune's, gated by `tolerance` (config.task_tolerance)."""
+    paired with the full-precision fine-tune's, gated by `tolerance` (config.task_tolerance) and `relative` of the
+    full-precision fine-tune's score (config.task_relative)."""
     evals, losses, variants = [], [], []
     fp = cells["full precision"]
     if records.is_ok(fp):
@@ -263,7 +264,7 @@ def tables(cells: dict, tolerance: dict) -> tuple[list, list, list]:
         entry["tasks"] = {t: {k: v for k, v in r.items() if k != "docs"} for t, r in result["tasks"].items()}
         if method in ("ptq", "qat") and records.is_ok(fp):
             entry["perplexity_change"] = quality.paired_change(fp["rows"], result["rows"])
-            entry["task_changes"] = scores.paired_changes(result["tasks"], fp, tolerance)
+            entry["task_changes"] = scores.paired_changes(result["tasks"], fp, tolerance, relative)
             entry["task_gate"] = scores.gate_verdict(entry["task_changes"])
         if method == "qat" and records.is_ok(fp):
             entry |= against_ptq(fp, cells.get(f"ptq-int{b}") or {}, result)
@@ -304,7 +305,7 @@ def run(cfg: dict, job: Job) -> dict:
     bits = sorted(q["bits"])
     journal = job.journal({"qat": q, "runtime": rt, "base": layout.metrics("base_model").read_text()})
     cells = run_cells(cfg, layout, journal, bits, dtype, device)
-    evals, losses, variants = tables(cells, task_tolerance(cfg))
+    evals, losses, variants = tables(cells, task_tolerance(cfg), task_relative(cfg))
     fp = cells["full precision"]
     reference = perplexity(fp["rows"]) if records.is_ok(fp) else None
     tests = precision_tests(variants, cfg["tolerance"]["perplexity_pct"], reference, bits)

@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 from ... import quality, records
-from ...config import task_tolerance
+from ...config import task_relative, task_tolerance
 from ...evaluation import scores
 from ...measure import load
 from ...measure.stats import NOT_DECIDED, compare, ratio_words
@@ -36,7 +36,7 @@ def against_tolerance(cfg: dict, metrics: dict) -> dict:
     """The records' verdicts against a tolerance, decided again from their paired changes against the one tolerance
     of params.yaml's `tolerance` section (the same unless the records were made under another): qat's precision
     range test (tolerance.perplexity_pct) and evaluate's gate (the lm-eval metrics' tolerances)."""
-    pct, tasks = cfg["tolerance"]["perplexity_pct"], task_tolerance(cfg)
+    pct, tasks, relative = cfg["tolerance"]["perplexity_pct"], task_tolerance(cfg), task_relative(cfg)
 
     def qat(job: dict) -> dict:
         if not records.is_ok(job) or not job.get("reference_perplexity"):
@@ -51,9 +51,15 @@ def against_tolerance(cfg: dict, metrics: dict) -> dict:
         if not records.is_ok(job) or not job.get("reference"):
             return job
         changes = scores.with_resolution(job, evaluated.get(job["reference"]))
-        changes = {t: {m: c | ({"tolerance": tasks.get(m), "gate": scores.gate(c, tasks[m], c["higher_is_better"])
-                                if m in tasks else "not gated"} if m != "empty answers" else {})
-                       for m, c in by.items()} for t, by in changes.items()}
+        def held(m: str, c: dict) -> dict:
+            if m == "empty answers":
+                return c
+            if m not in tasks:
+                return c | {"tolerance": None, "gate": "not gated"}
+            t = scores.tolerance_of(tasks[m], c.get("reference_value"), relative)
+            return c | {"tolerance": t, "gate": scores.gate(c, t, c["higher_is_better"])}
+
+        changes = {t: {m: held(m, c) for m, c in by.items()} for t, by in changes.items()}
         return job | {"changes": changes, "gate": scores.gate_verdict(changes)}
 
     return metrics | {"qat": [qat(j) for j in metrics.get("qat", [])],

@@ -8,7 +8,7 @@ import statistics
 import pandas as pd
 
 from ... import records
-from ...config import task_tolerance
+from ...config import task_relative, task_tolerance
 from ...evaluation.scores import CANNOT_TELL
 from ...measure.stats import NOT_DECIDED
 from .fmt import markdown, number, one_line
@@ -68,8 +68,9 @@ def table(jobs: list[dict]) -> pd.DataFrame:
 
 
 def resolution(jobs: list[dict], tolerance: dict) -> list[dict]:
-    """Per gated metric: the median half-width of the change's interval over the models, beside the tolerance,
-    and the number of documents: what the gate can decide at this size."""
+    """Per gated metric: the median half-width of the change's interval over the models, beside the tolerance
+    (the least any model was held to: a tolerance relative to its reference's score may be less than the metric's
+    own), and the number of documents: what the gate can decide at this size."""
     out = []
     for task, metric in metrics_of(jobs):
         if metric not in tolerance:
@@ -77,7 +78,8 @@ def resolution(jobs: list[dict], tolerance: dict) -> list[dict]:
         changes = [j["changes"].get(task, {}).get(metric) for j in records.ok(jobs)]
         halves = [(c["ci95"][1] - c["ci95"][0]) / 2 for c in changes if c and c.get("ci95")]
         docs = sorted({c["n"] for c in changes if c})
-        out.append({"metric": metric, "tolerance": tolerance[metric], "docs": docs,
+        held = [c["tolerance"] for c in changes if c and c.get("tolerance") is not None]  # each its reference's
+        out.append({"metric": metric, "tolerance": min(held, default=tolerance[metric]), "docs": docs,
                     "half_width": statistics.median(halves) if halves else None})
     return out
 
@@ -103,7 +105,7 @@ def facts(cfg: dict, jobs: list[dict]) -> dict:
                      for m, c in by.items() if c.get("unresolved")})
     unavailable = sorted({f"{t} ({r['reason']})" for j in ok for t, r in j["tasks"].items() if r["status"] != "ok"})
     tolerance = task_tolerance(cfg)
-    return {"e": e, "tolerance": tolerance, "table": markdown(table(jobs)), "gates": gates,
+    return {"e": e, "tolerance": tolerance, "relative": task_relative(cfg), "table": markdown(table(jobs)), "gates": gates,
             "resolution": resolution(jobs, tolerance),
             "failed_on": {j["model"]: j["gate"]["failed"] for j in ok if j["gate"]["failed"]}, "cannot": cannot,
             "unavailable": unavailable, "answers": answers(jobs),
