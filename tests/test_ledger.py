@@ -223,3 +223,27 @@ def test_every_link_of_each_reference_report_and_details_lands_on_a_heading():
             for target, fragment in re.findall(r"\]\(((?:report|details)\.md)?#([a-z0-9-]+)\)",
                                                (folder / name).read_text()):
                 assert fragment in heads[target or name], (folder.parent.name, name, target, fragment)
+
+
+def test_a_table_s_verdict_column_is_held_to_the_decisions_verdict_of_its_finding():
+    import pandas as pd
+
+    from efflab.stages.report.parts import PARTS
+
+    made = json.loads((AVX2 / "decisions.json").read_text())
+    prune = pd.DataFrame([{"strategy": "layers-half", "verdict vs base": "faster"}])
+    cell = made["questions"]["attention"]["cell"]
+    attention = pd.DataFrame([{"implementation": "sdpa", "mode": cell["mode"], "seq len": float(cell["seq_len"]),
+                               "batch": cell["batch"], "verdict vs eager": "same within ±10%"}])
+    book = ledger.Ledger()
+    book.from_decisions(made)
+    book.from_tables({"prune": prune, "bench_attention": attention}, PARTS)
+    assert ledger.check(book.statements) == []  # the committed run's table verdicts are its decisions'
+    planted = {"prune": prune.assign(**{"verdict vs base": "slower"}),
+               "bench_attention": attention.assign(**{"verdict vs eager": "faster"})}
+    for name, table in planted.items():
+        flipped = ledger.Ledger()
+        flipped.from_decisions(made)
+        flipped.from_tables({name: table}, PARTS)
+        problems = ledger.check(flipped.statements)
+        assert len(problems) == 1 and f"report.md#{name} states no value (" in problems[0], problems

@@ -8,8 +8,10 @@ fails the report where:
 - two statements of one finding, subject and metric differ in value, interval or verdict (`check`);
 - a verdict lies outside the one vocabulary (decisions.json's `vocabulary`);
 - a figure lies beyond its physical bound (measure.bounds) and was not withheld (report.screen);
-- a glance line, short or full, says a verdict word that no statement of its question holds (`check_lines`). The
-  stage sections' tables and the claims page are not checked against it yet.
+- a glance line, short or full, says a verdict word that no statement of its question holds (`check_lines`);
+- a table's verdict column (report.parts' `says`) states another verdict of a finding, subject and metric than
+  decisions.json does (`from_tables`, then `check`: a statement with no figure is held to its verdict alone).
+The claims page is not checked against it yet.
 """
 from __future__ import annotations
 
@@ -93,11 +95,35 @@ class Ledger:
             for axis, name in (q["answer"].items() if isinstance(q.get("answer"), dict) else ()):
                 if name is None and axis in (q.get("options") or [{}])[0].get("axes", {}):  # no winner on that axis
                     said(f"answer.{axis}", "-", {"value": None}, verdict=NOT_DECIDED)
+            if isinstance(q.get("cell"), dict):  # the cell a question compares at, as its stage's table names it
+                for o in q.get("options", []):
+                    subject = CELL.format(name=o["name"], **q["cell"])
+                    for metric, a in (o.get("axes") or {}).items():
+                        said(metric, subject, a)
             for method, m in ((q.get("open_loop") or {}).get("methods") or {}).items():
                 said("goodput", method, m.get("best_goodput"), verdict=None)
         for f in made.get("facts", []):
             if isinstance(f, dict) and "fact" in f:
                 self.state(f["fact"], f.get("run") or "-", "value", f, anchor="facts", file="decisions.json")
+
+    def from_tables(self, tables: dict, parts: dict) -> None:
+        """Each verdict column of each table (report.parts' `Table.says`), row by row: a verdict with no figure, in
+        report.md or in details.md where the table goes there."""
+        for part in parts.values():
+            for table in part.tables:
+                frame = tables.get(table.name)
+                if frame is None or frame.empty:
+                    continue
+                for says in table.says:
+                    if says.column not in frame.columns:
+                        continue
+                    for row in frame.to_dict("records"):
+                        verdict = row[says.column]
+                        if isinstance(verdict, str) and verdict not in ("-", ""):
+                            self.statements.append(Statement(
+                                says.finding, says.subject.format_map({k: _cell(v) for k, v in row.items()}),
+                                says.metric, None, verdict=verdict, file="details.md" if table.details else "report.md",
+                                anchor=table.name))
 
     def withheld(self, figures: list[dict]) -> None:
         """The figures report.screen withheld as beyond their bounds: stated as withheld, with no value."""
@@ -107,6 +133,17 @@ class Ledger:
 
     def write(self, path: Path) -> None:
         path.write_text("".join(json.dumps(asdict(s), default=_plain) + "\n" for s in self.statements))
+
+
+# A question compared at one cell of its stage's grid (attention: mode, sequence length, batch): how an option at it
+# is named, as its table's `says` names the row.
+CELL = "{name} {mode} L={seq_len} B={batch}"
+
+
+def _cell(value):
+    """A table cell as a subject names it: a whole number without '.0' (pandas makes an int column float where a
+    row has none)."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
 def _plain(x):
@@ -126,7 +163,9 @@ def check(statements: list[Statement]) -> list[str]:
         key = (s.finding, s.subject, s.metric)
         if key in first:
             f = first[key]
-            if not (_same(f.value, s.value) and _same(f.lo, s.lo) and _same(f.hi, s.hi) and f.verdict == s.verdict):
+            figures = f.value is None or s.value is None or (_same(f.value, s.value) and _same(f.lo, s.lo)
+                                                               and _same(f.hi, s.hi))
+            if not (figures and f.verdict == s.verdict):
                 problems.append(f"{s.finding} {s.subject} {s.metric}: {s.file}#{s.anchor} states "
                                 f"{_said(s)} where {f.file}#{f.anchor} states {_said(f)}")
         else:

@@ -21,6 +21,17 @@ from ...registry import STAGES, names, not_asked
 
 
 @dataclass(frozen=True)
+class Says:
+    """A verdict column of a table, stated in the ledger (report.ledger) as the verdict of `finding` (a question of
+    decisions.json, or the table's own) on `metric` of the row's subject: `subject` formats the row's columns
+    (str.format). Where decisions.json states the same finding, subject and metric, the checker holds them equal."""
+    finding: str
+    subject: str
+    column: str
+    metric: str
+
+
+@dataclass(frozen=True)
 class Table:
     name: str  # its key among the report's tables (in the section's `table(name)` and the report's metrics.json)
     build: str  # its builder, `module.function` of this package, e.g. "tables.prune.prune_table"
@@ -30,6 +41,7 @@ class Table:
     reads: tuple[str, ...] = ()  # the stages whose records the builder takes, in order; () for its part's own
     # A table a reader looks up rather than reads: its heading in details.md, where it goes; report.md links it there.
     details: str | None = None
+    says: tuple[Says, ...] = ()  # its verdict columns, each a finding's verdict in the ledger
 
 
 @dataclass(frozen=True)
@@ -54,34 +66,47 @@ PARTS = _parts(
                        details="LoRA on each quantization scheme")),
          plots=("quantize",)),
     Part("prune", "## Structured pruning", "prune", "Pruning",
-         tables=(Table("prune", "tables.prune.prune_table", keys=1),),
+         tables=(Table("prune", "tables.prune.prune_table", keys=1,
+                       says=(Says("prune", "{strategy}", "verdict vs base", "speed"),)),),
          plots=("prune",)),
     Part("qat", "## Quantization-aware training and the precision range test", "qat", "Quantization-aware training",
-         tables=(Table("qat", "tables.qat.qat_table", keys=1),),
+         tables=(Table("qat", "tables.qat.qat_table", keys=1,
+                       says=(Says("qat", "ptq {bits} bits", "PTQ verdict", "quality"),
+                             Says("qat", "qat {bits} bits", "QAT verdict", "quality"))),),
          plots=("qat",)),
     Part("finetune", "## Fine-tuning: full vs LoRA vs QLoRA", "finetune", "Fine-tuning",
          tables=(Table("finetune", "tables.finetune.finetune_table", keys=1),
                  Table("finetune_target", "tables.finetune.target_table", keys=1,
                        details="Time to target, run by run"),
-                 Table("finetune_knobs", "knobs.knob_table", keys=3, reads=("finetune", "bench_finetune"))),
+                 Table("finetune_knobs", "knobs.knob_table", keys=3, reads=("finetune", "bench_finetune"),
+                       says=(Says("finetune_knobs", "{runs}", "step time verdict", "step_ratio"),))),
          plots=("finetune", "finetune_pareto", "finetune_loss")),
     Part("merge", "## Merging adapters", "merge", "Merging",
          tables=(Table("merge", "tables.merge.merge_table", keys=1),
                  Table("merge_targets", "tables.merge.merge_targets_table", keys=2))),
     Part("bench_attention", "## Attention implementations", "attention", "Attention",
-         tables=(Table("bench_attention", "tables.bench_attention.attention_table", keys=4),
+         tables=(Table("bench_attention", "tables.bench_attention.attention_table", keys=4,
+                       says=(Says("attention", "{implementation} {mode} L={seq len} B={batch}", "verdict vs eager",
+                                  "speed"),)),
                  Table("attention_memory_exponent", "tables.bench_attention.exponent_table",
                        details="Attention memory against sequence length")),
          plots=("bench_attention", "bench_attention_memory")),
     Part("bench_inference", "## Inference variants (greedy, fixed length)", "inference", "Inference",
-         tables=(Table("bench_inference", "tables.bench_inference.inference_table", keys=6),
+         tables=(Table("bench_inference", "tables.bench_inference.inference_table", keys=6,
+                       says=(Says("bench_inference", "{variant} (KV cache {KV cache}, batch {batch}, {generation})", "verdict",
+                                  "speed"),)),
                  Table("bench_inference_costs", "tables.bench_inference.costs_table", keys=6,
                        details="Inference cells: per-token latency, memory and the roofline"),
-                 Table("speculative", "tables.bench_inference.speculative_table", keys=3),
-                 Table("kv_quant", "tables.bench_inference.kv_quant_table", keys=3)),
+                 Table("speculative", "tables.bench_inference.speculative_table", keys=3,
+                       says=(Says("speculative", "{variant}: {mode}", "verdict", "speed"),
+                             Says("speculative", "{variant}: {mode}", "pays?", "status"))),
+                 Table("kv_quant", "tables.bench_inference.kv_quant_table", keys=3,
+                       says=(Says("kv_quant", "{variant} {cache} at {context (tokens)}", "verdict", "speed"),))),
          plots=("bench_inference", "inference_pareto")),
     Part("bench_serving", "## Serving: naive vs static vs continuous batching", "serving", "Serving",
-         tables=(Table("bench_serving", "tables.bench_serving.serving_table", keys=2),
+         tables=(Table("bench_serving", "tables.bench_serving.serving_table", keys=2,
+                       says=(Says("serving", "{method}", "verdict vs naive", "speed"),
+                             Says("serving", "{method}", "verdict vs static", "versus_static"))),
                  Table("bench_serving_latency", "tables.bench_serving.serving_latency_table", keys=2),
                  Table("bench_serving_open_loop", "tables.bench_serving.open_loop_table", keys=2,
                        details="Open-loop serving, rate by rate")),

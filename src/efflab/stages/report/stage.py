@@ -52,11 +52,13 @@ def report_text(cfg: dict, metrics: dict, tables: dict, environments: dict, made
     return "\n".join(p.rstrip("\n") + "\n" if p else "" for p in parts)
 
 
-def check_statements(made: dict, withheld: list[dict], out) -> None:
-    """statements.jsonl: what decisions.json and the glance state of each finding, and what was withheld; the
-    report stops where two of them disagree, a verdict is outside the vocabulary or a figure beyond its bound."""
+def check_statements(made: dict, tables: dict, withheld: list[dict], out) -> None:
+    """statements.jsonl: what decisions.json, the tables' verdict columns and the glance state of each finding, and
+    what was withheld; the report stops where two of them disagree, a verdict is outside the vocabulary or a figure
+    beyond its bound."""
     book = ledger.Ledger()
     book.from_decisions(made)
+    book.from_tables(tables, PARTS)
     book.withheld(withheld)
     book.write(out / "statements.jsonl")
     problems = (ledger.check(book.statements)
@@ -109,7 +111,7 @@ def run(cfg: dict, job: Job) -> dict:
                        **{k: v for k, v in task_quality.facts(cfg, metrics["evaluate"]).items()
                           if k in ("resolution", "commands")}) if answers else ""))
     (out / "report.md").write_text(report_text(cfg, metrics, tables, environments, made, withheld))
-    check_statements(made, withheld, out)
+    check_statements(made, tables, withheld, out)
     log.info("report: %s", job.final / "report.md")
     return {"tables": {k: len(v) for k, v in tables.items()}, "plots": plots,
             "not_run": len(not_run_table(metrics)), "environments": len(environments),
