@@ -247,3 +247,16 @@ def test_a_table_s_verdict_column_is_held_to_the_decisions_verdict_of_its_findin
         flipped.from_tables({name: table}, PARTS)
         problems = ledger.check(flipped.statements)
         assert len(problems) == 1 and f"report.md#{name} states no value (" in problems[0], problems
+
+
+def test_a_verdict_word_in_the_prose_of_report_or_details_is_held_to_the_statements_of_the_options_it_names():
+    statements = [ledger.Statement(**json.loads(line)) for line in (AVX2 / "statements.jsonl").read_text().splitlines()]
+    for name in ("report.md", "details.md"):
+        assert ledger.check_document(statements, (AVX2 / name).read_text(), name) == [], name
+    text = (AVX2 / "report.md").read_text()
+    line = next(x for x in text.splitlines() if x.startswith("- **Serving**: **static**"))
+    planted = text.replace(line, line.replace("faster", "slower"))
+    problems = ledger.check_document(statements, planted, "report.md")
+    assert len(problems) == 1 and "says 'slower' of static" in problems[0], problems
+    rule = "A width passes where the whole 95% interval of its change is within +5% (fails where it is wholly above)."
+    assert ledger.check_document(statements, f"For full: {rule}", "report.md") == []  # a rule, not a verdict

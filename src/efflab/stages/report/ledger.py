@@ -192,12 +192,16 @@ _WORDS = re.compile(r"\b(faster|slower|within|beyond|pays|passes|fails|not decid
 
 # "none shown within +5% perplexity", "no variant shown both faster than the base and within ...": a question's
 # objective, said where no option meets it, not a verdict of one.
-_OBJECTIVE = re.compile(r"\b(?:no|none)\b[^.;:]*?\bshown\b[^.;:]*")
+_OBJECTIVE = re.compile(r"\b(?:no|none)\b[^.;:]*?\bshown\b[^.;:]*", re.IGNORECASE)
+# "A width passes where the whole 95% interval ... is within +5%", "**faster** or **slower** where the 95% interval
+# of the ratio ... excludes 1": a rule that defines the words, not a verdict.
+_DEFINITION = re.compile(r"[^.;:]*\bwhere (?:the|its|it is) (?:whole|95%|wholly)[^.;:]*")
 
 
 def stated_words(line: str) -> set[str]:
-    """The verdict words a line of the report says, leaving out a question's objective said unmet."""
-    return {m.group(1) for m in _WORDS.finditer(_OBJECTIVE.sub("", line))}
+    """The verdict words a line of the report says, leaving out a question's objective said unmet and a rule that
+    defines them."""
+    return {m.group(1) for m in _WORDS.finditer(_DEFINITION.sub("", _OBJECTIVE.sub("", line)))}
 
 
 def _clauses(line: str) -> list[str]:
@@ -215,6 +219,29 @@ def _named_in(clause: str, subjects: list[str]) -> list[str]:
     """The subjects a clause names, a name inside a longer one named too counted once (lora-r8 in lora-r8-gc)."""
     found = [x for x in subjects if x and x != "-" and x in clause]
     return [x for x in found if not any(x != y and x in y and y in clause for y in found)]
+
+
+def check_document(statements: list[Statement], text: str, file: str) -> list[str]:
+    """Each line of prose in `file` (not a table row, not a heading), clause by clause: a clause that names options
+    may say only the verdict words those options' statements hold, of any finding, or an answer not decided
+    (subject "-"). A table's rows are the ledger's own statements (from_tables); a clause naming no option is a
+    rule or a caveat, not a verdict of one."""
+    held: dict[str, set[str]] = {}
+    for s in statements:
+        held.setdefault(s.subject, set()).update(stated_words(s.verdict or ""))
+    undecided = held.pop("-", set())
+    subjects = sorted(held, key=len, reverse=True)
+    problems = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.startswith(("|", "#")):
+            continue
+        for clause in _clauses(line):
+            named = _named_in(clause, subjects)
+            words = stated_words(clause) - undecided if named else set()
+            for word in sorted(words - set().union(*(held[x] for x in named))):
+                problems.append(f"{file}:{number}: says {word!r} of {', '.join(named)}, which no statement of "
+                                f"{'it' if len(named) == 1 else 'them'} holds: {clause.strip()[:120]}")
+    return problems
 
 
 def check_lines(statements: list[Statement], lines: dict[str, str], file: str) -> list[str]:

@@ -63,7 +63,9 @@ def check_statements(made: dict, tables: dict, withheld: list[dict], out) -> Non
     book.write(out / "statements.jsonl")
     problems = (ledger.check(book.statements)
                 + ledger.check_lines(book.statements, glance.by_question(made), "details.md")
-                + ledger.check_lines(book.statements, short_glance.lines(made), "report.md"))
+                + ledger.check_lines(book.statements, short_glance.lines(made), "report.md")
+                + [p for name in ("report.md", "details.md")
+                   for p in ledger.check_document(book.statements, (out / name).read_text(), name)])
     for problem in problems:
         log.error("report: statements disagree: %s", problem)
     if problems:
