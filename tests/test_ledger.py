@@ -260,3 +260,21 @@ def test_a_verdict_word_in_the_prose_of_report_or_details_is_held_to_the_stateme
     assert len(problems) == 1 and "says 'slower' of static" in problems[0], problems
     rule = "A width passes where the whole 95% interval of its change is within +5% (fails where it is wholly above)."
     assert ledger.check_document(statements, f"For full: {rule}", "report.md") == []  # a rule, not a verdict
+
+
+def test_a_claim_s_reading_of_a_decided_quantity_is_held_to_the_question_s_figure():
+    made = json.loads((AVX2 / "decisions.json").read_text())
+    claims = json.loads((AVX2.parent / "claims" / "metrics.json").read_text())
+    assert any(r["metric"]["kind"] == "inference_speedup" for r in claims["readings"])
+    book = ledger.Ledger()
+    book.from_decisions(made)
+    book.from_claims([claims])
+    cited = [s for s in book.statements if s.file == "claims.md"]
+    assert cited and ledger.check(book.statements) == []
+    first = next(r for r in claims["readings"] if r["metric"]["kind"] == "inference_speedup")
+    planted = dict(claims, readings=[dict(first, value=first["value"] * 1.1)])  # a second measurement of it
+    book = ledger.Ledger()
+    book.from_decisions(made)
+    book.from_claims([planted])
+    problems = ledger.check(book.statements)
+    assert len(problems) == 1 and f"claims.md#{first['id']}" in problems[0], problems

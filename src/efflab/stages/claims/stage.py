@@ -140,6 +140,21 @@ def summary(df: pd.DataFrame, seeds: dict) -> dict:
             "inconclusive": df.loc[classes == "inconclusive", "id"].tolist()}
 
 
+def readings(df: pd.DataFrame, claims: list[dict]) -> list[dict]:
+    """Each measured claim's reading of this run's records, with what it read (its `metric`): the report states it
+    beside its own finding of the same quantity, and its checker holds the two equal."""
+    values = df.set_index("id")
+    out = []
+    for c in claims:
+        if c["kind"] == "measured" and c.get("metric") and c["id"] in values.index:
+            r = values.loc[c["id"]]
+            if pd.notna(r["value"]):
+                out.append({"id": c["id"], "metric": c["metric"], "value": float(r["value"]),
+                            "lo": None if pd.isna(r["ci_low"]) else float(r["ci_low"]),
+                            "hi": None if pd.isna(r["ci_high"]) else float(r["ci_high"]), "verdict": r["verdict"]})
+    return out
+
+
 def run(cfg: dict, job: Job) -> dict:
     """Evaluate every registered claim against the estimator and this pipeline's results."""
     registry = (cfg.get("claims") or {}).get("registry") if isinstance(cfg, dict) else None
@@ -154,4 +169,5 @@ def run(cfg: dict, job: Job) -> dict:
     (out / "summary.json").write_text(json.dumps(counts, indent=1) + "\n")
     log.info("claims: %s", ", ".join(f"{n} {v}" for v, n in counts["by_verdict"].items()))
     return {"claims": len(df), "by_kind": df["kind"].value_counts().to_dict(), **{
-        k: counts[k] for k in ("by_verdict", "by_evidence", "counts", "differs", "inconclusive")}}
+        k: counts[k] for k in ("by_verdict", "by_evidence", "counts", "differs", "inconclusive")},
+        "readings": readings(df, reg["claims"])}

@@ -10,8 +10,10 @@ fails the report where:
 - a figure lies beyond its physical bound (measure.bounds) and was not withheld (report.screen);
 - a glance line, short or full, says a verdict word that no statement of its question holds (`check_lines`);
 - a table's verdict column (report.parts' `says`) states another verdict of a finding, subject and metric than
-  decisions.json does (`from_tables`, then `check`: a statement with no figure is held to its verdict alone).
-The claims page is not checked against it yet.
+  decisions.json does (`from_tables`, then `check`: a statement with no figure is held to its verdict alone);
+- a claim's reading of a quantity a question decides differs from the question's figure (`from_claims`: a
+  statement with no verdict is held to its figures alone);
+- a line of prose names an option and says a verdict word its statements do not hold (`check_document`).
 """
 from __future__ import annotations
 
@@ -125,6 +127,16 @@ class Ledger:
                                 says.metric, None, verdict=verdict, file="details.md" if table.details else "report.md",
                                 anchor=table.name))
 
+    def from_claims(self, claims: list[dict]) -> None:
+        """The claims' readings of a quantity a question of decisions.json decides (CLAIMED): its figure and
+        interval, with no verdict (a claim's verdicts are the claims page's own words), held equal to the
+        question's."""
+        for record in claims:
+            for r in record.get("readings", []):
+                if (to := CLAIMED.get(r["metric"].get("kind"))) and r["metric"].get(to[1]):
+                    self.statements.append(Statement(to[0], r["metric"][to[1]], to[2], r["value"], r["lo"], r["hi"],
+                                                     file="claims.md", anchor=r["id"]))
+
     def withheld(self, figures: list[dict]) -> None:
         """The figures report.screen withheld as beyond their bounds: stated as withheld, with no value."""
         for w in figures:
@@ -133,6 +145,11 @@ class Ledger:
 
     def write(self, path: Path) -> None:
         path.write_text("".join(json.dumps(asdict(s), default=_plain) + "\n" for s in self.statements))
+
+
+# The claims' metric kinds that read a figure a question decides, in its units: (question, the metric's field that
+# names the option, the axis).
+CLAIMED = {"inference_speedup": ("inference", "variant", "speed"), "serving_ratio": ("serving", "method", "speed")}
 
 
 # A question compared at one cell of its stage's grid (attention: mode, sequence length, batch): how an option at it
@@ -165,7 +182,7 @@ def check(statements: list[Statement]) -> list[str]:
             f = first[key]
             figures = f.value is None or s.value is None or (_same(f.value, s.value) and _same(f.lo, s.lo)
                                                                and _same(f.hi, s.hi))
-            if not (figures and f.verdict == s.verdict):
+            if not (figures and (f.verdict == s.verdict or None in (f.verdict, s.verdict))):
                 problems.append(f"{s.finding} {s.subject} {s.metric}: {s.file}#{s.anchor} states "
                                 f"{_said(s)} where {f.file}#{f.anchor} states {_said(f)}")
         else:

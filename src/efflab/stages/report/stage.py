@@ -52,13 +52,14 @@ def report_text(cfg: dict, metrics: dict, tables: dict, environments: dict, made
     return "\n".join(p.rstrip("\n") + "\n" if p else "" for p in parts)
 
 
-def check_statements(made: dict, tables: dict, withheld: list[dict], out) -> None:
+def check_statements(made: dict, tables: dict, claims: list[dict], withheld: list[dict], out) -> None:
     """statements.jsonl: what decisions.json, the tables' verdict columns and the glance state of each finding, and
     what was withheld; the report stops where two of them disagree, a verdict is outside the vocabulary or a figure
     beyond its bound."""
     book = ledger.Ledger()
     book.from_decisions(made)
     book.from_tables(tables, PARTS)
+    book.from_claims(claims)
     book.withheld(withheld)
     book.write(out / "statements.jsonl")
     problems = (ledger.check(book.statements)
@@ -113,7 +114,7 @@ def run(cfg: dict, job: Job) -> dict:
                        **{k: v for k, v in task_quality.facts(cfg, metrics["evaluate"]).items()
                           if k in ("resolution", "commands")}) if answers else ""))
     (out / "report.md").write_text(report_text(cfg, metrics, tables, environments, made, withheld))
-    check_statements(made, tables, withheld, out)
+    check_statements(made, tables, metrics["claims"], withheld, out)
     log.info("report: %s", job.final / "report.md")
     return {"tables": {k: len(v) for k, v in tables.items()}, "plots": plots,
             "not_run": len(not_run_table(metrics)), "environments": len(environments),

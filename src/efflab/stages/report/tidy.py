@@ -12,7 +12,8 @@ import pandas as pd
 COLUMNS = ["stage", "job", "metric", "value", "lower", "upper", "unit", "n"]
 SKIPPED = {"environment", "provenance", "settings", "config", "samples", "per_row", "terms_mib", "profile",
            "dtype_choice", "top10", "rows_detail", "curve", "by_round", "by_burst", "rounds", "fixed", "budget",
-           "stats", "seq_len", "batch_size", "concurrency", "bits"}  # grid coordinates: in the metric's name
+           "stats", "seq_len", "batch_size", "concurrency", "bits",  # grid coordinates: in the metric's name
+           "readings"}  # the claims' readings: claims.csv has each, by claim
 UNITS = (("_pct", "%"), ("_mib", "MiB"), ("_bytes", "bytes"), ("tokens_per_s", "tokens/s"), ("_per_s", "1/s"),
          ("_s", "s"), ("_ms", "ms"), ("joules_per_token", "J/token"), ("tflops", "TFLOP/s"))
 
