@@ -596,3 +596,17 @@ def test_one_seed_sentence_gets_one_verdict_its_strongest_reading_s():
     for report in sorted((REPO / "results" / "reference").glob("*/report/report.md")):  # the re-rendered runs
         kept = pd.read_csv(path := report.parent.parent / "claims" / "claims.csv")
         assert (kept.groupby(["source", "quote"])["sentence_verdict"].nunique() == 1).all(), path
+
+
+def test_a_kept_run_s_pruning_cause_is_computed_from_its_records_where_whole_layers_were_removed():
+    from efflab.stages.claims import causes
+
+    # SmolLM2-135M's sizes: 30 layers, a tied 49,152 x 576 embedding and a final norm outside them
+    outside, layer = 49152 * 576 + 576, 3_540_096
+    base = outside + 30 * layer
+    config = {"num_hidden_layers": 30, "num_attention_heads": 9}
+    m = {"kept": {"layers": 15, "heads": 9}, "base": {"parameters": base}, "pruned": {"parameters": outside + 15 * layer}}
+    said = causes._prune_shares_recorded(config, m)
+    assert f"outside them sit {outside:,} parameters" in said and f"{outside / base:.1%}" in said
+    heads_cut = m | {"kept": {"layers": 15, "heads": 6}}  # heads cut too: what it removed is not whole layers
+    assert causes._prune_shares_recorded(config, heads_cut) == causes.NO_SHAPES

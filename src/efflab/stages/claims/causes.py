@@ -96,8 +96,8 @@ def footprint_at_16_bits(layout, m: dict) -> float | None:
 def prune_shares(layout, m: dict) -> str:
     """What a pruning strategy can cut: the parameters inside the decoder layers against those outside them
     (embeddings, final norm), from the base model's shapes, beside the parameters the record says it kept."""
-    if _named(layout) is None:
-        return NO_SHAPES
+    if _named(layout) is None:  # a kept run: what a strategy that removed whole layers alone says of a layer
+        return _prune_shares_recorded(_recorded_config(layout), m)
     _, params = _named(layout)
     total = sum(k for _, k in params)
     outside = [(n, k) for n, k in params if not IN_LAYER.search(n)]
@@ -106,6 +106,23 @@ def prune_shares(layout, m: dict) -> str:
     return (f"pruning cuts only inside the decoder layers: outside them sit {_listed(outside, total)}, "
             f"{cut_off / total:.1%} of the base's {total:,} parameters, which every strategy keeps; this one kept "
             f"{pruned:,} of {base:,} parameters ({pruned / base:.3f})")
+
+
+def _prune_shares_recorded(config: dict, m: dict) -> str:
+    """prune_shares from the records alone (`config`: the sizes the base_model record names): a strategy that
+    removed whole layers and kept every head says what one decoder layer holds (the parameters it removed over the
+    layers it removed), so the base's parameters outside the layers are what all its layers leave."""
+    kept, base, pruned = m["kept"], m["base"]["parameters"], m["pruned"]["parameters"]
+    layers = config.get("num_hidden_layers") or 0
+    removed = layers - kept["layers"]
+    if removed <= 0 or kept["heads"] != config.get("num_attention_heads"):
+        return NO_SHAPES
+    per_layer = (base - pruned) / removed
+    outside = base - per_layer * layers
+    return (f"pruning cuts only inside the decoder layers: outside them sit {outside:,.0f} parameters, "
+            f"{outside / base:.1%} of the base's {base:,} (from the records: {base - pruned:,} parameters removed "
+            f"with {removed} of {layers} layers), which every strategy keeps; this one kept {pruned:,} of {base:,} "
+            f"parameters ({pruned / base:.3f})")
 
 
 def attention_exponent_expected(layout, impl: str, seqs: list[int]) -> str:
