@@ -8,7 +8,7 @@ import pandas as pd
 from ... import config, records, registry
 from ...measure.stats import EQUIVALENCE_MARGIN, format_ratio
 from ...measure.timing import SENTINEL_TOLERANCE
-from . import task_quality
+from . import slices, task_quality
 from .environments import comparison
 from .fmt import brief, markdown, one_line, status_text
 from .render import render
@@ -232,6 +232,7 @@ def run_size(cfg: dict, metrics: dict, larger: Path = GPU_PROFILE) -> str:
                   a=cfg["bench_attention"], i=cfg["bench_inference"], sv=cfg["bench_serving"], ol=open_loop or {},
                   qt=cfg["qat"],
                   cap=cfg["capacity"], prompts=prompt_count(cfg, metrics), minutes=minutes,
+                  slices=slices.text(cfg, metrics),
                   budget=DEFAULT_BUDGET_MIN, larger=larger, left_out=left_out_of_larger(cfg, larger))
 
 
