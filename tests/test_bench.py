@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from efflab.measure.memory import allocated_delta
+from efflab.stages.report.options import attention_memory_error
 from tests.helpers import TEST_PARAMS, run_stage
 
 
@@ -41,6 +42,9 @@ def test_attention_cells_run_isolated_agree_with_eager_and_flash_is_unavailable_
                for f in sdpa["memory_exponents"]), "fitted on the live tensors, which RSS's reuse cannot hide"
     assert flash["status"] == "unavailable" and "CUDA" in flash["reason"]
     assert all(r["status"] == "unavailable" and "CUDA" in r["reason"] for r in flash["rows"])
+    error = attention_memory_error([sdpa])  # each cell's step read twice: the error a peak of it carries
+    assert error["kind"] == "cpu_tensor_peak" and error["pairs"] == len(sdpa["rows"])
+    assert error["pct"] < 5, "the same step's live tensors, counted twice, are nearly the same bytes"
 
 
 def test_eager_attention_memory_grows_faster_than_linear_in_sequence_length(results, write_params):

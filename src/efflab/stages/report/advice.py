@@ -210,6 +210,7 @@ def attention_facts(attention: list[dict]) -> dict | None:
     pick = (winner(faster, "speed", "max") if len(faster) > 1 else faster[0]["name"]) if faster else None
     front = frontier(options, {"speed": "max", "memory": "min"})
     return {"options": options, "cell": cell, "front": front, "faster": [o["name"] for o in faster],
+            "memory_error_pct": (options[0]["axes"].get("memory") or {}).get("error_pct"),
             "pick": next((o for o in options if o["name"] == pick), None),
             "table": _table(options, {"speed": ("speed × eager (interleaved)", ""),
                                       "memory": (f"peak over the start (`{options[0].get('memory_kind')}`)",

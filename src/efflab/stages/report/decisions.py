@@ -349,6 +349,7 @@ def build(cfg: dict, metrics: dict) -> dict:
                                    "faster than eager; the fastest where intervals separate", tolerance)
         q["attention"]["cell"] = f["cell"]
         q["attention"]["memory_kind"] = f["options"][0].get("memory_kind")
+        q["attention"]["memory_error"] = opts.attention_memory_error(metrics.get("bench_attention", []))
     for m in facts["merge"]:
         q[f"merge:{m['run']}"] = _question(f"Which merge route for {m['run']}?", m, "the adapter",
                                            {"closest": m["closest"], "best_quality": m["best_quality"]},

@@ -184,11 +184,7 @@ def memory_errors(capacity: list[dict]) -> dict[str, dict]:
 def memory_axis(memory: dict | None) -> dict | None:
     """A run's peak memory, one measurement, with its kind's measured error (`error`, memory_errors: put on the
     record by decisions.build) as its interval, value ± `error_pct`; without one, no interval."""
-    value, error = peak_mib(memory), (memory or {}).get("error")
-    if value is None or not error:
-        return axis(value, n=1)
-    half = value * error["pct"] / 100
-    return axis(value, value - half, value + half, n=1) | {"error_pct": error["pct"]}
+    return _peak_axis(peak_mib(memory), (memory or {}).get("error"))
 
 
 def finetune_options(finetune: list[dict], bench_finetune: list[dict] = ()) -> list[dict]:
@@ -220,9 +216,33 @@ def finetune_options(finetune: list[dict], bench_finetune: list[dict] = ()) -> l
     return out
 
 
+ATTENTION_REPEATS = "bench_attention: each cell's peak over its start, its step measured twice in one process"
+
+
+def attention_memory_error(attention: list[dict]) -> dict | None:
+    """The error of an attention cell's peak (allocated_delta's kind), from every cell's two readings of the same
+    step (repeat_error); None for records that read it once: their single peaks decide nothing."""
+    pairs, kind = [], None
+    for r in records.ok(attention):
+        for row in records.ok(r.get("rows", [])):
+            (a, kind), (b, _) = allocated_delta(row["memory"]), allocated_delta(row.get("memory_again") or {})
+            if a and b and a > 0 and b > 0:
+                pairs.append((a, b))
+    return repeat_error(kind, pairs, ATTENTION_REPEATS) if pairs else None
+
+
+def _peak_axis(peak: float | None, error: dict | None) -> dict | None:
+    """One peak, ± its kind's measured error where there is one (as memory_axis does a training peak)."""
+    if peak is None or not error:
+        return axis(peak, n=1)
+    half = peak * error["pct"] / 100
+    return axis(peak, peak - half, peak + half, n=1) | {"error_pct": error["pct"]}
+
+
 def attention_options(attention: list[dict]) -> tuple[list[dict], dict | None]:
     """Each implementation at the longest forward cell every one of them ran (batch of the first): its interleaved
-    speedup over eager and its peak memory over the baseline; and that cell's (mode, seq_len, batch)."""
+    speedup over eager and its peak memory over the baseline, ± the error of its kind the cells measured
+    (attention_memory_error); and that cell's (mode, seq_len, batch)."""
     cells = {}
     for r in records.ok(attention):
         for row in records.ok(r.get("rows", [])):
@@ -232,13 +252,13 @@ def attention_options(attention: list[dict]) -> tuple[list[dict], dict | None]:
     if not full:
         return [], None
     key = max(full, key=lambda k: (k[0] == "forward", k[1], -k[2]))
-    out = []
+    error, out = attention_memory_error(attention), []
     for impl, row in cells[key].items():
         eager = impl == "eager"
         peak, kind = allocated_delta(row["memory"])  # the kind the attention table and its plot read, named
         out.append({"name": impl, "baseline": eager, "memory_kind": kind, "axes": {
             "speed": _one() if eager else ratio_axis((row.get("vs_eager") or {}).get("speedup")),
-            "memory": axis(peak, n=1),
+            "memory": _peak_axis(peak, error),
             "agreement": axis(row.get("max_abs_diff_vs_eager"), exact=True)}})
     return out, {"mode": key[0], "seq_len": key[1], "batch": key[2]}
 
