@@ -28,3 +28,18 @@ def test_a_knob_pair_is_timed_interleaved_and_its_verdict_follows_from_its_round
     runs = big["runs"]
     assert runs["lora-r8-b16"]["tokens_per_s"] > 0 and runs["lora-r8"]["tokens_per_s"] > 0
     assert timed["sentinel_s"] > 0 and timed["probe"]["n"] == 2 * len(timed["rounds"])
+
+
+def test_every_run_is_paired_with_the_reference_too_where_it_is_not_a_knob_pair_of_it():
+    from efflab.stages.bench_finetune import timed_pairs
+
+    configured = [{"run": "full", "settings": {"method": "full", "learning_rate": 1e-5}},
+                  {"run": "lora-r8", "settings": {"method": "lora", "learning_rate": 2e-4}},
+                  {"run": "lora-r8-gc", "settings": {"method": "lora", "learning_rate": 2e-4,
+                                                     "gradient_checkpointing": True}}]
+    cfg = {"bench_finetune": {"against_reference": True}}
+    pairs = [(knob, a["run"], b["run"]) for knob, _, _, a, b in timed_pairs(cfg, configured)]
+    assert pairs == [("gradient_checkpointing", "lora-r8", "lora-r8-gc"), (None, "full", "lora-r8"),
+                     (None, "full", "lora-r8-gc")]
+    cfg["bench_finetune"]["against_reference"] = False
+    assert [p[0] for p in timed_pairs(cfg, configured)] == ["gradient_checkpointing"]

@@ -69,8 +69,9 @@ def _intervals(ax) -> list[tuple[float, float, float]]:
 
 
 def _row_verdicts(ax) -> dict[str, str]:
-    """A ratio plot's verdict per row (report.figure.ratio_rows): its tick label -> the words beside it."""
-    rows = {round(t.get_position()[1]): t.get_text() for t in ax.get_yticklabels()}
+    """A ratio plot's verdict per row (report.figure.ratio_rows): its tick label's first line (the row's name; a
+    second line says where its ratio comes from) -> the words beside it."""
+    rows = {round(t.get_position()[1]): t.get_text().split("\n")[0] for t in ax.get_yticklabels()}
     return {rows[round(a.xy[1])]: a.get_text().replace("\n", " ") for a in ax.texts if getattr(a, "xy", (0,))[0] > 1}
 
 
@@ -80,7 +81,7 @@ def _points(ax) -> list:
 
 
 def _row_points(ax) -> dict[str, float]:
-    labels = [t.get_text() for t in ax.get_yticklabels()]
+    labels = [t.get_text().split("\n")[0] for t in ax.get_yticklabels()]
     return {label: x for label, (x, _) in zip(labels, _points(ax)[0].get_offsets())}
 
 
@@ -234,6 +235,9 @@ def test_finetune_plots_step_ratios_with_the_decisions_and_the_knob_tables_verdi
     run_ax, knob_ax = figures["finetune.png"].axes
     question = questions["finetune"]
     assert _row_verdicts(run_ax) == {o["name"]: o["axes"]["step_ratio"]["verdict"] for o in question["options"]}
+    sources = {t.get_text().split("\n")[0]: t.get_text().split("\n")[1:] for t in run_ax.get_yticklabels()}
+    assert all(sources[o["name"]] == ([] if o["baseline"] else [f"({plots.SOURCES[o['axes']['step_ratio']['source']]})"])
+               for o in question["options"]), sources
     for o in question["options"]:
         ratio = o["axes"]["step_ratio"]
         assert abs(_row_points(run_ax)[o["name"]] - ratio["value"]) < 1e-9

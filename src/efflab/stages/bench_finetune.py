@@ -9,6 +9,8 @@ interleaved, A B then B A, over the same batches, with a speed probe between rou
 Each pair's verdict comes from the per-round ratios: median, its distribution-free 95% interval (order statistics), and `slower`,
 `faster` or `same within ±10%` (else `not decided at this size`); rounds in which the machine's speed changed are set aside and
 measured again, and a pair that never gets enough stable rounds says so instead of giving a verdict.
+With bench_finetune.against_reference, every run is also timed against the reference (the first of finetune.runs),
+the same way: the ratios the report ranks the runs by (records.step_ratio) are then interleaved ones too.
 Every pair is a cell (runtime.isolation), journalled as it ends.
 
 The step is training.training_step, written out rather than run by a Trainer (see training.py).
@@ -84,8 +86,20 @@ def pair_cell(cfg: dict, results: str, a: str, b: str, dtype: str, device: str) 
     return {"runs": per_run, "step_time_ratio": ratio, "interleaved": timed}
 
 
+def timed_pairs(cfg: dict, configured: list[dict]) -> list[tuple[str | None, object, object, dict, dict]]:
+    """The pairs to time: every knob pair of finetune.runs (records.knob_pairs), and with
+    bench_finetune.against_reference the reference run (the first) with each other run it is not a knob pair with,
+    knob None: the step ratios the report ranks runs by, over the reference."""
+    pairs = records.knob_pairs(configured)
+    if not cfg["bench_finetune"]["against_reference"] or len(configured) < 2:
+        return pairs
+    reference, seen = configured[0], {(a["run"], b["run"]) for *_, a, b in pairs}
+    return pairs + [(None, "-", "-", reference, other) for other in configured[1:]
+                    if (reference["run"], other["run"]) not in seen]
+
+
 def run(cfg: dict, job: Job) -> dict:
-    """Every knob pair of finetune.runs, timed interleaved."""
+    """Every knob pair of finetune.runs, and each run against the reference, timed interleaved."""
     bf, rt, layout = cfg["bench_finetune"], cfg["runtime"], job.layout
     prestart(rt["isolation"])  # the cells' forkserver imports beside this job
     device, dtype = job.device, job.dtype
@@ -93,9 +107,9 @@ def run(cfg: dict, job: Job) -> dict:
     journal = job.journal({"bench_finetune": bf, "finetune": cfg["finetune"], "runtime": rt,
                            "base": layout.metrics("base_model").read_text()})
     pairs = []
-    for knob, value_a, value_b, a, b in records.knob_pairs(configured):
+    for knob, value_a, value_b, a, b in timed_pairs(cfg, configured):
         cell = {"knob": knob, "from": value_a, "to": value_b, "a": a["run"], "b": b["run"]}
-        reason = _knob_reason(knob) or "; ".join(unavailable_knobs(a["settings"], device)
+        reason = (_knob_reason(knob) if knob else None) or "; ".join(unavailable_knobs(a["settings"], device)
                                                  + unavailable_knobs(b["settings"], device)) or None
         if reason:
             pairs.append(cell | {"status": "unavailable", "reason": reason})

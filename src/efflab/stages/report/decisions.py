@@ -95,7 +95,8 @@ def _option(o: dict, base: dict | None, tolerance: float, extra: dict | None = N
             "value": a["value"], "lo": a["lo"], "hi": a["hi"], "n": a.get("n"), "kind": kind, "better": better,
             "verdict": "baseline" if o.get("baseline") else axis_verdict(key, a, (base or {}).get("axes", {}).get(key),
                                                                            tolerance),
-            **({"error_pct": a["error_pct"]} if a.get("error_pct") is not None else {})}
+            **({"error_pct": a["error_pct"]} if a.get("error_pct") is not None else {}),
+            **({"source": a["source"]} if a.get("source") else {})}
     return {"name": o["name"], "baseline": bool(o.get("baseline")), "axes": axes, **(extra or {})}
 
 

@@ -184,7 +184,9 @@ def plot_finetune(question: dict, rows: list[dict], bench_finetune: list[dict], 
     fig, (run_ax, knob_ax) = plt.subplots(2, 1, figsize=(10, 0.5 * (len(options) + len(knobs[0])) + 3.2),
                                           gridspec_kw={"height_ratios": [len(options), max(1, len(knobs[0]))]})
     ratios = [of_axis(o["axes"]["step_ratio"]) for o in options]
-    kinds = ratio_rows(run_ax, [o["name"] for o in options], ratios,
+    names = [o["name"] if o["baseline"] or not o["axes"]["step_ratio"] else
+             f"{o['name']}\n({SOURCES.get(o['axes']['step_ratio'].get('source'), 'not timed')})" for o in options]
+    kinds = ratio_rows(run_ax, names, ratios,
                        [o["axes"]["step_ratio"]["verdict"] if o["axes"]["step_ratio"] else "not measured"
                         for o in options], ["tab:gray" if o["baseline"] else "tab:blue" for o in options])
     run_ax.set_xlabel(f"step time ÷ {question['baseline']}'s (< 1: faster)\n({spread_words(kinds)})")
