@@ -91,12 +91,13 @@ def plot_prune(rows: list[dict], path: Path) -> None:
         if after:
             ax.annotate("", (x, after["value"]), (x, before["value"]),
                         arrowprops={"arrowstyle": "->", "color": "tab:green", "shrinkA": 5, "shrinkB": 5})
-    ax.axhline(1, color="grey", lw=0.8, ls=":", label="the base model (ratio 1)")
+    ax.axhline(1, color="grey", lw=0.8, ls=":")
+    ax.scatter([100], [1], color="grey", marker="s", zorder=4, label="the base model (100%, ratio 1)")
     ax.set_yscale("log")
     every = [s for s in pruned + healed if s] + [spread(1.0)]
     ax.set_ylim(min(s["lo"] or s["value"] for s in every) / 1.6, max(s["hi"] or s["value"] for s in every) * 1.6)
     ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
-    ax.set_xlim(0, 100)
+    ax.set_xlim(max(0, min(kept, default=0) - 15), 104)  # from the smallest model kept to the base model
     ax.set_xlabel("parameters kept (%)")
     ax.set_ylabel(f"validation perplexity ÷ base model's (log)\n{spread_words(kinds, 'no paired interval recorded')}")
     ax.set_title("Structured pruning: parameters removed vs perplexity paid")
