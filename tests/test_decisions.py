@@ -264,7 +264,8 @@ def test_every_answer_is_a_full_line_and_the_glance_is_short_lines_of_the_same_v
                                              (0.06506, "0.06506"), (2172.567, "2,173")])
 def test_numbers_read_without_float_noise_or_exponents(value, said):
     assert fmt.number(value) == said
-    assert fmt.percent(-3.61e-05) == "0" and fmt.percent(2172.5) == "+2,172"
+    assert fmt.percent(-3.61e-05) == "-0.000036" and fmt.percent(2172.5) == "+2,172"  # two digits, no exponent
+    assert fmt.percent(-4e-09) == "0" and fmt.percent(-0.04) == "-0.04" and fmt.percent(0.05) == "+0.1"
 
 
 def _rows(loss):

@@ -119,10 +119,15 @@ def number(x: float, digits: int = 4, signed: bool = False) -> str:
 
 
 def percent(x: float, signed: bool = True) -> str:
-    """A change in percent for reading: one decimal below 100 (-0.0 and float noise as 0), none above,
-    thousands separated."""
-    text = f"{x:{'+' if signed else ''},.{1 if abs(x) < 100 else 0}f}"
-    return "0" if float(text.replace(",", "")) == 0 else text
+    """A change in percent for reading: one decimal below 100, none above, thousands separated; a change that one
+    decimal would round to 0 keeps two significant digits, without an exponent (a merge's +0.000056% is not
+    nothing, said as 0), down to 1e-8%, below which it is float noise and 0."""
+    if abs(x) < 1e-8:
+        return "0"
+    sign = "+" if signed else ""
+    if abs(x) < 0.05:
+        return f"{x:{sign}.{1 - math.floor(math.log10(abs(x)))}f}".rstrip("0")
+    return f"{x:{sign},.{1 if abs(x) < 100 else 0}f}"
 
 
 def _trimmed(text: str) -> str:
