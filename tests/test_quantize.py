@@ -80,6 +80,8 @@ def test_an_adapter_trains_and_merges_back_on_int8_bases_and_the_check_says_why_
         adapter = run_stage("quantize", params, results, name)["adapter"]
         assert adapter["trains"] and adapter["merges"], (name, adapter)
         assert 0 <= adapter["merge_error_max_abs_logit"] < adapter["adapter_effect_max_abs_logit"], (name, adapter)
+        if name == "baseline":  # merged into float32 weights: rounding only (LoRA dropout left on made it ~10%)
+            assert adapter["merge_error_max_abs_logit"] < 1e-3 * adapter["adapter_effect_max_abs_logit"], adapter
     dynamic = run_stage("quantize", params, results, "ao8dyn")["adapter"]
     assert dynamic["trains"] or len(dynamic["reason"]) > 20, dynamic
 

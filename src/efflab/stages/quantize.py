@@ -132,6 +132,7 @@ def adapter_check(model, rows: list[dict], tokenizer, lora: dict) -> dict:
         torch.optim.Adam(trainable, lr=1e-2).step()
     except Exception as err:  # peft's message is the reason: an unsupported layer type, a frozen dtype
         return {"trains": False, "reason": f"{type(err).__name__}: {err}"[:300]}
+    adapted.eval()  # get_peft_model leaves the model training: LoRA dropout would make these logits noise
     with torch.no_grad():
         tuned = adapted(**inputs).logits.float()
         try:
