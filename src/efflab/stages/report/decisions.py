@@ -244,6 +244,11 @@ def _prune(rows: list[dict], tolerance: float) -> dict:
             "speed": opts.ratio_axis(r.get("generation_speedup")),
             "quality": opts.change_axis((r.get("pruned") or {}).get("perplexity_change"))}}
         options.append(_option(o, None, tolerance))
+        if records.is_ok(h := r.get("healing") or {}) and h.get("perplexity_change"):
+            # LoRA healing merged into the same shapes: its quality measured, its speed not (said as not timed)
+            healed = {"name": f"{r['strategy']} healed", "baseline": False,
+                      "axes": {"speed": None, "quality": opts.change_axis(h["perplexity_change"])}}
+            options.append(_option(healed, None, tolerance, {"healed_from": r["strategy"]}))
     kept = [o for o in options if (o["axes"]["quality"] or {}).get("verdict") == "within"
             and (o["axes"]["speed"] or {}).get("verdict") == "faster"]
     return {"question": "Which pruning strategy?", "baseline": "the base model", "frontier": [],

@@ -227,8 +227,12 @@ def _recovered(d: dict) -> str:
 
 
 def prune(d: dict) -> str:
-    rest = "; ".join(f"{o['name']}: generates {_said(o['axes']['speed'], _x)}, perplexity "
-                     f"{_said(o['axes']['quality'], _pct)}" for o in d["options"])
+    def said(o: dict) -> str:
+        speed = (f"generates {_said(o['axes']['speed'], _x)}, " if not o.get("healed_from") else
+                 "not timed (healing kept the pruned shapes), ")
+        return f"{o['name']}: {speed}perplexity {_said(o['axes']['quality'], _pct)}"
+
+    rest = "; ".join(map(said, d["options"]))
     head = f"**{d['answer']}**" if d["answer"] else "no strategy shown faster with perplexity within the tolerance"
     return f"- **Pruning strategy** (vs the base model): {head}. {rest}." + _link("prune")
 
