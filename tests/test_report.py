@@ -204,9 +204,10 @@ def _capacity_report(job) -> tuple[str, str, pd.DataFrame]:
     from efflab.stages.report import decisions, glance, sections
     from efflab.stages.report.tables import capacity as tables
 
-    metrics = {"qat": [], "capacity": [job], "finetune": [], "bench_attention": [], "base_model": [{"config": {}}]}
+    metrics = decisions.with_causes({"qat": [], "capacity": [job], "finetune": [], "bench_attention": [],
+                                     "base_model": [{"config": {}}]})
     return (sections.capacity_body({}, metrics, lambda key: "TABLE") + sections.capacity_misses(metrics),
-            glance.capacity(decisions._capacity(job)),
+            glance.capacity(decisions._capacity(metrics["capacity"][0])),
             tables.capacity_table([job]))
 
 

@@ -23,6 +23,7 @@ from . import generation_modes as modes
 from . import options as opts
 from .decide import winner
 from .results import absent
+from .tables.capacity import capacity_cause
 from .tables.qat import verdict_of
 
 # What each axis is, for a reader of decisions.json: its kind and which way is better.
@@ -62,9 +63,21 @@ def against_tolerance(cfg: dict, metrics: dict) -> dict:
         changes = {t: {m: held(m, c) for m, c in by.items()} for t, by in changes.items()}
         return job | {"changes": changes, "gate": scores.gate_verdict(changes)}
 
-    return metrics | {"qat": [qat(j) for j in metrics.get("qat", [])],
+    return with_causes(metrics) | {"qat": [qat(j) for j in metrics.get("qat", [])],
                       "evaluate": [gated(j) for j in metrics.get("evaluate", [])],
                       "finetune": target.with_targets(cfg, metrics.get("finetune", []))}
+
+
+def with_causes(metrics: dict) -> dict:
+    """Each capacity maximum's cause against its prediction (tables.capacity.capacity_cause), decided once on its
+    search: the capacity decision, its section and details.md read it there."""
+    def caused(job: dict) -> dict:
+        if not records.is_ok(job):
+            return job
+        return job | {"searches": [s | {"cause": capacity_cause(s)} if records.is_ok(s) else s
+                                   for s in job.get("searches", [])]}
+
+    return metrics | {"capacity": [caused(j) for j in metrics.get("capacity", [])]}
 
 
 def axis_verdict(key: str, a: dict | None, base: dict | None, tolerance: float) -> str:
@@ -262,7 +275,7 @@ def _capacity(job: dict, finetune: list[dict] = ()) -> dict:
                 "subject": s["subject"], "kind": s["kind"], "dimension": s["dimension"],
                 "method": methods.get(s["subject"]) if s["kind"] == "train" else None,
                 "measured_max": s.get("measured_max"), "whole_range_fits": s.get("whole_range_fits", False),
-                "first_failing": s.get("first_failing"), "kv_quant": s.get("kv_quant")}
+                "first_failing": s.get("first_failing"), "kv_quant": s.get("kv_quant"), "cause": s.get("cause")}
                for s in job["searches"] if records.is_ok(s)]
     # The longest context at batch 1 without and with each quantized KV cache (capacity.kv_quant), per subject
     plain = {s["subject"]: s for s in job["searches"] if s["dimension"] == "seq_len" and not s.get("kv_quant")}

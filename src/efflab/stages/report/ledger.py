@@ -34,7 +34,9 @@ VERDICTS = {"faster", "slower", "less", "more", "within", "beyond", "worse", "be
 _HEAD = re.compile(r"^(same within ±[\d.]+%|[^(:]+?)(?:\s*[(:].*)?$")
 # An option's verdicts that are not an axis's: its status against the question's objective, its comparison with
 # another option than the baseline.
-OPTION_VERDICTS = ("status", "versus_static")
+OPTION_VERDICTS = ("status", "versus_static", "cause")
+# A capacity maximum's cause, against its prediction (tables.capacity.capacity_cause).
+CAUSES = {"gap", "gap_short", "loaded", "estimator", "none"}
 
 
 @dataclass(frozen=True)
@@ -58,7 +60,7 @@ def in_vocabulary(verdict: str | None) -> bool:
     if verdict is None:
         return True
     head = _HEAD.match(verdict.strip())
-    return bool(head) and (head.group(1).startswith("same within ±") or head.group(1).strip() in VERDICTS
+    return bool(head) and (head.group(1).startswith("same within ±") or head.group(1).strip() in VERDICTS | CAUSES
                            or verdict.split(" ")[0] in VERDICTS)
 
 

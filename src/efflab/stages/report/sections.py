@@ -15,7 +15,6 @@ from .render import render
 from .results import absent
 from .tables import MEMORY_TARGET, memory_prediction_table
 from .tables.capacity import (
-    capacity_cause,
     capacity_estimator_off,
     capacity_held,
     capacity_largest,
@@ -158,8 +157,8 @@ def capacity_misses(metrics: dict) -> str:
 
 def _capacity_explained(job: dict) -> list[dict]:
     return [{"search": s, "largest": capacity_largest(s, job["fixed"]), "measured": capacity_measured(s),
-             "cause": capacity_cause(s), "off": capacity_estimator_off(s["at_max"])}
-            for s in job["searches"] if records.is_ok(s) and capacity_cause(s) is not None]
+             "cause": s["cause"], "off": capacity_estimator_off(s["at_max"])}
+            for s in job["searches"] if records.is_ok(s) and s.get("cause") is not None]
 
 
 def memory_section(finetune: list[dict], inference: list[dict], environments: dict, allow_mixed: bool) -> str:
