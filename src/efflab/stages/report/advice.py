@@ -73,21 +73,22 @@ def quantize_facts(quantize: list[dict], inference: list[dict], baseline: str, t
     if not options:
         return None
     model_of = {o["name"]: "base" if o["baseline"] else evaluated_name("quantized", o["name"]) for o in options}
-    status = with_gate({o["name"]: "within" if o["baseline"] else quality_status(o["axes"]["quality"], tolerance)
-                        for o in options}, gates, model_of.get)
+    quality = {o["name"]: "within" if o["baseline"] else quality_status(o["axes"]["quality"], tolerance)
+               for o in options}  # the perplexity against the tolerance; status adds the task gate to it
+    status = with_gate(quality, gates, model_of.get)
     kept = [o for o in options if status[o["name"]] == "within"]
     pick = min(kept, key=lambda o: o["axes"]["memory"]["value"]) if kept else None
     front = frontier(options, {"memory": "min", **SPEED, **QUALITY})
     base = next((o for o in options if o["baseline"]), None)
     smaller = base["axes"]["memory"]["value"] / pick["axes"]["memory"]["value"] if pick and base else None
-    return {"options": options, "pick": pick, "status": status, "baseline": baseline, "front": front,
+    return {"options": options, "pick": pick, "status": status, "quality": quality, "baseline": baseline, "front": front,
             "smaller": smaller,
             "speed": speed_word(pick["axes"]["speed"]) if pick else None,
             "by_status": {s: [n for n, v in status.items() if v == s and n != baseline]
                           for s in ("within", "beyond", NOT_DECIDED, "not measured", "fails the task gate")},
             "table": _table(options, {"memory": ("footprint", " MiB"), "quality": ("perplexity change", "%"),
                                       "speed": ("decode speed × baseline", "")}, front,
-                            lambda o: {"quality vs tolerance": status[o["name"]],
+                            lambda o: {"quality vs tolerance": quality[o["name"]],
                                        "task gate": gate_of(gates, model_of[o["name"]])})}
 
 
@@ -98,8 +99,9 @@ def inference_facts(inference: list[dict], quantize: list[dict], tolerance: floa
     if not options:
         return None
     model_of = {o["name"]: evaluated_name(o["kind"], o["of"]) for o in options}
-    status = with_gate({o["name"]: "within" if o["baseline"] else quality_status(o["axes"]["quality"], tolerance)
-                        for o in options}, gates, model_of.get)
+    quality = {o["name"]: "within" if o["baseline"] else quality_status(o["axes"]["quality"], tolerance)
+               for o in options}
+    status = with_gate(quality, gates, model_of.get)
     base = next((o for o in options if o["baseline"]), None)
     faster = [o for o in options if not o["baseline"] and speed_word(o["axes"]["speed"]) == "faster"]
     kept = [o for o in faster if status[o["name"]] == "within"]
@@ -107,13 +109,13 @@ def inference_facts(inference: list[dict], quantize: list[dict], tolerance: floa
     front = frontier(options, {"memory": "min", **SPEED, **QUALITY})
     top = best_point([o for o in options if not o["baseline"]], "speed", "max")
     return {"options": options, "pick": next((o for o in options if o["name"] == pick), None), "base": base,
-            "status": status, "faster": [o["name"] for o in faster], "front": front,
+            "status": status, "quality": quality, "faster": [o["name"] for o in faster], "front": front,
             "top": next((o for o in options if o["name"] == top), None),
             "top_word": speed_word(next(o for o in options if o["name"] == top)["axes"]["speed"]) if top else None,
             "table": _table(options, {"memory": ("footprint", " MiB"), "speed": ("decode speed × base", ""),
                                       "quality": ("perplexity change", "%")}, front,
                             lambda o: {"speed verdict": "baseline" if o["baseline"] else speed_word(o["axes"]["speed"]),
-                                       "quality vs tolerance": status[o["name"]],
+                                       "quality vs tolerance": quality[o["name"]],
                                        "task gate": gate_of(gates, model_of[o["name"]])}),
             "gate_failed_faster": [o["name"] for o in faster if status[o["name"]] == "fails the task gate"]}
 
