@@ -86,7 +86,15 @@ CASES = {
     "no-tokenizer": (lambda f: [(f / n).unlink() for n in ("tokenizer.json", "tokenizer_config.json")],
                      "base_model.source: {f} has no tokenizer (expected tokenizer.json, or tokenizer.model, vocab.json "
                      "and merges.txt, ...: save the model's tokenizer there with save_pretrained)", True),
+    "config-of-a-masked-lm": (lambda f: _edit_config(f, model_type="bert", architectures=["BertForMaskedLM"]),
+                              "base_model.source: {f}/config.json names BertForMaskedLM, not a causal language "
+                              "model: efflab needs BertLMHeadModel, the causal LM class of bert", True),
     # only loading tells these
+    # Qwen2's attention projections have biases, the Llama weights none: loaded, they would stay at random init
+    "config-of-another-family": (lambda f: _edit_config(f, model_type="qwen2", architectures=["Qwen2ForCausalLM"]),
+                                 "base_model.source: the weights of {f} do not fit its config: 6 parameters of the "
+                                 "model are not in them (first: model.layers.0.self_attn.k_proj.bias) (a config.json "
+                                 "of another model beside these weights?)", False),
     "tokenizer-of-another-shape": (lambda f: (f / "tokenizer.json").write_text('{"model": {"type": "Nonesuch"}}'),
                                    "base_model.source: cannot load the tokenizer of '{f}' from {f}/tokenizer.json: "
                                    "...", False),  # then transformers' own words (KeyError: 'added_tokens')

@@ -116,6 +116,42 @@ def _tokenizer(folder: Path, trust_remote_code: bool) -> None:
             _json(folder / name, ": the tokenizer cannot load")
 
 
+def not_causal(declared: dict) -> str | None:
+    """Why a config is not a causal language model's, or None: the `architectures` it was saved from name no class of
+    transformers' causal LM mapping (a masked-LM or classification head), or its model_type has none. A model of its
+    own code counts as causal where its auto_map maps AutoModelForCausalLM."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL
+
+    if (declared.get("auto_map") or {}).get("AutoModelForCausalLM"):
+        return None
+    names, model_type = declared.get("architectures") or [], declared.get("model_type")
+    own = CAUSAL.get(model_type)
+    if names and not set(names) & set(CAUSAL.values()):
+        return (f"names {', '.join(names)}, not a causal language model: "
+                + (f"efflab needs {own}, the causal LM class of {model_type}" if own else
+                   f"transformers has no causal LM class for {model_type!r}"))
+    if not names and model_type and own is None:
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+        if model_type in CONFIG_MAPPING:  # one it does not know is config_error's line
+            return f"has model_type {model_type!r}, for which transformers has no causal LM class"
+    return None
+
+
+def weights_problem(info: dict, where: str) -> str | None:
+    """What from_pretrained's loading info (output_loading_info) says does not fit: parameters of the model that
+    no weight of the folder filled (left at their random init) and weights of the folder the model has no place
+    for, the first of each named; None where every weight went to its parameter."""
+    missing, unexpected = sorted(info.get("missing_keys") or ()), sorted(info.get("unexpected_keys") or ())
+    if not missing and not unexpected:
+        return None
+    said = [f"{len(missing):,} parameters of the model are not in them (first: {missing[0]})" if missing else "",
+            f"{len(unexpected):,} of their tensors have no place in the model (first: {unexpected[0]})"
+            if unexpected else ""]
+    return (f"{KEY}: the weights of {where} do not fit its config: " + "; ".join(filter(None, said))
+            + " (a config.json of another model beside these weights?)")
+
+
 def check(bm: dict) -> None:
     """Raise UserError, one line naming the key and the file, for a local base_model.source folder that cannot
     load; nothing for embedded and hub sources. A missing source or a folder without config.json is
@@ -126,6 +162,8 @@ def check(bm: dict) -> None:
     declared = _json(folder / "config.json")
     if not isinstance(declared, dict):
         raise UserError(f"{KEY}: {folder / 'config.json'} is not a JSON object (expected a model config)")
+    if why := not_causal(declared):
+        raise UserError(f"{KEY}: {folder / 'config.json'} {why}")
     if not bm["random_init"]:
         _weights(folder)
     _tokenizer(folder, bm["trust_remote_code"])

@@ -74,6 +74,8 @@ def tokenizer_and_config(cfg: dict, job: Job, kind: str, where: str, kwargs: dic
             tokenizer, model_config = source_tokenizer_and_config(cfg, where, kwargs)
     except (OSError, ValueError) as err:
         raise UserError(f"base_model.source: cannot load {bm['source']!r}: {str(err).splitlines()[0]}") from None
+    if why := model_folder.not_causal(model_config.to_dict()):  # a hub model's config: only now
+        raise UserError(f"base_model.source: the config of {bm['source']!r} {why}")
     bad = sorted(set(bm["config_overrides"]) - set(model_config.to_dict()))
     if bad:
         raise UserError(f"base_model.config_overrides: {bad[0]!r} is not a field of the "
@@ -99,17 +101,23 @@ def materialize(bm: dict, kind: str, where: str, kwargs: dict, model_config, dty
             return AutoModelForCausalLM.from_config(model_config, dtype=dtype,
                                                     trust_remote_code=bm["trust_remote_code"])
     if kind == "embedded":
-        loaded = AutoModelForCausalLM.from_pretrained(where, config=model_config, dtype=dtype, **kwargs)
+        loaded, info = AutoModelForCausalLM.from_pretrained(where, config=model_config, dtype=dtype,
+                                                            output_loading_info=True, **kwargs)
     else:  # safetensors only: efflab unpickles no weights file, a local folder's or a hub repo's
         from safetensors import SafetensorError
 
         try:
-            return AutoModelForCausalLM.from_pretrained(where, config=model_config, dtype=dtype, use_safetensors=True,
-                                                        **kwargs)
+            loaded, info = AutoModelForCausalLM.from_pretrained(where, config=model_config, dtype=dtype,
+                                                                use_safetensors=True, output_loading_info=True,
+                                                                **kwargs)
         except (OSError, ValueError, RuntimeError, SafetensorError) as err:
             if isinstance(err, torch.OutOfMemoryError):
                 raise
             raise model_folder.load_error(bm, err, "the weights") from None
+    if problem := model_folder.weights_problem(info, bm["source"]):  # loaded, but not the folder's model
+        raise UserError(problem)
+    if kind != "embedded":
+        return loaded
     # A GGUF-loaded model refuses save_pretrained; rebuild it as a plain model.
     model = AutoModelForCausalLM.from_config(model_config, dtype=dtype)
     model.load_state_dict(loaded.state_dict())
