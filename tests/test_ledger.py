@@ -24,6 +24,10 @@ def test_two_statements_of_one_finding_that_differ_fail_and_equal_ones_pass():
                     _s(1.2, lo=1.0, hi=1.3, file="details.md")):
         problems = ledger.check([same[0], planted])
         assert len(problems) == 1 and "inference int8 speed" in problems[0], problems
+    why = "not decided: the machine's speed changed"  # a table says the head, decisions.json why after it too
+    briefer = [_s(None, verdict=why + ": 10 of 12 rounds had a speed probe outside ±25%"), _s(None, verdict=why)]
+    assert ledger.check(briefer) == [] and len(ledger.check([briefer[1], _s(None, verdict="not decided")])) == 0
+    assert len(ledger.check([briefer[0], _s(None, verdict="not decided: the machine was busy")])) == 1
 
 
 def test_a_verdict_outside_the_one_vocabulary_fails():

@@ -78,7 +78,13 @@ def check_results(work: Path, cfg: dict) -> None:
     # roofline columns and the quantization schemes' LoRA column took the CI report past the earlier 30 KB)
     assert len((work / "results/report/report.md").read_bytes()) < 32_000
     interleaved = json.loads((work / "results/bench_finetune/metrics.json").read_text())
-    assert [(p["a"], p["b"], p["status"]) for p in interleaved["pairs"]] == [("lora-r8", "qlora-r8", "ok")]
+    assert [(p["a"], p["b"], p["knob"], p["status"]) for p in interleaved["pairs"]] == [
+        ("lora-r8", "qlora-r8", "method", "ok"), ("full", "lora-r8", None, "ok"), ("full", "qlora-r8", None, "ok")]
+    decided = json.loads((work / "results/report/decisions.json").read_text())["questions"]["finetune"]["options"]
+    # the ratios over the reference run are the interleaved ones (bench_finetune.against_reference); a pair the
+    # machine's speed changes left without stable rounds has none, and no other takes its place
+    assert all(o["axes"]["step_ratio"]["source"] == "interleaved" for o in decided
+               if not o["baseline"] and o["axes"]["step_ratio"]), decided
     for run in cfg["finetune"]["runs"]:
         m = json.loads((work / f"results/finetune/{run}/metrics.json").read_text())
         assert m["validation_after"]["loss"] < m["validation_before"]["loss"], run

@@ -99,11 +99,13 @@ class Ledger:
             for axis, name in (q["answer"].items() if isinstance(q.get("answer"), dict) else ()):
                 if name is None and axis in (q.get("options") or [{}])[0].get("axes", {}):  # no winner on that axis
                     said(f"answer.{axis}", "-", {"value": None}, verdict=NOT_DECIDED)
-            if isinstance(q.get("cell"), dict):  # the cell a question compares at, as its stage's table names it
-                for o in q.get("options", []):
-                    subject = CELL.format(name=o["name"], **q["cell"])
+            for o in q.get("options", []):  # the cell an option was decided at, as its stage's table names it
+                if subject := row_name(q, o):
                     for metric, a in (o.get("axes") or {}).items():
                         said(metric, subject, a)
+                    for field in OPTION_VERDICTS:
+                        if isinstance(o.get(field), str):
+                            said(field, subject, {"value": None}, verdict=o[field])
             for method, m in ((q.get("open_loop") or {}).get("methods") or {}).items():
                 said("goodput", method, m.get("best_goodput"), verdict=None)
         for f in made.get("facts", []):
@@ -154,9 +156,27 @@ class Ledger:
 CLAIMED = {"inference_speedup": ("inference", "variant", "speed"), "serving_ratio": ("serving", "method", "speed")}
 
 
-# A question compared at one cell of its stage's grid (attention: mode, sequence length, batch): how an option at it
-# is named, as its table's `says` names the row.
+# A question compared at one cell of its stage's grid (attention: mode, sequence length, batch), or an option decided
+# at one concurrency (serving): how the option at it is named, as its table's `says` names the row.
 CELL = "{name} {mode} L={seq_len} B={batch}"
+AT = "{name} at {concurrency}"
+
+
+def row_name(question: dict, option: dict) -> str | None:
+    if isinstance(question.get("cell"), dict):
+        return CELL.format(name=option["name"], **question["cell"])
+    if option.get("concurrency") is not None:
+        return AT.format(name=option["name"], concurrency=option["concurrency"])
+    return None
+
+
+def _agree(a: str | None, b: str | None) -> bool:
+    """Two verdicts that say the same, one perhaps with more of why after its head ('not decided: the machine's
+    speed changed' and the same with the rounds that changed it)."""
+    if a is None or b is None or a == b:
+        return True
+    short, long = sorted((a, b), key=len)
+    return long.startswith(short) and long[len(short):len(short) + 2] in (": ", " (")
 
 
 def _cell(value):
@@ -184,7 +204,7 @@ def check(statements: list[Statement]) -> list[str]:
             f = first[key]
             figures = f.value is None or s.value is None or (_same(f.value, s.value) and _same(f.lo, s.lo)
                                                                and _same(f.hi, s.hi))
-            if not (figures and (f.verdict == s.verdict or None in (f.verdict, s.verdict))):
+            if not (figures and _agree(f.verdict, s.verdict)):
                 problems.append(f"{s.finding} {s.subject} {s.metric}: {s.file}#{s.anchor} states "
                                 f"{_said(s)} where {f.file}#{f.anchor} states {_said(f)}")
         else:

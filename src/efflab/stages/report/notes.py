@@ -90,6 +90,26 @@ def lines(metrics: dict, facts: list[str] = ()) -> list[str]:
                                            metrics.get("claims", [])))]
 
 
-def claims_lines(claims: list[dict], link: str) -> list[str]:
+def claims_cited(claims: list[dict], made: dict) -> list[dict]:
+    """Each claim whose reading is a figure a question of decisions.json decides (ledger.CLAIMED), beside that
+    figure as the answer states it: one measurement, two readings of it (the ledger holds them equal)."""
+    from .ledger import CLAIMED
+    from .questions import of
+    from .render import value_text
+
+    out = []
+    for r in (r for job in records.ok(claims) for r in job.get("readings", [])):
+        key, field, axis = CLAIMED.get(r["metric"].get("kind"), (None, None, None))
+        question = made["questions"].get(key) if key else None
+        option = next((o for o in (question or {}).get("options", []) if o["name"] == r["metric"].get(field)), None)
+        a = ((option or {}).get("axes") or {}).get(axis)
+        if a:
+            out.append({"id": r["id"], "verdict": r["verdict"], "title": of(key).title, "subject": option["name"],
+                        "axis": axis, "value": value_text(a, "×"), "said": a["verdict"]})
+    return out
+
+
+def claims_lines(claims: list[dict], link: str, made: dict | None = None) -> list[str]:
     facts = claims_facts(claims)
-    return [render("claims.md.j2", link=link, **facts)] if facts else []
+    cited = claims_cited(claims, made) if made else []
+    return [render("claims.md.j2", link=link, cited=cited, **facts)] if facts else []

@@ -41,7 +41,7 @@ def report_text(cfg: dict, metrics: dict, tables: dict, environments: dict, made
     parts = [sec.header(metrics["base_model"][0], metrics["prepare_data"][0]), *advice.glance(made, cfg, metrics),
              *filter(None, [sec.withheld(withheld)]),
              *notes.lines(metrics, [fact(f) for f in made.get("facts", [])]),
-             *notes.claims_lines(metrics["claims"], "../claims/claims.md"),
+             *notes.claims_lines(metrics["claims"], "../claims/claims.md", made),
              "## In detail\n\nHow to read the numbers, and the words of every verdict: "
              "[details.md](details.md#how-to-read-the-numbers).\n"]
     for part in PARTS.values():
