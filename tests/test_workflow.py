@@ -17,6 +17,7 @@ import math
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -80,6 +81,12 @@ def check_results(work: Path, cfg: dict) -> None:
     interleaved = json.loads((work / "results/bench_finetune/metrics.json").read_text())
     assert [(p["a"], p["b"], p["knob"], p["status"]) for p in interleaved["pairs"]] == [
         ("lora-r8", "qlora-r8", "method", "ok"), ("full", "lora-r8", None, "ok"), ("full", "qlora-r8", None, "ok")]
+    first, *rest = interleaved["pairs"]  # one cell timed them all: each pair's ratio within the same rounds
+    assert all(p["together"] and p["interleaved"]["rounds"] == first["interleaved"]["rounds"] for p in rest)
+    kept = [r["seconds"] for r in first["interleaved"]["rounds"] if r["stable"]]
+    if "unstable" not in first["interleaved"]:
+        assert rest[0]["step_time_ratio"]["median"] == pytest.approx(
+            statistics.median(s["lora-r8"] / s["full"] for s in kept))
     decided = json.loads((work / "results/report/decisions.json").read_text())["questions"]["finetune"]["options"]
     # the ratios over the reference run are the interleaved ones (bench_finetune.against_reference); a pair the
     # machine's speed changes left without stable rounds has none, and no other takes its place

@@ -11,7 +11,8 @@ Each pair's verdict comes from the per-round ratios: median, its distribution-fr
 measured again, and a pair that never gets enough stable rounds says so instead of giving a verdict.
 With bench_finetune.against_reference, every run is also timed against the reference (the first of finetune.runs),
 the same way: the ratios the report ranks the runs by (records.step_ratio) are then interleaved ones too.
-Every pair is a cell (runtime.isolation), journalled as it ends.
+Every run of every pair is built once and all are timed in one cell (runtime.isolation), each round a step of each,
+so a pair costs no more than its rounds; where they do not fit in one process together, each pair is a cell alone.
 
 The step is training.training_step, written out rather than run by a Trainer (see training.py).
 """
@@ -52,8 +53,10 @@ def _knob_reason(knob: str) -> str | None:
     return NOT_INTERLEAVED.get(knob.split(".")[0])
 
 
-def pair_cell(cfg: dict, results: str, a: str, b: str, dtype: str, device: str) -> dict:
-    """Time runs a and b's training steps interleaved; b's step time over a's with its interval and verdict."""
+def group_cell(cfg: dict, results: str, runs: list[str], pairs: list[list[str]], dtype: str, device: str) -> dict:
+    """Time the training steps of every run in `runs` interleaved in one process, each round a step of each: for
+    each (a, b) of `pairs`, b's step time over a's within each stable round, with its interval and verdict. One
+    model and one step of each run serve every pair it is in."""
     from transformers import set_seed
 
     bf, layout, device = cfg["bench_finetune"], Layout(Path(results)), torch.device(device)
@@ -61,7 +64,7 @@ def pair_cell(cfg: dict, results: str, a: str, b: str, dtype: str, device: str) 
     rows = read_split(layout.split("train"))
     count = bf["warmup_rounds"] + 2 * bf["rounds"]  # enough batches for every round, set-aside ones included
     variants, tokens, precision = {}, {}, {}
-    for name in (a, b):
+    for name in runs:
         run_cfg = finetune_run(cfg, name)
         set_seed(run_cfg["seed"])
         steps = batches(run_cfg, tokenizer, rows, count, device)
@@ -72,18 +75,20 @@ def pair_cell(cfg: dict, results: str, a: str, b: str, dtype: str, device: str) 
     synchronize(device)
     timed = interleave(variants, bf["rounds"], device, warmup=bf["warmup_rounds"],
                        tolerance=bf["sentinel_tolerance"])
-    ratio = paired_ratio(timed, a, b)
     per_run = {}
-    for name in (a, b):
+    for name in runs:
         kept = [(r["seconds"][name], tokens[name][i % count]) for i, r in enumerate(timed["rounds"], bf["warmup_rounds"])
                 if r["stable"]]
         seconds = sum(s for s, _ in kept)
         per_run[name] = {"step_time": timed["variants"][name], "mixed_precision": precision[name],
                          "tokens_per_s": sum(t for _, t in kept) / seconds if seconds else None}
-    log.info("%s vs %s: step time ratio %s %s (%d stable rounds, %d set aside)", b, a,
-             format_ratio(ratio, 3),
-             ratio["verdict"], timed["stable_rounds"], timed["set_aside"])
-    return {"runs": per_run, "step_time_ratio": ratio, "interleaved": timed}
+    out = {}
+    for a, b in pairs:
+        ratio = paired_ratio(timed, a, b)
+        log.info("%s vs %s: step time ratio %s %s (%d stable rounds, %d set aside)", b, a, format_ratio(ratio, 3),
+                 ratio["verdict"], timed["stable_rounds"], timed["set_aside"])
+        out[f"{a} {b}"] = {"runs": {a: per_run[a], b: per_run[b]}, "step_time_ratio": ratio}
+    return {"pairs": out, "interleaved": timed}
 
 
 def timed_pairs(cfg: dict, configured: list[dict]) -> list[tuple[str | None, object, object, dict, dict]]:
@@ -106,26 +111,36 @@ def run(cfg: dict, job: Job) -> dict:
     configured = [{"run": name, "settings": finetune_run(cfg, name)} for name in cfg["finetune"]["runs"]]
     journal = job.journal({"bench_finetune": bf, "finetune": cfg["finetune"], "runtime": rt,
                            "base": layout.metrics("base_model").read_text()})
-    pairs = []
+    pairs, cells = [], []
     for knob, value_a, value_b, a, b in timed_pairs(cfg, configured):
         cell = {"knob": knob, "from": value_a, "to": value_b, "a": a["run"], "b": b["run"]}
         reason = (_knob_reason(knob) if knob else None) or "; ".join(unavailable_knobs(a["settings"], device)
-                                                 + unavailable_knobs(b["settings"], device)) or None
-        if reason:
-            pairs.append(cell | {"status": "unavailable", "reason": reason})
-            continue
-        result = journal.result(cell, lambda: run_cell(
-            pair_cell, dict(cfg=cfg, results=str(layout.root), a=a["run"], b=b["run"], dtype=dtype,
-                            device=str(device)),
+                                                                     + unavailable_knobs(b["settings"], device)) or None
+        pairs.append(cell | {"status": "unavailable", "reason": reason} if reason else cell)
+        cells += [] if reason else [cell]
+    runs = list(dict.fromkeys(r for c in cells for r in (c["a"], c["b"])))
+
+    def timed(group: list[str], wanted: list[list[str]]) -> dict:
+        return journal.result({"runs": group, "pairs": wanted}, lambda: run_cell(
+            group_cell, dict(cfg=cfg, results=str(layout.root), runs=group, pairs=wanted, dtype=dtype,
+                             device=str(device)),
             isolation=rt["isolation"], timeout_s=rt["cell_timeout_s"], memory_cap_mib=rt["cell_memory_cap_mib"]))
+
+    together = timed(runs, [[c["a"], c["b"]] for c in cells]) if cells else None
+    for c in cells:
+        # every run in one process, one model each; where they do not fit together, the pair alone
+        result = together if together and records.is_ok(together) else timed([c["a"], c["b"]], [[c["a"], c["b"]]])
         if not records.is_ok(result):
-            log.warning("%s vs %s: %s: %s", b["run"], a["run"], result["status"], result.get("reason"))
-        pairs.append(cell | result)
+            log.warning("%s vs %s: %s: %s", c["b"], c["a"], result["status"], result.get("reason"))
+            c.update(result)
+            continue
+        c.update({k: v for k, v in result.items() if k != "pairs"}, together=result is together and len(runs) > 2,
+                 **result["pairs"][f"{c['a']} {c['b']}"])
     journal.remove()
     return {"status": "ok", "dtype": dtype, "rounds": bf["rounds"], "warmup_rounds": bf["warmup_rounds"],
             "sentinel_tolerance": bf["sentinel_tolerance"],
-            "measured": "training steps (forward, backward, clipping, optimizer step) of both runs of a pair in "
-                        "one process, interleaved over the same batches",
+            "measured": "training steps (forward, backward, clipping, optimizer step) of every paired run in one "
+                        "process, interleaved over the same batches (a pair alone where they do not fit together)",
             "pairs": pairs, "environment": environment(device, bf)}
 
 
