@@ -32,6 +32,7 @@ def test_two_statements_of_one_finding_that_differ_fail_and_equal_ones_pass():
 
 def test_a_verdict_outside_the_one_vocabulary_fails():
     for word in ("faster", "same within ±10%", "not decided at this size (n=1, no 95% interval)", "within",
+                 "unavailable: NotImplementedError: a torchao kernel this family's layers cannot run",
                  "not decided: the machine's speed changed", "fails the task gate", "not better: than the base"):
         assert ledger.in_vocabulary(word), word
     for word in ("pretty fast", "one run each: no interval", "undecided"):
@@ -282,3 +283,13 @@ def test_a_claim_s_reading_of_a_decided_quantity_is_held_to_the_question_s_figur
     book.from_claims([planted])
     problems = ledger.check(book.statements)
     assert len(problems) == 1 and f"claims.md#{first['id']}" in problems[0], problems
+
+
+def test_the_claims_page_says_only_the_claims_verdicts():
+    page = (AVX2.parent / "claims" / "claims.md").read_text()
+    words = list(json.loads((AVX2.parent / "claims" / "metrics.json").read_text())["by_verdict"])
+    assert ledger.check_claims_page(page, words) == []
+    row = next(x for x in page.splitlines() if x.startswith("| int8-faster-inference |"))
+    planted = page.replace(row, row.replace("| differs |", "| faster |"))
+    problems = ledger.check_claims_page(planted, words)
+    assert len(problems) == 1 and "verdict 'faster' is none of the claims' words" in problems[0], problems

@@ -17,7 +17,7 @@ from ...measure.timing import SENTINEL_TOLERANCE
 from . import options as opts
 from . import short_glance
 from .decide import beats, best_point, frontier, winner
-from .fmt import markdown
+from .fmt import markdown, percent
 from .glance import fact
 from .glance import lines as question_lines
 from .render import render, value_text
@@ -194,7 +194,8 @@ def memory_text(a: dict | None) -> str:
     if not a or a.get("value") is None:
         return "-"
     error = a.get("error_pct")
-    return f"{a['value']:,.0f} MiB" + (f" ± {error:.1f}% (measured error)" if error is not None else "")
+    return f"{a['value']:,.0f} MiB" + (f" ± {percent(error, signed=False)}% (measured error)" if error is not None
+                                       else "")
 
 
 def step_word(a: dict | None) -> str:

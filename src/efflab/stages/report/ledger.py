@@ -13,7 +13,8 @@ fails the report where:
   decisions.json does (`from_tables`, then `check`: a statement with no figure is held to its verdict alone);
 - a claim's reading of a quantity a question decides differs from the question's figure (`from_claims`: a
   statement with no verdict is held to its figures alone);
-- a line of prose names an option and says a verdict word its statements do not hold (`check_document`).
+- a line of prose names an option and says a verdict word its statements do not hold (`check_document`);
+- a row of the claims page says a verdict outside the claims' own words (`check_claims_page`).
 """
 from __future__ import annotations
 
@@ -37,6 +38,9 @@ _HEAD = re.compile(r"^(same within ±[\d.]+%|[^(:]+?)(?:\s*[(:].*)?$")
 OPTION_VERDICTS = ("status", "versus_static", "cause")
 # A capacity maximum's cause, against its prediction (tables.capacity.capacity_cause).
 CAUSES = {"gap", "gap_short", "loaded", "estimator", "none"}
+# What a job or cell that measured nothing is, said where its verdict would stand ("unavailable: <reason>": a
+# family's QAT width whose torchao kernel is missing).
+STATUSES = {"unavailable", "failed", "oom", "timeout", "skipped", "disabled"}
 
 
 @dataclass(frozen=True)
@@ -60,7 +64,7 @@ def in_vocabulary(verdict: str | None) -> bool:
     if verdict is None:
         return True
     head = _HEAD.match(verdict.strip())
-    return bool(head) and (head.group(1).startswith("same within ±") or head.group(1).strip() in VERDICTS | CAUSES
+    return bool(head) and (head.group(1).startswith("same within ±") or head.group(1).strip() in VERDICTS | CAUSES | STATUSES
                            or verdict.split(" ")[0] in VERDICTS)
 
 
@@ -280,6 +284,28 @@ def check_document(statements: list[Statement], text: str, file: str) -> list[st
             for word in sorted(words - set().union(*(held[x] for x in named))):
                 problems.append(f"{file}:{number}: says {word!r} of {', '.join(named)}, which no statement of "
                                 f"{'it' if len(named) == 1 else 'them'} holds: {clause.strip()[:120]}")
+    return problems
+
+
+def check_claims_page(text: str, vocabulary: list[str], file: str = "claims.md") -> list[str]:
+    """Each row of the claims page's tables with a verdict column says one of the claims' verdicts (`vocabulary`:
+    the claims record's, reproduced, differs, ...), whole or as another reading of a sentence ('reading: differs
+    (the sentence: ...)'); the claims' readings of a decided figure are held to it by from_claims."""
+    problems, column = [], None
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.startswith("|"):
+            column = None
+            continue
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if column is None:
+            column = cells.index("verdict") if "verdict" in cells else -1
+            continue
+        if column < 0 or set(cells[column]) <= set("-: ") or len(cells) <= column:
+            continue
+        said = cells[column].removeprefix("reading: ")
+        if not any(said.startswith(v) for v in vocabulary):
+            problems.append(f"{file}:{number}: verdict {cells[column]!r} is none of the claims' words "
+                            f"({', '.join(vocabulary)})")
     return problems
 
 

@@ -66,11 +66,20 @@ def check_statements(made: dict, tables: dict, claims: list[dict], withheld: lis
                 + ledger.check_lines(book.statements, glance.by_question(made), "details.md")
                 + ledger.check_lines(book.statements, short_glance.lines(made), "report.md")
                 + [p for name in ("report.md", "details.md")
-                   for p in ledger.check_document(book.statements, (out / name).read_text(), name)])
+                   for p in ledger.check_document(book.statements, (out / name).read_text(), name)]
+                + _claims_page(claims, out.parent / "claims" / "claims.md"))
     for problem in problems:
         log.error("report: statements disagree: %s", problem)
     if problems:
         raise RuntimeError(f"the report contradicts itself ({len(problems)}, each in the log): " + "; ".join(problems[:3]))
+
+
+def _claims_page(claims: list[dict], page) -> list[str]:
+    """The claims page's verdict words against the claims record's vocabulary (where both are there)."""
+    job = next(iter(r for r in claims if r.get("status") == "ok"), None)
+    if not job or not page.is_file() or not job.get("by_verdict"):
+        return []
+    return ledger.check_claims_page(page.read_text(), list(job["by_verdict"]))
 
 
 def more_tables(cfg: dict, tables: dict, environments: dict) -> str:
