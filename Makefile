@@ -75,8 +75,7 @@ run: install
 # The GPU lane from start to finish on one 80 GB GPU (README, "On a GPU"): the GPU profile's experiment, then
 # its numbers (no weights) kept under results/reference/<gpu name>/ to compare with and to commit.
 gpu: install
-	snakemake --profile workflow/profiles/gpu
-	$(PY) -m efflab.tools.reference
+	snakemake --profile workflow/profiles/gpu; status=$$?; $(PY) -m efflab.tools.reference && exit $$status
 
 # Every stage and every CUDA code path once, within 5 minutes on one H100 (workflow/profiles/gpu-smoke/params.yaml
 # says why it fits): the check that the GPU lane works before the GPU profile spends an hour.
