@@ -116,8 +116,11 @@ def run(cfg: dict, job: Job) -> dict:
         cell = {"knob": knob, "from": value_a, "to": value_b, "a": a["run"], "b": b["run"]}
         reason = (_knob_reason(knob) if knob else None) or "; ".join(unavailable_knobs(a["settings"], device)
                                                                      + unavailable_knobs(b["settings"], device)) or None
-        pairs.append(cell | {"status": "unavailable", "reason": reason} if reason else cell)
-        cells += [] if reason else [cell]
+        pairs.append(cell)  # in timed_pairs' order; a pair that runs is filled in below, where it was timed
+        if reason:
+            cell.update(status="unavailable", reason=reason)
+        else:
+            cells.append(cell)
     runs = list(dict.fromkeys(r for c in cells for r in (c["a"], c["b"])))
 
     def timed(group: list[str], wanted: list[list[str]]) -> dict:

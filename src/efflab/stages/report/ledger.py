@@ -24,6 +24,7 @@ import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from ... import records
 from ...measure.bounds import BOUNDS, violation
 from ...measure.stats import NOT_DECIDED
 
@@ -89,11 +90,13 @@ class Ledger:
             said = lambda metric, subject, a, **kw: self.state(key, subject, metric, a, reference=q.get("baseline"),  # noqa: E731
                                                                anchor=key, file="decisions.json", **kw)
             for o in q.get("options", []):
-                for metric, a in (o.get("axes") or {}).items():
-                    said(metric, o["name"], a)
-                for field in OPTION_VERDICTS:
-                    if isinstance(o.get(field), str):
-                        said(field, o["name"], {"value": None}, verdict=o[field])
+                # by its name, and by the cell it was decided at as its stage's table names it (row_name)
+                for subject in filter(None, (o["name"], row_name(q, o))):
+                    for metric, a in (o.get("axes") or {}).items():
+                        said(metric, subject, a)
+                    for field in OPTION_VERDICTS:
+                        if isinstance(o.get(field), str):
+                            said(field, subject, {"value": None}, verdict=o[field])
                 if isinstance(o.get("time"), dict):
                     t = o["time"]
                     said("time_to_target", o["name"], {"value": t.get("time_s"), "lo": t.get("lo"), "hi": t.get("hi"),
@@ -103,13 +106,6 @@ class Ledger:
             for axis, name in (q["answer"].items() if isinstance(q.get("answer"), dict) else ()):
                 if name is None and axis in (q.get("options") or [{}])[0].get("axes", {}):  # no winner on that axis
                     said(f"answer.{axis}", "-", {"value": None}, verdict=NOT_DECIDED)
-            for o in q.get("options", []):  # the cell an option was decided at, as its stage's table names it
-                if subject := row_name(q, o):
-                    for metric, a in (o.get("axes") or {}).items():
-                        said(metric, subject, a)
-                    for field in OPTION_VERDICTS:
-                        if isinstance(o.get(field), str):
-                            said(field, subject, {"value": None}, verdict=o[field])
             for method, m in ((q.get("open_loop") or {}).get("methods") or {}).items():
                 said("goodput", method, m.get("best_goodput"), verdict=None)
         for f in made.get("facts", []):
@@ -139,11 +135,10 @@ class Ledger:
         """The claims' readings of a quantity a question of decisions.json decides (CLAIMED): its figure and
         interval, with no verdict (a claim's verdicts are the claims page's own words), held equal to the
         question's."""
-        for record in claims:
-            for r in record.get("readings", []):
-                if (to := CLAIMED.get(r["metric"].get("kind"))) and r["metric"].get(to[1]):
-                    self.statements.append(Statement(to[0], r["metric"][to[1]], to[2], r["value"], r["lo"], r["hi"],
-                                                     file="claims.md", anchor=r["id"]))
+        for r in readings(claims):
+            if found := claimed(r):
+                self.statements.append(Statement(*found, r["value"], r["lo"], r["hi"], file="claims.md",
+                                                 anchor=r["id"]))
 
     def withheld(self, figures: list[dict]) -> None:
         """The figures report.screen withheld as beyond their bounds: stated as withheld, with no value."""
@@ -158,6 +153,18 @@ class Ledger:
 # The claims' metric kinds that read a figure a question decides, in its units: (question, the metric's field that
 # names the option, the axis).
 CLAIMED = {"inference_speedup": ("inference", "variant", "speed"), "serving_ratio": ("serving", "method", "speed")}
+
+
+def readings(claims: list[dict]) -> list[dict]:
+    """The measured claims' readings of the claims records that measured something (claims.stage.readings)."""
+    return [r for job in records.ok(claims) for r in job.get("readings", [])]
+
+
+def claimed(reading: dict) -> tuple[str, str, str] | None:
+    """(question, option, axis) of decisions.json that a claim's reading reads (CLAIMED), or None."""
+    question, field, axis = CLAIMED.get(reading["metric"].get("kind"), (None, None, None))
+    option = reading["metric"].get(field) if field else None
+    return (question, option, axis) if option else None
 
 
 # A question compared at one cell of its stage's grid (attention: mode, sequence length, batch), or an option decided
@@ -300,7 +307,7 @@ def check_claims_page(text: str, vocabulary: list[str], file: str = "claims.md")
         if column is None:
             column = cells.index("verdict") if "verdict" in cells else -1
             continue
-        if column < 0 or set(cells[column]) <= set("-: ") or len(cells) <= column:
+        if column < 0 or len(cells) <= column or set(cells[column]) <= set("-: "):
             continue
         said = cells[column].removeprefix("reading: ")
         if not any(said.startswith(v) for v in vocabulary):

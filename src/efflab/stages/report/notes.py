@@ -93,15 +93,15 @@ def lines(metrics: dict, facts: list[str] = ()) -> list[str]:
 def claims_cited(claims: list[dict], made: dict) -> list[dict]:
     """Each claim whose reading is a figure a question of decisions.json decides (ledger.CLAIMED), beside that
     figure as the answer states it: one measurement, two readings of it (the ledger holds them equal)."""
-    from .ledger import CLAIMED
+    from .ledger import claimed, readings
     from .questions import of
     from .render import value_text
 
     out = []
-    for r in (r for job in records.ok(claims) for r in job.get("readings", [])):
-        key, field, axis = CLAIMED.get(r["metric"].get("kind"), (None, None, None))
-        question = made["questions"].get(key) if key else None
-        option = next((o for o in (question or {}).get("options", []) if o["name"] == r["metric"].get(field)), None)
+    for r in readings(claims):
+        key, name, axis = claimed(r) or (None, None, None)
+        options = (made["questions"].get(key) or {}).get("options", []) if key else []
+        option = next((o for o in options if o["name"] == name), None)
         a = ((option or {}).get("axes") or {}).get(axis)
         if a:
             out.append({"id": r["id"], "verdict": r["verdict"], "title": of(key).title, "subject": option["name"],

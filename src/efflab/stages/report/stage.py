@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 
-from ... import provenance
+from ... import provenance, records
 from ...config import UserError
 from ...layout import Job
 from . import advice, decisions, glance, ledger, notes, short_glance, task_quality
@@ -76,7 +76,7 @@ def check_statements(made: dict, tables: dict, claims: list[dict], withheld: lis
 
 def _claims_page(claims: list[dict], page) -> list[str]:
     """The claims page's verdict words against the claims record's vocabulary (where both are there)."""
-    job = next(iter(r for r in claims if r.get("status") == "ok"), None)
+    job = next(iter(records.ok(claims)), None)
     if not job or not page.is_file() or not job.get("by_verdict"):
         return []
     return ledger.check_claims_page(page.read_text(), list(job["by_verdict"]))
