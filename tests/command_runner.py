@@ -11,7 +11,8 @@ order, are printed as JSON. Two jobs run at a time. Kinds:
   executor settings): a command a real run would refuse is refused, and one it would run does nothing;
 - module, script: `python -m module ARGS`, `python script.py ARGS`;
 - entry: a console script of the venv (`hf`, `accelerate`, `mkdocs`) by its entry point;
-- dvc: DVC's own argument parser, and each `-S key=value` applied to params.yaml and validated as efflab does.
+- dvc: DVC's own argument parser, and its own `-S` code (`dvc.utils.hydra.apply_overrides`) on a copy of params.yaml,
+  validated as efflab does.
 
 Variables a library reads at import (HF_HUB_OFFLINE) are read here, before the forks, so a job's own assignment of
 one does not reach that library."""
@@ -22,11 +23,12 @@ import os
 import runpy
 import sys
 import time
+import shutil
+import tempfile
 import traceback
 from importlib.metadata import entry_points
 from pathlib import Path
 
-import yaml
 from dvc.cli import parse_args
 from snakemake import api, cli
 
@@ -45,16 +47,19 @@ api.DAGApi.execute_workflow = dry_run
 
 
 def dvc(argv: list[str]) -> None:
+    """DVC's parser, then its own `-S` code (hydra's override grammar, as `dvc exp run` applies it: a key params.yaml
+    lacks is refused without `+`) on a copy of params.yaml, which efflab's schema then validates."""
+    from dvc.utils.hydra import apply_overrides
+
     args = parse_args(argv)
-    for setting in getattr(args, "set_param", None) or []:
-        key, value = setting.split("=", 1)
-        cfg = config.load("params.yaml")
-        *parents, leaf = key.split(".")
-        node = cfg
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = yaml.safe_load(value)
-        config.validate(cfg, f"-S {setting}")
+    overrides = getattr(args, "set_param", None) or []
+    if not overrides:
+        return
+    with tempfile.TemporaryDirectory() as scratch:
+        copy = Path(scratch) / "params.yaml"
+        shutil.copy("params.yaml", copy)
+        apply_overrides(copy, overrides)
+        config.validate(config.load(copy), f"-S {' '.join(overrides)}")
 
 
 def run(job: dict) -> None:

@@ -6,7 +6,8 @@ can be without doing its work, so that a command a reader would copy and that ca
   profile or flag fails);
 - `make <target>`: `make -n` in the scratch copy (what the Makefile remakes even then lands there);
 - `python -m efflab...`, `python <script>.py`, `mkdocs`, `accelerate`, `hf`: the command with `--help`;
-- `dvc ...`: DVC's own argument parser, and every `-S key=value` applied to params.yaml and validated by the schema;
+- `dvc ...`: DVC's own argument parser, and every `-S` applied by DVC's own override code to a copy of params.yaml
+  (a key params.yaml lacks is refused without `+`, as `dvc exp run` refuses it), then validated by the schema;
 - `pytest`: its paths exist;
 - programs that install, change the checkout or need this machine's hardware (pip, uv, git, nvidia-smi, ...): an
   explicit list, never run. Every path of the repository a command names must exist.
@@ -61,6 +62,7 @@ BROKEN = ["snakemake --forcerun report",  # no --cores
           "python -m efflab.no_such_module",
           "dvc exp run --no-such-flag",
           "dvc exp run --temp -S finetune.defaults.no_such_key=1",
+          "dvc exp run --temp -S finetune.runs.lora-r8.lora.r=16",  # a key params.yaml lacks: DVC wants +
           "no-such-program --help"]
 
 
