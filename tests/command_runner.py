@@ -21,10 +21,10 @@ from __future__ import annotations
 import json
 import os
 import runpy
-import sys
-import time
 import shutil
+import sys
 import tempfile
+import time
 import traceback
 from importlib.metadata import entry_points
 from pathlib import Path

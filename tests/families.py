@@ -19,6 +19,18 @@ FAMILIES = {
     "mixtral": dict(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
                     sliding_window=None),  # mixture of experts
+    # mixture of experts with fused 3-D expert weights (parameters, not layers) and q/k norms; peft has no default
+    "qwen3_moe": dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
+                      num_experts_per_tok=2),
+    # DeepSeek-V3's layout: multi-head latent attention (q_a/q_b, kv_a_proj_with_mqa/kv_b projections, a decoupled
+    # rotary part), a dense first layer, then routed fused experts beside a shared expert
+    # (widths of 64 in and 32 out: bitsandbytes' 4-bit CPU kernel packs blocks of 64 inputs and 32 outputs, so the
+    # rotary part is 32 wide and a key head 64 = 32 + 32, where every other family's head is 16)
+    "deepseek_v3": dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
+                        n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=64, kv_lora_rank=64,
+                        qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=16, n_group=1, topk_group=1),
     "gpt_neox": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4),
     "gpt2": dict(n_embd=64, n_layer=2, n_head=4, n_inner=128),  # Conv1D projections, not nn.Linear
     # separate q/k/v with out_proj, the stack at model.decoder.layers, learned positions, biases, ffn_dim

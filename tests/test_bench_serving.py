@@ -405,3 +405,18 @@ def test_the_open_loop_harness_serves_every_request_at_its_scheduled_arrival(res
         assert c["ttft_s"] == pytest.approx(again["ttft_s"]) and c["saturated"] == again["saturated"]
     for method in ("naive", "continuous"):
         assert o["saturation"][method] == load.saturation([cells[method, r] for r in (4, 40)])
+
+
+def test_a_cell_that_cannot_serve_its_warm_up_is_unavailable_and_the_others_are_measured(machine):
+    """A serving path this stack cannot run for this model (transformers' paged cache and DeepSeek-V3's latent
+    cache) raises on its first call: unavailable with the library's reason, never a failed measurement."""
+    def serve(cell, warm):
+        if cell["method"] == "continuous":
+            raise RuntimeError("index_copy_(): Source/destination tensor must have same slice shapes.\nmore")
+        return [{"request": 0, "output_tokens": 1, "submitted_s": 0.0, "first_token_s": 0.1, "finished_s": 0.2}]
+
+    cells = [{"method": m, "concurrency": 2} for m in ("static", "continuous")]
+    rows, sentinel = bench_serving.serve_rounds(serve, cells, bursts=2)
+    assert cells[1] == {"method": "continuous", "concurrency": 2, "status": "unavailable",
+                        "reason": "RuntimeError: index_copy_(): Source/destination tensor must have same slice shapes."}
+    assert {r["method"] for r in rows} == {"static"} and sentinel["stable_rounds"] == 2

@@ -39,26 +39,49 @@ def test_the_ci_params_fit_the_families_whose_module_names_they_use(params):
     assert model_check.problems(params, family_config("qwen2")) == ([], [])
 
 
-def test_lora_targets_the_model_lacks_are_named_with_what_it_offers(params):
-    found = problems(params, "gpt2", lambda c: None)  # the CI params name Llama's q/k/v/o
-    assert found and found[0].startswith("finetune.defaults.lora: GPT2LMHeadModel (gpt2) cannot take it")
-    assert "c_attn" in found[0] and "null" in found[0]
+def notes(cfg: dict, family: str, edit) -> list[str]:
+    cfg = copy.deepcopy(cfg)
+    edit(cfg)
+    found, said = model_check.problems(config.validate(cfg), family_config(family))
+    assert found == [], found
+    return said
 
 
-def test_null_targets_are_peft_s_default_for_every_family(params):
+def test_lora_targets_the_model_lacks_are_a_note_naming_its_own_projections(params):
+    """Not an error: the runs that use the setting are recorded unavailable with peft's reason; the rest run."""
+    said = notes(params, "gpt2", lambda c: None)  # the CI params name Llama's q/k/v/o
+    assert said and said[0].startswith("finetune.defaults.lora: GPT2LMHeadModel (gpt2): peft cannot adapt")
+    assert "c_attn" in said[0] and "null" in said[0] and "unavailable" in said[0]
+
+
+def test_null_targets_are_ones_every_family_can_take(params):
+    """peft's default for the family, else the model's own projections (the MoE families with fused experts)."""
     def defaults(cfg):
         cfg["finetune"]["defaults"]["lora"]["target_modules"] = None
         cfg["bench_attention"]["implementations"] = ["eager"]
     for family in FAMILIES:
-        assert [p for p in problems(params, family, defaults) if "lora" in p] == [], family
+        assert [p for p in notes(params, family, defaults) if "lora" in p] == [], family
 
 
-def test_what_peft_cannot_wrap_is_caught_before_training(params):
+@pytest.mark.parametrize("family, own", [("mixtral", ["o_proj", "q_proj"]),
+                                         ("deepseek_v3", ["kv_a_proj_with_mqa", "kv_b_proj", "q_a_proj", "q_b_proj"])])
+def test_what_peft_cannot_wrap_is_said_before_training_with_the_model_s_own_modules(params, family, own):
     # A mixture of experts under all-linear: peft wraps the 3-D expert weights, which take no dropout.
     def moe(cfg):
         cfg["finetune"]["defaults"]["lora"] |= {"target_modules": "all-linear", "dropout": 0.05}
-    found = problems(params, "mixtral", moe)
-    assert found and "MixtralForCausalLM (mixtral) cannot take it" in found[0] and "dropout" in found[0]
+    said = [n for n in notes(params, family, moe) if "lora" in n]
+    assert said and "peft cannot adapt" in said[0] and "dropout" in said[0]
+    projections = said[0].split("its own projections are ")[1].split(" (")[0].split(", ")
+    assert set(own) <= set(projections) and not {"base_layer", "default", "lm_head"} & set(projections), said[0]
+
+
+def test_the_default_targets_of_a_family_peft_has_none_for_are_its_own_projections():
+    from efflab.architecture import lora_targets
+
+    targets = lora_targets(family_config("deepseek_v3"), None)
+    assert targets == ["down_proj", "gate_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "q_a_proj", "q_b_proj",
+                       "up_proj"]  # the dense first layer's and the shared expert's MLP, not the routed experts
+    assert lora_targets(family_config("llama"), None) == ["q_proj", "v_proj"]  # peft's own default
 
 
 def test_a_strategy_that_keeps_more_heads_or_layers_than_there_are_is_refused(params):

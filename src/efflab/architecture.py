@@ -38,6 +38,14 @@ def _kv_heads(c, heads: int) -> int:
     return 1 if getattr(c, "multi_query", False) else heads
 
 
+def _head_dim(c, default: int) -> int:
+    """A query/key head's width: multi-head latent attention's (DeepSeek-V2/V3) is its position-free part and its
+    rotary part together, where its head_dim names the rotary part alone."""
+    if getattr(c, "qk_nope_head_dim", None) and getattr(c, "qk_rope_head_dim", None):
+        return c.qk_nope_head_dim + c.qk_rope_head_dim
+    return getattr(c, "head_dim", None) or getattr(c, "d_kv", None) or default
+
+
 def shape(config) -> dict:
     """Layers, hidden size, MLP width, query and key/value heads, head dim, vocabulary, tied embeddings and
     experts of any family's config (read through its attribute map, so GPT-2's n_layer is num_hidden_layers)."""
@@ -47,7 +55,7 @@ def shape(config) -> dict:
     return {"model_type": c.model_type, "layers": _first(c, LAYER_FIELDS), "hidden": hidden,
             "intermediate": _first(c, INTERMEDIATE_FIELDS) or 4 * hidden, "heads": heads,
             "kv_heads": _kv_heads(c, heads),
-            "head_dim": getattr(c, "head_dim", None) or getattr(c, "d_kv", None) or hidden // heads,
+            "head_dim": _head_dim(c, hidden // heads),
             "vocab": c.vocab_size,
             "tied_embeddings": bool(getattr(config, "tie_word_embeddings", getattr(c, "tie_word_embeddings", False))),
             "experts": experts, "experts_per_token": (getattr(c, "num_experts_per_tok", None) or 1) if experts else 0}
@@ -130,23 +138,65 @@ def resized_config(config, keep_layers: list[int], heads: tuple[int, int, int] |
     return config
 
 
-def lora_targets(config, targets: str | list[str] | None) -> str | list[str]:
+def lora_targets(config, targets: str | list[str] | None, model=None, dropout: float = 0.0) -> str | list[str]:
     """The modules LoRA adapts: the user's names or peft's all-linear as given; for null, what peft itself
     chooses for the family (its per-architecture default, e.g. q_proj and v_proj for Llama, query_key_value
-    for GPT-NeoX, c_attn for GPT-2), and all-linear for a family peft has no default for."""
+    for GPT-NeoX, c_attn for GPT-2), and for a family peft has no default for, the model's own projections
+    (own_projections of `model`, else of the config's skeleton). A mixture of experts' routed experts are among
+    them only without dropout: peft maps their names onto the fused 3-D expert weights (expert_targets), which it
+    wraps as parameters, and those take no dropout. Not all-linear there: it would take them whatever the dropout."""
     if targets is not None:
         return targets
     from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_DEFAULTS
 
-    return sorted(PEFT_DEFAULTS.get(text_config(config).model_type) or []) or "all-linear"
+    default = PEFT_DEFAULTS.get(text_config(config).model_type)
+    if default:
+        return sorted(default)
+    model = model if model is not None else skeleton(config)
+    names = own_projections(model)
+    if dropout:
+        names = [n for n in names if n not in expert_targets(model, names)]
+    return names or "all-linear"
 
 
-def lora_config(config, lora: dict, **init):
+def expert_targets(model, names: list[str]) -> set[str]:
+    """Of the target names `names`, those peft's own conversion for transformers 5 maps onto a mixture of experts'
+    fused expert weights (Qwen3-MoE's and DeepSeek-V3's gate_proj, up_proj and down_proj name their shared or dense
+    MLP's layers and the routed experts' gate_up_proj and down_proj at once); none for any other model."""
+    from peft import LoraConfig
+    from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
+
+    probe = LoraConfig(task_type="CAUSAL_LM", target_modules=list(names))
+    convert_peft_config_for_transformers(probe, model, None)
+    return set(names) - set(probe.target_modules)
+
+
+def own_projections(model) -> list[str]:
+    """The leaf names of the model's own matrix-multiply layers but the LM head (an attention's q_a_proj and
+    o_proj, an MLP's or shared expert's gate_proj, GPT-2's c_attn): what a target_modules list can name. peft's
+    wrappers of a model it adapted, or began to adapt before it refused, are read through (base_layer, lora_A)."""
+    head = model.get_output_embeddings()
+    names = set()
+    for name, module in model.named_modules():
+        if module is head or matmul_shape(module) is None or ".lora_" in name:
+            continue
+        names.add(name.replace(".base_layer", "").rsplit(".", 1)[-1])
+    return sorted(names)
+
+
+def lora_refusal(model, err: Exception) -> str:
+    """peft's reason for refusing a LoRA setting on `model`, with the projections a target_modules list can name."""
+    return (f"peft cannot adapt {type(model).__name__} so: {str(err).splitlines()[0].rstrip('.')}; its own "
+            f"projections are {', '.join(own_projections(model))}")
+
+
+def lora_config(config, lora: dict, model=None, **init):
     """peft's LoraConfig for the settings `lora` (r, alpha, dropout, target_modules, use_dora, use_rslora) on a
-    model of `config`: one construction for fine-tuning, healing and the dry-run check. `init`: the initialisation's
-    keys (init_lora_weights and its method's config: lora_init.adapt)."""
+    model of `config` (`model`, where the caller has it: lora_targets reads its modules): one construction for
+    fine-tuning, healing and the dry-run check. `init`: the initialisation's keys (init_lora_weights and its
+    method's config: lora_init.adapt)."""
     from peft import LoraConfig
 
     return LoraConfig(task_type="CAUSAL_LM", r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
-                      bias="none", target_modules=lora_targets(config, lora["target_modules"]),
+                      bias="none", target_modules=lora_targets(config, lora["target_modules"], model, lora["dropout"]),
                       use_dora=lora.get("use_dora", False), use_rslora=lora.get("use_rslora", False), **init)

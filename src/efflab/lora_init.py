@@ -67,9 +67,10 @@ def adapt(model, lora: dict, quantized: bool, base_folder, calibration: list[dic
     t0 = time.perf_counter()
     try:
         made = _adapt(model, lora, init, quantized, str(base_folder), calibration)
-    except (ValueError, TypeError, NotImplementedError, RuntimeError, AttributeError, AssertionError) as err:
-        if "target_modules" in str(err) or "Target modules" in str(err):
-            raise
+    except ValueError as err:  # peft's refusal of the targets or of what they name (fused experts take no dropout)
+        said = "" if init == "default" else f"lora.init {init}: "
+        raise Refused(said + architecture.lora_refusal(model, err)) from None
+    except (TypeError, NotImplementedError, RuntimeError, AttributeError, AssertionError) as err:
         raise Refused(f"lora.init {init}: peft refused it for this model: {str(err).splitlines()[0]}") from None
     rows = sum(len(b["input_ids"]) for b in calibration) if init in DATA_DRIVEN else 0
     return Initialised(made, init, time.perf_counter() - t0, rows)
@@ -81,11 +82,11 @@ def _adapt(model, lora: dict, init: str, quantized: bool, base_folder: str, cali
     if init == "loftq" and quantized:
         from peft import replace_lora_weights_loftq
 
-        made = get_peft_model(model, architecture.lora_config(model.config, lora, init_lora_weights=True))
+        made = get_peft_model(model, architecture.lora_config(model.config, lora, model, init_lora_weights=True))
         replace_lora_weights_loftq(made, model_path=base_folder)
         return made
     extra = _extra_config(init)
-    config = architecture.lora_config(model.config, lora, init_lora_weights=peft_value(init), **extra)
+    config = architecture.lora_config(model.config, lora, model, init_lora_weights=peft_value(init), **extra)
     if init == "corda":
         from peft.tuners.lora.corda import preprocess_corda
 

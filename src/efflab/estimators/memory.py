@@ -147,7 +147,8 @@ def activation_rates(folder, run: dict, dtype: str, precision: str) -> dict:
     a, p = _arch(folder), _precisions(run, dtype, precision)
     lora = None
     if run["method"] != "full":
-        targets = architecture.lora_targets(analytic.hf_config(str(folder)), run["lora"]["target_modules"])
+        targets = architecture.lora_targets(analytic.hf_config(str(folder)), run["lora"]["target_modules"],
+                                          dropout=run["lora"]["dropout"])
         names = {lay["name"].rsplit(".", 1)[-1] for lay in analytic.targeted_layers(str(folder), targets)}
         lora = {"modules": names, "dropout": run["lora"]["dropout"]}
     checkpointing = run["gradient_checkpointing"]
@@ -192,7 +193,8 @@ def _trainable_tensors(folder, run: dict) -> list[int]:
     if run["method"] == "full":
         return [t.numel() for t in analytic.meta_model(str(folder)).parameters()]
     r = run["lora"]["r"]
-    targets = architecture.lora_targets(analytic.hf_config(str(folder)), run["lora"]["target_modules"])
+    targets = architecture.lora_targets(analytic.hf_config(str(folder)), run["lora"]["target_modules"],
+                                          dropout=run["lora"]["dropout"])
     return [n for lay in analytic.targeted_layers(str(folder), targets)
             for n in (r * lay["in"], r * lay["out"])]
 

@@ -72,18 +72,13 @@ def load_config(cfg: dict, path: Path):
     return config
 
 
-def _leaf_names(model) -> list[str]:
-    from ..architecture import matmul_layers
-
-    return sorted({name.rsplit(".", 1)[-1] for name in matmul_layers(model)})
-
-
-def lora_problems(cfg: dict, config, label: str) -> list[str]:
+def lora_notes(cfg: dict, config, label: str) -> list[str]:
     """peft's own check of each LoRA setting, on the meta-device model: the target modules exist, and peft can
-    wrap what they name (e.g. a mixture of experts' 3-D expert weights take no dropout)."""
+    wrap what they name (e.g. a mixture of experts' 3-D expert weights take no dropout). Not errors: a setting the
+    family cannot take makes its runs unavailable, with peft's reason, and the rest of the DAG runs."""
     from peft import get_peft_model
 
-    from ..architecture import lora_config, skeleton
+    from ..architecture import lora_config, lora_refusal, skeleton
 
     wanted = {}
     for run in cfg["finetune"]["runs"]:
@@ -97,10 +92,10 @@ def lora_problems(cfg: dict, config, label: str) -> list[str]:
     for settings, key in wanted.items():
         model = skeleton(config, cfg["base_model"]["trust_remote_code"])
         try:
-            get_peft_model(model, lora_config(config, json.loads(settings)))
+            get_peft_model(model, lora_config(config, json.loads(settings), model))
         except ValueError as err:  # peft's errors, NoMatchingPeftModuleError among them
-            out.append(f"{key}: {label} cannot take it: {str(err).splitlines()[0].rstrip('.')}; its projections are "
-                       f"{', '.join(_leaf_names(model))} (target_modules null: peft's default for the family)")
+            out.append(f"{key}: {label}: {lora_refusal(model, err)} (target_modules null: peft's default for the "
+                       "family, else those projections); what uses it is recorded unavailable")
     return out
 
 
@@ -209,9 +204,9 @@ def problems(cfg: dict, config) -> tuple[list[str], list[str]]:
 
     model = skeleton(config, cfg["base_model"]["trust_remote_code"])
     label = f"{type(model).__name__} ({config.model_type})"
-    return ([*lora_problems(cfg, config, label), *prune_problems(cfg, config, label),
-             *quantization_problems(cfg, model, label), *qat_problems(cfg, model, label)],
-            attention_notes(cfg, model, label))
+    return ([*prune_problems(cfg, config, label), *quantization_problems(cfg, model, label),
+             *qat_problems(cfg, model, label)],
+            [*lora_notes(cfg, config, label), *attention_notes(cfg, model, label)])
 
 
 # The params sections the checks read: a verdict is reused until one of them, the model's config or this code changes.

@@ -208,7 +208,30 @@ def load_model(folder: str | Path, dtype: str, device: torch.device, quant: dict
         raise NotImplementedError(unquantized_reason(model, quant))
     if "device_map" not in kwargs:
         model.to(device)
+    if quantization.library(quant) == "bitsandbytes":
+        runs_quantized(model, quant)
     return model.eval()
+
+
+def runs_quantized(model, quant: dict) -> None:
+    """One two-token forward of the quantized model: where bitsandbytes' kernel cannot run one of its layers as the
+    family calls it (DeepSeek-V3's kv_b_proj takes a 4-D latent, which the CPU int8 kernel's row scales do not
+    broadcast over), NotImplementedError naming the layer, so the scheme is unavailable, never a crash later."""
+    import traceback
+
+    ids = torch.tensor([[model.config.bos_token_id or 0] * 2], device=model.device)
+    try:  # in training mode: an eval-mode forward would repack 4-bit weights for inference only (quantize.adapter_check)
+        with torch.no_grad():
+            model.train()(input_ids=ids)
+    except (RuntimeError, AssertionError, ValueError) as err:
+        frames = [f for f, _ in traceback.walk_tb(err.__traceback__) if "bitsandbytes" in f.f_code.co_filename
+                  and isinstance(f.f_locals.get("self"), torch.nn.Module)]
+        if not frames:
+            raise
+        layer = frames[-1].f_locals["self"]
+        name = next((n for n, m in model.named_modules() if m is layer), type(layer).__name__)
+        raise NotImplementedError(f"{quant['method']}: bitsandbytes' {type(layer).__name__} cannot run "
+                                  f"{type(model).__name__}'s {name}: {str(err).splitlines()[0]}") from None
 
 
 def unquantized_reason(model, quant: dict) -> str:

@@ -324,15 +324,18 @@ def serve_rounds(serve, cells: list[dict], bursts: int, device: torch.device = C
     balanced order (rotated every two rounds, every other round reversed), the rounds watched by the speed sentinel
     (measure.timing.sentinel_rounds: a speed probe between bursts; a burst whose probes strayed beyond ±tolerance of
     the median is set aside and another served in its place, at most `extra_bursts` more, default `bursts`). A cell
-    whose serving raises is marked failed and leaves the rounds: a serving path this stack cannot run is a row, not
-    a crash. Returns the rows, each with its burst, and the sentinel's record: each burst's order, probes, whether
-    it is stable and, for one set aside, why (`set_aside_because`); None where no cell is left to serve."""
+    whose serving raises leaves the rounds: a serving path this stack cannot run is a row, not a crash; one that
+    raises on its warm-up, before serving anything, is unavailable (DeepSeek-V3's latent cache in transformers'
+    paged cache), one that raises later failed. Returns the rows, each with its burst, and the sentinel's record:
+    each burst's order, probes, whether it is stable and, for one set aside, why (`set_aside_because`); None where
+    no cell is left to serve."""
     def attempt(cell, warm: bool):
         try:
             return serve(cell, warm)
-        except Exception as err:
-            cell |= {"status": "failed", "reason": f"{type(err).__name__}: {str(err).splitlines()[0]}"}
-            log.warning("%s: %s", cell_name(cell), cell["reason"])
+        except Exception as err:  # on its first call, the path cannot run here (e.g. a cache of another layout)
+            cell |= {"status": "unavailable" if warm else "failed",
+                     "reason": f"{type(err).__name__}: {str(err).splitlines()[0]}"}
+            log.warning("%s: %s: %s", cell_name(cell), cell["status"], cell["reason"])
             return None
 
     live = [c for c in cells if attempt(c, True) is not None]

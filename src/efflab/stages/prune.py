@@ -33,6 +33,7 @@ import torch
 from .. import architecture, cli, quality
 from ..config import UserError
 from ..layout import NOT_RUN, Job
+from ..lora_init import Refused
 from ..measure.env import environment
 from ..measure.flops import count_parameters
 from ..measure.stats import speedup
@@ -302,7 +303,11 @@ def heal(pruned, h: dict, tokenizer, rows: list[dict], dtype: str, device: torch
 
     set_seed(h["seed"])
     lora = h["lora"]
-    model = get_peft_model(copy.deepcopy(pruned), architecture.lora_config(pruned.config, lora))
+    model = copy.deepcopy(pruned)
+    try:
+        model = get_peft_model(model, architecture.lora_config(pruned.config, lora, model))
+    except ValueError as err:  # peft's refusal of the targets, or of dropout on fused expert weights
+        raise Refused(architecture.lora_refusal(model, err)) from None
     run_cfg = h | {"gradient_accumulation_steps": 1, "packing": True, "optimizer": "adamw_torch", "weight_decay": 0.0,
                    "lr_scheduler": "cosine", "warmup_steps": 0, "max_grad_norm": 1.0, "mixed_precision": "auto",
                    "tf32": False, "torch_compile": False}
@@ -321,9 +326,14 @@ def healed_model(p: dict, pruned, tokenizer, layout, dtype: str, device: torch.d
         folder.mkdir()
         (folder / NOT_RUN).write_text("disabled: prune.heal.steps is 0\n")
         return None, {"status": "disabled", "reason": "prune.heal.steps is 0"}
-    with tempfile.TemporaryDirectory() as scratch:
-        healed, healing = heal(pruned, p["heal"], tokenizer, read_split(layout.split("train")), dtype, device,
-                               scratch)
+    try:
+        with tempfile.TemporaryDirectory() as scratch:
+            healed, healing = heal(pruned, p["heal"], tokenizer, read_split(layout.split("train")), dtype, device,
+                                   scratch)
+    except Refused as err:  # peft cannot adapt the pruned model with prune.heal.lora: the pruned figures stand
+        folder.mkdir()
+        (folder / NOT_RUN).write_text(f"unavailable: {err}\n")
+        return None, {"status": "unavailable", "reason": f"prune.heal.lora: {err}"}
     healed.save_pretrained(folder, safe_serialization=True)
     tokenizer.save_pretrained(folder)
     return healed, healing

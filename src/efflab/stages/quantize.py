@@ -88,7 +88,8 @@ def measure(cfg: dict, job: Job, scheme: dict, rows: list[dict], tokenizer, dtyp
              job.name, footprint / 2**20, base_footprint / footprint,
              scheme_eval["perplexity"], base_eval["perplexity"])
     parameters = count_parameters(model)["total"]
-    adapter = adapter_check(model, rows, tokenizer, cfg["finetune"]["defaults"]["lora"])
+    del model  # the check trains on a fresh copy (adapter_check: never run in eval mode before its step)
+    adapter = adapter_check(load_model(folder, dtype, device), rows, tokenizer, cfg["finetune"]["defaults"]["lora"])
     log.info("%s: a LoRA adapter %s on it%s", job.name, "trains" if adapter["trains"] else "does not train",
              "" if not adapter["trains"] else " and merges back" if adapter["merges"] else " but does not merge back")
     return {
@@ -111,19 +112,20 @@ def adapter_check(model, rows: list[dict], tokenizer, lora: dict) -> dict:
     """Whether peft trains a LoRA adapter on the quantized model and merges it back into it, both tried, not assumed:
     one Adam step on a batch moves the adapter off its zero start, then `merge_and_unload`. The merge holds when
     the merged model's logits are nearer the adapter's than the model's own were (a re-quantized merge rounds
-    the update, so it is not exact). Leaves `model` merged: run it last."""
+    the update, so it is not exact). `model`: freshly loaded, never run in eval mode, for the step runs first, in
+    training mode: on a CPU with AVX512-BF16, bitsandbytes repacks a 4-bit layer for an inference-only kernel
+    (gemv_4bit, no autograd: the gradient through the frozen layers would be wrong) at its first eval-mode forward.
+    Leaves `model` merged."""
     from peft import get_peft_model
 
     batch = {k: v.to(model.device) for k, v in next(batches(rows[:2], 2, tokenizer)).items()}
     inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
-    with torch.no_grad():
-        own = model(**inputs).logits.float()
-    lora_config = architecture.lora_config(model.config, lora)  # the adapter fine-tuning would train
+    lora_config = architecture.lora_config(model.config, lora, model)  # the adapter fine-tuning would train
     settings = {"r": lora_config.r, "lora_alpha": lora_config.lora_alpha,
                 "target_modules": sorted(lora_config.target_modules) if isinstance(lora_config.target_modules, set)
                 else lora_config.target_modules}
     try:
-        adapted = get_peft_model(model, lora_config)
+        adapted = get_peft_model(model, lora_config).train()
         trainable = [p for p in adapted.parameters() if p.requires_grad]
         adapted(**inputs, labels=batch["labels"]).loss.backward()
         grads = [p.grad for p in trainable if p.grad is not None]
@@ -132,8 +134,10 @@ def adapter_check(model, rows: list[dict], tokenizer, lora: dict) -> dict:
         torch.optim.Adam(trainable, lr=1e-2).step()
     except Exception as err:  # peft's message is the reason: an unsupported layer type, a frozen dtype
         return {"trains": False, "reason": f"{type(err).__name__}: {err}"[:300]}
-    adapted.eval()  # get_peft_model leaves the model training: LoRA dropout would make these logits noise
+    adapted.eval()  # LoRA dropout would make these logits noise
     with torch.no_grad():
+        with adapted.disable_adapter():
+            own = adapted(**inputs).logits.float()
         tuned = adapted(**inputs).logits.float()
         try:
             merged = adapted.merge_and_unload()(**inputs).logits.float()
