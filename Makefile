@@ -18,7 +18,7 @@ export PATH := $(abspath $(VENV))/bin:$(PATH)
 # instead costs 50 s on 2 cores, most of it for modules no stage imports.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: install run gpu gpu-smoke bundle report-html test test-integration test-floor docs dry-run lint clean-results FORCE
+.PHONY: install run gpu gpu-smoke bundle report-html test test-integration test-floor test-bf16 docs dry-run lint clean-results FORCE
 .DEFAULT_GOAL := run
 
 define INSTALL_MK
@@ -113,6 +113,12 @@ test: install
 test-integration: install
 	$(VENV)/bin/pytest -v -m integration
 	$(MAKE) test-floor
+
+# The stages' numeric tests in bf16 on any CPU (EFFLAB_TEST_DTYPE=bfloat16: the CI params' base_model.dtype), so a
+# CPU whose probe picks fp32 (AVX2, AVX512 without BF16) runs the paths a bf16 CPU takes; the tolerances follow the dtype.
+BF16_TESTS = tests/test_merge.py tests/test_quantize.py tests/test_finetune.py tests/test_qat.py tests/test_prune.py
+test-bf16: install
+	EFFLAB_TEST_DTYPE=bfloat16 $(VENV)/bin/pytest -v $(BF16_TESTS)
 
 # The suite (the CI pipeline and every stage's tests) on the oldest versions efflab supports, as CUDA images bring
 # them (constraints-floor.txt: transformers 5.17, huggingface_hub 1.33, tokenizers 0.23.2), in its own venv.

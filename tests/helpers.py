@@ -15,8 +15,39 @@ from pathlib import Path
 from efflab import cli, registry
 
 REPO = Path(__file__).resolve().parents[1]
-TEST_PARAMS = REPO / "tests" / "config" / "params.test.yaml"
+CI_PARAMS = REPO / "tests" / "config" / "params.test.yaml"
+# The compute dtype the suite's stages run in: float32 (the CI params), or bfloat16 with EFFLAB_TEST_DTYPE=bfloat16
+# (`make test-bf16`), so that a CPU whose probe picks fp32 runs the paths a bf16 CPU takes, and every tolerance
+# follows the dtype asked for (rounding_tolerance), never the machine.
+TEST_DTYPE = os.environ.get("EFFLAB_TEST_DTYPE", "float32")
 BIN = Path(sys.executable).parent
+
+
+def _params_in(dtype: str) -> Path:
+    """The CI params with base_model.dtype set to `dtype`, written once (atomically: xdist workers race) under the
+    temporary folder, named by their content."""
+    import hashlib
+    import tempfile
+
+    import yaml
+
+    if dtype == "float32":
+        return CI_PARAMS
+    if dtype not in ("bfloat16", "float16"):
+        raise SystemExit(f"EFFLAB_TEST_DTYPE: {dtype!r} (expected float32, bfloat16 or float16)")
+    text = CI_PARAMS.read_text()
+    cfg = yaml.safe_load(text)
+    cfg["base_model"]["dtype"] = dtype
+    digest = hashlib.sha256(text.encode() + dtype.encode()).hexdigest()[:12]
+    path = Path(tempfile.gettempdir()) / f"efflab-params-{dtype}-{digest}.yaml"
+    if not path.is_file():
+        scratch = path.with_suffix(f".{os.getpid()}.tmp")
+        scratch.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        os.replace(scratch, path)
+    return path
+
+
+TEST_PARAMS = _params_in(TEST_DTYPE)
 
 
 def run_stage(stage: str, params: Path, results: Path, name: str | None = None) -> dict:

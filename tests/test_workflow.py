@@ -318,11 +318,14 @@ def test_dvc_tracks_the_snakemake_run_and_reruns_what_a_param_change_touches(loc
     shutil.copytree(local_pipeline.wait()["dir"] / "results", tmp_path / "results")
     sh(["git", "init", "-q"], tmp_path)
     sh([BIN / "dvc", "init", "-q"], tmp_path)
+    shutil.copy(REPO / ".dvc" / "config", tmp_path / ".dvc" / "config")  # the checkout's: its cache link types
     sh([sys.executable, "-m", "efflab.tools.dvcgen"], tmp_path)
     assert _dvc_view(tmp_path) == _snakemake_view("params.yaml", tmp_path)
 
     sh([BIN / "dvc", "commit", "-f", "-q"], tmp_path)  # adopt what Snakemake produced
     assert json.loads(sh([BIN / "dvc", "status", "--json"], tmp_path).stdout) == {}
+    weights = tmp_path / "results/base_model/model/model.safetensors"
+    check_linked_not_copied(weights, tmp_path)
     metrics = json.loads(sh([BIN / "dvc", "metrics", "show", "--json"], tmp_path).stdout)
     shown = json.dumps(metrics)
     assert "figures.json" in shown and "metrics.json" not in shown, "the DVC metrics are the jobs' figures"
@@ -367,8 +370,33 @@ def test_dvc_tracks_the_snakemake_run_and_reruns_what_a_param_change_touches(loc
     assert (tmp_path / "results/report/metrics.json").read_text() == report
     rows = dvc_csv(["exp", "show"], tmp_path)
     assert "no-kv" in {r["Experiment"] for r in rows}, [r["Experiment"] for r in rows]
+    check_cache_intact(tmp_path)  # the reruns replaced linked outputs: no cache object changed under its hash
     figures = leaves(json.loads(sh([BIN / "dvc", "metrics", "show", "--json"], tmp_path).stdout))
     assert 0 < figures <= FIGURE_COLUMNS, f"dvc exp show has {figures} figure columns"
+
+
+def check_linked_not_copied(path, work) -> None:
+    """A DVC-tracked output is the cache's file (hard link or symlink), read-only, not a second copy; where the
+    filesystem clones (reflink), a copy shares its blocks and is allowed."""
+    scratch = work / ".dvc" / "tmp"  # DVC's own ignored scratch, on the cache's filesystem
+    scratch.mkdir(exist_ok=True)
+    probe, clone = scratch / "reflink-probe", scratch / "reflink-clone"
+    probe.write_bytes(b"x")
+    clones = subprocess.run(["cp", "--reflink=always", probe, clone], capture_output=True).returncode == 0
+    if not clones:
+        assert path.is_symlink() or path.stat().st_nlink > 1, f"{path} was copied into .dvc/cache"
+        assert not os.access(path, os.W_OK) or os.geteuid() == 0, f"{path} is linked but writable"
+
+
+def check_cache_intact(work) -> None:
+    """Every object in .dvc/cache still holds what its name (its md5) says."""
+    import hashlib
+
+    objects = [p for p in (work / ".dvc" / "cache" / "files" / "md5").rglob("*")
+               if p.is_file() and not p.name.endswith(".dir")]
+    assert objects
+    for p in objects:
+        assert hashlib.md5(p.read_bytes()).hexdigest() == p.parent.name + p.name, f"cache object {p} changed"
 
 
 def leaves(shown: dict) -> int:

@@ -220,9 +220,12 @@ def runs_quantized(model, quant: dict) -> None:
     import traceback
 
     ids = torch.tensor([[model.config.bos_token_id or 0] * 2], device=model.device)
-    try:  # in training mode: an eval-mode forward would repack 4-bit weights for inference only (quantize.adapter_check)
+    # 4-bit in training mode: an eval-mode forward would repack its weights for inference only (adapter_check); int8
+    # in eval mode, the path its inference takes (training mode's differs)
+    model.train(quantization.WEIGHT_BITS[quant["method"]] == 4)
+    try:
         with torch.no_grad():
-            model.train()(input_ids=ids)
+            model(input_ids=ids)
     except (RuntimeError, AssertionError, ValueError) as err:
         frames = [f for f, _ in traceback.walk_tb(err.__traceback__) if "bitsandbytes" in f.f_code.co_filename
                   and isinstance(f.f_locals.get("self"), torch.nn.Module)]
