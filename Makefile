@@ -108,10 +108,11 @@ test: install
 	$(VENV)/bin/pytest -v
 
 # The long end-to-end checks (marker `integration`): the supported-architecture matrix (tests/test_families_*.py: every
-# stage on nine families), the pipeline through a real SLURM cluster (root and apt only) and DVC experiments on an
-# adopted Snakemake run; CI runs them after `test`.
+# stage on eleven families), the pipeline through a real SLURM cluster (root and apt only) and DVC experiments on an
+# adopted Snakemake run, then the stages' numeric tests in bf16 and the floor suite; CI runs them after `test`.
 test-integration: install
 	$(VENV)/bin/pytest -v -m integration
+	$(MAKE) test-bf16
 	$(MAKE) test-floor
 
 # The stages' numeric tests in bf16 on any CPU (EFFLAB_TEST_DTYPE=bfloat16: the CI params' base_model.dtype), so a

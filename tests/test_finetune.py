@@ -5,7 +5,7 @@ import torch
 from efflab.experiment import finetune_run
 from efflab.layout import Layout
 from efflab.stages.report import tables
-from tests.helpers import TEST_PARAMS, run_stage
+from tests.helpers import TEST_DTYPE, TEST_PARAMS, run_stage
 
 
 def _lora_param_count(cfg, name):
@@ -100,7 +100,7 @@ def test_training_flops_follow_palm_and_mfu_is_a_fraction_of_the_measured_ceilin
     assert t["flops"]["matmul_params"] == n
     assert t["flops"]["model_flops_per_token"] == pytest.approx(6 * n + 12 * layers * heads * hd * seq)
     assert 0 < t["mfu_vs_measured_ceiling"] < 1
-    assert t["matmul_ceiling"]["dtype"] == "float32" and t["published_peak"]["tflops"] is None
+    assert t["matmul_ceiling"]["dtype"] == TEST_DTYPE and t["published_peak"]["tflops"] is None
 
 
 @pytest.mark.integration  # two DDP processes through accelerate launch: ~18 s of a worker, make test keeps its 10 minutes

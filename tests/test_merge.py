@@ -4,19 +4,32 @@ import pytest
 import torch
 from peft import PeftModel
 
-from efflab import quality
+from efflab import config, quality
+from efflab.experiment import finetune_run
 from efflab.layout import Layout
 from efflab.models.modeling import forward_batches, load_model, load_tokenizer, read_split
-from tests.helpers import TEST_PARAMS, rounding_tolerance, run_stage
+from tests.helpers import TEST_DTYPE, TEST_PARAMS, rounding_tolerance, run_stage
+
+
+def merge_rounding(m: dict, roundings: int, kernel=None) -> float:
+    """What the merged model's difference from the adapter's logits may be: the float32 floor of two summation
+    orders, or in the base's dtype (make test-bf16) a rounding of each merged layer's output (`roundings`) at the
+    scale of the reference's logits; `kernel`: the dtype a 4-bit kernel computes in, where it is another."""
+    dtype = kernel or getattr(torch, TEST_DTYPE)
+    return rounding_tolerance(dtype, m["merged"]["reference_max_abs_logit"], roundings, floor=1e-4)
 
 
 def test_merged_logits_equal_adapter_logits(results):
     run_stage("finetune", TEST_PARAMS, results, "lora-r8")
     m = run_stage("merge", TEST_PARAMS, results, "lora-r8")
-    assert m["merged"]["max_abs_logit_diff"] < 1e-4
-    assert abs(m["merged"]["validation"]["loss"] - m["adapter_validation"]["loss"]) < 1e-5
+    layers = 2 * len(finetune_run(config.load(TEST_PARAMS), "lora-r8")["lora"]["target_modules"])  # 2 layers
+    tolerance = merge_rounding(m, 2 * layers)  # each merged weight rounded, and the adapter's own path
+    assert m["merged"]["max_abs_logit_diff"] < tolerance
+    loss = m["adapter_validation"]["loss"]
+    assert abs(m["merged"]["validation"]["loss"] - loss) < max(1e-5, tolerance)
     paired = m["merged"]["perplexity_change"]  # row by row against the adapter, on the same rows
-    assert paired["n_rows"] == len(m["adapter_validation"]["per_row"]) and abs(paired["change_pct"]) < 1e-3
+    assert paired["n_rows"] == len(m["adapter_validation"]["per_row"])
+    assert abs(paired["change_pct"]) < max(1e-3, 100 * tolerance)
     assert quality.paired_change(m["adapter_validation"]["per_row"], m["merged"]["validation"]["per_row"]) == paired
 
     # Independently of the stage: reload the saved merged folder and the adapter, compare logits.
@@ -29,8 +42,8 @@ def test_merged_logits_equal_adapter_logits(results):
     base_logits = [logits for _, logits in forward_batches(load_model(layout.base_model(), "float32", cpu), rows, 4, tok)]
     for (_, a), (_, b), base in zip(forward_batches(adapter, rows, 4, tok), forward_batches(merged, rows, 4, tok),
                                     base_logits):
-        assert torch.allclose(a, b, atol=1e-4)
-        assert not torch.allclose(a, base, atol=1e-4), "the adapter changed the model"
+        assert torch.allclose(a, b, atol=tolerance)
+        assert not torch.allclose(a, base, atol=tolerance), "the adapter changed the model beyond rounding"
 
 
 @pytest.fixture(scope="module")
@@ -44,9 +57,13 @@ def qlora_merge(prepared, tmp_path_factory) -> dict:
 
 def test_qlora_merge_into_the_dequantized_base_keeps_the_fine_tune(qlora_merge):
     m = qlora_merge
+    from efflab.models.quantization import four_bit_kernel_dtype
+
     assert m["merge_target"] == "dequantized nf4 base"
-    assert m["merged"]["max_abs_logit_diff"] < 1e-3
-    assert abs(m["merged"]["validation"]["loss"] - m["adapter_validation"]["loss"]) < 1e-3
+    kernel = four_bit_kernel_dtype(getattr(torch, TEST_DTYPE), torch.device("cpu"))
+    tolerance = max(1e-3, merge_rounding(m, 2, kernel))  # the 4-bit reference's own output rounding, and the merge's
+    assert m["merged"]["max_abs_logit_diff"] < tolerance
+    assert abs(m["merged"]["validation"]["loss"] - m["adapter_validation"]["loss"]) < tolerance
 
 
 def test_only_the_round_trip_merge_keeps_what_the_qlora_adapter_learned(qlora_merge):

@@ -4,7 +4,7 @@ import torch
 from efflab import quality
 from efflab.layout import Layout
 from efflab.models.modeling import load_model
-from tests.helpers import run_stage
+from tests.helpers import TEST_DTYPE, rounding_tolerance, run_stage
 
 
 def test_int8_and_4bit_are_bnb_layers_and_shrink_the_footprint(results, write_params):
@@ -34,7 +34,8 @@ def test_torchao_schemes_are_quantized_weights_whose_bytes_are_computed_exactly_
         results, write_params):
     """torchao's int8 weight-only and dynamic-activation schemes: every quantized linear layer holds an Int8Tensor
     after the reload, and the footprint is the bytes computed from the base model's shapes (int8 weights, a scale
-    and a zero point per output row, the rest in the compute dtype), to the byte."""
+    and a zero point per output row, the rest in the compute dtype), to the byte, in fp32 and in bf16 (make
+    test-bf16: the scale stays fp32)."""
     from transformers import AutoModelForCausalLM
 
     from efflab.estimators import analytic
@@ -50,7 +51,8 @@ def test_torchao_schemes_are_quantized_weights_whose_bytes_are_computed_exactly_
         expected = analytic.quant_footprint(str(Layout(results).base_model()), scheme, m["compute_dtype"])
         assert m["memory_footprint_bytes"] == expected["total"] < baseline["memory_footprint_bytes"]
         shrunk = baseline["memory_footprint_bytes"] - m["memory_footprint_bytes"]
-        assert shrunk == expected["quantized_params"] * (4 - 1) - expected["constant_bytes"]  # fp32 -> int8 layers
+        element = torch.finfo(getattr(torch, m["compute_dtype"])).bits // 8
+        assert shrunk == expected["quantized_params"] * (element - 1) - expected["constant_bytes"]  # -> int8 layers
         plain = AutoModelForCausalLM.from_pretrained(Layout(results).model("quantize", name))
         assert type(plain.get_submodule(layers[0]["name"]).weight).__name__ == "Int8Tensor"
 
@@ -80,8 +82,11 @@ def test_an_adapter_trains_and_merges_back_on_int8_bases_and_the_check_says_why_
         adapter = run_stage("quantize", params, results, name)["adapter"]
         assert adapter["trains"] and adapter["merges"], (name, adapter)
         assert 0 <= adapter["merge_error_max_abs_logit"] < adapter["adapter_effect_max_abs_logit"], (name, adapter)
-        if name == "baseline":  # merged into float32 weights: rounding only (LoRA dropout left on made it ~10%)
-            assert adapter["merge_error_max_abs_logit"] < 1e-3 * adapter["adapter_effect_max_abs_logit"], adapter
+        if name == "baseline":  # merged into the base's weights: their rounding only (LoRA dropout left on: ~10%)
+            layers = len(adapter["lora"]["target_modules"]) * 2  # the CI model's 2 layers
+            rounding = rounding_tolerance(getattr(torch, TEST_DTYPE), adapter["max_abs_logit"], layers, floor=0)
+            assert adapter["merge_error_max_abs_logit"] < max(1e-3 * adapter["adapter_effect_max_abs_logit"],
+                                                              rounding), adapter
     dynamic = run_stage("quantize", params, results, "ao8dyn")["adapter"]
     assert dynamic["trains"] or len(dynamic["reason"]) > 20, dynamic
 

@@ -273,8 +273,8 @@ def bnb_footprint(name: str, method: str, double_quant: bool = False, compute_dt
 
 def quant_footprint(name: str, quant: dict, compute_dtype: str = "float16", **overrides) -> dict | None:
     """Bytes a model occupies loaded with a quantization scheme (efflab.models.quantization): bitsandbytes' (above) and
-    torchao's int8 (the same layers quantized; per output row a scale in the compute dtype and an int8 zero point,
-    torchao's Int8Tensor). None for a scheme with no model here (torchao-int4, hqq)."""
+    torchao's int8 (the same layers quantized; per output row an fp32 scale, whatever the compute dtype, and an int8
+    zero point: torchao's Int8Tensor). None for a scheme with no model here (torchao-int4, hqq)."""
     method = quant["method"]
     if method in ("int8", "nf4", "fp4"):
         return bnb_footprint(name, method, bool(quant.get("double_quant")), compute_dtype, **overrides)
@@ -282,7 +282,7 @@ def quant_footprint(name: str, quant: dict, compute_dtype: str = "float16", **ov
         return None
     int8 = bnb_footprint(name, "int8", False, compute_dtype, **overrides)
     rows = sum(lay["out"] for lay in linear_layers(name, **overrides) if not lay["head"])
-    constants = rows * (bytes_per_element(compute_dtype) + 1)
+    constants = rows * (4 + 1)
     return int8 | {"constant_bytes": constants, "total": int8["weight_bytes"] + constants + int8["kept_bytes"]}
 
 

@@ -39,15 +39,18 @@ def reference_logits(model, rows, batch_size, tokenizer) -> tuple[list[torch.Ten
 
 
 def compare(model, reference: list[torch.Tensor], reference_eval: dict, rows, batch_size, tokenizer) -> dict:
-    """Max |logit difference| and mean KL vs the reference over every real token, the perplexity, and its change
-    over the reference's paired row by row (quality.paired_change)."""
+    """Max |logit difference| and mean KL vs the reference over every real token (with the reference's largest |logit|,
+    the scale a rounding difference is relative to), the perplexity, and its change over the reference's paired row
+    by row (quality.paired_change)."""
     worst, kl_sum, positions, per_row = 0.0, 0.0, 0, []
+    scale = max(r.abs().max().item() for r in reference)  # what a difference from rounding is relative to
     for (batch, logits), ref in zip(forward_batches(model, rows, batch_size, tokenizer), reference):
         per_row += row_nll(logits, batch["labels"])
         mine = logits[batch["attention_mask"].bool()].float()
         worst = max(worst, (mine - ref).abs().max().item())
         kl_sum, positions = kl_sum + kl_per_token(ref, mine).sum().item(), positions + len(ref)
-    return {"max_abs_logit_diff": worst, "kl_mean": kl_sum / positions, "validation": rows_summary(per_row),
+    return {"max_abs_logit_diff": worst, "reference_max_abs_logit": scale, "kl_mean": kl_sum / positions,
+            "validation": rows_summary(per_row),
             "perplexity_change": quality.paired_change(reference_eval["per_row"], per_row)}
 
 

@@ -145,7 +145,7 @@ def adapter_check(model, rows: list[dict], tokenizer, lora: dict) -> dict:
             return {"trains": True, "merges": False, "reason": f"merge: {type(err).__name__}: {err}"[:300]}
     effect, error = (tuned - own).abs().max().item(), (merged - tuned).abs().max().item()
     return {"trains": True, "merges": error < effect, "adapter_effect_max_abs_logit": effect,
-            "merge_error_max_abs_logit": error, "lora": settings}
+            "merge_error_max_abs_logit": error, "max_abs_logit": tuned.abs().max().item(), "lora": settings}
 
 
 if __name__ == "__main__":
