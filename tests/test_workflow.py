@@ -326,6 +326,8 @@ def test_dvc_tracks_the_snakemake_run_and_reruns_what_a_param_change_touches(loc
     assert json.loads(sh([BIN / "dvc", "status", "--json"], tmp_path).stdout) == {}
     weights = tmp_path / "results/base_model/model/model.safetensors"
     check_linked_not_copied(weights, tmp_path)
+    sh([BIN / "dvc", "commit", "-f", "-q"], tmp_path)  # again, over its own links: still linked, the cache intact
+    check_linked_not_copied(weights, tmp_path)
     metrics = json.loads(sh([BIN / "dvc", "metrics", "show", "--json"], tmp_path).stdout)
     shown = json.dumps(metrics)
     assert "figures.json" in shown and "metrics.json" not in shown, "the DVC metrics are the jobs' figures"
@@ -376,16 +378,10 @@ def test_dvc_tracks_the_snakemake_run_and_reruns_what_a_param_change_touches(loc
 
 
 def check_linked_not_copied(path, work) -> None:
-    """A DVC-tracked output is the cache's file (hard link or symlink), read-only, not a second copy; where the
-    filesystem clones (reflink), a copy shares its blocks and is allowed."""
-    scratch = work / ".dvc" / "tmp"  # DVC's own ignored scratch, on the cache's filesystem
-    scratch.mkdir(exist_ok=True)
-    probe, clone = scratch / "reflink-probe", scratch / "reflink-clone"
-    probe.write_bytes(b"x")
-    clones = subprocess.run(["cp", "--reflink=always", probe, clone], capture_output=True).returncode == 0
-    if not clones:
-        assert path.is_symlink() or path.stat().st_nlink > 1, f"{path} was copied into .dvc/cache"
-        assert not os.access(path, os.W_OK) or os.geteuid() == 0, f"{path} is linked but writable"
+    """A DVC-tracked output is the cache's file (hard link or symlink: the checkout's .dvc/config), read-only, not a
+    second copy of it."""
+    assert path.is_symlink() or path.stat().st_nlink > 1, f"{path} was copied into .dvc/cache, not linked"
+    assert not os.access(path, os.W_OK) or os.geteuid() == 0, f"{path} is linked but writable"
 
 
 def check_cache_intact(work) -> None:
