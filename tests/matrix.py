@@ -78,7 +78,8 @@ def outcome(record: dict) -> str:
     by_reason: dict[tuple[str, str], list[str]] = {}
     for c in record.get("cells") or []:
         if isinstance(c, dict) and c.get("status", "ok") != "ok":
-            name = c.get("name") or "@".join(str(c[k]) for k in ("method", "concurrency", "mode") if k in c)
+            name = c.get("name") or "@".join(str(c[k]) for k in ("method", "generation", "concurrency", "batch_size")
+                                             if k in c)
             by_reason.setdefault((c["status"], c.get("reason", "")), []).append(name or "a cell")
     said = [f"{s}: {', '.join(names)}: {why}" for (s, why), names in sorted(by_reason.items())]
     return "; ".join(said) if said else "ok"

@@ -68,8 +68,9 @@ def adapt(model, lora: dict, quantized: bool, base_folder, calibration: list[dic
     try:
         made = _adapt(model, lora, init, quantized, str(base_folder), calibration)
     except ValueError as err:  # peft's refusal of the targets or of what they name (fused experts take no dropout)
-        said = "" if init == "default" else f"lora.init {init}: "
-        raise Refused(said + architecture.lora_refusal(model, err)) from None
+        if init != "default":
+            raise Refused(f"lora.init {init}: peft refused it for this model: {str(err).splitlines()[0]}") from None
+        raise Refused(architecture.lora_refusal(model, err)) from None
     except (TypeError, NotImplementedError, RuntimeError, AttributeError, AssertionError) as err:
         raise Refused(f"lora.init {init}: peft refused it for this model: {str(err).splitlines()[0]}") from None
     rows = sum(len(b["input_ids"]) for b in calibration) if init in DATA_DRIVEN else 0
