@@ -67,11 +67,9 @@ def adapt(model, lora: dict, quantized: bool, base_folder, calibration: list[dic
     t0 = time.perf_counter()
     try:
         made = _adapt(model, lora, init, quantized, str(base_folder), calibration)
-    except ValueError as err:  # peft's refusal of the targets or of what they name (fused experts take no dropout)
-        if init != "default":
-            raise Refused(f"lora.init {init}: peft refused it for this model: {str(err).splitlines()[0]}") from None
-        raise Refused(architecture.lora_refusal(model, err)) from None
-    except (TypeError, NotImplementedError, RuntimeError, AttributeError, AssertionError) as err:
+    except (ValueError, TypeError, NotImplementedError, RuntimeError, AttributeError, AssertionError) as err:
+        if init == "default" and isinstance(err, ValueError):  # the targets, or what they name (fused experts
+            raise Refused(architecture.lora_refusal(model, err)) from None  # take no dropout)
         raise Refused(f"lora.init {init}: peft refused it for this model: {str(err).splitlines()[0]}") from None
     rows = sum(len(b["input_ids"]) for b in calibration) if init in DATA_DRIVEN else 0
     return Initialised(made, init, time.perf_counter() - t0, rows)

@@ -147,9 +147,7 @@ def activation_rates(folder, run: dict, dtype: str, precision: str) -> dict:
     a, p = _arch(folder), _precisions(run, dtype, precision)
     lora = None
     if run["method"] != "full":
-        targets = architecture.lora_targets(analytic.hf_config(str(folder)), run["lora"]["target_modules"],
-                                          dropout=run["lora"]["dropout"])
-        names = {lay["name"].rsplit(".", 1)[-1] for lay in analytic.targeted_layers(str(folder), targets)}
+        names = {lay["name"].rsplit(".", 1)[-1] for lay in _targeted_layers(folder, run)}
         lora = {"modules": names, "dropout": run["lora"]["dropout"]}
     checkpointing = run["gradient_checkpointing"]
     # the embedding output needs a gradient when the embedding trains, or when checkpointing (efflab then makes
@@ -193,10 +191,14 @@ def _trainable_tensors(folder, run: dict) -> list[int]:
     if run["method"] == "full":
         return [t.numel() for t in analytic.meta_model(str(folder)).parameters()]
     r = run["lora"]["r"]
+    return [n for lay in _targeted_layers(folder, run) for n in (r * lay["in"], r * lay["out"])]
+
+
+def _targeted_layers(folder, run: dict) -> list[dict]:
+    """The layers a LoRA run adapts (architecture.lora_targets, read from the cached meta-device model)."""
     targets = architecture.lora_targets(analytic.hf_config(str(folder)), run["lora"]["target_modules"],
-                                          dropout=run["lora"]["dropout"])
-    return [n for lay in analytic.targeted_layers(str(folder), targets)
-            for n in (r * lay["in"], r * lay["out"])]
+                                        analytic.meta_model(str(folder)), run["lora"]["dropout"])
+    return analytic.targeted_layers(str(folder), targets)
 
 
 def _gradients_before_the_last_layer(folder, run: dict, layers: int, gradients: int) -> int:

@@ -49,8 +49,9 @@ NOT_INTERLEAVED = {
 }
 
 
-def _knob_reason(knob: str) -> str | None:
-    return NOT_INTERLEAVED.get(knob.split(".")[0])
+def _knob_reason(knob: str | None) -> str | None:
+    """Why a knob's pair is not timed interleaved; None for one that is, and for a pair with the reference (no knob)."""
+    return NOT_INTERLEAVED.get(knob.split(".")[0]) if knob else None
 
 
 def group_cell(cfg: dict, results: str, runs: list[str], pairs: list[list[str]], dtype: str, device: str) -> dict:
@@ -114,8 +115,8 @@ def run(cfg: dict, job: Job) -> dict:
     pairs, cells = [], []
     for knob, value_a, value_b, a, b in timed_pairs(cfg, configured):
         cell = {"knob": knob, "from": value_a, "to": value_b, "a": a["run"], "b": b["run"]}
-        reason = (_knob_reason(knob) if knob else None) or "; ".join(unavailable_knobs(a["settings"], device)
-                                                                     + unavailable_knobs(b["settings"], device)) or None
+        reason = _knob_reason(knob) or "; ".join(unavailable_knobs(a["settings"], device)
+                                                 + unavailable_knobs(b["settings"], device)) or None
         pairs.append(cell)  # in timed_pairs' order; a pair that runs is filled in below, where it was timed
         if reason:
             cell.update(status="unavailable", reason=reason)
