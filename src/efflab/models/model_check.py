@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import warnings
 from importlib.metadata import version
 from pathlib import Path
 
@@ -92,7 +93,9 @@ def lora_notes(cfg: dict, config, label: str) -> list[str]:
     for settings, key in wanted.items():
         model = skeleton(config, cfg["base_model"]["trust_remote_code"])
         try:
-            get_peft_model(model, lora_config(config, json.loads(settings), model))
+            with warnings.catch_warnings():  # peft's notes on what it adapts (GPT-2's Conv1D) are not the dry run's
+                warnings.simplefilter("ignore")
+                get_peft_model(model, lora_config(config, json.loads(settings), model))
         except ValueError as err:  # peft's errors, NoMatchingPeftModuleError among them
             out.append(f"{key}: {label}: {lora_refusal(model, err)} (target_modules null: peft's default for the "
                        "family, else those projections); what uses it is recorded unavailable")
