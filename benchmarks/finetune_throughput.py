@@ -2,7 +2,8 @@
 (benchmarks/trainer_baseline.py), same model, rows, steps and hyperparameters, and where each loop's step time
 goes, phase by phase.
 
-Cells (each a fresh process, interleaved over the repeats so drift hits every cell alike):
+Cells (each a fresh process, interleaved over the repeats so drift hits every cell alike; NAME@ROWS runs a cell at
+ROWS rows a step, for a batch sweep):
   script          benchmarks/trainer_baseline.py: dynamic padding, the Trainer's defaults, the model in its saved
                   dtype (what efflab's base_model chose), no autocast
   script-fp32     the same script loading the model in float32 (transformers 4's default)
@@ -13,23 +14,34 @@ Cells (each a fresh process, interleaved over the repeats so drift hits every ce
                   fused kernel both loops use by default (the Trainer's default, efflab's)
   efflab-padded   efflab-equal with packing off (dynamic padding, as the script pads)
   efflab-compile  efflab-equal with torch.compile (its compile time is in the first steps, left out)
+  efflab-liger    efflab-equal with Liger's fused kernels (CUDA and liger-kernel; unavailable elsewhere)
+  efflab-fa2      efflab-equal with FlashAttention-2, over packed rows its variable-length kernel (CUDA, flash-attn)
   efflab-bf16     efflab with bf16 autocast forced on (the seeds' other speed-up; other numerics)
   script-bf16     the script loading the model in bfloat16 (peft keeps its adapters and their Adam moments fp32)
   efflab-bf16w    efflab with bf16_weights: base and adapters in bf16, Adam moments in fp32, updates rounded
                   stochastically (torchao's AdamW); against script-bf16 it differs in the adapters' dtype
+A cell this machine cannot run (a knob the stage records unavailable) is listed with its reason and run no more.
 
 Both loops carry one instrument, efflab.measure.phases.PhaseClock, which stamps every step's phases (data,
-forward, backward, optimizer, step end, between steps, other): a cell's step time is its steady steps' median (the
-first step left out), its speed against the script the script's median step over its own, repeat by repeat (a
-95% interval from 6 repeats; fewer give a range). Every phase's difference from the script is named. The loss of
-every step is compared with the script's on the same batches.
+forward, backward, optimizer, step end, between steps, instrument, other): a cell's step time is its steady steps'
+median (the first step left out), its speed against the script the script's median step over its own, repeat by
+repeat (a 95% interval from 6 repeats; fewer give a range). efflab-equal's own phases (outside the matmuls) are held
+to within 1 ms of the script's, repeat by repeat. Each setting the two loops compute differently is named with its
+gain alone, where the pair of cells that differ in it alone ran (KNOBS). The loss of every step is compared with
+the script's on the same batches, against the script's own run-to-run difference (its repeats, and one more run
+with its random draws reseeded).
+
+The machine is watched: a speed probe before every cell and after the last, and the share of the CPU other
+processes took during each cell. A run whose speed changed (a probe beyond ±25% of the median) or that shared the
+machine (others above 10% of its CPU) is refused with the reason, its samples kept in OUT.refused.json.
 
 Needs the base model and the prepared data (`snakemake --cores all results/prepare_data/train.parquet
 results/base_model/model`, or any earlier `make run`).
 
     python benchmarks/finetune_throughput.py --run lora-r8 --repeats 6
+    python benchmarks/finetune_throughput.py --batch-size fill --cells script,efflab,efflab@8 --trace efflab  # GPU
 
-Writes results/benchmarks/finetune_throughput.{json,md}.
+Writes results/benchmarks/finetune_throughput.{json,md} (and with --trace .trace.json, .top_ops.csv).
 """
 from __future__ import annotations
 
@@ -45,6 +57,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
 import yaml
 from transformers import AutoConfig
 
@@ -52,8 +65,18 @@ from efflab.architecture import lora_targets
 from efflab.config import load
 from efflab.experiment import finetune_run
 from efflab.measure.phases import PHASES, PHASES_ENV, summary
-from efflab.measure.stats import ratio_verdict, ratio_words, said_of_faster_side
+from efflab.measure.quiet import MAX_OTHERS_SHARE, OthersCpu
+from efflab.measure.stats import (
+    against_tolerance,
+    median_ci_order,
+    percentile,
+    ratio_verdict,
+    ratio_words,
+    said_of_faster_side,
+)
+from efflab.measure.timing import SENTINEL_TOLERANCE, speed_probe
 from efflab.registry import LOSS_CSV
+from efflab.zygote import ENV as ZYGOTE_ENV
 
 REPO = Path(__file__).resolve().parents[1]
 EQUAL = {"mixed_precision": "no"}
@@ -66,20 +89,43 @@ CELLS = {  # name: (loop, its settings)
     "efflab-loop": ("efflab", EQUAL | {"optimizer": "adamw_torch"}),
     "efflab-padded": ("efflab", EQUAL | {"packing": False}),
     "efflab-compile": ("efflab", EQUAL | {"torch_compile": True}),
+    "efflab-liger": ("efflab", EQUAL | {"liger_kernel": True}),
+    "efflab-fa2": ("efflab", EQUAL | {"attn_implementation": "flash_attention_2"}),
     "efflab-bf16": ("efflab", {"mixed_precision": "bf16"}),
     "script-bf16": ("script", {"dtype": "bfloat16"}),
     "efflab-bf16w": ("efflab", {"bf16_weights": True}),
 }
-DEFAULT_CELLS = "script,efflab,efflab-equal,efflab-bare,efflab-loop"
+DEFAULT_CELLS = "script,efflab,efflab-equal,efflab-bare,efflab-padded,efflab-loop"
+# What the two loops may compute differently, each knob's pair of cells that differ in it alone (with, without):
+# the knob's gain is the second's step over the first's, paired repeat by repeat
+KNOBS = {
+    "packing": ("efflab-equal", "efflab-padded"),
+    "autocast": ("efflab", "efflab-equal"),
+    "optimizer": ("efflab-equal", "efflab-loop"),
+    "trainable dtype": ("efflab-bf16w", "efflab"),
+    "attention": ("efflab-fa2", "efflab-equal"),
+    "torch.compile": ("efflab-compile", "efflab-equal"),
+    "liger kernels": ("efflab-liger", "efflab-equal"),
+}
+UNWATCHED = "unwatched (--unwatched): nobody checked that the machine was quiet; not figures to compare"
+
+
+def cell_spec(spec: str) -> tuple[str, int | None]:
+    """`NAME` or `NAME@ROWS` (a batch of ROWS rows a step: a batch sweep) -> (name, rows or None)."""
+    name, _, rows = spec.partition("@")
+    return name, int(rows) if rows.isdigit() and int(rows) > 0 else (None if not rows else -1)
+
 
 # The efflab cell's run is added beside the configured runs, so that every cross-check of the params
 # (merge.runs, capacity.runs, ...) still holds: the stage reads the same file it would in the pipeline.
 BENCH_RUN = "throughput-bench"
 
 
-def efflab_cell(params: dict, run: str, overrides: dict, results: Path, work: Path) -> dict:
+def efflab_cell(params: dict, run: str, overrides: dict, results: Path, work: Path, trace: dict | None = None) -> dict:
     """One efflab fine-tuning run through the stage's real CLI, in a scratch results folder that shares the
-    pipeline's base model and data, its phases stamped."""
+    pipeline's base model and data, its phases stamped; `trace`: efflab's profile section, to profile its steps
+    instead (the trace's folder is then in `profile_folder`). A run the stage records unavailable (a knob this
+    machine cannot do) is returned as {"unavailable": its reason}."""
     scratch = work / "results"
     shutil.rmtree(scratch, ignore_errors=True)
     scratch.mkdir()
@@ -88,23 +134,36 @@ def efflab_cell(params: dict, run: str, overrides: dict, results: Path, work: Pa
     cfg = json.loads(json.dumps(params))
     cfg["finetune"]["runs"][BENCH_RUN] = {**cfg["finetune"]["runs"][run], **overrides}
     cfg["finetune"].pop("target", None)  # the plain script validates only at its ends: so does the compared run
+    if trace:
+        cfg["profile"] = trace
     path = work / "params.yaml"
     path.write_text(yaml.safe_dump(cfg))
     phases = _run([sys.executable, "-m", "efflab.stages.finetune", "--params", str(path), "--results", str(scratch),
                    "--name", BENCH_RUN], work)
     out = scratch / "finetune" / BENCH_RUN
     m = json.loads((out / "metrics.json").read_text())
+    if m.get("status", "ok") != "ok":
+        return {"unavailable": m.get("reason") or m["status"]}
     with open(out / LOSS_CSV) as f:
         losses = [float(row["loss"]) for row in csv.DictReader(f)]
     t = m["throughput"]
     return {"phases": phases, "tokens_seen": m["tokens_seen"], "steps": m["steps"], "train_s": m["train_s"],
             "losses": losses, "pad_fraction": m["pad_fraction"],
             "mixed_precision": f"{m['mixed_precision']}, trainable weights {m['trainable_dtype']}",
+            "computes": {"packing": m["padding_free"], "autocast": m["mixed_precision"],
+                         "optimizer": m["optimizer"], "trainable dtype": m["trainable_dtype"],
+                         "attention": m.get("attn_implementation"), "torch.compile": m["settings"]["torch_compile"],
+                         "liger kernels": m["settings"]["liger_kernel"]},
+            "counted_steps": ((m["train_memory"].get("tensors") or {}).get("counted_steps") or []),
             "flops_per_token": t["flops"]["model_flops_per_token"], "ceiling_tflops": t["matmul_ceiling"]["tflops"],
-            "ceiling_dtype": t["matmul_ceiling"]["dtype"]}
+            "ceiling_dtype": t["matmul_ceiling"]["dtype"]} | (
+                {"profile_folder": str(out / "profile"), "top10": (m.get("profile") or {}).get("top10"),
+                 "sorted_by": (m.get("profile") or {}).get("sorted_by")}
+                if trace else {})
 
 
 def script_cell(settings: dict, results: Path, work: Path, dtype: str) -> dict:
+    """The plain script at the run's settings (its seed among them)."""
     lora = settings["lora"]
     out = work / "script.json"
     phases = _run([sys.executable, str(REPO / "benchmarks" / "trainer_baseline.py"),
@@ -118,7 +177,10 @@ def script_cell(settings: dict, results: Path, work: Path, dtype: str) -> dict:
     result = json.loads(out.read_text())
     return {"phases": phases, "tokens_seen": result["tokens_seen"], "steps": result["steps"],
             "train_s": result["train_s"], "losses": result["losses"], "pad_fraction": result["pad_fraction"],
-            "mixed_precision": f"no autocast, weights {result['dtype'].replace('torch.', '')}"}
+            "mixed_precision": f"no autocast, weights {result['dtype'].replace('torch.', '')}",
+            "computes": {"packing": False, "autocast": "no", "optimizer": result["optimizer"],
+                         "trainable dtype": result["adapter_dtype"], "attention": result["attn_implementation"],
+                         "torch.compile": False, "liger kernels": False}}
 
 
 def _targets(model: Path, modules: str | list[str] | None) -> str:
@@ -130,37 +192,127 @@ def _targets(model: Path, modules: str | list[str] | None) -> str:
 
 def _run(argv: list[str], work: Path) -> dict:
     """A cell's command, its phases stamped into a file; a failed one ends the benchmark with the command's own
-    last words, not a traceback. Returns the phase summary of its steady steps."""
+    last words, not a traceback. Returns the phase summary of its steady steps. The command runs in its own
+    process, never handed to a pipeline's job server (EFFLAB_ZYGOTE): its CPU time is then this process's
+    children's, which the quiet-machine watch subtracts."""
     stamps = work / "phases.json"
     stamps.unlink(missing_ok=True)
-    done = subprocess.run(argv, capture_output=True, text=True, env=os.environ | {PHASES_ENV: str(stamps)})
+    env = {k: v for k, v in os.environ.items() if k != ZYGOTE_ENV} | {PHASES_ENV: str(stamps)}
+    done = subprocess.run(argv, capture_output=True, text=True, env=env)
     if done.returncode:
         tail = (done.stderr or done.stdout).strip().splitlines()[-5:]
         sys.exit(f"finetune_throughput: error: {' '.join(argv[1:3])} exited {done.returncode}:\n" + "\n".join(tail))
+    if not stamps.exists():  # a run recorded unavailable trains nothing
+        return {"steps": 0}
     return summary(json.loads(stamps.read_text())["steps"])
 
 
-def measure(args, params: dict, settings: dict, results: Path, cells: list[str]) -> dict[str, list[dict]]:
+def one_cell(args, params: dict, settings: dict, results: Path, work: Path, spec: str, trace=None) -> dict:
+    name, rows = cell_spec(spec)
+    loop, knobs = CELLS[name]
+    batch = {"batch_size": rows} if rows else {}
+    if loop == "script":
+        return script_cell(settings | batch, results, work, knobs["dtype"])
+    return efflab_cell(params, args.run, {k: settings[k] for k in ("max_steps", "batch_size")} | batch | knobs,
+                       results, work, trace)
+
+
+def measure(args, params: dict, settings: dict, results: Path, cells: list[str], device: torch.device) -> dict:
+    """Every cell `args.repeats` times, interleaved (A B C, then C B A), each in a fresh process, watched: a speed
+    probe before each cell and after the last, and the share of the CPU other processes took during each. A run
+    the watch finds disturbed ends here (refused), its samples kept beside the output for a look."""
     samples: dict[str, list[dict]] = {c: [] for c in cells}
+    watch = {"probes_gflops": [speed_probe(device)], "others_share": [], "cells": [],
+             "tolerance": SENTINEL_TOLERANCE, "max_others_share": MAX_OTHERS_SHARE}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         for repeat in range(args.repeats):
-            for cell in cells if repeat % 2 == 0 else cells[::-1]:  # A B, then B A: drift hits both alike
-                loop, knobs = CELLS[cell]
-                t0 = time.perf_counter()
-                result = (script_cell(settings, results, work, knobs["dtype"]) if loop == "script"
-                          else efflab_cell(params, args.run, {k: settings[k] for k in ("max_steps", "batch_size")}
-                                           | knobs, results, work))
+            # A B, then B A: drift hits both alike; a cell found unavailable is not run again
+            running = [c for c in cells if not any("unavailable" in r for r in samples[c])]
+            for cell in running if repeat % 2 == 0 else running[::-1]:
+                t0, others = time.perf_counter(), OthersCpu().start()
+                result = one_cell(args, params, settings, results, work, cell)
+                watch["others_share"].append(others.stop())
+                watch["probes_gflops"].append(speed_probe(device))
+                watch["cells"].append(f"{cell} (repeat {repeat + 1})")
                 samples[cell].append(result)
-                step = result["phases"]["median_s"]["total"]
-                print(f"[{repeat + 1}/{args.repeats}] {cell}: median step {1000 * step:.0f} ms over "
-                      f"{result['phases']['steps']} steady steps (cell {time.perf_counter() - t0:.0f} s)", flush=True)
-    return samples
-def summarise(samples: dict[str, list[dict]]) -> dict:
+                said = (f"unavailable: {result['unavailable']}" if "unavailable" in result else
+                        f"median step {1000 * result['phases']['median_s']['total']:.0f} ms over "
+                        f"{result['phases']['steps']} steady steps")
+                print(f"[{repeat + 1}/{args.repeats}] {cell}: {said} (cell {time.perf_counter() - t0:.0f} s, "
+                      f"others {_share(watch['others_share'][-1])} of the CPU)", flush=True)
+                if (why := refusal(watch)) and not args.unwatched:
+                    refuse(args, why, {"run": args.run, "settings": settings, "samples": samples, "watch": watch})
+        # the script once more with its random draws changed: how far two equal trainings' losses lie apart
+        reseeded = (script_cell(settings | {"seed": settings["seed"] + 1}, results, work, CELLS["script"][1]["dtype"])
+                    ["losses"] if "script" in cells else None)
+        trace = (one_cell(args, params, settings, results, work, args.trace, trace_settings(settings))
+                 if args.trace else None)
+        if trace and "unavailable" not in trace:
+            trace["files"] = keep_trace(Path(trace.pop("profile_folder")), Path(args.out))
+    return {"samples": samples, "reseeded_script_losses": reseeded,
+            "watch": watch | ({"unwatched": UNWATCHED} if args.unwatched else {})} | (
+        {"trace": trace} if trace else {})
+
+
+def trace_settings(settings: dict) -> dict:
+    """efflab's profile section for one steady step: after the warm-up steps and one steady step more (the
+    profiler's own warm-up), CPU and, on a GPU, CUDA activities (efflab.profiling)."""
+    return {"stages": ["finetune"], "skip_steps": settings["timing_warmup_steps"] + 1, "steps": 1,
+            "record_shapes": False, "profile_memory": False, "with_stack": False}
+
+
+def keep_trace(folder: Path, out: Path) -> dict:
+    """The profiled step's trace (Chrome trace format: ui.perfetto.dev) and its operators by self time, beside
+    the benchmark's output."""
+    kept = {}
+    for name, suffix in (("trace.json", ".trace.json"), ("top_ops.csv", ".top_ops.csv")):
+        if (folder / name).exists():
+            target = out.with_name(out.name + suffix)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(folder / name, target)
+            kept[name] = str(target)
+    return kept
+
+
+def _share(share: float | None) -> str:
+    return "?" if share is None else f"{share:.0%}"
+
+
+def refusal(watch: dict) -> str | None:
+    """Why a benchmark run cannot be read, or None: a speed probe off the probes' median by more than the tolerance
+    (the machine changed speed between cells), or other processes taking more than their share of the CPU during a
+    cell (a load beside the benchmark, which a probe taken under it would read as the machine's own speed)."""
+    probes, tolerance = watch["probes_gflops"], watch["tolerance"]
+    median = statistics.median(probes)
+    for i, probe in enumerate(probes):
+        if abs(probe / median - 1) > tolerance:
+            when = f"after {watch['cells'][i - 1]}" if i else "before the first cell"
+            return (f"the machine's speed changed: the speed probe {when} read {probe:.1f} GFLOP/s, {probe / median - 1:+.0%} "
+                    f"from the probes' median {median:.1f} (tolerance ±{tolerance:.0%})")
+    for cell, share in zip(watch["cells"], watch["others_share"]):
+        if share is not None and share > watch["max_others_share"]:
+            return (f"the machine was not ours: other processes took {share:.0%} of its CPU during {cell} "
+                    f"(at most {watch['max_others_share']:.0%})")
+    return None
+
+
+def refuse(args, why: str, written: dict) -> None:
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    kept = out.with_name(out.name + ".refused.json")
+    kept.write_text(json.dumps(written | {"refused": why}, indent=2))
+    for stale in (out.with_suffix(".json"), out.with_suffix(".md")):
+        stale.unlink(missing_ok=True)
+    sys.exit(f"finetune_throughput: refused: {why}. Rerun on a machine nothing else uses (its samples: {kept})")
+
+
+def summarise(samples: dict[str, list[dict]], reseeded: list[float] | None = None) -> dict:
     """Per cell: the median step and its spread over repeats, tokens/s, the speed against the script and against
     efflab-equal repeat by repeat (an interval from 6), each phase's median and its difference from the script's,
     the loss curve's largest difference from the script's on the same batches, and MFU where efflab measured the
     ceiling."""
+    samples = available(samples)
     script, equal = samples.get("script"), samples.get("efflab-equal")
     # one matmul ceiling per dtype for every cell: the median of what each efflab process measured in that dtype
     # (one process's probe varies with the machine's moment: MFU would move with it)
@@ -173,18 +325,24 @@ def summarise(samples: dict[str, list[dict]]) -> dict:
         steps = [r["phases"]["median_s"]["total"] for r in runs]
         per_step_tokens = statistics.median(r["tokens_seen"] / r["steps"] for r in runs)
         step = statistics.median(steps)
-        phases = {p: statistics.median(r["phases"]["median_s"][p] for r in runs) for p in PHASES}
+        phases = {p: statistics.median(r["phases"]["median_s"].get(p, 0.0) for r in runs) for p in PHASES}
         entry = {"n": len(runs), "step_s_median": step, "step_s_min": min(steps), "step_s_max": max(steps),
                  "tokens_per_step": per_step_tokens, "tokens_per_s": per_step_tokens / step, "phases_s": phases,
                  "mixed_precision": runs[0]["mixed_precision"], "last_loss": [r["losses"][-1] for r in runs],
                  "pad_fraction": runs[0].get("pad_fraction")}
-        if script:  # the script's own repeats against its first: the loss curve's noise
+        if script:  # against the script's first repeat, step by step on the same batches
             entry["max_abs_loss_diff_vs_script"] = max(abs(a - b) for r in runs
                                                        for a, b in zip(r["losses"], script[0]["losses"]))
+        if cell == "script":  # the loss curve's noise: its repeats, and a run whose random draws differ
+            entry["loss_noise"] = max([entry["max_abs_loss_diff_vs_script"]] + [
+                abs(a - b) for a, b in zip(reseeded or [], runs[0]["losses"])])
+            entry["loss_noise_from"] = ("the script's repeats and the script reseeded (its dropout masks and LoRA "
+                                        "init drawn anew)" if reseeded else "the script's repeats")
         if script and cell != "script":
             base = statistics.median(s["phases"]["median_s"]["total"] for s in script)
             entry |= {"speedup_vs_script": _paired(script, runs),
-                      "phase_delta_s": {p: phases[p] - statistics.median(s["phases"]["median_s"][p] for s in script)
+                      "phase_delta_s": {p: phases[p] - statistics.median(s["phases"]["median_s"].get(p, 0.0)
+                                                                         for s in script)
                                         for p in PHASES},
                       "step_delta_pct": 100 * (step - base) / base}
         if equal and cell.startswith("efflab-") and cell != "efflab-equal":
@@ -194,6 +352,75 @@ def summarise(samples: dict[str, list[dict]]) -> dict:
             entry |= {"mfu": entry["tokens_per_s"] * runs[0]["flops_per_token"] / (ceiling * 1e12),
                       "mfu_of": f"the {runs[0]['ceiling_dtype']} matmul ceiling"}
         out[cell] = entry
+    return out
+
+
+def available(samples: dict) -> dict:
+    """The cells that ran (a cell's first repeat found unavailable is its only one)."""
+    return {c: runs for c, runs in samples.items() if runs and not any("unavailable" in r for r in runs)}
+
+
+def unavailable(samples: dict) -> dict[str, str]:
+    return {c: next(r["unavailable"] for r in runs if "unavailable" in r) for c, runs in samples.items()
+            if any("unavailable" in r for r in runs)}
+
+
+def differences(samples: dict) -> list[dict]:
+    """What efflab's loop (as shipped, and at the script's numerics) computes differently from the script: each
+    setting whose value differs, with the gain of that knob alone where the pair of cells that differ in it alone
+    ran (KNOBS: the cell without it over the cell with it, paired repeat by repeat)."""
+    samples = available(samples)
+    script = (samples.get("script") or [{}])[0].get("computes")
+    out = []
+    for cell in ("efflab", "efflab-equal"):
+        mine = (samples.get(cell) or [{}])[0].get("computes")
+        if not script or not mine:
+            continue
+        for knob, theirs in script.items():
+            if mine.get(knob) == theirs:
+                continue
+            with_it, without = KNOBS[knob]
+            gain = (_paired(samples[without], samples[with_it])
+                    if with_it in samples and without in samples and len(samples[with_it]) == len(samples[without])
+                    else None)
+            out.append({"cell": cell, "knob": knob, "efflab": mine.get(knob), "script": theirs,
+                        "measured_by": f"{with_it} against {without}", "gain": gain})
+    return out
+
+
+def instrument_cost(samples: dict) -> dict | None:
+    """What the live-tensor count's own starts and stops cost, over the efflab-equal cell's steady steps: on how
+    many of them it counted, and its median time on those (outside every other phase: measure.phases.watch)."""
+    runs = available(samples).get("efflab-equal") or []
+    steps = [s for r in runs for s in r["phases"].get("per_step", [])]
+    counted = [s["instrument"] for s in steps if s.get("instrument")]
+    if not steps:
+        return None
+    return {"steps": len(steps), "counted": len(counted),
+            "median_s": statistics.median(counted) if counted else 0.0}
+
+
+# efflab's own phases, outside the matmuls: each is held to within OVERHEAD_MS of the script's
+OWN_PHASES = ("data", "optimizer", "step_end", "between", "other")
+OVERHEAD_MS = 1.0
+
+
+def phase_overhead(samples: dict, cell: str = "efflab-equal") -> dict | None:
+    """Each of `cell`'s own phases (OWN_PHASES) less the script's, repeat by repeat (the two ran side by side in
+    each), in ms: the median, its order-statistic interval (95% from 6 repeats) and the verdict against
+    OVERHEAD_MS (within where the whole interval is at or below it)."""
+    samples = available(samples)
+    if cell not in samples or "script" not in samples:
+        return None
+    out = {}
+    for phase in OWN_PHASES:
+        deltas = sorted(1000 * (a["phases"]["median_s"].get(phase, 0.0) - b["phases"]["median_s"].get(phase, 0.0))
+                        for a, b in zip(samples[cell], samples["script"]))
+        ci = median_ci_order(deltas)
+        lo, hi = ci[0] if ci else (None, None)
+        out[phase] = {"median_ms": percentile(deltas, 0.5), "ci95_ms": [lo, hi] if ci else None,
+                      "coverage": ci[1] if ci else None, "n": len(deltas),
+                      "verdict": against_tolerance(percentile(deltas, 0.5), lo, hi, OVERHEAD_MS, " ms", len(deltas))}
     return out
 
 
@@ -253,10 +480,19 @@ def table(args, settings: dict, summ: dict) -> str:
     return "\n".join(lines)
 
 
-def findings(summ: dict) -> str:
-    """What the numbers say, each sentence computed from them: every cell against the script, what efflab's
-    instruments cost, whether each loss curve stays within the script's own run-to-run difference."""
+def findings(summ: dict, samples: dict | None = None) -> str:
+    """What the numbers say, each sentence computed from them: every cell against the script, efflab-equal's own
+    phases against the script's, what each side computes differently and each difference's gain alone, what
+    efflab's instruments cost, whether each loss curve stays within the script's own run-to-run difference, and
+    the cells this machine could not run."""
     lines = ["What it says:", ""]
+    lines += overhead_lines(phase_overhead(samples) if samples else None)
+    lines += difference_lines(differences(samples) if samples else [])
+    cost = instrument_cost(samples) if samples else None
+    if cost and cost["counted"]:
+        lines.append(f"- efflab-equal's live-tensor count started and stopped its recording on {cost['counted']} of "
+                     f"its {cost['steps']} steady steps, {1000 * cost['median_s']:.1f} ms each (median; the "
+                     f"`instrument` phase, outside data and between; its time is left out of efflab's train_s)")
     for cell, e in summ.items():
         if e.get("speedup_vs_script"):
             lines.append(f"- {cell} against the script: {_speed(e)}")
@@ -270,13 +506,71 @@ def findings(summ: dict) -> str:
         words = ratio_words(bare | {"n": bare["repeats"]}, higher="slower with them", lower="faster with them")
         lines.append(f"- efflab's instruments (step timer, live-tensor count) add {cost[0]:+.1f}%{interval} to a step "
                      f"(efflab-equal against efflab-bare): {words}")
-    noise = summ.get("script", {}).get("max_abs_loss_diff_vs_script")
+    noise = summ.get("script", {}).get("loss_noise", summ.get("script", {}).get("max_abs_loss_diff_vs_script"))
     if noise is not None:
         within = [c for c, e in summ.items() if c != "script" and e.get("max_abs_loss_diff_vs_script", 1e9) <= noise]
         beyond = [c for c, e in summ.items() if c != "script" and c not in within]
-        lines.append(f"- loss curves within the script's own run-to-run difference ({noise:.3g}): "
+        source = summ["script"].get("loss_noise_from", "the script's repeats")
+        lines.append(f"- loss curves within the script's own run-to-run difference ({noise:.3g}, from {source}): "
                      f"{', '.join(within) or 'none'}" + (f"; beyond it: {', '.join(beyond)}" if beyond else ""))
+    lines += [f"- {cell}: unavailable here: {why}" for cell, why in (unavailable(samples) if samples else {}).items()]
     return "\n".join(lines)
+
+
+def overhead_lines(overhead: dict | None) -> list[str]:
+    if not overhead:
+        return []
+    said = []
+    for phase, d in overhead.items():
+        interval = (f" [{d['ci95_ms'][0]:+.2f}, {d['ci95_ms'][1]:+.2f}] ({d['coverage']:.1%} CI)" if d["ci95_ms"]
+                    else f" (n={d['n']}, no 95% interval)")
+        said.append(f"{phase} {d['median_ms']:+.2f} ms{interval}: {d['verdict']}")
+    held = all(d["verdict"].startswith("within") for d in overhead.values())
+    return ["- efflab-equal's own phases (outside the matmuls) against the script's, repeat by repeat: "
+            + "; ".join(said) + (f". Each within {OVERHEAD_MS:g} ms of the script's." if held else
+                                 f". Not every one is shown within {OVERHEAD_MS:g} ms of the script's.")]
+
+
+def difference_lines(found: list[dict]) -> list[str]:
+    lines = []
+    for d in found:
+        gain = d["gain"]
+        measured = (f"alone, {d['measured_by']}: {_speed({'g': gain}, 'g')}" if gain else
+                    f"not measured alone here (add the cells {d['measured_by'].replace(' against ', ' and ')})")
+        lines.append(f"- {d['cell']} computes differently from the script: {d['knob']} {_value(d['efflab'])} "
+                     f"where the script has {_value(d['script'])}; {measured}")
+    return lines
+
+
+def _value(v) -> str:
+    return {True: "on", False: "off", None: "the library's default"}.get(v, str(v)) if not isinstance(v, str) else v
+
+
+# The share of the device's memory a filled batch may take (the rest: the allocator's fragmentation, the CUDA
+# context, the estimator's error)
+FILL_SHARE = 0.8
+
+
+def fill(params: dict, settings: dict, results: Path, device: torch.device) -> dict:
+    """The rows a step that fills the device: efflab's memory estimator's largest batch within FILL_SHARE of the
+    device's memory (a GPU's whole card; a CPU's available memory) less the loaded model's weights."""
+    import pandas as pd
+
+    from efflab.estimators.memory import largest_batch
+    from efflab.training import mixed_precision
+
+    folder = results / "base_model" / "model"
+    dtype = str(AutoConfig.from_pretrained(folder).dtype).replace("torch.", "")
+    if device.type == "cuda":
+        memory_mib = torch.cuda.get_device_properties(device).total_memory / 2**20
+    else:
+        memory_mib = next(int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines()
+                          if line.startswith("MemAvailable:")) / 1024
+    weights_mib = sum(f.stat().st_size for f in folder.glob("*.safetensors")) / 2**20
+    lengths = [len(ids) for ids in pd.read_parquet(results / "prepare_data" / "train.parquet").input_ids]
+    return largest_batch(folder, settings, dtype, mixed_precision(settings, dtype, device), lengths, device.type,
+                         FILL_SHARE * memory_mib - weights_mib) | {
+        "device_memory_mib": memory_mib, "weights_mib": weights_mib, "share": FILL_SHARE}
 
 
 def main() -> None:
@@ -288,40 +582,96 @@ def main() -> None:
     parser.add_argument("--cells", default=DEFAULT_CELLS, help=f"comma-separated, of {', '.join(CELLS)}")
     parser.add_argument("--steps", type=int, help="optimizer steps of every cell (default: the run's max_steps; "
                                                    "more give steadier medians)")
-    parser.add_argument("--batch-size", type=int, help="rows per step in every cell (default: the run's batch_size; "
-                                                        "larger batches have more padding for packing to remove)")
+    parser.add_argument("--batch-size", help="rows per step in every cell (default: the run's batch_size; larger "
+                                              "batches have more padding for packing to remove); `fill`: the most "
+                                              "the estimator fits in the device's memory")
+    parser.add_argument("--unwatched", action="store_true", help="do not refuse a run on a busy or changing machine "
+                                                                  "(smoke tests); its figures say so")
+    parser.add_argument("--trace", metavar="CELL", help="after the repeats, one more run of CELL with one steady "
+                                                         "step under torch.profiler: its trace beside the output")
     parser.add_argument("--out", default="results/benchmarks/finetune_throughput")
     parser.add_argument("--summarise", metavar="JSON", help="summarise an earlier run's written samples again (no "
                                                              "training); with its --run and --repeats")
     args = parser.parse_args()
     if args.summarise:
         written = json.loads(Path(args.summarise).read_text())
-        summ = summarise(written["samples"])
-        print(table(args, written["settings"], summ) + "\n\n" + findings(summ))
+        summ = summarise(written["samples"], written.get("reseeded_script_losses"))
+        print(table(args, written["settings"], summ) + "\n\n" + findings(summ, written["samples"]))
         return
     params, results = load(args.params), Path(args.results)
-    settings = (finetune_run(params, args.run) | ({"max_steps": args.steps} if args.steps else {})
-                | ({"batch_size": args.batch_size} if args.batch_size else {}))
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    settings, filled = resolve(args, params, results, device)
+    cells = args.cells.split(",")
+    for cell in cells + ([args.trace] if args.trace else []):
+        name, rows = cell_spec(cell)
+        if name not in CELLS or rows == -1:
+            sys.exit(f"finetune_throughput: error: --cells: {cell!r} is not a cell (expected one of "
+                     f"{', '.join(CELLS)}, or one with @ROWS, e.g. efflab@16)")
+    measured = measure(args, params, settings, results, cells, device)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    written = {"run": args.run, "settings": settings, "filled": filled} | measured
+    out.with_suffix(".json").write_text(json.dumps(written, indent=2))  # first: a summary's bug loses no measurement
+    summ = summarise(measured["samples"], measured["reseeded_script_losses"])
+    text = watch_line(measured["watch"]) + "\n\n" + table(args, settings, summ) + (
+        "\n\n" + findings(summ, measured["samples"]) + trace_lines(measured.get("trace")))
+    print(text)
+    out.with_suffix(".json").write_text(json.dumps(written | {"summary": summ}, indent=2))
+    out.with_suffix(".md").write_text(text + "\n")
+
+
+def resolve(args, params: dict, results: Path, device: torch.device) -> tuple[dict, dict | None]:
+    """The run's settings with --steps and --batch-size; `fill` resolved by the estimator (and recorded)."""
+    settings = finetune_run(params, args.run) | ({"max_steps": args.steps} if args.steps else {})
     if settings["method"] != "lora":
         sys.exit(f"finetune_throughput: error: --run {args.run!r} is a {settings['method']} run; the baseline "
                  "script is a LoRA script")
-    cells = args.cells.split(",")
-    if unknown := [c for c in cells if c not in CELLS]:
-        sys.exit(f"finetune_throughput: error: --cells: {unknown[0]!r} is not a cell (expected {', '.join(CELLS)})")
     for needed in (results / "base_model" / "model", results / "prepare_data" / "train.parquet"):
         if not needed.exists():
             sys.exit(f"finetune_throughput: error: {needed} does not exist (run the pipeline's base_model and "
                      "prepare_data first)")
-    samples = measure(args, params, settings, results, cells)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    written = {"run": args.run, "settings": settings, "samples": samples}
-    out.with_suffix(".json").write_text(json.dumps(written, indent=2))  # first: a summary's bug loses no measurement
-    summ = summarise(samples)
-    text = table(args, settings, summ) + "\n\n" + findings(summ)
-    print(text)
-    out.with_suffix(".json").write_text(json.dumps(written | {"summary": summ}, indent=2))
-    out.with_suffix(".md").write_text(text + "\n")
+    filled = None
+    if args.batch_size == "fill":
+        filled = fill(params, settings, results, device)
+        if not filled["rows"]:
+            why = filled.get("unavailable") or f"not even the run's own batch fits in {filled['budget_mib']:.0f} MiB"
+            sys.exit(f"finetune_throughput: error: --batch-size fill: {why}")
+        settings["batch_size"] = filled["rows"]
+        print(f"--batch-size fill: {filled['rows']} rows a step (~{filled['tokens_per_step']:.0f} tokens), the "
+              f"estimator's most within {filled['budget_mib']:.0f} MiB", flush=True)
+    elif args.batch_size:
+        if not args.batch_size.isdigit() or int(args.batch_size) < 1:
+            sys.exit(f"finetune_throughput: error: --batch-size: {args.batch_size!r} is neither a number of rows "
+                     "nor `fill`")
+        settings["batch_size"] = int(args.batch_size)
+    return settings, filled
+
+
+def watch_line(watch: dict) -> str:
+    """What the watch saw: the speed probes' spread and others' largest share of the CPU during a cell."""
+    probes, shares = watch["probes_gflops"], [x for x in watch["others_share"] if x is not None]
+    median = statistics.median(probes)
+    said = (f"Watched: {len(probes)} speed probes (one before each cell, one after the last), "
+            f"{min(probes):.1f}–{max(probes):.1f} GFLOP/s, within {max(abs(p / median - 1) for p in probes):.0%} of "
+            f"their median {median:.1f} (refused beyond ±{watch['tolerance']:.0%}); other processes took at most "
+            f"{max(shares, default=0):.0%} of the CPU during a cell (refused beyond {watch['max_others_share']:.0%}).")
+    return f"{watch['unwatched']}. {said}" if watch.get("unwatched") else said
+
+
+def trace_lines(trace: dict | None) -> str:
+    if not trace:
+        return ""
+    if "unavailable" in trace:
+        return f"\n\nThe profiled step: unavailable: {trace['unavailable']}"
+    rows = trace.get("top10") or []
+    lines = ["", "", f"One steady step under torch.profiler (files: {', '.join(trace.get('files', {}).values())}); "
+             f"its operators by {trace.get('sorted_by') or 'self time'}, the top {len(rows)}:", ""]
+    if rows:
+        keys = list(rows[0])
+        lines += ["| " + " | ".join(keys) + " |", "|---" * len(keys) + "|"]
+        lines += ["| " + " | ".join(f"{r[k]:.2f}" if isinstance(r[k], float) else str(r[k]) for k in keys) + " |"
+                  for r in rows]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -80,7 +80,11 @@ def main() -> None:
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     result = {"train_s": train_s, "steps": trainer.state.global_step, "tokens_seen": tokens,
               "tokens_per_s": tokens / train_s, "last_loss": losses[-1], "losses": losses, "dtype": str(model.dtype),
-              "pad_fraction": 1 - tokens / sum(positions)}
+              "pad_fraction": 1 - tokens / sum(positions),
+              # what it computes with: the Trainer's optimizer, peft's adapter dtype, transformers' attention
+              "optimizer": str(getattr(training_args.optim, "value", training_args.optim)),
+              "adapter_dtype": str(next(p.dtype for p in model.parameters() if p.requires_grad)).replace("torch.", ""),
+              "attn_implementation": getattr(model.config, "_attn_implementation", None)}
     print(json.dumps(result))
     if args.json:
         with open(args.json, "w") as f:

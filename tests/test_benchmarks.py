@@ -31,7 +31,7 @@ def test_finetune_throughput_compares_the_loops_phase_by_phase_on_the_same_batch
     script's are named, and its loss curve is compared with the script's step by step."""
     out = tmp_path / "finetune_throughput"
     bench("finetune_throughput.py", "--params", TEST_PARAMS, "--results", prepared, "--run", "lora-r8",
-          "--repeats", 1, "--steps", 3, "--cells", "script,efflab-bare", "--out", out)
+          "--repeats", 1, "--steps", 3, "--cells", "script,efflab-bare", "--unwatched", "--out", out)
     written = json.loads(out.with_suffix(".json").read_text())
     summary, samples = written["summary"], written["samples"]
     assert set(summary) == {"script", "efflab-bare"} and all(s["n"] == 1 for s in summary.values())
@@ -113,7 +113,8 @@ def test_finetune_throughput_gives_a_95_interval_from_six_repeats_and_names_each
     assert "- efflab-equal against the script: 1.11 [1.11, 1.11] (96.9% CI): faster" in said
     assert "instruments (step timer, live-tensor count) add +2.0% [+2.0%, +2.0%] (96.9% CI)" in said
     assert "(efflab-equal against efflab-bare): slower with them" in said
-    assert "loss curves within the script's own run-to-run difference (0): efflab-equal, efflab-bare" in said
+    assert "loss curves within the script's own run-to-run difference (0, from the script's repeats): efflab-equal, " \
+           "efflab-bare" in said
 
 
 def test_finetune_throughput_states_one_verdict_per_comparison_in_the_report_s_words():
@@ -157,3 +158,99 @@ def test_finetune_throughput_reads_each_cells_mfu_against_the_ceiling_of_its_own
     # 100 tokens/s x 1 GFLOP a token = 0.1 TFLOP/s: half the fp32 ceiling's median, five times the bf16 one's
     assert summary["efflab-equal"]["mfu"] == pytest.approx(0.5)
     assert summary["efflab-bf16w"]["mfu"] == pytest.approx(5.0) and "bfloat16" in summary["efflab-bf16w"]["mfu_of"]
+
+
+def _throughput_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("finetune_throughput", REPO / "benchmarks" / "finetune_throughput.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _cell(step_ms: float, computes: dict | None = None, **phase_ms) -> dict:
+    phases = dict.fromkeys(PHASES, 0.0) | {p: ms / 1000 for p, ms in phase_ms.items()}
+    phases["forward"] = step_ms / 1000 - sum(phases.values())
+    return {"phases": {"median_s": phases | {"total": step_ms / 1000}, "steps": 6,
+                       "per_step": [phases | {"total": step_ms / 1000}]},
+            "tokens_seen": 600, "steps": 6, "losses": [3.0, 2.0], "mixed_precision": "no"} | (
+        {"computes": computes} if computes else {})
+
+
+def test_finetune_throughput_refuses_a_run_whose_machine_changed_speed_or_was_shared():
+    """The watch's verdict on planted readings: steady probes and a quiet CPU pass; one probe 40% down (a clock
+    drop between two cells) or another process taking 45% of the CPU during one cell refuses the run, naming it."""
+    bench_module = _throughput_module()
+    cells = [f"{c} (repeat 1)" for c in ("script", "efflab", "efflab-equal")]
+    quiet = {"probes_gflops": [120.0, 118.0, 125.0, 121.0], "others_share": [0.01, 0.02, 0.0], "cells": cells,
+             "tolerance": 0.25, "max_others_share": 0.10}
+    assert bench_module.refusal(quiet) is None
+    slowed = quiet | {"probes_gflops": [120.0, 118.0, 72.0, 121.0]}
+    why = bench_module.refusal(slowed)
+    assert "speed changed" in why and "after efflab (repeat 1)" in why and "72.0 GFLOP/s" in why
+    shared = quiet | {"others_share": [0.01, 0.45, 0.0]}
+    assert bench_module.refusal(shared) == ("the machine was not ours: other processes took 45% of its CPU during "
+                                            "efflab (repeat 1) (at most 10%)")
+    assert "Watched: 4 speed probes" in bench_module.watch_line(quiet)
+
+
+def test_others_share_of_the_cpu_is_the_busy_time_less_ours():
+    from efflab.measure import quiet
+
+    stat = "cpu  1000 50 400 9000 20 10 5 15 0 0\ncpu0 500 25 200 4500 10 5 2 8 0 0\n"
+    assert quiet.busy_seconds(stat, 100) == (1000 + 50 + 400 + 10 + 5 + 15) / 100
+    # 10 s of wall on 2 cores; 12 s busy, 9 of them ours: others took 3 of 20 core-seconds
+    assert quiet.others_share(12.0, 9.0, 10.0, 2) == pytest.approx(0.15)
+    assert quiet.others_share(8.0, 9.0, 10.0, 2) == 0.0  # ours counted a bit more than the kernel's ticks
+    with pytest.raises(ValueError):
+        quiet.busy_seconds("intr 1 2 3\n", 100)
+
+
+def test_finetune_throughput_holds_efflab_s_own_phases_to_a_millisecond_of_the_script_s_with_an_interval():
+    """Six paired repeats: a between phase 0.3 ms over the script's in each is within 1 ms; one 3 ms over is
+    beyond; an instrument's own phase is not among efflab's own phases (it is reported on its own)."""
+    bench_module = _throughput_module()
+    script = [_cell(500 + k, between=0.6, data=0.5) for k in range(6)]
+    close = [_cell(480 + k, between=0.9, data=0.5, instrument=30.0) for k in range(6)]
+    far = [_cell(480 + k, between=3.6, data=0.5) for k in range(6)]
+    within = bench_module.phase_overhead({"script": script, "efflab-equal": close})
+    assert within["between"]["median_ms"] == pytest.approx(0.3) and within["between"]["verdict"] == "within +1 ms"
+    assert "instrument" not in within and all(d["verdict"] == "within +1 ms" for d in within.values())
+    said = bench_module.overhead_lines(within)[0]
+    assert "between +0.30 ms [+0.30, +0.30] (96.9% CI): within +1 ms" in said and "Each within 1 ms" in said
+    beyond = bench_module.phase_overhead({"script": script, "efflab-equal": far})
+    assert beyond["between"]["verdict"] == "beyond +1 ms"
+    assert "Not every one" in bench_module.overhead_lines(beyond)[0]
+    short = bench_module.phase_overhead({"script": script[:3], "efflab-equal": close[:3]})
+    assert short["between"]["ci95_ms"] is None and short["between"]["verdict"].startswith("not decided")
+
+
+def test_finetune_throughput_names_what_each_side_computes_differently_and_its_gain_alone():
+    """efflab packs where the script pads: the difference is named, with packing's gain measured alone by the pair
+    that differs in it alone (efflab-equal against efflab-padded); a difference whose pair did not run says which
+    cells would measure it; a cell this machine cannot run is listed with its reason and left out of the tables."""
+    bench_module = _throughput_module()
+    same = {"packing": False, "autocast": "no", "optimizer": "adamw_torch_fused", "trainable dtype": "float32",
+            "attention": "sdpa", "torch.compile": False, "liger kernels": False}
+    samples = {"script": [_cell(500, same) for _ in range(6)],
+               "efflab-equal": [_cell(400, same | {"packing": True}) for _ in range(6)],
+               "efflab": [_cell(300, same | {"packing": True, "autocast": "bf16"}) for _ in range(6)],
+               "efflab-padded": [_cell(500, same) for _ in range(6)],
+               "efflab-fa2": [{"unavailable": "attn_implementation flash_attention_2: FlashAttention-2 is CUDA kernels"}]}
+    found = {(d["cell"], d["knob"]): d for d in bench_module.differences(samples)}
+    assert set(found) == {("efflab", "packing"), ("efflab", "autocast"), ("efflab-equal", "packing")}
+    assert found[("efflab-equal", "packing")]["gain"]["median"] == pytest.approx(500 / 400)
+    assert found[("efflab", "autocast")]["gain"]["median"] == pytest.approx(400 / 300)
+    summary = bench_module.summarise(samples)
+    assert "efflab-fa2" not in summary
+    said = bench_module.findings(summary, samples)
+    assert ("- efflab-equal computes differently from the script: packing on where the script has off; alone, "
+            "efflab-equal against efflab-padded: 1.25 [1.25, 1.25] (96.9% CI): faster") in said
+    assert "- efflab-fa2: unavailable here: attn_implementation flash_attention_2" in said
+    del samples["efflab-padded"]
+    said = bench_module.findings(bench_module.summarise(samples), samples)
+    assert "packing on where the script has off; not measured alone here (add the cells efflab-equal and " \
+           "efflab-padded)" in said
+    assert bench_module.cell_spec("efflab@16") == ("efflab", 16) and bench_module.cell_spec("efflab") == ("efflab", None)
+    assert bench_module.cell_spec("efflab@x")[1] == -1

@@ -15,6 +15,7 @@ from efflab.config import UserError
 from efflab.measure import device as measure_device
 from efflab.measure import energy, flops, memory, phases, timing
 from efflab.stages import bench_inference, capacity
+from efflab.stages.finetune.callbacks import SequenceLengths, StepTimes
 from tests.helpers import TEST_PARAMS, SimulatedClock
 
 CUDA = torch.device("cuda")
@@ -248,7 +249,7 @@ def test_phase_clock_on_cuda_cuts_a_trainer_step_at_its_event_stamps(fake_cuda, 
     steps = clock.steps()
     assert fake_cuda.synchronize_calls == 1
     expected = {"data": 0.003, "forward": 0.010, "backward": 0.020, "forward+backward": 0.0, "optimizer": 0.004,
-                "step_end": 0.002, "between": 0.005, "other": 0.001, "total": 0.045}
+                "step_end": 0.002, "between": 0.005, "instrument": 0.0, "other": 0.001, "total": 0.045}
     assert steps == [pytest.approx(expected, abs=1e-12)] * 2
     assert phases.summary(steps, skip=1)["median_s"]["total"] == pytest.approx(0.045, abs=1e-12)
 
@@ -468,3 +469,30 @@ def test_capacity_cell_on_cuda_holds_the_reserved_peak_and_context_against_the_b
     assert ran["tensors"] == {"reserved_before_mib": 4000.0, "kind": "cuda_max_allocated", "delta_mib": 512.0}
     assert budgets == [4300.0] and ran["step_s"]["samples"] == [0.008] * 3
     assert capacity.run_steps(work, CUDA, warmup=1, timed=3, fits=lambda tensors: False)["step_s"] is None
+
+
+def test_the_step_timer_and_the_sequence_count_add_no_synchronisation_to_a_gpu_step(fake_cuda):
+    """On a GPU the step timer records events and the sequence count keeps its sums on the device: a training loop
+    of three steps makes no synchronisation; reading the step times afterwards makes one, and they are the simulated
+    clock's. The sums (sum of lengths, of their squares) are those of the packed rows' and the padded batch's real
+    lengths."""
+    class Model(torch.nn.Module):
+        def forward(self, input_ids, **kwargs):
+            return input_ids
+    timer, model = StepTimes(CUDA), Model()
+    seen = SequenceLengths(model)
+    state = types.SimpleNamespace(num_input_tokens_seen=0)
+    packed = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]])  # rows of 3, 2 and 4 tokens laid end to end
+    padded = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+    for ms, kwargs in ((30.0, {"position_ids": packed}), (20.0, {"attention_mask": padded}), (25.0, {})):
+        timer.on_step_begin(None, state, None)
+        model(input_ids=torch.zeros(2, 4, dtype=torch.long), **kwargs)
+        fake_cuda.advance(ms)
+        state.num_input_tokens_seen += 5
+        timer.on_step_end(None, state, None)
+    assert fake_cuda.synchronize_calls == 0
+    assert timer.durations == pytest.approx([0.030, 0.020, 0.025], abs=1e-12) and timer.tokens == [5, 5, 5]
+    assert fake_cuda.synchronize_calls == 1
+    assert timer.durations == pytest.approx([0.030, 0.020, 0.025]) and fake_cuda.synchronize_calls == 1
+    assert seen.tokens == 9 + 5 + 8 and seen.squares == (9 + 4 + 16) + (9 + 4) + 2 * 16
+    assert seen.positions == 3 * 8

@@ -511,11 +511,39 @@ def test_a_training_steps_phases_are_cut_at_its_marks_and_add_up_to_it():
              ("optimizer_begin", 9.2), ("optimizer_end", 9.3), ("step_end", 9.4), ("train_end", 9.5)]
     first, compiled = step_phases(marks)
     assert first == pytest.approx({"data": 0.5, "forward": 2.0, "backward": 2.0 + 1.3, "forward+backward": 0.0,
-                                   "optimizer": 0.4, "step_end": 0.1, "between": 0.5, "other": 0.2, "total": 7.0})
+                                   "optimizer": 0.4, "step_end": 0.1, "between": 0.5, "instrument": 0.0,
+                                   "other": 0.2, "total": 7.0})
     assert compiled["forward+backward"] == pytest.approx(2.0) and compiled["forward"] == 0
     assert compiled["between"] == pytest.approx(0.1) and compiled["total"] == pytest.approx(2.5)
     for step in (first, compiled):
         assert sum(step[p] for p in PHASES) == pytest.approx(step["total"])
+
+
+def test_an_instruments_own_time_is_its_own_phase_taken_out_of_the_phase_it_fell_in():
+    """A watched instrument's calls (the tensor count resuming inside the data fetch, pausing after the step's end)
+    are the `instrument` phase; data and between keep only the loop's own time, and the phases still add up."""
+    from efflab.measure.phases import PHASES, PhaseClock, step_phases
+
+    marks = [("data_begin", 0.0), ("instrument_begin", 0.1), ("instrument_end", 0.3), ("data_end", 0.5),
+             ("step_begin", 0.6), ("forward_begin", 0.7), ("forward_end", 1.7), ("optimizer_begin", 3.0),
+             ("optimizer_end", 3.4), ("step_end", 3.5), ("instrument_begin", 3.6), ("instrument_end", 4.6),
+             ("data_begin", 4.8), ("data_end", 4.9), ("step_begin", 4.9), ("forward_begin", 5.0),
+             ("forward_end", 6.0), ("optimizer_begin", 7.0), ("optimizer_end", 7.1), ("step_end", 7.2),
+             ("train_end", 7.3)]
+    counted, plain = step_phases(marks)
+    assert counted["instrument"] == pytest.approx(0.2 + 1.0)
+    assert counted["data"] == pytest.approx(0.3) and counted["between"] == pytest.approx(0.3)
+    assert plain["instrument"] == 0 and plain["between"] == pytest.approx(0.1)
+    for step in (counted, plain):
+        assert sum(step[p] for p in PHASES) == pytest.approx(step["total"])
+
+    class Counter:
+        def pause(self):
+            return "paused"
+    clock, counter = PhaseClock(torch.device("cpu")), Counter()
+    clock.watch(counter, "pause")
+    assert counter.pause() == "paused" and [label for label, _ in clock.marks] == ["instrument_begin",
+                                                                                   "instrument_end"]
 
 
 def test_a_light_job_s_cells_fork_from_a_forkserver_without_the_trainer(monkeypatch):

@@ -63,7 +63,12 @@ def unavailable_knobs(run: dict, device: torch.device) -> list[str]:
             reasons.append("pin_memory: page-locked host memory only speeds up copies to a CUDA GPU")
         if run.get("liger_kernel"):
             reasons.append("liger_kernel: Liger's kernels are Triton kernels for CUDA GPUs")
-    elif run.get("liger_kernel") and importlib.util.find_spec("liger_kernel") is None:
+        if run.get("attn_implementation") == "flash_attention_2":
+            reasons.append("attn_implementation flash_attention_2: FlashAttention-2 is CUDA kernels")
+    elif run.get("attn_implementation") == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+        reasons.append("attn_implementation flash_attention_2 needs the flash-attn package, which is not installed "
+                       "(pip install flash-attn)")
+    if device.type == "cuda" and run.get("liger_kernel") and importlib.util.find_spec("liger_kernel") is None:
         reasons.append("liger_kernel needs the liger-kernel package, which is not installed (pip install liger-kernel)")
     if device.type == "cuda" and run["tf32"] and torch.cuda.get_device_capability(device)[0] < 8:
         reasons.append(f"tf32 needs compute capability 8.0 or newer; {torch.cuda.get_device_name(device)} has "
@@ -90,14 +95,16 @@ def build_model(run: dict, layout, dtype: str, device: torch.device):
 
     bf16 = run.get("bf16_weights")
     if run["method"] == "full":
-        model = load_model(layout.base_model(), "bfloat16" if bf16 else "float32", device)
+        model = load_model(layout.base_model(), "bfloat16" if bf16 else "float32", device,
+                           attn_implementation=run.get("attn_implementation"))
         if run.get("liger_kernel"):
             with_liger_kernels(model)
         if run["gradient_checkpointing"]:
             checkpointing_enable(model)
         return model
     quant = base_quant(run)
-    model = load_model(layout.base_model(), "bfloat16" if bf16 and not quant else dtype, device, quant=quant)
+    model = load_model(layout.base_model(), "bfloat16" if bf16 and not quant else dtype, device, quant=quant,
+                       attn_implementation=run.get("attn_implementation"))
     if run.get("liger_kernel"):
         with_liger_kernels(model)
     if quant:

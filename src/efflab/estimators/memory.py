@@ -306,6 +306,27 @@ class Generation:
     kv_cache: bool = True
 
 
+def largest_batch(folder, run: dict, dtype: str, precision: str, lengths: list[int], device: str,
+                  budget_mib: float, most: int = 4096) -> dict:
+    """The most rows a step of `run` can take within `budget_mib` of memory over the loaded model, by this
+    estimator: the run's batch_size doubled while the predicted training peak (training_peak) stays within the
+    budget, up to `most` rows. A batch that fills a GPU for a throughput measurement (a few thousand tokens leave an
+    H100 waiting on its kernel launches). `rows` is None where even the run's own batch does not fit, or where the
+    run is not modelled (`unavailable`)."""
+    rows, tried, fits = run["batch_size"], [], None
+    while rows <= most:
+        predicted = training_peak(folder, run | {"batch_size": rows}, dtype, precision, lengths, device)
+        if predicted["total_mib"] is None:
+            return {"rows": None, "unavailable": predicted["unavailable"], "budget_mib": budget_mib}
+        tried.append({"rows": rows, "predicted_mib": predicted["total_mib"]})
+        if predicted["total_mib"] > budget_mib:
+            break
+        fits, rows = rows, 2 * rows
+    per_row = sum(lengths) / len(lengths)
+    return {"rows": fits, "tokens_per_step": fits * per_row if fits else None, "budget_mib": budget_mib,
+            "tried": tried, "by": f"efflab's memory estimator ({TRAINING_COMPARES_TO}), batch_size doubled"}
+
+
 def generation_peak(folder, dtype: str, quant: dict | None, shape: Generation, frozen: bool = False,
                     device: str = "cpu", quantized_transient_bytes: int = 0) -> dict:
     """Predicted peak of what greedy generation adds over the loaded model: the KV cache at its final length

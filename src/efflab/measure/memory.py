@@ -91,9 +91,10 @@ class CpuTensorPeak:
     the addresses an earlier profiler saw allocated and not freed while it ran, stale once reused), with a
     size that may not be the block's: those are skipped and counted in `unpaired_frees`.
 
-    `pause()` folds the events recorded so far into the running count and stops counting, `resume()` starts
-    again: a long run holds one step's events at a time, and the steps that cannot hold the peak run without the
-    per-allocation cost (callbacks.CountLongestSteps). While paused nothing is counted: not what is allocated,
+    `pause()` stops the recording and keeps its results, `resume()` starts a new one: the steps that cannot hold
+    the peak run without the per-allocation cost (callbacks.CountLongestSteps). The recordings are counted in order
+    at stop(): walking a step's events takes tens of ms of Python (about 4 µs an event), which would otherwise fall
+    between two training steps. While paused nothing is counted: not what is allocated,
     not the free of what was counted before. A counter never started (on a GPU, where track_memory reads CUDA's
     allocator instead) stays off through resume(). What pauses and resumes take is in `overhead_s`."""
 
@@ -115,6 +116,7 @@ class CpuTensorPeak:
         self._live: dict[int, int] = {}  # address -> bytes of each block allocated while counting, not yet freed
         self.overhead_s = 0.0
         self._profiler = None
+        self._recorded: list = []  # the profiler results of each recording not yet counted
         self._paused = False  # resume() restarts only a count that pause() stopped, never one not started
         self.unavailable: str | None = unavailable
 
@@ -136,14 +138,22 @@ class CpuTensorPeak:
         torch.autograd._enable_record_function(False)
         return self
 
-    def _fold(self) -> None:
+    def _stop_recording(self) -> None:
+        """Stop the profiler and keep its results: the walk of their event tree (tens of ms of Python per step's
+        events) waits for stop(), outside the training."""
         torch.autograd._enable_record_function(True)
         self._profiler.stop()
-        events = _cpu_allocations(self._profiler.profiler.kineto_results.experimental_event_tree())
-        for ptr, nbytes in events:
-            self._count(ptr, nbytes)
-        self.events += len(events)
+        self._recorded.append(self._profiler.profiler.kineto_results)
         self._profiler = None
+
+    def _fold(self) -> None:
+        """Count the events of every recording so far, in order."""
+        for results in self._recorded:
+            events = _cpu_allocations(results.experimental_event_tree())
+            for ptr, nbytes in events:
+                self._count(ptr, nbytes)
+            self.events += len(events)
+        self._recorded = []
 
     def _count(self, ptr: int, nbytes: int) -> None:
         if nbytes >= 0:
@@ -163,7 +173,7 @@ class CpuTensorPeak:
     def pause(self) -> None:
         if self._profiler is not None:
             t0 = time.perf_counter()
-            self._fold()
+            self._stop_recording()
             self._paused = True
             self.overhead_s += time.perf_counter() - t0
 
@@ -177,7 +187,8 @@ class CpuTensorPeak:
     def stop(self) -> dict:
         self._paused = False
         if self._profiler is not None:
-            self._fold()
+            self._stop_recording()
+        self._fold()
         if self.unavailable:
             return {"kind": self.KIND, "delta_mib": None, "unavailable": self.unavailable}
         return {"kind": self.KIND, "delta_mib": self.peak / MiB, "end_delta_mib": self.current / MiB,

@@ -5,8 +5,11 @@ A step, as transformers' Trainer runs it: `data` (get_batch_samples: fetching an
 micro-batches), `forward` (the model's forward calls, summed over micro-batches), `backward` (from each forward's
 end to the next forward or to the optimizer: the backward passes and gradient clipping), `optimizer`
 (optimizer.step), `step_end` (scheduler step, zero_grad), then `between` steps (the callbacks' on_step_end,
-logging, checkpoints, up to the next step's data). `other` is the rest of the step (moving inputs to the device,
-the Trainer's bookkeeping). The phases add up to the step's whole time by construction.
+logging, checkpoints, up to the next step's data). `instrument` is the time an instrument that must cost something
+spends outside the work it measures, wherever it falls (efflab's live-tensor count starting and stopping its
+recording on the steps it counts: `watch`), taken out of the phase it fell in. `other` is the rest of the step
+(moving inputs to the device, the Trainer's bookkeeping). The phases add up to the step's whole time by
+construction.
 
 Stamps are time.perf_counter on a CPU; on a GPU, CUDA events recorded in the stream (read once, at the end: no
 synchronisation inside the loop). A compiled model's forward is one graph: its forward and backward are then one
@@ -27,7 +30,8 @@ from .timing import seconds_since, stamp
 
 # Where a process writes its steps' phases when the benchmark asks (the finetune stage, the plain script)
 PHASES_ENV = "EFFLAB_PHASES"
-PHASES = ("data", "forward", "backward", "forward+backward", "optimizer", "step_end", "between", "other")
+PHASES = ("data", "forward", "backward", "forward+backward", "optimizer", "step_end", "between", "instrument",
+          "other")
 
 
 class PhaseClock:
@@ -76,6 +80,20 @@ class PhaseClock:
                        model.register_forward_hook(lambda *a: self.mark("forward_end"))]
         return self
 
+    def watch(self, instrument, *methods: str) -> "PhaseClock":
+        """Stamp each call of `instrument`'s `methods` as instrument time (e.g. CpuTensorPeak's pause and resume)."""
+        for name in methods:
+            method = getattr(instrument, name)
+
+            def stamped(*args, _method=method, **kwargs):
+                self.mark("instrument_begin")
+                try:
+                    return _method(*args, **kwargs)
+                finally:
+                    self.mark("instrument_end")
+            setattr(instrument, name, stamped)
+        return self
+
     def detach(self) -> None:
         for hook in self._hooks:
             hook.remove()
@@ -105,6 +123,8 @@ def step_phases(marks: list[tuple[str, float]]) -> list[dict]:
 
 
 def _one_step(marks: list[tuple[str, float]]) -> dict:
+    instruments = _instrument_intervals(marks)
+    marks = [(label, t) for label, t in marks if not label.startswith("instrument_")]
     at = {}
     for label, t in marks[:-1]:
         at.setdefault(label, []).append(t)
@@ -123,8 +143,30 @@ def _one_step(marks: list[tuple[str, float]]) -> dict:
         phases["backward"] = sum(n - e for e, n in zip(fwd_end, after))
     else:  # a compiled model: no forward boundary to see inside the step
         phases["forward+backward"] = at["optimizer_begin"][0] - at["step_begin"][0]
+    for start, stop in instruments:  # out of the phase it fell in, into its own
+        phases[_phase_at(start, at)] -= stop - start
+        phases["instrument"] += stop - start
     phases["other"] = (end - begin) - sum(phases.values())
     return phases | {"total": end - begin}
+
+
+def _instrument_intervals(marks: list[tuple[str, float]]) -> list[tuple[float, float]]:
+    begins = [t for label, t in marks if label == "instrument_begin"]
+    ends = [t for label, t in marks if label == "instrument_end"]
+    return list(zip(begins, ends, strict=True))
+
+
+def _phase_at(t: float, at: dict) -> str:
+    """The phase a moment outside the forward calls falls in, by the step's marks (`at`: label -> times)."""
+    if t < at["data_end"][0]:
+        return "data"
+    if t >= at["step_end"][0]:
+        return "between"
+    if t >= at["optimizer_end"][0]:
+        return "step_end"
+    if t >= at["optimizer_begin"][0]:
+        return "optimizer"
+    return "other"
 
 
 def summary(steps: list[dict], skip: int = 1) -> dict:

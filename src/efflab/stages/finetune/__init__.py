@@ -356,6 +356,8 @@ def train(cfg: dict, job: Job, run_cfg: dict) -> dict:
     if counted:
         trainer.add_callback(counted)  # after StepTimes: it pauses once the step is timed
     phases = PhaseClock(device).attach(trainer, model) if os.environ.get(PHASES_ENV) and r.rank == 0 else None
+    if phases and counted:  # the count's own starts and stops are its phase, not the loop's data or between
+        phases.watch(tensors, "pause", "resume")
     resumed = _checkpoint_state(resume)
     if resume:
         log.info("%s: resuming from %s (step %d)", job.name, resume, resumed["global_step"])
@@ -453,6 +455,7 @@ def record(name: str, r: Prepared, t: Trained, trainer, processed, rates: dict, 
         "pad_fraction": 1 - tokens / processed.positions if processed.positions else None,
         "resumed_from": resumed["global_step"] or None,
         "optimizer": optimizer_name(run_cfg),
+        "attn_implementation": getattr(r.model.config, "_attn_implementation", None),
         "trainable_dtype": str(next(p.dtype for p in r.model.parameters() if p.requires_grad)).replace("torch.", ""),
         "optimizer_state_bytes": sum(t.numel() * t.element_size() for state in trainer.optimizer.state.values()
                                      for t in state.values() if torch.is_tensor(t)),

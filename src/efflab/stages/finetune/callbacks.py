@@ -15,8 +15,8 @@ import torch
 from transformers import TrainerCallback
 from transformers.trainer_callback import ProgressCallback
 
-from ...measure.device import synchronize
 from ...measure.memory import CpuTensorPeak
+from ...measure.timing import stamp
 
 KILL_ENV = "EFFLAB_KILL_AFTER_CHECKPOINT"
 
@@ -75,24 +75,36 @@ class CountLongestSteps(TrainerCallback):
 
 
 class StepTimes(TrainerCallback):
-    """Wall time and real (non-padding) input tokens of every optimizer step (forward, backward, optimizer;
-    on GPU up to a synchronize), so that a run's step time has a spread, two runs' step times can be told
-    apart from noise, and throughput can be taken over the steady steps alone. First in the callback list,
-    so the tensor count's pause and checkpoint saving (after on_step_end) stay outside the interval."""
+    """Wall time and real (non-padding) input tokens of every optimizer step (forward, backward, optimizer), so
+    that a run's step time has a spread, two runs' step times can be told apart from noise, and throughput can be
+    taken over the steady steps alone. On a GPU each step's ends are CUDA events recorded in the stream, read when
+    `durations` is first asked for after a step (one synchronisation then, none inside the loop): the timer adds no
+    synchronisation to a step. First in the callback list, so the tensor count's pause and checkpoint saving (after
+    on_step_end) stay outside the interval."""
 
     def __init__(self, device: torch.device):
-        self.device, self.durations, self.tokens = device, [], []
+        self.cuda, self.tokens = device.type == "cuda", []
+        self._stamps: list[tuple] = []  # (start, end) of each step, stamps of measure.timing.stamp
+        self._read: list[float] = []  # the durations of the first len(_read) steps, read already
         self._t0, self._seen = None, 0
 
     def on_step_begin(self, args, state, control, **kwargs):
-        synchronize(self.device)
         self._seen = state.num_input_tokens_seen
-        self._t0 = time.perf_counter()
+        self._t0 = stamp(self.cuda)
 
     def on_step_end(self, args, state, control, **kwargs):
-        synchronize(self.device)
-        self.durations.append(time.perf_counter() - self._t0)
+        self._stamps.append((self._t0, stamp(self.cuda)))
         self.tokens.append(state.num_input_tokens_seen - self._seen)
+
+    @property
+    def durations(self) -> list[float]:
+        """Each timed step's seconds (on a GPU, reading the steps' events not read before waits for them)."""
+        unread = self._stamps[len(self._read):]
+        if unread:
+            if self.cuda:
+                torch.cuda.synchronize()
+            self._read += [start.elapsed_time(end) / 1000 if self.cuda else end - start for start, end in unread]
+        return list(self._read)
 
 
 class ValidationEvery(TrainerCallback):
@@ -129,30 +141,43 @@ class SequenceLengths:
     so the report can say how much of the compute went to padding) and each sequence's real length, from
     the position ids of a packed row (a new sequence starts at position 0) or the attention mask of a padded
     batch. Attention FLOPs grow with each sequence's own length, so they are counted per token over
-    sum(len^2) / sum(len), the token-weighted mean length, not over the mean length."""
+    sum(len^2) / sum(len), the token-weighted mean length, not over the mean length.
+
+    Nothing is read back to the host inside the loop (a GPU would wait for the step's queued kernels): the sums
+    are kept as tensors on the inputs' device and read once, after training. A packed row's sum(len^2) is the sum
+    over its tokens of 2 * position + 1 (the odd numbers up to 2L - 1 add up to L^2)."""
 
     def __init__(self, model):
-        self.positions, self.tokens, self.squares, self.paused = 0, 0, 0, False
+        self.positions, self.paused = 0, False
+        self._tokens = self._squares = 0  # ints, or tensors on the inputs' device until read
         self._hook = model.register_forward_pre_hook(self._seen, with_kwargs=True)
 
     def _seen(self, module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
         if ids is None or self.paused:
             return
-        self.positions += ids.numel()
-        lengths = self.lengths(ids, kwargs.get("attention_mask"), kwargs.get("position_ids"))
-        self.tokens += int(lengths.sum())
-        self.squares += int((lengths * lengths).sum())
+        self.positions += ids.numel()  # from the shape: no read of the device
+        tokens, squares = self.sums(ids, kwargs.get("attention_mask"), kwargs.get("position_ids"))
+        self._tokens, self._squares = self._tokens + tokens, self._squares + squares
 
     @staticmethod
-    def lengths(ids: torch.Tensor, attention_mask, position_ids) -> torch.Tensor:
+    def sums(ids: torch.Tensor, attention_mask, position_ids) -> tuple:
+        """(sum of the sequences' lengths, sum of their squares) of one forward's inputs, as tensors on their
+        device (ints where the shape alone says)."""
         if position_ids is not None and attention_mask is None:
-            flat = position_ids.reshape(-1).cpu()
-            starts = torch.nonzero(flat == 0).flatten().tolist() + [flat.numel()]
-            return torch.tensor([b - a for a, b in zip(starts, starts[1:]) if b > a], dtype=torch.long)
+            return position_ids.numel(), (2 * position_ids.long() + 1).sum()
         if attention_mask is not None:
-            return attention_mask.sum(dim=1).cpu().long()
-        return torch.full((ids.shape[0],), ids.shape[1], dtype=torch.long)
+            lengths = attention_mask.long().sum(dim=1)
+            return lengths.sum(), (lengths * lengths).sum()
+        return ids.numel(), ids.shape[0] * ids.shape[1] ** 2
+
+    @property
+    def tokens(self) -> int:
+        return int(self._tokens)
+
+    @property
+    def squares(self) -> int:
+        return int(self._squares)
 
     def attention_length(self) -> float | None:
         return self.squares / self.tokens if self.tokens else None
