@@ -63,6 +63,7 @@ from transformers import AutoConfig
 
 from efflab.architecture import lora_targets
 from efflab.config import load
+from efflab.estimators.fill import fill
 from efflab.experiment import finetune_run
 from efflab.measure.phases import PHASES, PHASES_ENV, summary
 from efflab.measure.quiet import MAX_OTHERS_SHARE, OthersCpu
@@ -107,6 +108,7 @@ KNOBS = {
     "torch.compile": ("efflab-compile", "efflab-equal"),
     "liger kernels": ("efflab-liger", "efflab-equal"),
 }
+REPROBE_PAUSE_S = 2.0
 UNWATCHED = "unwatched (--unwatched): nobody checked that the machine was quiet; not figures to compare"
 
 
@@ -222,8 +224,9 @@ def measure(args, params: dict, settings: dict, results: Path, cells: list[str],
     probe before each cell and after the last, and the share of the CPU other processes took during each. A run
     the watch finds disturbed ends here (refused), its samples kept beside the output for a look."""
     samples: dict[str, list[dict]] = {c: [] for c in cells}
-    watch = {"probes_gflops": [speed_probe(device)], "others_share": [], "cells": [],
+    watch = {"probes_gflops": [], "others_share": [], "cells": [], "reprobed": [],
              "tolerance": SENTINEL_TOLERANCE, "max_others_share": MAX_OTHERS_SHARE}
+    probe(watch, device, settle=3)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         for repeat in range(args.repeats):
@@ -233,7 +236,7 @@ def measure(args, params: dict, settings: dict, results: Path, cells: list[str],
                 t0, others = time.perf_counter(), OthersCpu().start()
                 result = one_cell(args, params, settings, results, work, cell)
                 watch["others_share"].append(others.stop())
-                watch["probes_gflops"].append(speed_probe(device))
+                probe(watch, device)
                 watch["cells"].append(f"{cell} (repeat {repeat + 1})")
                 samples[cell].append(result)
                 said = (f"unavailable: {result['unavailable']}" if "unavailable" in result else
@@ -273,6 +276,21 @@ def keep_trace(folder: Path, out: Path) -> dict:
             shutil.copyfile(folder / name, target)
             kept[name] = str(target)
     return kept
+
+
+def probe(watch: dict, device: torch.device, settle: int = 1) -> None:
+    """The machine's speed now, into the watch: the best of `settle` probes (more before the first cell, to set the
+    median). A probe off the median of those before it is taken once more after a pause, and the second reading
+    kept (both recorded in `reprobed`): a moment's dip as a cell's process exits is not the machine's speed
+    during the next cell; a real change reads the same twice."""
+    reading = max(speed_probe(device) for _ in range(settle))
+    before = watch["probes_gflops"]
+    if len(before) >= 2 and abs(reading / statistics.median(before) - 1) > watch["tolerance"]:
+        time.sleep(REPROBE_PAUSE_S)
+        again = speed_probe(device)
+        watch["reprobed"].append({"at": len(before), "first_gflops": reading, "again_gflops": again})
+        reading = again
+    before.append(reading)
 
 
 def _share(share: float | None) -> str:
@@ -333,11 +351,8 @@ def summarise(samples: dict[str, list[dict]], reseeded: list[float] | None = Non
         if script:  # against the script's first repeat, step by step on the same batches
             entry["max_abs_loss_diff_vs_script"] = max(abs(a - b) for r in runs
                                                        for a, b in zip(r["losses"], script[0]["losses"]))
-        if cell == "script":  # the loss curve's noise: its repeats, and a run whose random draws differ
-            entry["loss_noise"] = max([entry["max_abs_loss_diff_vs_script"]] + [
-                abs(a - b) for a, b in zip(reseeded or [], runs[0]["losses"])])
-            entry["loss_noise_from"] = ("the script's repeats and the script reseeded (its dropout masks and LoRA "
-                                        "init drawn anew)" if reseeded else "the script's repeats")
+        if cell == "script" and reseeded:  # two equal trainings whose random draws differ: how far apart
+            entry["reseeded_loss_diff"] = max(abs(a - b) for a, b in zip(reseeded, runs[0]["losses"]))
         if script and cell != "script":
             base = statistics.median(s["phases"]["median_s"]["total"] for s in script)
             entry |= {"speedup_vs_script": _paired(script, runs),
@@ -506,15 +521,30 @@ def findings(summ: dict, samples: dict | None = None) -> str:
         words = ratio_words(bare | {"n": bare["repeats"]}, higher="slower with them", lower="faster with them")
         lines.append(f"- efflab's instruments (step timer, live-tensor count) add {cost[0]:+.1f}%{interval} to a step "
                      f"(efflab-equal against efflab-bare): {words}")
-    noise = summ.get("script", {}).get("loss_noise", summ.get("script", {}).get("max_abs_loss_diff_vs_script"))
-    if noise is not None:
-        within = [c for c, e in summ.items() if c != "script" and e.get("max_abs_loss_diff_vs_script", 1e9) <= noise]
-        beyond = [c for c, e in summ.items() if c != "script" and c not in within]
-        source = summ["script"].get("loss_noise_from", "the script's repeats")
-        lines.append(f"- loss curves within the script's own run-to-run difference ({noise:.3g}, from {source}): "
-                     f"{', '.join(within) or 'none'}" + (f"; beyond it: {', '.join(beyond)}" if beyond else ""))
+    lines += loss_lines(summ)
     lines += [f"- {cell}: unavailable here: {why}" for cell, why in (unavailable(samples) if samples else {}).items()]
     return "\n".join(lines)
+
+
+def loss_lines(summ: dict) -> list[str]:
+    """Each cell's loss curve against the script's first repeat, step by step on the same batches, within two
+    bands: the script's own repeats (the same seed: the run-to-run difference of one computation) and, wider, the
+    script reseeded (its dropout masks and LoRA init drawn anew: how far two equal trainings lie apart)."""
+    script = summ.get("script")
+    if not script or "max_abs_loss_diff_vs_script" not in script:
+        return []
+    others = {c: e["max_abs_loss_diff_vs_script"] for c, e in summ.items()
+              if c != "script" and "max_abs_loss_diff_vs_script" in e}
+    lines = []
+    for band, width in (("its repeats", script["max_abs_loss_diff_vs_script"]),
+                        ("the script reseeded", script.get("reseeded_loss_diff"))):
+        if width is None:
+            continue
+        within = [c for c, d in others.items() if d <= width]
+        beyond = [f"{c} ({others[c]:.3g})" for c in others if c not in within]
+        lines.append(f"- loss curves within the script's own run-to-run difference, {band} ({width:.3g}): "
+                     f"{', '.join(within) or 'none'}" + (f"; beyond it: {', '.join(beyond)}" if beyond else ""))
+    return lines
 
 
 def overhead_lines(overhead: dict | None) -> list[str]:
@@ -532,45 +562,23 @@ def overhead_lines(overhead: dict | None) -> list[str]:
 
 
 def difference_lines(found: list[dict]) -> list[str]:
-    lines = []
+    """One line a knob: which of efflab's cells compute it differently from the script, and its gain alone."""
+    lines, knobs = [], {}
     for d in found:
+        knobs.setdefault(d["knob"], []).append(d)
+    for knob, ds in knobs.items():
+        d, cells = ds[0], " and ".join(x["cell"] for x in ds)
         gain = d["gain"]
         measured = (f"alone, {d['measured_by']}: {_speed({'g': gain}, 'g')}" if gain else
                     f"not measured alone here (add the cells {d['measured_by'].replace(' against ', ' and ')})")
-        lines.append(f"- {d['cell']} computes differently from the script: {d['knob']} {_value(d['efflab'])} "
+        values = "/".join(dict.fromkeys(_value(x["efflab"]) for x in ds))
+        lines.append(f"- {cells} compute{'s' if len(ds) == 1 else ''} differently from the script: {knob} {values} "
                      f"where the script has {_value(d['script'])}; {measured}")
     return lines
 
 
 def _value(v) -> str:
     return {True: "on", False: "off", None: "the library's default"}.get(v, str(v)) if not isinstance(v, str) else v
-
-
-# The share of the device's memory a filled batch may take (the rest: the allocator's fragmentation, the CUDA
-# context, the estimator's error)
-FILL_SHARE = 0.8
-
-
-def fill(params: dict, settings: dict, results: Path, device: torch.device) -> dict:
-    """The rows a step that fills the device: efflab's memory estimator's largest batch within FILL_SHARE of the
-    device's memory (a GPU's whole card; a CPU's available memory) less the loaded model's weights."""
-    import pandas as pd
-
-    from efflab.estimators.memory import largest_batch
-    from efflab.training import mixed_precision
-
-    folder = results / "base_model" / "model"
-    dtype = str(AutoConfig.from_pretrained(folder).dtype).replace("torch.", "")
-    if device.type == "cuda":
-        memory_mib = torch.cuda.get_device_properties(device).total_memory / 2**20
-    else:
-        memory_mib = next(int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines()
-                          if line.startswith("MemAvailable:")) / 1024
-    weights_mib = sum(f.stat().st_size for f in folder.glob("*.safetensors")) / 2**20
-    lengths = [len(ids) for ids in pd.read_parquet(results / "prepare_data" / "train.parquet").input_ids]
-    return largest_batch(folder, settings, dtype, mixed_precision(settings, dtype, device), lengths, device.type,
-                         FILL_SHARE * memory_mib - weights_mib) | {
-        "device_memory_mib": memory_mib, "weights_mib": weights_mib, "share": FILL_SHARE}
 
 
 def main() -> None:
@@ -632,7 +640,7 @@ def resolve(args, params: dict, results: Path, device: torch.device) -> tuple[di
                      "prepare_data first)")
     filled = None
     if args.batch_size == "fill":
-        filled = fill(params, settings, results, device)
+        filled = fill(results, settings, device)
         if not filled["rows"]:
             why = filled.get("unavailable") or f"not even the run's own batch fits in {filled['budget_mib']:.0f} MiB"
             sys.exit(f"finetune_throughput: error: --batch-size fill: {why}")

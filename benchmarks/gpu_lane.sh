@@ -12,7 +12,7 @@
 # Environment: OUT (default results/gpu-lane-out), LANE_SECONDS (default 570: this call's budget, within a
 # 10-minute command), LANE_STATE, PYTHON (default python3), LANE_DEVICE (cuda; cpu rehearses the lane on a CPU with
 # the CI's tiny sizes: benchmarks/gpu_lane_rehearsal.yaml), LANE_PHASES (default: all of pytest-gpu finetune-mfu
-# attention decode gpu-smoke trainer; name fewer to spend a node's minutes on what is still missing), LANE_SMOKE_JOBS (GPU jobs of the smoke at once,
+# attention decode gpu-smoke diagnosis; name fewer to spend a node's minutes on what is still missing), LANE_SMOKE_JOBS (GPU jobs of the smoke at once,
 # default 4: the smoke checks code paths, not timings, so its jobs may share the GPU).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -28,7 +28,7 @@ state=$(cd "$state" && pwd)
 log="$state/lane.log"
 left() { echo $(( budget - ($(date +%s) - start) )); }
 say() { echo "[lane $(( $(date +%s) - start ))s] $*" | tee -a "$log"; }
-phases=" ${LANE_PHASES:-pytest-gpu finetune-mfu attention decode gpu-smoke trainer} "
+phases=" ${LANE_PHASES:-pytest-gpu finetune-mfu attention decode gpu-smoke diagnosis} "
 done_before() {  # true (skip it) when the phase finished in an earlier call or LANE_PHASES leaves it out
   [ -f "$state/$1.done" ] && { say "$1: done in an earlier call"; return 0; }
   case "$1" in install) return 1;; esac
@@ -69,8 +69,12 @@ print("torch", torch.__version__, "transformers", transformers.__version__, "cud
 # The two experiments, each one whole params file: the GPU profile's cut to the headline grid, and the gpu-smoke
 # profile's; a CPU rehearsal shrinks both to the CI's tiny sizes
 rehearse=(); [ "$device" = cuda ] || rehearse=(benchmarks/gpu_lane_rehearsal.yaml)
-"$py" benchmarks/lane_params.py "$state/headline.yaml" workflow/profiles/gpu/params.yaml \
-  benchmarks/gpu_lane_headline.yaml "${rehearse[@]}"
+headline_params() {  # the headline experiment, with the filled batches once they are known (fill_batches)
+  local filled=(); [ -f "$state/fill.yaml" ] && filled=("$state/fill.yaml")
+  "$py" benchmarks/lane_params.py "$state/headline.yaml" workflow/profiles/gpu/params.yaml \
+    benchmarks/gpu_lane_headline.yaml "${rehearse[@]}" "${filled[@]}"
+}
+headline_params
 "$py" benchmarks/lane_params.py "$state/smoke.yaml" workflow/profiles/gpu-smoke/params.yaml "${rehearse[@]}"
 in_results() {  # folder, command...: run the command with results/ pointing at the folder
   local folder=$1; shift
@@ -100,6 +104,16 @@ headline() {  # name, seconds it needs, targets...
     --cores all --resources gpu=1 --keep-going --rerun-incomplete "$@" >>"$state/headline.log" 2>&1
   local rc=$?; say "headline $name: exit $rc"; [ $rc -eq 0 ] && mark "headline-$name"; pack
 }
+fill_batches() {  # the headline runs' batch from the memory estimator: the most rows within 80% of the card
+  in_results "$state/headline-results" snakemake --configfile "$state/headline.yaml" --cores all --resources gpu=1 \
+    results/base_model/model results/prepare_data/train.parquet >>"$state/headline.log" 2>&1 || return 1
+  local most=4096; [ "$device" = cuda ] || most=16  # a CPU rehearsal: the plumbing, not a filled CPU
+  in_results "$state/headline-results" "$py" -m efflab.estimators.fill --most $most "$state/headline.yaml" results \
+    full lora-r8 >"$state/fill.tmp" 2>>"$log" || return 1
+  mv "$state/fill.tmp" "$state/fill.yaml" && headline_params
+  say "filled batches: $(tail -1 "$log")"
+}
+[ -f "$state/fill.yaml" ] || done_before headline-finetune-mfu || fill_batches || say "filled batches: failed (lane.log)"
 headline finetune-mfu 190 results/finetune/{full,lora-r8}/metrics.json
 headline attention 215 results/bench_attention/{eager,sdpa,sdpa_flash,sdpa_efficient,sdpa_cudnn,sdpa_math,flash_attention_2}/metrics.json
 headline decode 420 results/bench_inference/{baseline,int8,nf4,torchao-int8,torchao-int4}/metrics.json
@@ -114,15 +128,21 @@ if ! done_before gpu-smoke; then
     [ $rc -eq 0 ] && mark gpu-smoke
   fi
 fi
-# 5. the last headline measurement, on the GPU alone again
-if ! done_before headline-trainer; then  # efflab against the plain Trainer + peft script, same work, fresh processes
-  if [ "$(left)" -lt 170 ]; then skip "headline trainer (needs ~140s, $(left)s left)"; else
-    say "headline trainer: begins"
-    repeats=$(( $(left) > 260 ? 3 : 2 ))
+# 5. the MFU diagnosis, on the GPU alone again: efflab against the plain Trainer + peft script at equal numerics
+#    and as shipped, each knob alone (fused AdamW, torch.compile, Liger, FlashAttention-2 over packed rows), a
+#    quarter of the filled batch beside it (the batch sweep), and one steady step's profiler trace; fresh processes
+if ! done_before diagnosis; then
+  if [ "$(left)" -lt 200 ]; then skip "diagnosis (needs ~180s, $(left)s left)"; else
+    say "diagnosis: begins"
+    repeats=$(( $(left) > 480 ? 2 : 1 ))
+    rows=$("$py" -c 'import sys, yaml; print(yaml.safe_load(open(sys.argv[1]))["finetune"]["runs"]["lora-r8"]["batch_size"])' \
+      "$state/headline.yaml")
+    sweep=""; [ $(( rows / 4 )) -gt 0 ] && sweep=",efflab@$(( rows / 4 ))"
     in_results "$state/headline-results" timeout -k 10 $(( $(left) - 40 )) "$py" benchmarks/finetune_throughput.py \
-      --params "$state/headline.yaml" --run lora-r8 --cells script,efflab --repeats $repeats --steps 30 \
-      --out results/benchmarks/finetune_throughput >>"$state/headline.log" 2>&1
-    rc=$?; say "headline trainer ($repeats repeats): exit $rc"; [ $rc -eq 0 ] && mark headline-trainer; pack
+      --params "$state/headline.yaml" --run lora-r8 --batch-size "$rows" --steps 20 --repeats $repeats \
+      --cells "script,efflab,efflab-equal,efflab-loop,efflab-compile,efflab-liger,efflab-fa2$sweep" --trace efflab \
+      --out results/benchmarks/finetune_diagnosis >>"$state/headline.log" 2>&1
+    rc=$?; say "diagnosis ($repeats repeats): exit $rc"; [ $rc -eq 0 ] && mark diagnosis; pack
   fi
 fi
 

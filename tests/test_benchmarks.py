@@ -113,8 +113,8 @@ def test_finetune_throughput_gives_a_95_interval_from_six_repeats_and_names_each
     assert "- efflab-equal against the script: 1.11 [1.11, 1.11] (96.9% CI): faster" in said
     assert "instruments (step timer, live-tensor count) add +2.0% [+2.0%, +2.0%] (96.9% CI)" in said
     assert "(efflab-equal against efflab-bare): slower with them" in said
-    assert "loss curves within the script's own run-to-run difference (0, from the script's repeats): efflab-equal, " \
-           "efflab-bare" in said
+    assert "loss curves within the script's own run-to-run difference, its repeats (0): efflab-equal, efflab-bare" \
+        in said
 
 
 def test_finetune_throughput_states_one_verdict_per_comparison_in_the_report_s_words():
@@ -245,8 +245,8 @@ def test_finetune_throughput_names_what_each_side_computes_differently_and_its_g
     summary = bench_module.summarise(samples)
     assert "efflab-fa2" not in summary
     said = bench_module.findings(summary, samples)
-    assert ("- efflab-equal computes differently from the script: packing on where the script has off; alone, "
-            "efflab-equal against efflab-padded: 1.25 [1.25, 1.25] (96.9% CI): faster") in said
+    assert ("- efflab and efflab-equal compute differently from the script: packing on where the script has off; "
+            "alone, efflab-equal against efflab-padded: 1.25 [1.25, 1.25] (96.9% CI): faster") in said
     assert "- efflab-fa2: unavailable here: attn_implementation flash_attention_2" in said
     del samples["efflab-padded"]
     said = bench_module.findings(bench_module.summarise(samples), samples)

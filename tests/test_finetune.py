@@ -29,6 +29,9 @@ def test_lora_trains_only_the_adapter_and_loss_goes_down(results, test_cfg):
     assert (Layout(results).model("finetune", "lora-r8") / "adapter_config.json").is_file()
     assert 0 < m["tokens_seen"] <= m["steps"] * 4 * test_cfg["prepare_data"]["max_length"]
     assert m["train_memory"]["kind"] == "cpu_peak_rss" and m["train_memory"]["peak_mib"] > 0
+    tensors = m["train_memory"]["tensors"]  # the batch order foretold: the longest micro-batch counted, no more
+    assert tensors["longest_expected"] == tensors["longest_seen"] == tensors["longest_counted"]
+    assert "missed" not in tensors and tensors["counted_steps"][0] == 1 and len(tensors["counted_steps"]) <= 2
     steps = m["step_time"]
     assert steps["n"] == m["steps"] - 1 and steps["first_step_s"] > 0, "every step timed, the first apart"
     assert steps["min"] <= steps["median"] <= steps["max"] and sum(steps["samples"]) < m["train_s"]
@@ -356,7 +359,7 @@ def test_the_live_tensor_peak_counted_on_the_longest_steps_is_the_peak_counted_o
     lengths = [8, 32, 16, 24, 256, 8]  # batch 1, in order: steps 1, 2 and 5 can hold the peak (5 holds it)
     rows = [{"input_ids": [i % 60 + 1 for i in range(n)], "labels": [i % 60 + 1 for i in range(n)]} for n in lengths]
 
-    def peak(sampled: bool) -> tuple[float, list[int]]:
+    def peak(sampled: bool, expected: int | None = None) -> tuple[float, list[int]]:
         torch.manual_seed(0)
         config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                              num_attention_heads=2, num_key_value_heads=2)
@@ -365,18 +368,22 @@ def test_the_live_tensor_peak_counted_on_the_longest_steps_is_the_peak_counted_o
                                  use_cpu=True, disable_tqdm=True)
         trainer = Trainer(model=LlamaForCausalLM(config), args=args, train_dataset=Dataset.from_list(rows))
         tensors = CpuTensorPeak()
-        counted = CountLongestSteps(tensors, trainer) if sampled else None
+        counted = CountLongestSteps(tensors, trainer, expected) if sampled else None
         if counted:
             trainer.add_callback(counted)
         gc.collect()  # garbage from an earlier count in this process (another test's) would report its frees here
         tensors.start()
         trainer.train()
-        return tensors.stop()["delta_mib"], counted.steps if counted else []
+        return tensors.stop()["delta_mib"], counted.record() if counted else {}
 
     every, _ = peak(sampled=False)
-    longest, steps = peak(sampled=True)
-    assert steps == [1, 2, 5]
+    longest, seen = peak(sampled=True)
+    assert seen["counted_steps"] == [1, 2, 5] and "missed" not in seen
     assert longest == pytest.approx(every, abs=0.01) and every > 0
+    foretold, seen = peak(sampled=True, expected=256)  # the run's longest micro-batch known: steps 1 and 5 alone
+    assert seen["counted_steps"] == [1, 5] and foretold == pytest.approx(every, abs=0.01)
+    _, seen = peak(sampled=True, expected=300)  # an order that did not come: the longest step is said to be missed
+    assert seen["counted_steps"] == [1] and "256 token positions" in seen["missed"]
 
 
 def test_bf16_weights_train_in_bf16_with_fp32_adam_moments(results, write_params, test_cfg):

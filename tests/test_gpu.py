@@ -237,3 +237,52 @@ def test_auto_picks_bf16_on_a_gpu_that_has_it():
     assert training.mixed_precision({"mixed_precision": "auto"}, "float32", CUDA) == ("bf16" if supported else "fp16")
     assert training.mixed_precision({"mixed_precision": "auto", "bf16_weights": True}, "bfloat16", CUDA) == "no"
     assert training.mixed_precision({"mixed_precision": "fp16"}, "float32", CUDA) == "fp16", "an explicit choice stands"
+
+
+def test_efflab_s_step_instruments_add_no_synchronisation_to_a_training_step(tiny_llama, tmp_path):
+    """The HF Trainer on a LoRA of a tiny Llama over packed rows, six steps, as efflab runs it (its step timer and its
+    sequence-length count on) and bare: under torch.cuda.set_sync_debug_mode("warn") (every op that makes the host
+    wait for the GPU warns) and with torch.cuda.synchronize counted, efflab's run synchronises exactly as often as the
+    bare Trainer's (its own per-step loss and token-count reads). The timer's events are read after training, once."""
+    import warnings
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, DataCollatorWithFlattening, Trainer, TrainingArguments
+
+    from efflab.stages.finetune.callbacks import SequenceLengths, StepTimes
+
+    lengths = torch.randint(20, 120, (48,), generator=torch.Generator().manual_seed(3)).tolist()
+    rows = [{"input_ids": list(range(1, n + 1)), "labels": list(range(1, n + 1))} for n in lengths]
+
+    def synchronisations(instrumented: bool, folder) -> tuple[int, StepTimes | None, SequenceLengths | None]:
+        torch.manual_seed(0)
+        model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.bfloat16).to(CUDA),
+                               LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM"))
+        timer = StepTimes(CUDA) if instrumented else None
+        args = TrainingArguments(output_dir=str(folder), max_steps=6, per_device_train_batch_size=4,
+                                 logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True,
+                                 include_num_input_tokens_seen="non_padding")
+        trainer = Trainer(model=model, args=args, train_dataset=rows, callbacks=[timer] if timer else [],
+                          data_collator=DataCollatorWithFlattening(return_position_ids=True, separator_id=-100))
+        seen = SequenceLengths(model) if instrumented else None
+        calls, synchronize = [0], torch.cuda.synchronize
+
+        def counted(*a, **kw):
+            calls[0] += 1
+            return synchronize(*a, **kw)
+        torch.cuda.synchronize = counted
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                trainer.train()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+            torch.cuda.synchronize = synchronize
+        return calls[0] + sum("synchroniz" in str(w.message) for w in caught), timer, seen
+
+    bare, _, _ = synchronisations(False, tmp_path / "bare")
+    mine, timer, seen = synchronisations(True, tmp_path / "efflab")
+    assert mine == bare, f"efflab's instruments add {mine - bare} synchronisations to 6 steps ({bare} without them)"
+    assert len(timer.durations) == 6 and all(d > 0 for d in timer.durations)
+    assert seen.tokens > 0 and seen.squares >= seen.tokens

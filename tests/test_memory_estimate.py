@@ -98,6 +98,24 @@ def test_what_is_not_modelled_says_so(tiny):
     assert p["total_mib"] is None and p["unavailable"].startswith("not modelled: several processes")
 
 
+def test_the_largest_batch_is_the_last_doubling_whose_prediction_fits(tiny):
+    """largest_batch doubles the run's batch while the estimator's predicted peak stays within the budget: with the
+    budget planted between the predictions of 8 and 16 rows it answers 8; below the run's own batch, none; a run
+    the estimator does not model, unavailable with its reason."""
+    lengths = [40 + (7 * k) % 60 for k in range(64)]
+    run = _run("lora") | {"batch_size": 2}
+    peak = {rows: me.training_peak(tiny, run | {"batch_size": rows}, "float32", "no", lengths)["total_mib"]
+            for rows in (2, 4, 8, 16)}
+    assert peak[2] < peak[4] < peak[8] < peak[16]
+    got = me.largest_batch(tiny, run, "float32", "no", lengths, "cpu", (peak[8] + peak[16]) / 2)
+    assert got["rows"] == 8 and [t["rows"] for t in got["tried"]] == [2, 4, 8, 16]
+    assert got["tokens_per_step"] == pytest.approx(8 * sum(lengths) / len(lengths))
+    assert me.largest_batch(tiny, run, "float32", "no", lengths, "cpu", peak[2] / 2)["rows"] is None
+    assert me.largest_batch(tiny, run, "float32", "no", lengths, "cpu", 1e9, most=4)["rows"] == 4
+    other = me.largest_batch(tiny, run | {"num_processes": 2}, "float32", "no", lengths, "cpu", 1e9)
+    assert other["rows"] is None and other["unavailable"].startswith("not modelled")
+
+
 def test_checkpointing_keeps_only_each_layers_input(tiny):
     run = _run("lora") | {"gradient_checkpointing": True}
     plain = me.activation_terms(tiny, _run("lora"), "bfloat16", "bf16", 2, 10)

@@ -63,6 +63,14 @@ def padded_batch_lengths(lengths: list[int], batch_size: int, steps: int, accumu
     return [micro[k * accumulation:(k + 1) * accumulation] for k in range(steps)]
 
 
+def longest_micro_batch(lengths: list[int], run: dict) -> int:
+    """The most token positions (rows x padded length; packed: the batch's tokens) of any micro-batch `run` will
+    train on, in the Trainer's own order (padded_batch_lengths)."""
+    steps = padded_batch_lengths(lengths, run["batch_size"], run["max_steps"], run["gradient_accumulation_steps"],
+                                 run["seed"], run.get("packing", False))
+    return max(rows * length for micro in steps for rows, length in micro)
+
+
 def _arch(folder) -> dict:
     return architecture.shape(analytic.hf_config(str(folder)))
 

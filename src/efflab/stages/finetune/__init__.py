@@ -23,7 +23,7 @@ import torch
 
 from ... import config, profiling
 from ...config import UserError
-from ...estimators.memory import compared, training_peak
+from ...estimators.memory import compared, longest_micro_batch, training_peak
 from ...experiment import finetune_run
 from ...layout import LOSS_COLUMNS, Job, Layout
 from ...logs import log_file_path, setup_child_logging
@@ -219,7 +219,8 @@ def training_arguments(run_cfg: dict, scratch: Path, precision: str, device: tor
 
 
 COUNTED_STEPS = ("the first step, from the start of training, and each later step with more token positions in a "
-                 "micro-batch than any counted step's (where the peak can be); the others were not counted")
+                 "micro-batch than any counted step's and at least the run's longest micro-batch as its batch order "
+                 "foretold (where the peak can be); the others were not counted")
 
 
 def fit(cfg: dict, job: Job, trainer, tensors, device: torch.device, resume: str | None, profiled: bool,
@@ -352,7 +353,9 @@ def train(cfg: dict, job: Job, run_cfg: dict) -> dict:
                       train_dataset=r.train_rows, data_collator=collator(run_cfg, r.tokenizer),
                       callbacks=callbacks)
     quiet_progress(trainer)
-    counted = CountLongestSteps(tensors, trainer) if on else None
+    lengths = [len(row["input_ids"]) for row in r.train_rows]
+    counted = CountLongestSteps(tensors, trainer, None if r.world > 1 else longest_micro_batch(lengths, run_cfg)) \
+        if on else None
     if counted:
         trainer.add_callback(counted)  # after StepTimes: it pauses once the step is timed
     phases = PhaseClock(device).attach(trainer, model) if os.environ.get(PHASES_ENV) and r.rank == 0 else None
@@ -368,10 +371,10 @@ def train(cfg: dict, job: Job, run_cfg: dict) -> dict:
     if evals:
         trainer.add_callback(evals)  # after the step timer and the count: the validation is in neither
     prediction = training_peak(job.layout.base_model(), run_cfg, r.dtype, r.precision,  # from config and data only
-                               [len(row["input_ids"]) for row in r.train_rows], device.type)
+                               lengths, device.type)
     done = fit(cfg, job, trainer, tensors, device, resume, profiled, evals)
     if counted and counted.steps:  # none where the count did not run (a GPU, a profiled run)
-        done["memory"]["tensors"] |= {"counted_steps": counted.steps, "counted": COUNTED_STEPS}
+        done["memory"]["tensors"] |= counted.record() | {"counted": COUNTED_STEPS}
     processed.remove()
     if phases:  # the benchmark's phase clock (benchmarks/finetune_throughput.py)
         Path(os.environ[PHASES_ENV]).write_text(json.dumps({"steps": phases.steps()}))
