@@ -65,6 +65,7 @@ from efflab.architecture import lora_targets
 from efflab.config import load
 from efflab.estimators.fill import fill
 from efflab.experiment import finetune_run
+from efflab.measure.device import thread_count
 from efflab.measure.phases import PHASES, PHASES_ENV, summary
 from efflab.measure.quiet import MAX_OTHERS_SHARE, OthersCpu
 from efflab.measure.stats import (
@@ -155,7 +156,7 @@ def efflab_cell(params: dict, run: str, overrides: dict, results: Path, work: Pa
             "computes": {"packing": m["padding_free"], "autocast": m["mixed_precision"],
                          "optimizer": m["optimizer"], "trainable dtype": m["trainable_dtype"],
                          "attention": m.get("attn_implementation"), "torch.compile": m["settings"]["torch_compile"],
-                         "liger kernels": m["settings"]["liger_kernel"]},
+                         "liger kernels": m["settings"]["liger_kernel"], "threads": m["threads"]},
             "counted_steps": ((m["train_memory"].get("tensors") or {}).get("counted_steps") or []),
             "flops_per_token": t["flops"]["model_flops_per_token"], "ceiling_tflops": t["matmul_ceiling"]["tflops"],
             "ceiling_dtype": t["matmul_ceiling"]["dtype"]} | (
@@ -164,8 +165,8 @@ def efflab_cell(params: dict, run: str, overrides: dict, results: Path, work: Pa
                 if trace else {})
 
 
-def script_cell(settings: dict, results: Path, work: Path, dtype: str) -> dict:
-    """The plain script at the run's settings (its seed among them)."""
+def script_cell(settings: dict, results: Path, work: Path, dtype: str, threads: int) -> dict:
+    """The plain script at the run's settings (its seed among them), on efflab's CPU threads (runtime.threads)."""
     lora = settings["lora"]
     out = work / "script.json"
     phases = _run([sys.executable, str(REPO / "benchmarks" / "trainer_baseline.py"),
@@ -175,14 +176,15 @@ def script_cell(settings: dict, results: Path, work: Path, dtype: str) -> dict:
                    "--learning-rate", str(settings["learning_rate"]), "--warmup-steps", str(settings["warmup_steps"]),
                    "--r", str(lora["r"]), "--alpha", str(lora["alpha"]), "--dropout", str(lora["dropout"]),
                    "--targets", _targets(results / "base_model" / "model", lora["target_modules"]),
-                   "--seed", str(settings["seed"]), "--dtype", dtype, "--json", str(out)], work)
+                   "--seed", str(settings["seed"]), "--dtype", dtype, "--threads", str(threads),
+                   "--json", str(out)], work)
     result = json.loads(out.read_text())
     return {"phases": phases, "tokens_seen": result["tokens_seen"], "steps": result["steps"],
             "train_s": result["train_s"], "losses": result["losses"], "pad_fraction": result["pad_fraction"],
             "mixed_precision": f"no autocast, weights {result['dtype'].replace('torch.', '')}",
             "computes": {"packing": False, "autocast": "no", "optimizer": result["optimizer"],
                          "trainable dtype": result["adapter_dtype"], "attention": result["attn_implementation"],
-                         "torch.compile": False, "liger kernels": False}}
+                         "torch.compile": False, "liger kernels": False, "threads": result["threads"]}}
 
 
 def _targets(model: Path, modules: str | list[str] | None) -> str:
@@ -214,7 +216,7 @@ def one_cell(args, params: dict, settings: dict, results: Path, work: Path, spec
     loop, knobs = CELLS[name]
     batch = {"batch_size": rows} if rows else {}
     if loop == "script":
-        return script_cell(settings | batch, results, work, knobs["dtype"])
+        return script_cell(settings | batch, results, work, knobs["dtype"], thread_count(params["runtime"]))
     return efflab_cell(params, args.run, {k: settings[k] for k in ("max_steps", "batch_size")} | batch | knobs,
                        results, work, trace)
 
@@ -247,8 +249,8 @@ def measure(args, params: dict, settings: dict, results: Path, cells: list[str],
                 if (why := refusal(watch)) and not args.unwatched:
                     refuse(args, why, {"run": args.run, "settings": settings, "samples": samples, "watch": watch})
         # the script once more with its random draws changed: how far two equal trainings' losses lie apart
-        reseeded = (script_cell(settings | {"seed": settings["seed"] + 1}, results, work, CELLS["script"][1]["dtype"])
-                    ["losses"] if "script" in cells else None)
+        reseeded = (script_cell(settings | {"seed": settings["seed"] + 1}, results, work, CELLS["script"][1]["dtype"],
+                                thread_count(params["runtime"]))["losses"] if "script" in cells else None)
         trace = (one_cell(args, params, settings, results, work, args.trace, trace_settings(settings))
                  if args.trace else None)
         if trace and "unavailable" not in trace:
@@ -285,7 +287,7 @@ def probe(watch: dict, device: torch.device, settle: int = 1) -> None:
     during the next cell; a real change reads the same twice."""
     reading = max(speed_probe(device) for _ in range(settle))
     before = watch["probes_gflops"]
-    if len(before) >= 2 and abs(reading / statistics.median(before) - 1) > watch["tolerance"]:
+    if before and abs(reading / statistics.median(before) - 1) > watch["tolerance"]:
         time.sleep(REPROBE_PAUSE_S)
         again = speed_probe(device)
         watch["reprobed"].append({"at": len(before), "first_gflops": reading, "again_gflops": again})
@@ -394,12 +396,12 @@ def differences(samples: dict) -> list[dict]:
         for knob, theirs in script.items():
             if mine.get(knob) == theirs:
                 continue
-            with_it, without = KNOBS[knob]
+            with_it, without = KNOBS.get(knob, (None, None))
             gain = (_paired(samples[without], samples[with_it])
                     if with_it in samples and without in samples and len(samples[with_it]) == len(samples[without])
                     else None)
             out.append({"cell": cell, "knob": knob, "efflab": mine.get(knob), "script": theirs,
-                        "measured_by": f"{with_it} against {without}", "gain": gain})
+                        "measured_by": f"{with_it} against {without}" if with_it else None, "gain": gain})
     return out
 
 
@@ -570,7 +572,8 @@ def difference_lines(found: list[dict]) -> list[str]:
         d, cells = ds[0], " and ".join(x["cell"] for x in ds)
         gain = d["gain"]
         measured = (f"alone, {d['measured_by']}: {_speed({'g': gain}, 'g')}" if gain else
-                    f"not measured alone here (add the cells {d['measured_by'].replace(' against ', ' and ')})")
+                    f"not measured alone here (add the cells {d['measured_by'].replace(' against ', ' and ')})"
+                    if d["measured_by"] else "no pair of cells measures it alone")
         values = "/".join(dict.fromkeys(_value(x["efflab"]) for x in ds))
         lines.append(f"- {cells} compute{'s' if len(ds) == 1 else ''} differently from the script: {knob} {values} "
                      f"where the script has {_value(d['script'])}; {measured}")
@@ -604,7 +607,8 @@ def main() -> None:
     if args.summarise:
         written = json.loads(Path(args.summarise).read_text())
         summ = summarise(written["samples"], written.get("reseeded_script_losses"))
-        print(table(args, written["settings"], summ) + "\n\n" + findings(summ, written["samples"]))
+        print((watch_line(written["watch"]) + "\n\n" if "watch" in written else "") + table(args, written["settings"], summ)
+              + "\n\n" + findings(summ, written["samples"]) + trace_lines(written.get("trace")))
         return
     params, results = load(args.params), Path(args.results)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -21,6 +21,7 @@ import tempfile
 import time
 
 import pandas as pd
+import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq2Seq, Trainer, TrainingArguments
 
@@ -42,9 +43,12 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                         help="from_pretrained's dtype (default auto, transformers 5's default: the saved dtype; "
                              "float32 is what transformers 4 loaded and many tutorials still ask for)")
+    parser.add_argument("--threads", type=int, help="CPU threads (default: torch's own, every core)")
     parser.add_argument("--json", help="also write the result here")
     args = parser.parse_args()
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -84,7 +88,8 @@ def main() -> None:
               # what it computes with: the Trainer's optimizer, peft's adapter dtype, transformers' attention
               "optimizer": str(getattr(training_args.optim, "value", training_args.optim)),
               "adapter_dtype": str(next(p.dtype for p in model.parameters() if p.requires_grad)).replace("torch.", ""),
-              "attn_implementation": getattr(model.config, "_attn_implementation", None)}
+              "attn_implementation": getattr(model.config, "_attn_implementation", None),
+              "threads": torch.get_num_threads()}
     print(json.dumps(result))
     if args.json:
         with open(args.json, "w") as f:

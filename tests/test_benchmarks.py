@@ -254,3 +254,20 @@ def test_finetune_throughput_names_what_each_side_computes_differently_and_its_g
            "efflab-padded)" in said
     assert bench_module.cell_spec("efflab@16") == ("efflab", 16) and bench_module.cell_spec("efflab") == ("efflab", None)
     assert bench_module.cell_spec("efflab@x")[1] == -1
+
+
+def test_a_probe_off_the_median_is_taken_again_and_the_second_reading_kept(monkeypatch):
+    """A dip as a cell's process exits reads low once: taken again after a pause, the steady reading is kept (both
+    recorded); a machine that really slowed reads low twice and is refused."""
+    bench_module = _throughput_module()
+    readings = iter([150.0, 152.0, 149.0, 100.0, 151.0, 90.0, 92.0])
+    monkeypatch.setattr(bench_module, "speed_probe", lambda device: next(readings))
+    monkeypatch.setattr(bench_module.time, "sleep", lambda s: None)
+    watch = {"probes_gflops": [], "others_share": [], "cells": ["a", "b"], "reprobed": [], "tolerance": 0.25,
+             "max_others_share": 0.10}
+    bench_module.probe(watch, "cpu", settle=3)  # the best of three before the first cell
+    bench_module.probe(watch, "cpu")  # 100: off by a third, again: 151
+    assert watch["probes_gflops"] == [152.0, 151.0]
+    assert watch["reprobed"] == [{"at": 1, "first_gflops": 100.0, "again_gflops": 151.0}]
+    bench_module.probe(watch, "cpu")  # 90, then 92 again: slowed
+    assert watch["probes_gflops"][-1] == 92.0 and "speed changed" in bench_module.refusal(watch)

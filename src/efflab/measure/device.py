@@ -22,8 +22,13 @@ def pick_device(runtime: dict) -> torch.device:
     return torch.device(want)
 
 
+def thread_count(runtime: dict) -> int:
+    """The CPU threads a job computes with: runtime.threads, else $OMP_NUM_THREADS, else every core."""
+    return runtime["threads"] or int(os.environ.get("OMP_NUM_THREADS", 0)) or os.cpu_count()
+
+
 def set_threads(runtime: dict) -> int:
-    threads = runtime["threads"] or int(os.environ.get("OMP_NUM_THREADS", 0)) or os.cpu_count()
+    threads = thread_count(runtime)
     torch.set_num_threads(threads)
     return threads
 
