@@ -285,6 +285,8 @@ def probe(watch: dict, device: torch.device, settle: int = 1) -> None:
     median). A probe off the median of those before it is taken once more after a pause, and the second reading
     kept (both recorded in `reprobed`): a moment's dip as a cell's process exits is not the machine's speed
     during the next cell; a real change reads the same twice."""
+    if not watch["probes_gflops"]:  # the first: after a pause (a process that just exited, the data's load)
+        time.sleep(REPROBE_PAUSE_S)
     reading = max(speed_probe(device) for _ in range(settle))
     before = watch["probes_gflops"]
     if before and abs(reading / statistics.median(before) - 1) > watch["tolerance"]:
@@ -350,19 +352,20 @@ def summarise(samples: dict[str, list[dict]], reseeded: list[float] | None = Non
                  "tokens_per_step": per_step_tokens, "tokens_per_s": per_step_tokens / step, "phases_s": phases,
                  "mixed_precision": runs[0]["mixed_precision"], "last_loss": [r["losses"][-1] for r in runs],
                  "pad_fraction": runs[0].get("pad_fraction")}
-        if script:  # against the script's first repeat, step by step on the same batches
+        same_work = "@" not in cell  # a batch sweep's cell trains other batches: its tokens/s and MFU alone
+        if script and same_work:  # against the script's first repeat, step by step on the same batches
             entry["max_abs_loss_diff_vs_script"] = max(abs(a - b) for r in runs
                                                        for a, b in zip(r["losses"], script[0]["losses"]))
         if cell == "script" and reseeded:  # two equal trainings whose random draws differ: how far apart
             entry["reseeded_loss_diff"] = max(abs(a - b) for a, b in zip(reseeded, runs[0]["losses"]))
-        if script and cell != "script":
+        if script and cell != "script" and same_work:
             base = statistics.median(s["phases"]["median_s"]["total"] for s in script)
             entry |= {"speedup_vs_script": _paired(script, runs),
                       "phase_delta_s": {p: phases[p] - statistics.median(s["phases"]["median_s"].get(p, 0.0)
                                                                          for s in script)
                                         for p in PHASES},
                       "step_delta_pct": 100 * (step - base) / base}
-        if equal and cell.startswith("efflab-") and cell != "efflab-equal":
+        if equal and cell.startswith("efflab-") and cell != "efflab-equal" and same_work:
             entry["speedup_vs_efflab_equal"] = _paired(equal, runs)
         ceiling = ceilings.get(runs[0].get("ceiling_dtype"))
         if "flops_per_token" in runs[0] and ceiling:
@@ -524,6 +527,11 @@ def findings(summ: dict, samples: dict | None = None) -> str:
         lines.append(f"- efflab's instruments (step timer, live-tensor count) add {cost[0]:+.1f}%{interval} to a step "
                      f"(efflab-equal against efflab-bare): {words}")
     lines += loss_lines(summ)
+    swept = {c: e for c, e in summ.items() if "@" in c or c == "efflab"}
+    if len(swept) > 1:  # other batches: the same work per token, not per step
+        lines.append("- the batch sweep (tokens/s and MFU; a step of another batch is other work): " + "; ".join(
+            f"{c}: {e['tokens_per_step']:.0f} tokens a step, {e['tokens_per_s']:.1f} tokens/s"
+            + (f", MFU {100 * e['mfu']:.1f}%" if e.get("mfu") else "") for c, e in swept.items()))
     lines += [f"- {cell}: unavailable here: {why}" for cell, why in (unavailable(samples) if samples else {}).items()]
     return "\n".join(lines)
 

@@ -105,8 +105,8 @@ headline() {  # name, seconds it needs, targets...
   local rc=$?; say "headline $name: exit $rc"; [ $rc -eq 0 ] && mark "headline-$name"; pack
 }
 fill_batches() {  # the headline runs' batch from the memory estimator: the most rows within 80% of the card
-  in_results "$state/headline-results" snakemake --configfile "$state/headline.yaml" --cores all --resources gpu=1 \
-    results/base_model/model results/prepare_data/train.parquet >>"$state/headline.log" 2>&1 || return 1
+  in_results "$state/headline-results" snakemake results/base_model/model results/prepare_data/train.parquet \
+    --configfile "$state/headline.yaml" --cores all --resources gpu=1 >>"$state/headline.log" 2>&1 || return 1
   local most=4096; [ "$device" = cuda ] || most=16  # a CPU rehearsal: the plumbing, not a filled CPU
   in_results "$state/headline-results" "$py" -m efflab.estimators.fill --most $most "$state/headline.yaml" results \
     full lora-r8 >"$state/fill.tmp" 2>>"$log" || return 1
@@ -135,8 +135,8 @@ if ! done_before diagnosis; then
   if [ "$(left)" -lt 200 ]; then skip "diagnosis (needs ~180s, $(left)s left)"; else
     say "diagnosis: begins"
     repeats=$(( $(left) > 480 ? 2 : 1 ))
-    rows=$("$py" -c 'import sys, yaml; print(yaml.safe_load(open(sys.argv[1]))["finetune"]["runs"]["lora-r8"]["batch_size"])' \
-      "$state/headline.yaml")
+    rows=$("$py" -c 'import sys; from efflab.config import load; from efflab.experiment import finetune_run
+print(finetune_run(load(sys.argv[1]), "lora-r8")["batch_size"])' "$state/headline.yaml")
     sweep=""; [ $(( rows / 4 )) -gt 0 ] && sweep=",efflab@$(( rows / 4 ))"
     in_results "$state/headline-results" timeout -k 10 $(( $(left) - 40 )) "$py" benchmarks/finetune_throughput.py \
       --params "$state/headline.yaml" --run lora-r8 --batch-size "$rows" --steps 20 --repeats $repeats \

@@ -252,6 +252,10 @@ def test_finetune_throughput_names_what_each_side_computes_differently_and_its_g
     said = bench_module.findings(bench_module.summarise(samples), samples)
     assert "packing on where the script has off; not measured alone here (add the cells efflab-equal and " \
            "efflab-padded)" in said
+    samples["efflab@16"] = [_cell(900) | {"tokens_seen": 4800} for _ in range(6)]  # a batch sweep: other work
+    summary = bench_module.summarise(samples)
+    assert "speedup_vs_script" not in summary["efflab@16"] and "max_abs_loss_diff_vs_script" not in summary["efflab@16"]
+    assert "efflab@16: 800 tokens a step" in bench_module.findings(summary, samples)
     assert bench_module.cell_spec("efflab@16") == ("efflab", 16) and bench_module.cell_spec("efflab") == ("efflab", None)
     assert bench_module.cell_spec("efflab@x")[1] == -1
 
