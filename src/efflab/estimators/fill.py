@@ -32,15 +32,16 @@ def fill(results: Path, run: dict, device: torch.device, share: float = FILL_SHA
     """The rows a step of `run` (a resolved finetune run) that fill `share` of the device's memory less the loaded
     model's weights, with the estimator's predictions on the way (largest_batch)."""
     import pandas as pd
-    from transformers import AutoConfig
 
+    from ..layout import Layout
+    from ..models.modeling import base_dtype
     from ..training import mixed_precision
 
-    folder = results / "base_model" / "model"
-    dtype = str(AutoConfig.from_pretrained(folder).dtype).replace("torch.", "")
+    layout = Layout(Path(results))
+    folder, dtype = layout.base_model(), base_dtype(layout)  # the dtype the finetune stage trains in
     memory_mib = device_memory_mib(device)
-    weights_mib = sum(f.stat().st_size for f in folder.glob("*.safetensors")) / MiB
-    lengths = [len(ids) for ids in pd.read_parquet(results / "prepare_data" / "train.parquet").input_ids]
+    weights_mib = sum(f.stat().st_size for f in Path(folder).glob("*.safetensors")) / MiB
+    lengths = [len(ids) for ids in pd.read_parquet(layout.split("train")).input_ids]
     return largest_batch(folder, run, dtype, mixed_precision(run, dtype, device), lengths, device.type,
                          share * memory_mib - weights_mib, most) | {
         "device_memory_mib": memory_mib, "weights_mib": weights_mib, "share": share}
