@@ -14,10 +14,9 @@ report: "workflow/report/workflow.rst"
 
 
 include: "workflow/rules/common.smk"
-# One rule file a stage, in the stage registry's order (common.smk imports the registry).
-for _stage in registry.STAGES:
-
-    include: f"workflow/rules/{_stage}.smk"
+# One rule a stage, made from the stage registry (common.smk imports it); the report's is its own file.
+include: "workflow/rules/stages.smk"
+include: "workflow/rules/report.smk"
 
 
 onstart:

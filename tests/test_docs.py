@@ -7,11 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from efflab import config
+from efflab import config, registry
 from efflab.tools import docs_reference
 from tests.helpers import REPO
 
-STAGE_RULES = sorted(p.stem for p in (REPO / "workflow" / "rules").glob("*.smk") if p.stem != "common")
+STAGE_RULES = sorted(registry.STAGES)
 
 
 def test_the_params_reference_is_in_step_with_the_schema_and_params_yaml():

@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[1]
 def test_each_kind_is_made_by_a_stage_that_writes_its_folder(kind):
     made = experiment.MODEL_KINDS[kind]
     stage = registry.STAGES[made.stage]
-    assert made.folder in (stage.outputs or (experiment.MODEL,))  # base_model writes its model, outputs None
+    assert made.folder in stage.outputs
     assert (made.of_names is None) == (stage.grid is None)
     of = None if made.of_names is None else "x"
     assert registry.job_of(experiment.model_paths(kind, of)[-1]) == experiment.made_by(kind, of)

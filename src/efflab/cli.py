@@ -123,7 +123,7 @@ def main(stage: str, run, argv: list[str] | None = None) -> None:
         try:
             metrics = run(cfg, Job(layout, args.name, staging, final, args.params, stage, cfg["runtime"]))
         except Exception as err:  # recorded, so that the DAG and the report go on around it (stages_failed)
-            if STAGES[stage].outputs is None or _missing_result(err, args.results):
+            if STAGES[stage].essential or _missing_result(err, args.results):
                 raise
             if isinstance(err, UserError):
                 print(f"efflab {stage}: error: {err}", file=sys.stderr)

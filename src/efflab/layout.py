@@ -66,7 +66,7 @@ class Layout:
         """Replace whatever a job that did not run left in its folder `out` with its stage's outputs, empty."""
         for leftover in out.iterdir():
             shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
-        for output in STAGES[stage].outputs or ():
+        for output in STAGES[stage].outputs:
             if output in FOLDERS:
                 (out / output).mkdir()
                 (out / output / NOT_RUN).write_text(f"{status}: {reason}\n")

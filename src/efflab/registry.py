@@ -34,11 +34,23 @@ class Stage:
     grid: Callable[[dict], list[str]] | None = None
     # Why an experiment leaves the stage out, and the test of that (its grid is empty).
     left_out: tuple[str, Callable[[dict], bool]] | None = None
-    # What a job writes besides metrics.json: a job that did not run writes them too (a model folder holding only
-    # NOT_RUN.txt, an empty loss curve, empty tables), so that the jobs after it run and record "skipped", and the
-    # report renders around it. None: without this stage nothing can run (base_model, prepare_data), or nothing
-    # reads it (report), so its failure stops the run.
-    outputs: tuple[str, ...] | None = None
+    # What a job writes besides metrics.json and figures.json, in its folder: its rule's outputs. A job that did not
+    # run writes them too (a model folder holding only NOT_RUN.txt, an empty loss curve, empty tables), so that the
+    # jobs after it run and record "skipped", and the report renders around it; except an essential stage's.
+    outputs: tuple[str, ...] = ()
+    # Without it nothing can run (base_model, prepare_data), or nothing reads it (report): its failure stops the run.
+    essential: bool = False
+    # Project files its jobs read besides their own code (paths from the repository root; a folder stands for the
+    # files under it): its rule's inputs, so that editing one reruns the stage.
+    code: tuple[str, ...] = ()
+    # Its params section's `source` may name a local data file or model folder: that file's (or folder's) files are
+    # its rule's inputs.
+    sourced: bool = False
+    # A fixed thread count, for a stage whose work is not torch's compute (reading and writing tables).
+    threads: int | None = None
+    # Its rule is written by hand, in workflow/rules/<stage>.smk, not made from this row (the report's, whose
+    # outputs carry the captions of Snakemake's HTML report).
+    own_rule: bool = False
     gpu: bool = False  # claims a GPU slot, and gets `gpu: 1` and `cpus_per_gpu` on GPU runs
     profiled: bool = False  # can run under torch.profiler (profile.stages)
     # Its numbers are timings, so on a CPU run it takes every core and runs alone; a stage that times nothing
@@ -49,7 +61,8 @@ class Stage:
     figures: tuple[str, ...] = ()
     # What a job reads of earlier jobs: paths under the results folder (`stage/name/file`, `stage/file`), given the
     # params and its grid entry. The rule's inputs, its provenance, DVC's deps and its skipped check derive from
-    # it. None: every job's record (claims, report), each of which carries its own chain.
+    # it. None: the record of every job before it (claims, report: earlier_records), each of which carries its own
+    # chain.
     reads: Callable[[dict, str | None], list[str]] | None = None
 
 
@@ -103,10 +116,12 @@ def _stages(*stages: Stage) -> dict[str, Stage]:
 # frozen base plus small adapters; quantize and merge hold a second copy of the model; the benchmarks hold one
 # model and its activations.
 STAGES = _stages(
-    Stage("base_model", ("runtime", "base_model"), runtime_min=15, mem_factor=3,
+    Stage("base_model", ("runtime", "base_model"), runtime_min=15, mem_factor=3, outputs=(MODEL,), essential=True,
+          sourced=True,
           figures=("dtype", "parameters", "memory_footprint_bytes"),
           reads=_reading()),
-    Stage("prepare_data", ("prepare_data",), runtime_min=10,
+    Stage("prepare_data", ("prepare_data",), runtime_min=10, outputs=("train.parquet", "validation.parquet", LM_EVAL),
+          essential=True, sourced=True, threads=1,
           figures=("train.rows", "train.tokens", "validation.rows"),
           reads=_reading(BASE)),
     Stage("quantize", ("runtime", "quantize.eval_rows", "quantize.batch_size", "quantize.schemes.{name}",
@@ -142,9 +157,9 @@ STAGES = _stages(
           figures=("merged.max_abs_logit_diff", "merged.perplexity_change.change_pct"),
           reads=lambda cfg, name: [BASE, VALIDATION, model_paths("adapter", name)[-1]]),
     Stage("bench_finetune", ("runtime", "bench_finetune", "finetune.defaults", "finetune.runs"), runtime_min=30,
-          mem_factor=7,
+          mem_factor=7, code=("src/efflab/stages/finetune",),  # its cells train as the finetune stage does
           left_out=("finetune.runs has fewer than two runs to compare", lambda cfg: len(cfg["finetune"]["runs"]) < 2),
-          outputs=(), gpu=True,
+          gpu=True,
           figures=("pairs[a,b].step_time_ratio.median", "pairs[a,b].step_time_ratio.ci95",
                    "pairs[a,b].step_time_ratio.verdict"),
           reads=_reading(BASE, TRAIN)),
@@ -153,7 +168,7 @@ STAGES = _stages(
           runtime_min=20, mem_factor=2, grid=lambda cfg: list(cfg["bench_attention"]["implementations"]),
           left_out=("bench_attention.implementations is empty",
                     lambda cfg: not cfg["bench_attention"]["implementations"]),
-          outputs=(), gpu=True,
+          gpu=True,
           figures=("rows[mode,seq_len,batch_size].latency",),
           reads=_reading(BASE)),
     Stage("bench_inference", ("runtime", "bench_inference.max_new_tokens", "bench_inference.warmup",
@@ -163,7 +178,7 @@ STAGES = _stages(
                               "bench_inference.prompts", "bench_inference.variants.{name}", "profile"),
           runtime_min=20, mem_factor=2, grid=lambda cfg: list(cfg["bench_inference"]["variants"]),
           left_out=("bench_inference.variants is empty", lambda cfg: not cfg["bench_inference"]["variants"]),
-          outputs=(), gpu=True, profiled=True,
+          gpu=True, profiled=True,
           figures=tuple(f"cells[kv_cache,batch_size,generation,draft?,kv_quant?].{f}" for f in (
               "decode_tokens_per_s", "ttft", "memory.peak_mib", "roofline.bandwidth_fraction",
               "generation_tokens_per_s")),
@@ -191,8 +206,11 @@ STAGES = _stages(
           figures=("tasks.*.metrics.*.value", "gate.verdict"),
           reads=_evaluate_reads),
     Stage("claims", ("claims", "tolerance"), runtime_min=10, outputs=("claims.csv", "claims.md", "summary.json"),
-          figures=("by_verdict",)),
-    Stage("report", ("report", "tolerance"), runtime_min=10,
+          code=("src/efflab/estimators/analytic.py", "workflow/claims.yaml", "workflow/schemas/claims.schema.yaml",
+                "workflow/models"),  # the shipped architecture configs it computes from
+          threads=1, figures=("by_verdict",)),
+    Stage("report", ("report", "tolerance"), runtime_min=10, essential=True, own_rule=True, threads=1,
+          code=("workflow/profiles/gpu/params.yaml",),  # the larger experiment: what this run leaves out of it
           figures=("not_run", "decisions.*")),
 )
 
@@ -231,7 +249,20 @@ def built_on(cfg: dict, stage: str, name: str | None = None) -> list[str]:
     """The earlier jobs whose artifacts (not just their records) a job loads and which can fail without stopping
     the run (their stage writes its outputs empty): where one did not succeed, the job is skipped."""
     return list(dict.fromkeys(job_of(path) for path in reads(cfg, stage, name) or []
-                              if not path.endswith("/metrics.json") and STAGES[path.split("/")[0]].outputs))
+                              if not path.endswith("/metrics.json") and not STAGES[path.split("/")[0]].essential))
+
+
+def earlier_records(cfg: dict, stage: str) -> list[str]:
+    """The records (paths under the results folder) of every job of the stages before `stage`, in DAG order, none
+    of a stage the experiment leaves out: what a stage that reads every job's record (claims, report) waits for."""
+    paths = []
+    for earlier in list(STAGES)[:list(STAGES).index(stage)]:
+        grid = names(cfg, earlier)
+        if grid is None:
+            paths += [] if not_asked(cfg, earlier) else [f"{earlier}/metrics.json"]
+        else:
+            paths += [f"{earlier}/{name}/metrics.json" for name in grid]
+    return paths
 
 
 def not_asked(cfg: dict, stage: str) -> str | None:

@@ -6,7 +6,7 @@ import tempfile
 from pathlib import Path
 
 from efflab import config as efflab_config
-from efflab import experiment, gpu_slots, registry, zygote
+from efflab import experiment, gpu_slots, layout, registry, zygote
 from efflab.models import model_check
 
 # The stage CLIs read the params file themselves, so the DAG must be built from that same file alone:
@@ -87,37 +87,25 @@ def fail_if_jobs_failed():
         sys.exit(1)
 
 
-def asked(stage, path):
-    """`path` as an input, or nothing when the experiment leaves `stage` out (its grid is empty)."""
-    return [] if registry.not_asked(config, stage) else [path]
-
-
-def module(stage):
-    """The stage's own code, its module or its package's files: inputs, so that editing one reruns the stage."""
-    package = SRC / "stages" / stage
-    if package.is_dir():
-        return sorted(str(p) for p in package.rglob("*") if p.suffix in (".py", ".j2"))
-    return str(SRC / "stages" / f"{stage}.py")
+def code(stage):
+    """The stage's own code (its module, or its package's files) and the project files it reads (Stage.code):
+    inputs, so that editing one reruns the stage."""
+    paths = [SRC / "stages" / stage] + [Path(workflow.basedir) / path for path in registry.STAGES[stage].code]
+    paths[0] = paths[0] if paths[0].is_dir() else paths[0].with_suffix(".py")
+    return [str(f) for p in paths for f in (sorted(q for q in p.rglob("*") if q.suffix in (".py", ".j2", ".json"))
+                                             if p.is_dir() else [p])]
 
 
 def local_source(stage):
     """The local data file, or the files of the local model folder, that the stage's `source` names ([] for
-    embedded and hub sources): inputs, so that editing one reruns the stage and everything downstream. A
-    missing one stops the dry run with one line."""
+    embedded and hub sources, and for a stage without one): inputs, so that editing one reruns the stage and
+    everything downstream. A missing one stops the dry run with one line."""
+    if not registry.STAGES[stage].sourced:
+        return []
     try:
         return efflab_config.local_source_files(stage, config[stage]["source"])
     except efflab_config.UserError as err:
         sys.exit(f"efflab: error: {PARAMS}: {err}")
-
-
-def repo_file(path):
-    """A file of the project itself (not of the run directory), as an input."""
-    return str(Path(workflow.basedir) / path)
-
-
-def model_configs():
-    """The shipped architecture configs the claims stage reads."""
-    return sorted(str(p) for p in (Path(workflow.basedir) / "workflow" / "models").glob("*.json"))
 
 
 def settings(stage):
@@ -125,18 +113,38 @@ def settings(stage):
     return lambda wildcards: registry.settings(config, stage, wildcards.get("name"))
 
 
-def names(stage):
-    return registry.names(config, stage)
-
-
 def reads(stage):
-    """What a job reads of earlier jobs (registry.Stage.reads): its inputs, the base model's record named `base`
-    (its size scales the job's resources)."""
+    """What a job reads of earlier jobs (registry.Stage.reads; every earlier job's record where that is None): its
+    inputs, the base model's record named `base` (its size scales the job's resources)."""
     def inputs(wildcards):
-        paths = [str(Path("results") / p) for p in registry.reads(config, stage, wildcards.get("name"))]
+        read = registry.reads(config, stage, wildcards.get("name"))
+        paths = [str(Path("results") / p) for p in (registry.earlier_records(config, stage) if read is None else read)]
         base = "results/base_model/metrics.json"
         return {"base": base, "reads": [p for p in paths if p != base]} if base in paths else {"reads": paths}
     return inputs
+
+
+def folder(stage):
+    """Where a job of the stage writes: results/<stage>/{name} for a stage with a grid, results/<stage> without."""
+    return f"results/{stage}/{{name}}" if registry.STAGES[stage].grid else f"results/{stage}"
+
+
+def outputs(stage):
+    """The rule's outputs: the job's record, its figures (its DVC metric) and what the registry says it writes
+    (Stage.outputs), a folder as directory(); each named after its file."""
+    files = {f.replace(".", "_"): f for f in (*registry.STAGES[stage].outputs, "metrics.json", "figures.json")}
+    return {key: directory(f"{folder(stage)}/{f}") if f in layout.FOLDERS else f"{folder(stage)}/{f}"
+            for key, f in files.items()}
+
+
+def log_file(stage):
+    return f"results/logs/{stage}/{{name}}.log" if registry.STAGES[stage].grid else f"results/logs/{stage}/{stage}.log"
+
+
+def command(stage):
+    """The stage's CLI, the same command a terminal, pytest and DVC run; every value quoted."""
+    name = " --name {wildcards.name:q}" if registry.STAGES[stage].grid else ""
+    return f"python -m {registry.module(stage)} --params {{params.file:q}}{name} --log {{log:q}}"
 
 
 # Resources, under the standard names that both the local scheduler and the SLURM executor read:
@@ -173,6 +181,8 @@ def model_mb(input):
 
 
 def threads_for(stage):
+    if registry.STAGES[stage].threads:
+        return registry.STAGES[stage].threads
     if USE_GPU and registry.STAGES[stage].gpu:
         return GPU_THREADS
     return HEAVY if registry.STAGES[stage].timed else max(1, HEAVY // 2)

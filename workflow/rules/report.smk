@@ -1,11 +1,12 @@
-from efflab.stages.report.parts import input_metrics, report_plots
+# The report's rule, written by hand (registry.Stage.own_rule): its outputs carry the captions of Snakemake's HTML
+# report.
+from efflab.stages.report.parts import report_plots
 
 
 rule report:
     input:
-        module("report"),
-        input_metrics(config),  # every job's of the stages the report reads (report.parts)
-        repo_file("workflow/profiles/gpu/params.yaml"),  # the larger experiment: what this run leaves out of it
+        code("report"),
+        unpack(reads("report")),  # every earlier job's record
         claims="results/claims/claims.md",
     output:
         report="results/report/report.md",

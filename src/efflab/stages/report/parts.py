@@ -1,7 +1,7 @@
 """The report laid out by stage, in one table: each stage's part of report.md (its title and section), its tables
 (with the columns that name a row), its plots (with their category in Snakemake's HTML report), in the order the
 report gives them. The report stage (report.stage, report.tables, report.draw) and workflow/rules/report.smk (its
-plots, their captions and its inputs) read it; tests/test_report_parts.py fails when a stage has no part and is not
+plots and their captions) read it; tests/test_report_parts.py fails when a stage has no part and is not
 in ELSEWHERE, or when a part's section, table builder, plot drawer or caption is missing.
 
 Each part names its code by convention, all of it in this package:
@@ -15,9 +15,6 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-
-from ...layout import Layout
-from ...registry import STAGES, names, not_asked
 
 
 @dataclass(frozen=True)
@@ -117,14 +114,14 @@ PARTS = _parts(
     Part("evaluate", "## Task quality (lm-evaluation-harness) and the quality gate", "evaluate", "Task quality"),
 )
 
-# The stages with no part of their own: where the report shows them instead, and whether the report rule takes their
-# metrics.json as an input (the report reads every stage's records: report.results.read_results).
+# The stages with no part of their own, and where the report shows them instead. The report rule waits for every
+# earlier job's record all the same (registry.earlier_records).
 ELSEWHERE = {
-    "base_model": ("the header (sections.header); no input: every stage the rule waits for waits for it", False),
-    "prepare_data": ("the header (sections.header)", True),
-    "bench_finetune": ("fine-tuning's part: its knob table and plot read the interleaved steps", True),
-    "claims": ("the notes above the sections (notes.claims_lines); the rule's input is its page, claims.md", False),
-    "report": ("the report itself", False),
+    "base_model": "the header (sections.header)",
+    "prepare_data": "the header (sections.header)",
+    "bench_finetune": "fine-tuning's part: its knob table and plot read the interleaved steps",
+    "claims": "the notes above the sections (notes.claims_lines)",
+    "report": "the report itself",
 }
 
 
@@ -136,28 +133,6 @@ def details_tables() -> list[Table]:
 def report_plots() -> list[tuple[str, str]]:
     """Every plot of the report with its category, in the report's order."""
     return [(plot, part.category) for part in PARTS.values() for plot in part.plots]
-
-
-def input_stages() -> list[str]:
-    """The stages whose metrics.json the report rule takes as inputs, in DAG order: those with a part, and those
-    shown elsewhere that say so."""
-    missing = [s for s in STAGES if s not in PARTS and s not in ELSEWHERE]
-    if missing:
-        raise KeyError(f"report.parts: {', '.join(missing)} has no part in PARTS and no line in ELSEWHERE")
-    return [s for s in STAGES if s in PARTS or ELSEWHERE[s][1]]
-
-
-def input_metrics(cfg: dict, layout: Layout = Layout()) -> list[str]:
-    """The report rule's inputs: the metrics.json of every job of the input stages, none of a stage the experiment
-    leaves out."""
-    paths = []
-    for stage in input_stages():
-        grid = names(cfg, stage)
-        if grid is None:
-            paths += [] if not_asked(cfg, stage) else [layout.metrics(stage)]
-        else:
-            paths += [layout.metrics(stage, name) for name in grid]
-    return [str(p) for p in paths]
 
 
 def resolve(name: str):
