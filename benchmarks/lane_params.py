@@ -1,6 +1,6 @@
 """The GPU lane's params files (benchmarks/gpu_lane.sh): one whole experiment from a base params file and overlays
-merged over it in order, each by efflab.config's merge (the one finetune runs use over their defaults); an overlay's
-`replace` list names dotted sections it replaces whole rather than merges into (a grid cut to fewer cells).
+laid over it in order, each the way a params overlay is (efflab.config.overlay: settings merge key by key, grids of
+named entries are replaced whole, so an overlay cuts a grid to the cells it names).
 
     python benchmarks/lane_params.py OUT.yaml BASE.yaml OVERLAY.yaml [OVERLAY.yaml ...]
 """
@@ -11,27 +11,15 @@ from pathlib import Path
 
 import yaml
 
-from efflab.experiment import deep_merge
-
-
-def compose(base: dict, *overlays: dict) -> dict:
-    out = base
-    for overlay in overlays:
-        overlay = dict(overlay)
-        replaced = overlay.pop("replace", [])
-        out = deep_merge(out, overlay)
-        for dotted in replaced:
-            *parents, leaf = dotted.split(".")
-            source, target = overlay, out
-            for key in parents:
-                source, target = source[key], target[key]
-            target[leaf] = source[leaf]
-    return out
+from efflab import config
 
 
 def main(argv: list[str]) -> None:
     out, base, *overlays = argv
-    params = compose(*(yaml.safe_load(Path(f).read_text()) for f in (base, *overlays)))
+    params = config.load(base)  # with the overlays it extends
+    for overlay in overlays:
+        params = config.overlay(params, yaml.safe_load(Path(overlay).read_text()))
+    config.validate(params, out)
     Path(out).write_text(yaml.safe_dump(params, sort_keys=False))
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 import yaml
 
-from efflab import zygote
+from efflab import config, zygote
 from tests.helpers import TEST_PARAMS, BackgroundPipeline, run_stage
 
 pytest_plugins = ["tests.fake_cuda"]  # the fake_cuda fixture: CUDA branches driven on a CPU
@@ -63,7 +63,7 @@ def job_server(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def test_cfg() -> dict:
-    return yaml.safe_load(TEST_PARAMS.read_text())
+    return config.load(TEST_PARAMS)
 
 
 @pytest.fixture(scope="session")

@@ -96,7 +96,7 @@ def run_family(family: str, work, tokenizer) -> dict[str, str]:
     """Every job of every stage on `family`, in DAG order, in-process through the stages' CLI: job -> outcome."""
 
     folder = family_folder(family, work / "model", tokenizer)
-    cfg = family_params(yaml.safe_load(TEST_PARAMS.read_text()), str(folder))
+    cfg = family_params(config.load(TEST_PARAMS), str(folder))
     params = work / "params.yaml"
     params.write_text(yaml.safe_dump(cfg, sort_keys=False))
     model_check.check(config.load(params), params)  # the dry-run check passes with the defaults

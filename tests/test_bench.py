@@ -6,8 +6,8 @@ import sys
 
 import pandas as pd
 import pytest
-import yaml
 
+from efflab import config
 from efflab.measure.memory import allocated_delta
 from efflab.stages.report.options import attention_memory_error
 from tests.helpers import TEST_PARAMS, run_stage
@@ -19,7 +19,7 @@ def test_attention_cells_run_isolated_agree_with_eager_and_flash_is_unavailable_
         cfg["bench_attention"] |= {"implementations": ["sdpa", "flash_attention_2"], "seq_lens": [32, 128],
                                    "batch_sizes": [1]}
     params = write_params(edit)
-    cfg = yaml.safe_load(params.read_text())
+    cfg = config.load(params)
     sdpa = run_stage("bench_attention", params, results, "sdpa")
     flash = run_stage("bench_attention", params, results, "flash_attention_2")
     b = cfg["bench_attention"]
@@ -62,7 +62,7 @@ def test_inference_separates_prefill_from_decode_per_kv_cache_batch_and_generati
     def with_static(cfg):
         cfg["bench_inference"]["variants"]["baseline"]["generation"] = ["dynamic", "static", "vllm"]
     params = write_params(with_static)
-    b = yaml.safe_load(params.read_text())["bench_inference"]
+    b = config.load(params)["bench_inference"]
     m = run_stage("bench_inference", params, results, "baseline")
     variant = b["variants"]["baseline"]
     assert [(c["kv_cache"], c["batch_size"], c["generation"]) for c in m["cells"]] == [

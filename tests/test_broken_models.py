@@ -17,6 +17,7 @@ import transformers.utils.hub
 import yaml
 from huggingface_hub import errors as hub_errors
 
+from efflab import config
 from efflab.config import UserError
 from efflab.models import model_check, model_folder
 from tests.helpers import BIN, REPO, TEST_PARAMS, run_stage
@@ -115,7 +116,7 @@ def _broken(tiny_model: Path, where: Path, case: str) -> tuple[Path, str]:
 
 
 def _params(path: Path, source: str, **base_model) -> Path:
-    cfg = yaml.safe_load(TEST_PARAMS.read_text())
+    cfg = config.load(TEST_PARAMS)
     cfg["base_model"] |= {"source": source, "random_init": False, "config_overrides": {}, **base_model}
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path
@@ -134,7 +135,7 @@ def _no_files(results: Path) -> bool:
 def test_a_broken_model_folder_is_one_line_at_the_dry_run_and_in_the_stage(case, tiny_model, tmp_path, capsys):
     folder, line = _broken(tiny_model, tmp_path, case)
     params = _params(tmp_path / "params.yaml", str(folder))
-    cfg = yaml.safe_load(params.read_text())
+    cfg = config.load(params)
     if CASES[case][2]:  # what common.smk runs while Snakemake plans, and the line it exits with
         with pytest.raises(UserError) as err:
             model_check.check(cfg, "params.yaml")

@@ -5,7 +5,7 @@ import sys
 import pytest
 import yaml
 
-from efflab import config, registry
+from efflab import config, registry, schema
 from efflab.config import UserError
 
 REPO_PARAMS = "params.yaml"
@@ -173,7 +173,7 @@ def test_every_shipped_params_file_validates(params):
 
 @pytest.mark.parametrize("params", PARAMS_FILES)
 def test_every_key_of_the_shipped_params_files_is_described(params):
-    cfg = yaml.safe_load((config.REPO_ROOT / params).read_text())
+    cfg = config.load(config.REPO_ROOT / params)
     keys = list(_key_paths(cfg))
     assert "finetune.runs.lora-r8.method" in keys and "base_model.config_overrides" in keys
     assert [k for k in keys if not config.describe(k).strip()] == []
@@ -225,7 +225,7 @@ def test_describe_follows_grids_refs_and_branches():
     ("runtime.device.cuda", "runtime.device has no key 'cuda' (a value, with no keys under it)"),
 ])
 def test_describing_an_unknown_key_names_it(key, expected):
-    with pytest.raises(UserError) as err:
+    with pytest.raises(schema.UnknownKey) as err:
         config.describe(key)
     message = str(err.value)
     assert message.startswith(f"{key!r} is not a params key: ") and expected in message
@@ -259,3 +259,47 @@ def test_a_bare_no_written_back_by_dvc_still_reads_as_the_word(tmp_path):
     assert "mixed_precision: no " in text
     (tmp_path / "params.yaml").write_text(text)
     assert config.load(tmp_path / "params.yaml")["qat"]["train"]["mixed_precision"] == "no"
+
+
+def _overlay(tmp_path, text: str, name: str = "overlay.yaml"):
+    path = tmp_path / name
+    path.write_text(text.replace("BASE", str(config.REPO_ROOT / "params.yaml")))
+    return path
+
+
+def test_an_overlay_merges_settings_key_by_key_and_replaces_a_grid_whole(tmp_path):
+    path = _overlay(tmp_path, "extends: BASE\nfinetune:\n  defaults: {max_steps: 3}\n"
+                              "  runs: {lora-r8: {method: lora}}\nmerge: {runs: [lora-r8]}\ncapacity: {runs: [lora-r8]}\n")
+    base, cfg = config.load(config.REPO_ROOT / "params.yaml"), config.load(path)
+    assert cfg["finetune"]["defaults"] == base["finetune"]["defaults"] | {"max_steps": 3}
+    assert cfg["finetune"]["runs"] == {"lora-r8": {"method": "lora"}}  # not the base's runs beside it
+    assert cfg["merge"] == base["merge"] | {"runs": ["lora-r8"]}
+    assert {k: v for k, v in cfg.items() if k not in ("finetune", "merge", "capacity")} == {
+        k: v for k, v in base.items() if k not in ("finetune", "merge", "capacity")}
+    assert config.files(path) == [str(path), str(config.REPO_ROOT / "params.yaml")]
+
+
+def test_the_shipped_overlays_carry_fewer_lines_than_the_experiments_they_make():
+    for params in PARAMS_FILES[1:]:
+        text = (config.REPO_ROOT / params).read_text()
+        assert text.startswith("#") and "\nextends: " in text
+        assert len(config.files(config.REPO_ROOT / params)) >= 2
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("extends: nowhere.yaml\n", "extends: nowhere.yaml: params file not found"),
+    ("extends: overlay.yaml\n", "extends: overlay.yaml extends"),
+    ("extends: [BASE]\n", "extends: expected the path of the params file it overlays"),
+    ("extends: BASE\nfinetune: {defaults: {max_steps: many}}\n", "finetune.defaults.max_steps"),
+])
+def test_a_bad_overlay_is_one_line_naming_the_file_and_key(tmp_path, text, expected):
+    path = _overlay(tmp_path, text)
+    with pytest.raises(UserError) as err:
+        config.load(path)
+    assert str(err.value).startswith(str(path)) and expected in str(err.value)
+
+
+def test_resolve_prints_the_whole_experiment_an_overlay_makes():
+    proc = subprocess.run([sys.executable, "-m", "efflab.config", "resolve", "tests/config/params.test.yaml"],
+                          cwd=config.REPO_ROOT, capture_output=True, text=True, check=True)
+    assert yaml.safe_load(proc.stdout) == config.load(config.REPO_ROOT / "tests/config/params.test.yaml")

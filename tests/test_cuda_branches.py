@@ -8,9 +8,8 @@ import types
 import pytest
 import torch
 import transformers  # imported before any fake device is installed (libraries inspect CUDA at import)
-import yaml
 
-from efflab import training
+from efflab import config, training
 from efflab.config import UserError
 from efflab.measure import device as measure_device
 from efflab.measure import energy, flops, memory, phases, timing
@@ -20,7 +19,7 @@ from tests.helpers import TEST_PARAMS, SimulatedClock
 
 CUDA = torch.device("cuda")
 MiB = memory.MiB
-DEFAULTS = yaml.safe_load(TEST_PARAMS.read_text())["finetune"]["defaults"]  # a run's keys, as the stages read them
+DEFAULTS = config.load(TEST_PARAMS)["finetune"]["defaults"]  # a run's keys, as the stages read them
 
 
 def run_cfg(**overrides) -> dict:

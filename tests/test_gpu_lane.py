@@ -10,6 +10,7 @@ from pathlib import Path
 
 import yaml
 
+from efflab import config
 from tests.helpers import REPO
 
 STAGES = {"base_model", "prepare_data", "quantize", "prune", "qat", "finetune", "merge", "bench_finetune",
@@ -31,7 +32,7 @@ def _counts(plan: str) -> dict[str, int]:
 def test_gpu_smoke_plans_every_stage_on_cuda_with_the_cuda_branches_in_its_grid():
     counts = _counts(_plan("--profile", "workflow/profiles/gpu-smoke"))
     assert STAGES <= set(counts), STAGES - set(counts)
-    params = yaml.safe_load((REPO / "workflow/profiles/gpu-smoke/params.yaml").read_text())
+    params = config.load(REPO / "workflow/profiles/gpu-smoke/params.yaml")
     assert params["runtime"]["device"] == "cuda"
     runs = params["finetune"]["runs"].values()
     assert {r.get("mixed_precision") for r in runs} >= {"fp16", "no"} and any(r.get("tf32") for r in runs)
@@ -51,7 +52,7 @@ def _lane_params(tmp_path, name: str, *files: str) -> tuple[Path, dict]:
 
 
 def test_the_lane_rehearsal_merges_into_a_valid_experiment(tmp_path):
-    smoke = yaml.safe_load((REPO / "workflow/profiles/gpu-smoke/params.yaml").read_text())
+    smoke = config.load(REPO / "workflow/profiles/gpu-smoke/params.yaml")
     merged, params = _lane_params(tmp_path, "rehearsal", "workflow/profiles/gpu-smoke/params.yaml",
                                   "benchmarks/gpu_lane_rehearsal.yaml")
     assert params["runtime"]["device"] == "cpu" and params["base_model"]["config_overrides"]["hidden_size"] == 64
@@ -64,7 +65,7 @@ def test_the_lane_rehearsal_merges_into_a_valid_experiment(tmp_path):
 def test_the_headline_grid_replaces_the_gpu_profile_s_sections_it_names_and_plans_on_the_1b_configuration(tmp_path):
     """The headline params: the GPU profile's 1B model and sizes, its grids cut by replacement (a merge would keep
     every scheme and run of the profile), and a valid experiment whose targets the lane names plan."""
-    gpu = yaml.safe_load((REPO / "workflow/profiles/gpu/params.yaml").read_text())
+    gpu = config.load(REPO / "workflow/profiles/gpu/params.yaml")
     merged, params = _lane_params(tmp_path, "headline", "workflow/profiles/gpu/params.yaml",
                                   "benchmarks/gpu_lane_headline.yaml")
     assert params["base_model"] == gpu["base_model"] and params["runtime"]["device"] == "cuda"

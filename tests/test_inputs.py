@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from efflab import config
 from efflab.config import DATA_SUFFIXES, UserError, classify_source, local_source_files
 from efflab.stages.prepare_data import READERS
 from tests.helpers import BIN, REPO, TEST_PARAMS, run_stage
@@ -99,7 +100,7 @@ def test_editing_a_local_data_file_or_model_folder_reruns_its_stage_in_snakemake
         (shutil.copytree if (REPO / item).is_dir() else shutil.copy)(REPO / item, work / item)
     shutil.copytree(prepared / "base_model" / "model", work / "models" / "tiny")
     _write_rows(work / "data" / "rows.csv", "Fill it")
-    cfg = yaml.safe_load(TEST_PARAMS.read_text())
+    cfg = config.load(TEST_PARAMS)
     cfg["base_model"] |= {"source": "models/tiny", "random_init": False, "config_overrides": {}}
     cfg["prepare_data"] |= {"source": "data/rows.csv", "max_rows": None,
                             "columns": {"instruction": "question", "input": None, "output": "answer"}}
@@ -139,7 +140,7 @@ def test_editing_a_local_data_file_or_model_folder_reruns_its_stage_in_snakemake
 @pytest.mark.parametrize("key,source", [("prepare_data.source", "data/missing.csv"),
                                         ("base_model.source", "/nonexistent/model-folder")])
 def test_a_missing_local_source_stops_the_dry_run_with_one_line(tmp_path, key, source):
-    cfg = yaml.safe_load(TEST_PARAMS.read_text())
+    cfg = config.load(TEST_PARAMS)
     stage = key.split(".")[0]
     cfg[stage]["source"] = source
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
@@ -155,7 +156,7 @@ def test_a_missing_local_source_stops_the_dry_run_with_one_line(tmp_path, key, s
 def test_a_configfile_is_the_whole_experiment_the_dag_and_the_stages_read(tmp_path):
     """--configfile replaces params.yaml: its grids alone are planned (not merged over params.yaml's), and a
     partial file is refused in one line naming what it lacks, before anything runs."""
-    cfg = yaml.safe_load(TEST_PARAMS.read_text())
+    cfg = config.load(TEST_PARAMS)
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
     cfg["prune"]["strategies"] = {"layers-1": {"remove_layers": 1}}  # params.yaml's strategy is not asked for
     (tmp_path / "mine.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))

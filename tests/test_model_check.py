@@ -123,7 +123,7 @@ def test_the_dry_run_refuses_a_local_folder_or_a_cached_hub_id_the_params_do_not
     (hub / "refs").mkdir(parents=True)
     (hub / "refs" / "main").write_text("0" * 40)
     family_config("gpt2").save_pretrained(hub / "snapshots" / ("0" * 40))
-    base = yaml.safe_load(TEST_PARAMS.read_text())
+    base = config.load(TEST_PARAMS)
 
     def dry_run(cfg: dict) -> subprocess.CompletedProcess:
         (tmp_path / "params.yaml").write_text(yaml.safe_dump(cfg))

@@ -7,6 +7,7 @@ import subprocess
 
 import yaml
 
+from efflab import config
 from efflab.registry import STAGES
 from tests.helpers import BIN, REPO, TEST_PARAMS
 
@@ -15,7 +16,7 @@ GPU_STAGES = [s.name for s in STAGES.values() if s.gpu]
 
 def dry_run(tmp_path, device: str, *args: str) -> dict[str, list[dict]]:
     """rule -> the threads and resources of each of its jobs."""
-    cfg = yaml.safe_load(TEST_PARAMS.read_text())
+    cfg = config.load(TEST_PARAMS)
     cfg["runtime"]["device"] = device
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(cfg))
     proc = subprocess.run([BIN / "snakemake", "-s", REPO / "Snakefile", "--directory", tmp_path, "-n", *args],

@@ -26,6 +26,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from efflab import config
 from efflab.experiment import adapter_runs
 from efflab.registry import STAGES
 from efflab.registry import names as stage_names
@@ -235,9 +236,8 @@ def test_pipeline_through_slurm_equals_a_local_run(local_pipeline, slurm_cluster
 
 @pytest.fixture(scope="module")
 def test_cfg_module():
-    import yaml
 
-    return yaml.safe_load(TEST_PARAMS.read_text())
+    return config.load(TEST_PARAMS)
 
 
 def test_snakemake_runs_every_stage(local_pipeline, test_cfg_module):

@@ -130,7 +130,7 @@ def main(stage: str, run, argv: list[str] | None = None) -> None:
             metrics = not_run(stage, args.name, cfg, layout, staging, err)
         metrics = {"stage": stage, "name": args.name, "status": metrics.pop("status", "ok"),
                    "wall_s": time.perf_counter() - t0, **metrics,
-                   "provenance": provenance.record(stage, args.name, cfg, layout, staging)}
+                   "provenance": provenance.record(stage, args.name, cfg, layout, staging, args.params)}
         write_json(staging / METRICS, metrics)
         write_json(staging / figures.FIGURES, figures.pick(metrics, STAGES[stage].figures))
         shutil.rmtree(final, ignore_errors=True)

@@ -8,7 +8,7 @@ The schema also describes every key (`dvc exp run -S` rewrites params.yaml witho
 from __future__ import annotations
 
 import argparse
-import functools
+import os
 import re
 import sys
 from pathlib import Path
@@ -19,9 +19,10 @@ import yaml
 from .evaluation.task import TASKS as EVAL_TASKS
 from .evaluation.task import unknown_tasks
 from .experiment import ADAPTER_METHODS, MODEL_KINDS, drafts_of, finetune_run, merge_runs
+from .schema import UnknownKey, children, describe, descriptions, load_schema, parsed
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-SCHEMA_PATH = REPO_ROOT / "workflow" / "schemas" / "params.schema.yaml"
+
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 # A last suffix of letters only (.csv, .jsonl, .gguf) names a file; a hub id's dot is usually a
 # version (Qwen/Qwen2.5-0.5B, meta-llama/Llama-3.2-1B).
@@ -59,83 +60,6 @@ def schema_message(err: jsonschema.ValidationError) -> str:
         return f"{key}: {err.instance!r} is not valid: " + " or ".join(
             sorted({c.message for c in err.context}))
     return f"{key}: {err.message}"
-
-
-def load_schema() -> dict:
-    return yaml.safe_load(SCHEMA_PATH.read_text())
-
-
-# --- every key's description: `dvc exp run -S` rewrites params.yaml without its comments, the schema keeps them
-
-@functools.lru_cache(maxsize=1)
-def _described_schema() -> dict:
-    """The schema, parsed once per process for describe() (read only)."""
-    return load_schema()
-
-
-def _schemas(schema: dict, nodes: list, branches: tuple[str, ...]) -> list[dict]:
-    """`nodes` and the schemas their $ref and `branches` keywords (allOf, oneOf, ...) lead to, depth first."""
-    seen: list[dict] = []
-
-    def visit(node) -> None:
-        if not isinstance(node, dict) or any(node is s for s in seen):
-            return
-        seen.append(node)
-        if "$ref" in node:
-            target = schema
-            for part in node["$ref"].removeprefix("#/").split("/"):
-                target = target[part]
-            visit(target)
-        for keyword in branches:
-            for sub in node.get(keyword, []):
-                visit(sub)
-
-    for node in nodes:
-        visit(node)
-    return seen
-
-
-def _children(schema: dict, nodes: list) -> dict[str, list]:
-    """The keys a value of `nodes` may have, each with its schemas; "<name>" stands for any other key."""
-    nodes = _schemas(schema, nodes, ("allOf", "oneOf", "anyOf"))
-    children: dict[str, list] = {}
-    for node in nodes:
-        for key, sub in node.get("properties", {}).items():
-            children.setdefault(key, []).append(sub)
-    extra = [n["additionalProperties"] for n in nodes if isinstance(n.get("additionalProperties"), dict)]
-    return children | ({"<name>": extra} if extra else {})
-
-
-def _description(schema: dict, nodes: list) -> str:
-    """The key's own description, else that of the schema it refers to ($ref, allOf)."""
-    return next((n["description"] for n in nodes + _schemas(schema, nodes, ("allOf",)) if "description" in n), "")
-
-
-def describe(key: str) -> str:
-    """The description of a dotted params key, e.g. finetune.defaults.packing or finetune.runs.<any name>.method."""
-    schema = _described_schema()
-    nodes, parts = [schema], key.split(".")
-    for i, part in enumerate(parts):
-        children = _children(schema, nodes)
-        nodes = children.get(part) or children.get("<name>")
-        if not nodes:
-            where = ".".join(parts[:i]) or "the top level"
-            expected = f"expected one of: {', '.join(children)}" if children else "a value, with no keys under it"
-            raise UserError(f"{key!r} is not a params key: {where} has no key {part!r} ({expected})")
-    return _description(schema, nodes)
-
-
-def descriptions() -> dict[str, str]:
-    """Every key path of the schema (<name> for a named entry of a grid), with its description."""
-    schema, out = _described_schema(), {}
-
-    def walk(nodes: list, path: list[str]) -> None:
-        for key, subs in _children(schema, nodes).items():
-            out[".".join(path + [key])] = _description(schema, subs)
-            walk(subs, path + [key])
-
-    walk([schema], [])
-    return out
 
 
 def validate(cfg: dict, source: str = "params") -> dict:
@@ -282,9 +206,26 @@ def _check_variant(cfg: dict, key: str, kind: str, of: str | None) -> None:
         raise UserError(f"{key}.of: {of!r} is not one of {names}")
 
 
+EXTENDS = "extends"  # an overlay's key: the params file it carries its differences from
+
+
 def load(path: str | Path) -> dict:
-    """Read and validate a params file."""
-    path = Path(path)
+    """Read and validate a params file: a whole experiment, or an overlay that names the file it changes
+    (`extends: FILE`, a path from the overlay's folder) and carries only its differences (overlay)."""
+    return validate(_word_no(_resolved(Path(path), ())), str(path))
+
+
+def files(path: str | Path) -> list[str]:
+    """The params files an experiment is read from: `path`, then the file it extends, and so on."""
+    chain, path = [], Path(path)
+    while path is not None:
+        chain.append(os.path.normpath(path))
+        base = _read(path).get(EXTENDS)
+        path = path.parent / base if isinstance(base, str) else None
+    return chain
+
+
+def _read(path: Path) -> dict:
     if not path.is_file():
         raise UserError(f"{path}: params file not found")
     try:
@@ -293,7 +234,39 @@ def load(path: str | Path) -> dict:
         mark = getattr(err, "problem_mark", None)
         where = f" (line {mark.line + 1})" if mark else ""
         raise UserError(f"{path}: not valid YAML{where}: {getattr(err, 'problem', err)}") from None
-    return validate(_word_no(cfg), str(path))
+    if not isinstance(cfg, dict):
+        raise UserError(f"{path}: expected a mapping of stage sections, got {type(cfg).__name__}")
+    return cfg
+
+
+def _resolved(path: Path, seen: tuple[Path, ...]) -> dict:
+    cfg = _read(path)
+    if EXTENDS not in cfg:
+        return cfg
+    base = cfg.pop(EXTENDS)
+    if not isinstance(base, str):
+        raise UserError(f"{path}: {EXTENDS}: expected the path of the params file it overlays, got {base!r}")
+    base_path = path.parent / base
+    if base_path.resolve() in (*seen, path.resolve()):
+        raise UserError(f"{path}: {EXTENDS}: {base} extends {path} in turn (a loop)")
+    if not base_path.is_file():
+        raise UserError(f"{path}: {EXTENDS}: {base}: params file not found (a path from {path.parent}/)")
+    return overlay(_resolved(base_path, (*seen, path.resolve())), cfg)
+
+
+def overlay(base: dict, changes: dict, nodes: list | None = None) -> dict:
+    """`changes` over `base`: a mapping of settings (fixed keys in the schema: finetune.defaults) merges key by
+    key; a grid of named entries (finetune.runs, quantize.schemes), a free mapping (config_overrides) and every
+    other value is replaced whole, so an overlay says exactly which runs it has."""
+    schema = parsed()
+    nodes = [schema] if nodes is None else nodes
+    keys, merged = children(schema, nodes), dict(base)
+    for key, value in changes.items():
+        subs = keys.get(key) or keys.get("<name>") or []
+        settings = subs and "<name>" not in children(schema, subs) and children(schema, subs)
+        both = isinstance(value, dict) and isinstance(base.get(key), dict)
+        merged[key] = overlay(base[key], value, subs) if settings and both else value
+    return merged
 
 
 def _word_no(node):
@@ -366,18 +339,23 @@ def local_source_files(stage: str, source: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m efflab.config", description="What the params.yaml keys mean.")
+    parser = argparse.ArgumentParser(prog="python -m efflab.config",
+                                     description="What the params.yaml keys mean, and a params file's whole experiment.")
     commands = parser.add_subparsers(dest="command", required=True)
     describe_cmd = commands.add_parser("describe", help="print a key's description (no key: every key's, one a line)")
     describe_cmd.add_argument("key", nargs="?", help="a dotted key, e.g. finetune.defaults.packing")
+    resolve_cmd = commands.add_parser("resolve", help="print a params file's whole experiment, its overlays merged")
+    resolve_cmd.add_argument("file", help="a params file, e.g. tests/config/params.test.yaml")
     args = parser.parse_args(argv)
     try:
-        if args.key is not None:
+        if args.command == "resolve":
+            print(yaml.safe_dump(load(args.file), sort_keys=False, width=120), end="")
+        elif args.key is not None:
             print(describe(args.key))
         else:
             for key, text in descriptions().items():
                 print(f"{key}: {text}")
-    except UserError as err:
+    except (UnknownKey, UserError) as err:
         print(f"efflab config: error: {err}", file=sys.stderr)
         sys.exit(2)
 

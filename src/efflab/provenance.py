@@ -10,12 +10,13 @@ measured on an artifact that has since been replaced, and the report refuses to 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 
-from . import records
+from . import config, records
 from .experiment import MODEL_KINDS
-from .registry import TASK, TRAIN, VALIDATION, upstream_jobs
+from .registry import TASK, TRAIN, VALIDATION, settings, upstream_jobs
 
 # What each stage writes that later jobs read (relative to its job folder): the folders of the models it makes
 # (experiment.MODEL_KINDS), and prepare_data's splits and task documents.
@@ -64,16 +65,18 @@ def written_by_dvc(results: Path) -> list[str]:
     return sorted(found)
 
 
-def record(stage: str, name: str | None, cfg: dict, layout, out: Path) -> dict:
-    """The provenance block of a job that has just written `out`: its artifacts' hash, its inputs' chain and
-    the tool that ran it."""
+def record(stage: str, name: str | None, cfg: dict, layout, out: Path, params: str) -> dict:
+    """The provenance block of a job that has just written `out`: its artifacts' hash, its inputs' chain, the tool
+    that ran it, and its experiment: the params files it was read from (an overlay, then what it extends) and the
+    settings the job read, resolved."""
     inputs = {}
     for job in upstream_jobs(cfg, stage, name):
         upstream = _metrics(layout, job).get("provenance", {})
         inputs[job] = {"sha256": upstream.get("outputs_sha256"), "inputs": upstream.get("inputs", {})}
     artifacts = [out / a for a in ARTIFACTS.get(stage, ()) if (out / a).exists()]
     return {"outputs_sha256": content_sha256(artifacts) if artifacts else None, "inputs": inputs,
-            "driver": driver()}
+            "driver": driver(), "params": {"files": config.files(params),
+                                           "settings": json.loads(settings(cfg, stage, name))}}
 
 
 def chain(provenance: dict) -> list[str]:

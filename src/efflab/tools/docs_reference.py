@@ -20,6 +20,7 @@ import yaml
 
 from .. import config
 from ..registry import STAGES
+from ..schema import children, description, load_schema
 
 PAGE = config.REPO_ROOT / "docs" / "reference" / "params.md"
 FIGURES_PAGE = config.REPO_ROOT / "docs" / "reference" / "figures.md"
@@ -105,7 +106,7 @@ def default_text(value) -> str:
 
 
 def _default(params: dict, path: list[str], nodes: list) -> object:
-    given = [_resolve(config.load_schema(), n)["default"] for n in nodes if "default" in n]
+    given = [_resolve(load_schema(), n)["default"] for n in nodes if "default" in n]
     if given:
         return given[0]
     value = params
@@ -121,15 +122,15 @@ def rows(schema: dict, params: dict) -> list[tuple[str, str, str, str]]:
     out = []
 
     def walk(nodes: list, path: list[str]) -> None:
-        for key, subs in config._children(schema, nodes).items():
+        for key, subs in children(schema, nodes).items():
             here = path + [key]
-            children = config._children(schema, subs)
-            has_default = not children or ANY_NAME in children  # a grid's entries are its default, named
+            below = children(schema, subs)
+            has_default = not below or ANY_NAME in below  # a grid's entries are its default, named
             kinds = list(dict.fromkeys(type_text(schema, s) for s in subs))
             kinds = [k for k in kinds if k != "any"] or kinds  # a part that only adds `required` says no type
             out.append((".".join(here), " or ".join(kinds),
                         default_text(_default(params, here, subs)) if has_default else "",
-                        config._description(schema, subs)))
+                        description(schema, subs)))
             walk(subs, here)
 
     walk([schema], [])
@@ -147,7 +148,7 @@ def _prose(text: str) -> str:
 
 def render(schema: dict | None = None, params: dict | None = None) -> str:
     """The page's text."""
-    schema = config.load_schema() if schema is None else schema
+    schema = load_schema() if schema is None else schema
     params = config.load(PARAMS) if params is None else params
     sections: dict[str, list] = {}
     for key, kind, default, description in rows(schema, params):

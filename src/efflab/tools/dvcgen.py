@@ -16,6 +16,7 @@ from pathlib import Path
 
 import yaml
 
+from .. import config
 from ..config import REPO_ROOT
 from ..figures import FIGURES
 from ..registry import LOSS_CSV, STAGES, param_keys
@@ -96,7 +97,7 @@ def render(params: str = "params.yaml", workdir: Path | None = None) -> str:
     header = ("# Generated from the Snakemake DAG by `python -m efflab.tools.dvcgen` (make dvc.yaml); do not edit.\n"
               "# Snakemake is the source of truth; tests fail when this file drifts from it.\n")
     jobs = snakemake_jobs(params, workdir)
-    cfg = yaml.safe_load(((workdir or Path.cwd()) / params).read_text())
+    cfg = config.load((workdir or Path.cwd()) / params)
     return header + yaml.safe_dump({"stages": dvc_stages(jobs, cfg), "plots": plots(jobs)}, sort_keys=False, width=120)
 
 

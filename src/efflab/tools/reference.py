@@ -20,7 +20,7 @@ from pathlib import Path
 
 import yaml
 
-from .. import cli, records, registry
+from .. import cli, config, records, registry
 from ..config import REPO_ROOT
 
 # the raw CSVs the report cites too
@@ -59,7 +59,7 @@ def copy_reference(results: Path, to: Path) -> Path:
 def rerender_params(run: Path, params: Path) -> dict:
     """params.yaml as a kept run is re-rendered with: a stage the run kept no records of (the evaluate stage, in runs
     made before it) is left out, so that the report says so instead of asking for its records."""
-    cfg = yaml.safe_load(params.read_text())
+    cfg = config.load(params)
     if not (run / "evaluate").is_dir():
         cfg["evaluate"]["models"] = []
     return cfg
