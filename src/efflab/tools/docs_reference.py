@@ -151,8 +151,8 @@ def render(schema: dict | None = None, params: dict | None = None) -> str:
     schema = load_schema() if schema is None else schema
     params = config.load(PARAMS) if params is None else params
     sections: dict[str, list] = {}
-    for key, kind, default, description in rows(schema, params):
-        sections.setdefault(key.split(".")[0], []).append((key, kind, default, description))
+    for key, kind, default, text in rows(schema, params):
+        sections.setdefault(key.split(".")[0], []).append((key, kind, default, text))
     parts = [HEADER]
     for section, entries in sections.items():
         (_, _, _, about), *keys = entries
