@@ -6,7 +6,13 @@ import torch
 import yaml
 
 from efflab.config import UserError
+from efflab.measure.memory import run_steps
+from efflab.measure.stats import summarize
 from efflab.stages import capacity
+from efflab.stages.capacity import cells as capacity_cells
+from efflab.stages.capacity import record
+from efflab.stages.capacity.search import boundary_search, search
+from efflab.stages.capacity.subjects import grid
 from tests.helpers import run_stage
 
 
@@ -18,7 +24,7 @@ def test_the_search_finds_the_boundary_from_any_guess_asking_each_size_once(boun
     def passes(i):
         asked.append(i)
         return i <= boundary
-    found = capacity.search(20, passes, guess)
+    found = search(20, passes, guess)
     assert found == boundary
     assert len(asked) == len(set(asked)), "no size is run twice"
     assert found + 1 in asked or found == 19, "the size above the maximum ran (and failed)"
@@ -28,7 +34,7 @@ def test_the_search_finds_the_boundary_from_any_guess_asking_each_size_once(boun
 
 def test_a_close_prediction_is_confirmed_by_two_cells():
     asked = []
-    assert capacity.search(64, lambda i: asked.append(i) or i <= 11, 11) == 11
+    assert search(64, lambda i: asked.append(i) or i <= 11, 11) == 11
     assert asked == [11, 12]
 
 
@@ -42,7 +48,7 @@ def injected(n: int, boundary: int, predicted_max: int, creeps_at: int | None = 
         asked.append((i, role, timed))
         fits = i <= boundary and not (i == creeps_at and timed)
         result = {"status": "ok" if fits else "oom", "loaded_mib": 50.0, "tokens": 10,
-                  "step_s": capacity.summarize([0.5] * timed) if timed and fits else None}
+                  "step_s": summarize([0.5] * timed) if timed and fits else None}
         if i == 0 and role == "search":
             result["predicted_growth_mib"] = [40.0 if j <= predicted_max else 60.0 for j in range(n)]
         return result
@@ -52,7 +58,7 @@ def injected(n: int, boundary: int, predicted_max: int, creeps_at: int | None = 
 @pytest.mark.parametrize("boundary, predicted_max", [(5, 5), (5, 9), (5, 2), (19, 19), (0, 3)])
 def test_only_a_cell_that_is_the_maximum_if_it_passes_runs_timed_steps(boundary, predicted_max):
     measure, asked = injected(20, boundary, predicted_max)
-    found = capacity.boundary_search(20, measure, 100.0, timed=3)
+    found = boundary_search(20, measure, 100.0, timed=3)
     assert found["best"] == boundary and found["guess"] == predicted_max and found["failure"] is None
     ran = {(i, role): timed for i, role, timed in asked}
     held = found["timings"].get(boundary, found["seen"][boundary])
@@ -66,10 +72,10 @@ def test_only_a_cell_that_is_the_maximum_if_it_passes_runs_timed_steps(boundary,
 
 def test_a_maximum_whose_timed_steps_do_not_fit_is_not_the_maximum():
     measure, asked = injected(20, boundary=7, predicted_max=6, creeps_at=7)
-    found = capacity.boundary_search(20, measure, 100.0, timed=2)
+    found = boundary_search(20, measure, 100.0, timed=2)
     assert found["seen"][7]["status"] == "ok" and found["timings"][7]["status"] == "oom"
     assert found["best"] == 6 and found["seen"][6]["step_s"]["n"] == 2
-    assert capacity.speed(found["seen"][6])["tokens_per_s_at_max"]["median"] == pytest.approx(20.0)
+    assert record.speed(found["seen"][6])["tokens_per_s_at_max"]["median"] == pytest.approx(20.0)
     assert len(asked) == len(set(asked)), "no cell runs twice alike"
 
 
@@ -85,12 +91,12 @@ def test_the_tensor_peak_sees_the_warm_up_and_not_the_timed_steps():
             kept.append(torch.ones(mib // 4))  # 1 MiB kept, like the optimizer states from step 1
         size = 8 if len(calls) <= 2 else 32
         return torch.ones(size * mib // 4).sum()  # 8 MiB live in the warm-up, 32 MiB in a timed step
-    ran = capacity.run_steps(work, torch.device("cpu"), warmup=2, timed=3)
+    ran = run_steps(work, torch.device("cpu"), warmup=2, timed=3)
     assert ran["tensors"]["kind"] == "cpu_tensor_peak"
     assert ran["tensors"]["delta_mib"] == pytest.approx(9.0, abs=0.01)
     assert ran["step_s"]["n"] == 3 and len(calls) == 5
-    assert capacity.run_steps(work, torch.device("cpu"), warmup=1, timed=0)["step_s"] is None
-    over = capacity.run_steps(work, torch.device("cpu"), warmup=1, timed=3, fits=lambda tensors: False)
+    assert run_steps(work, torch.device("cpu"), warmup=1, timed=0)["step_s"] is None
+    over = run_steps(work, torch.device("cpu"), warmup=1, timed=3, fits=lambda tensors: False)
     assert over["step_s"] is None and len(calls) == 7, "a warm-up past the budget is not timed"
 
 
@@ -109,9 +115,9 @@ def test_the_budget_comes_from_the_params_then_the_cell_memory_cap_and_is_never_
 
 def test_grids_stay_within_the_model_s_context(test_cfg):
     c = test_cfg["capacity"]
-    seq = capacity.grid(c, "generate", "seq_len", 100)
+    seq = grid(c, "generate", "seq_len", 100)
     assert seq == [(1, n) for n in range(c["seq_len_step"], 100 - c["generate"]["new_tokens"] + 1, c["seq_len_step"])]
-    batch = capacity.grid(c, "train", "batch_size", 4096)
+    batch = grid(c, "train", "batch_size", 4096)
     assert batch[0] == (1, c["train_seq_len"]) and batch[-1] == (c["max_batch_size"], c["train_seq_len"])
 
 
@@ -120,7 +126,7 @@ def test_each_maximum_passes_within_the_budget_and_the_next_size_runs_out_of_mem
     (predicted and measured tensor growth, growth of the memory the budget holds, their gap), is recomputed from
     cells.csv, where the maximum passed under the budget and the next size was out of memory."""
     metrics = run_stage("capacity", write_params(lambda cfg: cfg["capacity"].update(variants=["baseline"])), results)
-    cells = pd.read_csv(results / "capacity" / capacity.CELLS_CSV)
+    cells = pd.read_csv(results / "capacity" / record.CELLS_CSV)
     budget, timed = metrics["budget"]["mib"], metrics["steps"]["timed"]
     searches = metrics["searches"]
     assert {(s["kind"], s["subject"], s["dimension"]) for s in searches} == {
@@ -201,19 +207,19 @@ def test_a_quantized_cache_search_passes_its_cache_to_generate(results, test_cfg
     from efflab.layout import Layout
     from efflab.models import kv_cache
 
-    calls, load = [], capacity.load_variant
+    calls, load = [], capacity_cells.load_variant
 
     def spied(*args, **kwargs):
         model = load(*args, **kwargs)
         generate = model.generate
         model.generate = lambda **kw: calls.append(kw) or generate(**kw)
         return model
-    monkeypatch.setattr(capacity, "load_variant", spied)
+    monkeypatch.setattr(capacity_cells, "load_variant", spied)
     cfg = copy.deepcopy(test_cfg)
     options = {"residual_length": 16, "group_size": 32, "eval_rows": 2, "chunk": 16, "context_lengths": [64]}
     cfg["bench_inference"]["kv_quant_options"] = options
     for kv in ("quanto-4", kv_cache.NONE):
-        work, tokens, _ = capacity._generate_work(cfg, {"kind": "base"}, Layout(results), "float32",
+        work, tokens, _ = capacity_cells._generate_work(cfg, {"kind": "base"}, Layout(results), "float32",
                                                   torch.device("cpu"), 1, 64, kv=kv)
         work()  # raises unless exactly new_tokens tokens came out
     quantized, plain = calls
@@ -233,7 +239,7 @@ def test_each_quantized_cache_searches_the_base_model_s_longest_context_and_an_u
     from efflab.models import kv_cache
 
     real = kv_cache.unavailable
-    monkeypatch.setattr(capacity.kv_cache, "unavailable", lambda spec, config=None:
+    monkeypatch.setattr(kv_cache, "unavailable", lambda spec, config=None:
                         "quanto-2 is not installed here (planted)" if spec == "quanto-2" else real(spec, config))
     (results / "quantize" / "int8").mkdir(parents=True)
     (results / "quantize" / "int8" / "metrics.json").write_text(json.dumps({"status": "skipped", "reason": "planted"}))
@@ -256,7 +262,7 @@ def test_each_quantized_cache_searches_the_base_model_s_longest_context_and_an_u
         assert quantized["context_gain"] is None and "whole range" in quantized["context_gain_why"]
     else:
         assert quantized["context_gain"] == pytest.approx(quantized["measured_max"] / plain["measured_max"])
-    cells = pd.read_csv(results / "capacity" / capacity.CELLS_CSV)
+    cells = pd.read_csv(results / "capacity" / record.CELLS_CSV)
     assert set(cells.subject) == {"base", "base+kv-quanto-4"} and set(cells.dimension) == {"seq_len"}
     mine = cells[cells.subject == "base+kv-quanto-4"]
     assert len(mine[mine.role == "search"]) == quantized["cells"] and mine.predicted_peak_mib.isna().all()
@@ -270,7 +276,7 @@ def _seq(subject, measured, whole=False, kv=None, status="ok"):
 
 
 def test_the_context_gain_is_a_ratio_only_where_both_searches_decided_their_maximum():
-    gains = capacity.context_gain([_seq("base", 384), _seq("base+kv-quanto-4", 1024, kv="quanto-4"),
+    gains = record.context_gain([_seq("base", 384), _seq("base+kv-quanto-4", 1024, kv="quanto-4"),
                                    _seq("base+kv-quanto-2", 1536, whole=True, kv="quanto-2"),
                                    _seq("nf4", 512, whole=True), _seq("nf4+kv-quanto-4", 512, whole=True, kv="quanto-4"),
                                    _seq("int8", None), _seq("int8+kv-quanto-4", 256, kv="quanto-4")])
@@ -295,7 +301,7 @@ def test_the_decision_and_the_glance_say_the_longest_context_with_and_without_th
              "measured_max": 4, "whole_range_fits": False, "first_failing": 5}
     job = {"status": "ok", "budget": {"mib": 2048, "source": "capacity.budget_mib.cpu", "memory": "cpu_peak_rss: x"},
            "fixed": {"train_seq_len": 128, "prompt_len": 64, "new_tokens": 8},
-           "searches": capacity.context_gain([batch, _seq("base", 384), _seq("base+kv-quanto-4", 1024, kv="quanto-4"),
+           "searches": record.context_gain([batch, _seq("base", 384), _seq("base+kv-quanto-4", 1024, kv="quanto-4"),
                                               missing]), "environment": environment(torch.device("cpu"))}
     d = decisions._capacity(job)
     assert d["answer"]["base+kv-quanto-4 generate seq_len"] == 1024

@@ -452,7 +452,7 @@ def test_capacity_cell_on_cuda_holds_the_reserved_peak_and_context_against_the_b
     fake_cuda.free(3000)
     fake_cuda.empty_cache()  # reserved 1000 MiB now, but 4000 at its peak: the cell's peak, kept across the reset
     context = 300.0
-    assert capacity._memory_now(CUDA, context) == 1300.0
+    assert memory.held_mib(CUDA, context) == 1300.0
 
     def work():
         fake_cuda.allocate(512)
@@ -461,13 +461,13 @@ def test_capacity_cell_on_cuda_holds_the_reserved_peak_and_context_against_the_b
     budgets = []
 
     def fits(tensors):
-        peak = capacity._memory_peak(CUDA, context, tensors)
+        peak = memory.held_peak_mib(CUDA, context, tensors)
         budgets.append(peak)
         return peak <= 4300.0
-    ran = capacity.run_steps(work, CUDA, warmup=2, timed=3, fits=fits)
+    ran = memory.run_steps(work, CUDA, warmup=2, timed=3, fits=fits)
     assert ran["tensors"] == {"reserved_before_mib": 4000.0, "kind": "cuda_max_allocated", "delta_mib": 512.0}
     assert budgets == [4300.0] and ran["step_s"]["samples"] == [0.008] * 3
-    assert capacity.run_steps(work, CUDA, warmup=1, timed=3, fits=lambda tensors: False)["step_s"] is None
+    assert memory.run_steps(work, CUDA, warmup=1, timed=3, fits=lambda tensors: False)["step_s"] is None
 
 
 def test_the_step_timer_and_the_sequence_count_add_no_synchronisation_to_a_gpu_step(fake_cuda):

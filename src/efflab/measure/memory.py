@@ -4,7 +4,8 @@ Memory results always name their kind: `cuda_max_allocated` / `cuda_max_reserved
 `cpu_peak_rss` (the kernel's high-water mark of resident memory, reset before the measured work)
 on CPU, and beside it `cpu_tensor_peak` (the most bytes live CPU tensors held at once, from the CPU
 allocator's own events: the CPU counterpart of cuda_max_allocated). A measurement that cannot be
-taken is None with a reason, never 0."""
+taken is None with a reason, never 0. A process run under a memory budget (cap_cuda_memory) is held to it by
+the memory the budget holds (held_mib, held_peak_mib), and run_steps probes a unit of work against it."""
 from __future__ import annotations
 
 import ctypes
@@ -18,6 +19,7 @@ from pathlib import Path
 import torch
 
 from .device import nvml_handle, synchronize
+from .timing import time_fn
 
 # pynvml is optional (the gpu extra) and torch.profiler slow to import: each is imported where it is used.
 
@@ -333,3 +335,51 @@ def cuda_context_mib(device: torch.device) -> dict:
         return {"mib": None, "unavailable": reason}
     reserved = torch.cuda.memory_reserved(device) / MiB
     return {"mib": process - reserved, "nvml_process_mib": process, "torch_reserved_mib": reserved}
+
+
+def cap_cuda_memory(device: torch.device, budget_mib: float) -> float:
+    """Hold this process's GPU memory to `budget_mib` (torch.cuda.set_per_process_memory_fraction, where the budget
+    is below the card): the budget less the CUDA context, which the caching allocator does not see. Resets the
+    allocator's peaks; returns the context's MiB (0 where NVML cannot say)."""
+    torch.cuda.init()
+    context = cuda_context_mib(device)["mib"] or 0.0
+    card = torch.cuda.get_device_properties(device).total_memory / MiB
+    if budget_mib < card:
+        torch.cuda.set_per_process_memory_fraction(max(budget_mib - context, 0) / card, device)
+    torch.cuda.reset_peak_memory_stats(device)
+    return context
+
+
+def held_mib(device: torch.device, context: float) -> float:
+    """The memory a budget holds now: CUDA's allocated memory plus the context, or on CPU the resident set."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device) / MiB + context
+    return (proc_status_kib("VmRSS") or 0) / 1024
+
+
+def held_peak_mib(device: torch.device, context: float, tensors: dict) -> float | None:
+    """The peak of the memory the budget holds, over the whole cell; the tensor counter's own stop is in none
+    of it (tensor_peak reads the high-water mark before it and resets it after)."""
+    if device.type == "cuda":
+        reserved = max(torch.cuda.max_memory_reserved(device) / MiB, tensors.get("reserved_before_mib", 0.0))
+        return reserved + context
+    hwm, before = proc_status_kib("VmHWM"), tensors.get("hwm_before_stop_mib")
+    return None if hwm is None or before is None else max(hwm / 1024, before)
+
+
+def file_pages_mib() -> float | None:
+    """The file pages this process holds resident (RssFile): what it has read of memory-mapped files."""
+    kib = proc_status_kib("RssFile")
+    return None if kib is None else kib / 1024
+
+
+def run_steps(work, device: torch.device, warmup: int, timed: int, fits=lambda tensors: True) -> dict:
+    """`warmup` untimed calls of work() with the live-tensor peak tracked over them (tensor_peak), then
+    `timed` timed calls, untracked: the CPU counter is a profiler and would slow what is timed. The timed calls
+    run only if `fits(tensors)` after the warm-up: a cell already past its budget is out of memory whatever
+    its speed. `step_s` is None where nothing was timed."""
+    with tensor_peak(device) as tensors:
+        for _ in range(warmup):
+            work()
+    timed = timed if fits(tensors) else 0
+    return {"tensors": tensors, "step_s": time_fn(work, device, warmup=0, repeats=timed) if timed else None}
