@@ -9,6 +9,7 @@ validation perplexities; the same again for the merged folder as saved (in the b
 from __future__ import annotations
 
 import logging
+from functools import partial
 
 import torch
 
@@ -92,6 +93,24 @@ def merged_into(target, adapter, merge_dtype: str):
     return PeftModel.from_pretrained(target, adapter).merge_and_unload().eval()
 
 
+def merge_targets(job: Job, quant: dict, adapter, merge_dtype: str, check, in_memory: dict) -> dict:
+    """Which merge keeps the fine-tune? The QLoRA adapter merged into the original base, into the 4-bit round-trip
+    base (`in_memory`, the saved folder's merge), and that merge re-quantized, each compared by `check`."""
+    dtype, device, folder = job.dtype, job.device, job.out / "model"
+    targets = {}
+    naive = merged_into(load_model(job.layout.base_model(), dtype, device), adapter, merge_dtype)
+    targets["original base"] = check(naive)
+    del naive
+    targets[f"{quant['method']} round-trip base"] = in_memory
+    requantized = load_model(folder, dtype, device, quant=quant)
+    targets[f"round-trip merge re-quantized to {quant['method']}"] = check(requantized)
+    del requantized
+    for target, result in targets.items():
+        log.info("%s: merged into the %s: max |logit diff| %.3e, KL %.3e, perplexity %.3f", job.name, target,
+                 result["max_abs_logit_diff"], result["kl_mean"], result["validation"]["perplexity"])
+    return targets
+
+
 def run(cfg: dict, job: Job) -> dict:
     """Merge one adapter run and measure the fidelity of the merged model."""
     from peft import PeftModel
@@ -123,26 +142,16 @@ def run(cfg: dict, job: Job) -> dict:
                         "and Conv1D layers): the adapter was trained on full-precision weights, and they are the "
                         "merge target", name, quant["method"])
     merged = merged_into(target, adapter, m["dtype"])
-    in_memory = compare(merged, ref_logits, ref_eval, rows, batch_size, tokenizer)
+    check = partial(compare, reference=ref_logits, reference_eval=ref_eval, rows=rows, batch_size=batch_size,
+                    tokenizer=tokenizer)
+    in_memory = check(merged)
 
     folder = job.out / "model"
     merged.to(getattr(torch, dtype)).save_pretrained(folder, safe_serialization=True)
     tokenizer.save_pretrained(folder)
     del merged
-    saved = compare(load_model(folder, dtype, device), ref_logits, ref_eval, rows, batch_size, tokenizer)
-    targets = {}
-    if quant is not None:  # which merge keeps the fine-tune? (the saved folder is the round-trip merge)
-        naive = merged_into(load_model(layout.base_model(), dtype, device), adapter, m["dtype"])
-        targets["original base"] = compare(naive, ref_logits, ref_eval, rows, batch_size, tokenizer)
-        del naive
-        targets[f"{quant['method']} round-trip base"] = in_memory
-        requantized = load_model(folder, dtype, device, quant=quant)
-        targets[f"round-trip merge re-quantized to {quant['method']}"] = compare(
-            requantized, ref_logits, ref_eval, rows, batch_size, tokenizer)
-        del requantized
-        for target, result in targets.items():
-            log.info("%s: merged into the %s: max |logit diff| %.3e, KL %.3e, perplexity %.3f", name, target,
-                     result["max_abs_logit_diff"], result["kl_mean"], result["validation"]["perplexity"])
+    saved = check(load_model(folder, dtype, device))
+    targets = merge_targets(job, quant, adapter, m["dtype"], check, in_memory) if quant is not None else {}
     log.info("%s: merged max |logit diff| %.2e (%s), saved in %s %.2e; perplexity %.3f adapter vs %.3f merged",
              name, in_memory["max_abs_logit_diff"], m["dtype"], dtype, saved["max_abs_logit_diff"],
              ref_eval["perplexity"], in_memory["validation"]["perplexity"])
