@@ -26,7 +26,7 @@ from efflab.measure.device import set_threads
 from efflab.measure.env import environment
 from efflab.measure.stats import summarize
 from efflab.models.modeling import load_model, load_tokenizer
-from efflab.stages.bench_inference import generate_timed, prompt_batches, prompts
+from efflab.stages.bench_inference.generation import generate_timed, prompt_batches, prompts
 
 PROMPTS = ["What is a building permit and when do I need one?",
            "Can I build a small shed without asking the municipality?",

@@ -112,14 +112,14 @@ def serving_record(rates: dict[tuple[str, int], list[float]], requests: int = 8)
     """A bench_serving record from injected output tokens/s, one per burst round for each (method, concurrency),
     with its ratios paired round by round as the stage pairs them: verdicts on known numbers, no clock."""
     from efflab.measure.stats import summarize
-    from efflab.stages import bench_serving
+    from efflab.stages.bench_serving import rounds
 
     cells = [{"method": m, "concurrency": c, "status": "ok", "bursts": len(r), "requests": requests,
               "requests_per_s": summarize([x / 10 for x in r], "requests/s"),
               "output_tokens_per_s": summarize(r, "tokens/s"), "ttft_s": {"p50": 0.1, "p90": 0.2, "p99": 0.3},
               "latency_s": {"p50": 0.5, "p90": 0.8, "p99": 0.9},
               "by_burst": [{"output_tokens_per_s": x} for x in r]} for (m, c), r in rates.items()]
-    bench_serving.compare(cells)
+    rounds.compare(cells)
     return {"stage": "bench_serving", "status": "ok", "requests": requests, "bursts": len(next(iter(rates.values()))),
             "prompt_tokens": [40] * requests, "new_tokens": [10] * requests, "cells": cells,
             "environment": {"fingerprint": "e"}}

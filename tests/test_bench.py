@@ -118,7 +118,7 @@ def test_static_and_compiled_generation_give_dynamic_generations_greedy_tokens(r
     import torch
 
     from efflab.models.modeling import load_model, load_tokenizer
-    from efflab.stages.bench_inference import generate_timed, mode_kwargs, prompt_batches
+    from efflab.stages.bench_inference.generation import generate_timed, mode_kwargs, prompt_batches
 
     tokenizer = load_tokenizer(results / "base_model" / "model")
     model = load_model(results / "base_model" / "model", "float32", torch.device("cpu"))
@@ -138,7 +138,7 @@ def test_a_mode_a_quantizer_cannot_compile_is_unavailable_and_an_engine_without_
     import torch
 
     from efflab.models import engines
-    from efflab.stages.bench_inference import mode_unavailable
+    from efflab.stages.bench_inference.generation import mode_unavailable
 
     bnb = types.SimpleNamespace(hf_quantizer=type("Bnb8BitHfQuantizer", (), {"is_compileable": False})())
     assert "Bnb8BitHfQuantizer" in mode_unavailable("compiled", bnb) and mode_unavailable("static", bnb) is None
@@ -151,7 +151,7 @@ def test_a_mode_a_quantizer_cannot_compile_is_unavailable_and_an_engine_without_
 def test_explicit_prompts_are_chat_templated_and_the_default_draw_is_seeded(results, test_cfg):
     from efflab.layout import Layout
     from efflab.models.modeling import load_tokenizer
-    from efflab.stages.bench_inference import prompts
+    from efflab.stages.bench_inference.generation import prompts
 
     tokenizer = load_tokenizer(results / "base_model" / "model")
     (asked,) = prompts({"prompts": ["Is a permit needed for a fence?"]}, None, tokenizer)
@@ -243,7 +243,7 @@ def test_a_stage_killed_mid_grid_keeps_its_finished_cells_and_its_rerun_measures
 
 
 def test_a_per_token_tail_above_one_and_a_half_medians_is_named():
-    from efflab.stages.bench_inference import explain_tail
+    from efflab.stages.bench_inference.cells import explain_tail
 
     steady = [{"token_gaps_s": [0.010, 0.011, 0.010, 0.010]} for _ in range(5)]
     assert explain_tail(steady, kv_cache=True) is None
@@ -299,16 +299,16 @@ def test_a_missing_sdpa_kernel_s_reason_is_torch_s_own_words_once_without_their_
 def test_a_generation_mode_the_model_cannot_run_is_unavailable_with_the_reason(results, test_cfg, monkeypatch):
     """A family whose cache or forward a mode cannot take (here: generate() refusing a static cache, as transformers
     does for models without StaticCache support) is an unavailable cell naming the error, not a failed one."""
-    from efflab.stages import bench_inference
+    from efflab.stages.bench_inference import cells
 
-    real = bench_inference.generate_timed
+    real = cells.generate_timed
 
     def refusing(model, tokenizer, batch, n, kv_cache=True, mode="dynamic", extra=None):
         if mode == "static":
             raise ValueError("This model does not support `cache_implementation='static'`")
         return real(model, tokenizer, batch, n, kv_cache, mode, extra)
-    monkeypatch.setattr(bench_inference, "generate_timed", refusing)
-    cell = bench_inference.inference_cell(test_cfg, str(results), "baseline", "float32", "cpu", {
+    monkeypatch.setattr(cells, "generate_timed", refusing)
+    cell = cells.inference_cell(test_cfg, str(results), "baseline", "float32", "cpu", {
         "kv_cache": True, "batch_size": 1, "generation": "static"}, {"bandwidth": {}, "matmul": {}})
     assert cell["status"] == "unavailable" and "static generation is not supported" in cell["reason"]
     assert "does not support `cache_implementation='static'`" in cell["reason"]

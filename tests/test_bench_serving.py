@@ -4,7 +4,7 @@ import pytest
 
 from efflab.measure import load, timing
 from efflab.measure.stats import ratio_verdict, summarize
-from efflab.stages import bench_serving
+from efflab.stages.bench_serving import open_loop, rounds, servers
 from efflab.stages.report import decisions, glance
 from tests.helpers import TEST_PARAMS, SimulatedClock, run_stage, serving_record
 
@@ -40,7 +40,7 @@ def test_every_serving_figure_is_recomputed_from_the_per_request_log_burst_by_bu
         bursts = [[r for r in rows if r["burst"] == b] for b in kept]
         assert [len(b) for b in bursts] == [s["requests"]] * len(kept) == [cell["requests"]] * cell["bursts"]
         assert [f["burst"] for f in cell["by_burst"]] == kept
-        by_burst[method, concurrency] = again = [bench_serving.figures(b) for b in bursts]
+        by_burst[method, concurrency] = again = [rounds.figures(b) for b in bursts]
         for mine, recomputed in zip(cell["by_burst"], again):
             for key in ("requests", "output_tokens", "makespan_s", "requests_per_s", "output_tokens_per_s"):
                 assert mine[key] == pytest.approx(recomputed[key])
@@ -49,7 +49,7 @@ def test_every_serving_figure_is_recomputed_from_the_per_request_log_burst_by_bu
             stats = summarize([f[key] for f in again])
             assert cell[key]["median"] == pytest.approx(stats["median"]) and cell[key]["n"] == len(kept)
             assert cell[key]["ci95_median"] == pytest.approx(stats["ci95_median"])  # 6 bursts give an interval
-        pooled = bench_serving.percentiles([r for b in bursts for r in b])
+        pooled = rounds.percentiles([r for b in bursts for r in b])
         assert cell["latency_s"] == pytest.approx(pooled["latency_s"]) and cell["ttft_s"] == pytest.approx(pooled["ttft_s"])
         for b in bursts:
             assert [int(r["output_tokens"]) for r in sorted(b, key=lambda r: r["request"])] == metrics["new_tokens"]
@@ -118,7 +118,7 @@ def test_rounds_serve_every_cell_once_in_a_balanced_order_after_a_warm_up(machin
         return [{"request": 0, "output_tokens": 1, "submitted_s": 0.0, "first_token_s": 0.1, "finished_s": 0.2}]
 
     cells = [{"method": m, "concurrency": 1} for m in "abc"]
-    rows, sentinel = bench_serving.serve_rounds(serve, cells, bursts=4)
+    rows, sentinel = rounds.serve_rounds(serve, cells, bursts=4)
     assert calls[:3] == [("warm", "a"), ("warm", "b"), ("warm", "c")]
     assert [m for _, m in calls[3:]] == list("abc" + "cba" + "ca" + "ac"), "b failed in round 2 and left the rounds"
     orders = [r["order"] for r in sentinel["rounds"]]
@@ -153,7 +153,7 @@ def test_the_bursts_are_served_in_the_balanced_order_with_a_probe_between_them(m
     serve = _server(machine, lambda method, k: {"naive": 4.0, "static": 2.0, "continuous": 1.0}[method])
     probes = [100.0 + i for i in range(7)]
     machine.probes(probes)
-    rows, sentinel = bench_serving.measure(cells, serve, bursts=6)
+    rows, sentinel = rounds.measure(cells, serve, bursts=6)
     names = ["naive@1", "static@1", "continuous@1"]
     assert [r["order"] for r in sentinel["rounds"]] == [timing.balanced_order(names, b) for b in range(6)]
     assert [r["probe_gflops"] for r in sentinel["rounds"]] == [probes[b:b + 2] for b in range(6)], \
@@ -173,7 +173,7 @@ def test_a_burst_whose_probe_moved_is_set_aside_and_served_again_and_the_figures
     serve = _server(machine, lambda method, k: seconds[method] * (3 if method == "continuous" and k in slowed else 1))
     machine.probes([100, 101, 50, 99, 100, 102, 100, 100])  # burst k sees probes k and k+1
     cells = [{"method": m, "concurrency": 2 if m != "naive" else 1} for m in seconds]
-    rows, sentinel = bench_serving.measure(cells, serve, bursts=3)
+    rows, sentinel = rounds.measure(cells, serve, bursts=3)
     assert [r["stable"] for r in sentinel["rounds"]] == [True, False, False, True, True]
     assert sentinel["stable_rounds"] == 3 and sentinel["set_aside"] == 2 and "unstable" not in sentinel
     assert sentinel["figures_of_bursts"] == [0, 3, 4]
@@ -189,7 +189,7 @@ def test_a_burst_whose_probe_moved_is_set_aside_and_served_again_and_the_figures
     assert continuous["continuous_vs_static"]["median"] == pytest.approx(2.0)
     assert continuous["throughput_vs_naive"]["ratios"] == pytest.approx([4.0] * 3)
     assert static["throughput_vs_naive"]["rounds"] == 3 and "throughput_vs_naive" not in naive
-    every = bench_serving.cell_figures([r for r in rows if r["method"] == "continuous"])
+    every = rounds.cell_figures([r for r in rows if r["method"] == "continuous"])
     assert every["output_tokens_per_s"]["min"] == pytest.approx(10 / 3), "what the set-aside bursts would have said"
 
 
@@ -199,7 +199,7 @@ def test_a_machine_that_never_settles_gives_serving_no_verdict(machine):
     machine.probes([100, 50] * 20)
     serve = _server(machine, lambda method, k: {"naive": 4.0, "static": 2.0, "continuous": 1.0}[method])
     cells = [{"method": m, "concurrency": 1} for m in ("naive", "static", "continuous")]
-    rows, sentinel = bench_serving.measure(cells, serve, bursts=3)
+    rows, sentinel = rounds.measure(cells, serve, bursts=3)
     assert len(sentinel["rounds"]) == 6 and "machine's speed changed" in sentinel["unstable"]
     assert sentinel["figures_of_bursts"] == list(range(6)) and cells[2]["bursts"] == 6
     for key, ratios in (("continuous_vs_static", [2.0] * 6), ("throughput_vs_naive", [4.0] * 6)):
@@ -286,13 +286,13 @@ def test_every_method_is_sent_the_same_schedule_in_each_round_and_the_figures_ar
     def planted(method):
         def serve(model, tokenizer, reqs, concurrency, device, arrivals):
             sent.append((method, concurrency, arrivals))
-            return [bench_serving._row(r, 0.0, at + 0.1, at + 0.3, arrival=at) for r, at in zip(reqs, arrivals)]
+            return [servers._row(r, 0.0, at + 0.1, at + 0.3, arrival=at) for r, at in zip(reqs, arrivals)]
         return serve
-    monkeypatch.setattr(bench_serving, "SERVERS", {m: planted(m) for m in ("naive", "continuous")})
+    monkeypatch.setattr(servers, "SERVERS", {m: planted(m) for m in ("naive", "continuous")})
     reqs = [{"request": i, "prompt": [1] * (i + 2), "new_tokens": 3} for i in range(5)]
-    serve = bench_serving.server(None, None, [], None, None, reqs, seed=3)
+    serve = servers.server(None, None, [], None, None, reqs, seed=3)
     cells = [{"method": m, "rate": rate, "concurrency": 4} for rate in (2.0, 8.0) for m in ("naive", "continuous")]
-    rows, sentinels = bench_serving.measure_open(cells, serve, repeats=3, slo={"ttft_s": 0.2})
+    rows, sentinels = open_loop.measure_open(cells, serve, repeats=3, slo={"ttft_s": 0.2})
     by_round = [a for _, _, a in sent if len(a) == 5]
     assert [len(a) for _, _, a in sent[:2]] == [2, 2] and len(sent) == 2 + 2 * 2 * 3, \
         "a warm-up (the first two requests of round 0) at the first rate only"
@@ -382,7 +382,7 @@ def test_the_open_loop_harness_serves_every_request_at_its_scheduled_arrival(res
     o, seed = metrics["open_loop"], test_cfg["bench_serving"]["seed"]
     with open(results / "bench_serving" / "open_loop_requests.csv", newline="") as f:
         rows = [{k: v if k == "method" else float(v) if v else None for k, v in r.items()} for r in csv.DictReader(f)]
-    assert list(rows[0]) == list(bench_serving.OPEN_COLUMNS)
+    assert list(rows[0]) == list(open_loop.OPEN_COLUMNS)
     cells = {(c["method"], c["rate"]): c for c in o["cells"]}
     assert all(cells["vllm", r]["status"] == "unavailable" and cells["vllm", r]["reason"] for r in (4, 40))
     for (method, rate), c in cells.items():
@@ -416,7 +416,7 @@ def test_a_cell_that_cannot_serve_its_warm_up_is_unavailable_and_the_others_are_
         return [{"request": 0, "output_tokens": 1, "submitted_s": 0.0, "first_token_s": 0.1, "finished_s": 0.2}]
 
     cells = [{"method": m, "concurrency": 2} for m in ("static", "continuous")]
-    rows, sentinel = bench_serving.serve_rounds(serve, cells, bursts=2)
+    rows, sentinel = rounds.serve_rounds(serve, cells, bursts=2)
     assert cells[1] == {"method": "continuous", "concurrency": 2, "status": "unavailable",
                         "reason": "RuntimeError: index_copy_(): Source/destination tensor must have same slice shapes."}
     assert {r["method"] for r in rows} == {"static"} and sentinel["stable_rounds"] == 2

@@ -13,7 +13,8 @@ from efflab import config, training
 from efflab.config import UserError
 from efflab.measure import device as measure_device
 from efflab.measure import energy, flops, memory, phases, timing
-from efflab.stages import bench_inference, capacity
+from efflab.stages import capacity
+from efflab.stages.bench_inference import generation
 from efflab.stages.finetune.callbacks import SequenceLengths, StepTimes
 from tests.helpers import TEST_PARAMS, SimulatedClock
 
@@ -115,7 +116,7 @@ def test_gpu_energy_is_the_board_counter_s_millijoules_in_joules(fake_cuda):
     assert energy.EnergyMeter(CUDA).start().stop() == {"unavailable": "FakeNVMLError: NVML_ERROR_NOT_SUPPORTED"}
 
 
-# -- measure.timing, measure.phases, bench_inference.TokenClock ---------------------------------------------------
+# -- measure.timing, measure.phases, bench_inference.generation.TokenClock ----------------------------------------
 
 
 def test_time_fn_on_cuda_times_with_events(fake_cuda):
@@ -170,7 +171,7 @@ def test_interleave_on_cuda_times_each_variant_with_events(fake_cuda, monkeypatc
 
 
 def test_token_clock_on_cuda_times_each_token_from_events(fake_cuda):
-    clock = bench_inference.TokenClock(CUDA)
+    clock = generation.TokenClock(CUDA)
     for ms in (40.0, 5.0, 6.0, 5.0):  # the prompt (prefill), then three tokens
         fake_cuda.advance(ms)
         clock.put(None)
@@ -197,7 +198,7 @@ def test_generate_timed_on_cuda_gives_ttft_and_token_gaps_from_the_events(fake_c
     tokenizer = types.SimpleNamespace(pad_token_id=0, batch_decode=lambda ids, skip_special_tokens: ["x", "y"])
     batch = {"input_ids": types.SimpleNamespace(device=CUDA, shape=(2, 5)),
              "attention_mask": torch.ones(2, 5, dtype=torch.long)}
-    got = bench_inference.generate_timed(Model(), tokenizer, batch, new_tokens=3)
+    got = generation.generate_timed(Model(), tokenizer, batch, new_tokens=3)
     assert got["ttft_s"] == pytest.approx(0.032, abs=1e-15)  # from the clock's start, as the stage defines it
     assert got["token_gaps_s"] == pytest.approx([0.004, 0.006], abs=1e-15)
     assert got["decode_s"] == pytest.approx(0.010, abs=1e-15)

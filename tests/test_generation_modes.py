@@ -9,6 +9,7 @@ import torch
 from efflab.models import kv_cache, model_check, speculative
 from efflab.models.modeling import load_model, load_tokenizer, read_split, summed_nll
 from efflab.stages import bench_inference
+from efflab.stages.bench_inference import cells, generation
 from efflab.stages.report import glance
 from efflab.stages.report.environments import comparison
 from efflab.stages.report.tables.bench_inference import kv_quant_table, speculative_table
@@ -22,7 +23,7 @@ CPU = torch.device("cpu")
 def tiny(results):
     folder = results / "base_model" / "model"
     tokenizer = load_tokenizer(folder)
-    batches = bench_inference.prompt_batches(
+    batches = generation.prompt_batches(
         tokenizer, ["Is a permit needed for a fence? A fence needs a permit when", "What is a building permit?"], 1,
         CPU)
     return load_model(folder, "float32", CPU), tokenizer, batches, folder
@@ -44,14 +45,14 @@ def test_prompt_lookup_and_assisted_generation_give_the_models_own_greedy_tokens
     model, tokenizer, batches, folder = tiny
     settings = {"prompt_lookup_num_tokens": 4, "num_assistant_tokens": 3}
     n = 8
-    own = [bench_inference.generate_timed(model, tokenizer, b, n)["token_ids"] for b in batches]
+    own = [generation.generate_timed(model, tokenizer, b, n)["token_ids"] for b in batches]
     same = load_model(folder, "float32", CPU)
     for mode, draft in (("prompt_lookup", None), ("assisted", same), ("assisted", _one_layer_draft(folder))):
         extra = speculative.generate_kwargs(mode, settings, draft)
-        spec = [bench_inference.generate_timed(model, tokenizer, b, n, extra=extra) for b in batches]
+        spec = [generation.generate_timed(model, tokenizer, b, n, extra=extra) for b in batches]
         assert [s["token_ids"] for s in spec] == own, mode
         assert all(len(s["token_gaps_s"]) == n - 1 - (s["new_tokens"] - 1 - s["decoded_tokens"]) for s in spec)
-        seen = bench_inference.speculation(model, tokenizer, batches, n, extra)
+        seen = cells.speculation(model, tokenizer, batches, n, extra)
         assert seen["greedy_equal"] and seen["batches_differing"] == []
         assert seen["steps"] + seen["accepted"] == n * len(batches), "every step adds its accepted tokens and one"
         assert 0 <= seen["accepted"] <= seen["proposed"]
@@ -202,9 +203,9 @@ def test_a_quantized_cache_cell_holds_less_and_measures_its_quality_change(resul
     from efflab.measure.flops import matmul_ceiling
 
     limits = {"bandwidth": bandwidth_ceiling(CPU), "matmul": matmul_ceiling("float32", CPU)}
-    cell = bench_inference.inference_cell(cfg, str(results), "baseline", "float32", "cpu",
-                                          {"kv_cache": True, "batch_size": 1, "generation": "dynamic",
-                                           "kv_quant": "quanto-4"}, limits)
+    cell = cells.inference_cell(cfg, str(results), "baseline", "float32", "cpu",
+                                {"kv_cache": True, "batch_size": 1, "generation": "dynamic",
+                                 "kv_quant": "quanto-4"}, limits)
     q = cell["quantized_cache"]
     assert q["perplexity_change"]["n_rows"] == 6 and q["perplexity_change"]["ci95_change_pct"] is not None
     assert [m["context"] for m in q["memory_by_context"]] == [32, 64]

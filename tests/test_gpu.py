@@ -123,7 +123,7 @@ def test_static_cache_and_cuda_graph_generation_give_dynamic_generations_greedy_
     forward compiled by torch.compile in transformers' CUDA default (reduce-overhead: CUDA graphs), decode the same
     greedy tokens as generate()'s dynamic cache. fp32, so no near-tie of bf16 logits can flip a token."""
     from efflab.models.modeling import load_model
-    from efflab.stages.bench_inference import mode_kwargs
+    from efflab.stages.bench_inference.generation import mode_kwargs
 
     config = mode_kwargs("compiled", CUDA)["compile_config"]
     assert config.mode == "reduce-overhead" and not config._compile_all_devices, "transformers' CUDA default"

@@ -18,7 +18,9 @@ from efflab.measure.isolation import run_cell
 from efflab.measure.stats import summarize
 from efflab.models import engines
 from efflab.models.modeling import load_model, load_tokenizer
-from efflab.stages import bench_inference, bench_serving
+from efflab.stages import bench_serving
+from efflab.stages.bench_inference import cells, generation
+from efflab.stages.bench_serving import rounds, servers
 from tests.helpers import SimulatedClock, run_stage
 
 
@@ -124,7 +126,7 @@ def test_the_engine_cell_times_the_fakes_generations_interleaved_with_dynamic_ge
     b = cfg["bench_inference"]
     n, batch_size = b["max_new_tokens"], 1
     assert engines.unavailable("vllm", torch.device("cuda"), "base") is None, "installed: a GPU run would time it"
-    cell = run_cell(bench_inference.engine_cell, dict(
+    cell = run_cell(cells.engine_cell, dict(
         cfg=cfg, results=str(results), name="baseline", dtype="float32", device="cpu",
         cell={"kv_cache": True, "batch_size": batch_size, "generation": "vllm"}, limits={}), isolation="inprocess")
     assert cell["status"] == "ok", cell.get("reason")
@@ -134,7 +136,7 @@ def test_the_engine_cell_times_the_fakes_generations_interleaved_with_dynamic_ge
     assert cell["engine"] == {"name": "vllm", "version": "0.0.0+fake"}
     # the very prompt tokens generate() reads, unpadded, one batch of `batch_size` per engine call
     tokenizer = load_tokenizer(Layout(results).base_model())
-    asked = bench_inference.prompts(b, Layout(results), tokenizer)
+    asked = generation.prompts(b, Layout(results), tokenizer)
     expected = [tokenizer(a["text"], add_special_tokens=False)["input_ids"] for a in asked]
     batches = len(expected) // batch_size
     rounds = b["warmup"] + b["repeats"]  # no round set aside: the simulated probes never move
@@ -173,7 +175,7 @@ def test_an_engine_that_stops_short_of_the_forced_length_fails_the_cell(results,
             o.outputs[0].token_ids = o.outputs[0].token_ids[:-1]
         return outs
     monkeypatch.setattr(vllm.LLM, "generate", one_token_short)
-    cell = run_cell(bench_inference.engine_cell, dict(
+    cell = run_cell(cells.engine_cell, dict(
         cfg=copy.deepcopy(test_cfg), results=str(results), name="baseline", dtype="float32", device="cpu",
         cell={"kv_cache": True, "batch_size": 2, "generation": "vllm"}, limits={}), isolation="inprocess")
     assert cell["status"] == "failed" and "generation length differs from max_new_tokens" in cell["reason"]
@@ -234,7 +236,7 @@ def test_vllm_serving_admits_at_most_concurrency_requests_and_stamps_each_step(m
     monkeypatch.setitem(sys.modules, "vllm", fake_vllm(sim, step_s=0.1))
     engine = engines.load("vllm", "/models/base", "bfloat16", 0)
     reqs = [{"request": i, "prompt": [10 + i, 20, 30][: 1 + i % 3], "new_tokens": k} for i, k in enumerate(NEW_TOKENS)]
-    rows = bench_serving.SERVERS["vllm"](engine, None, reqs, concurrency, torch.device("cuda"))
+    rows = servers.SERVERS["vllm"](engine, None, reqs, concurrency, torch.device("cuda"))
     assert _times(rows) == pytest.approx([t for pair in BY_HAND[concurrency] for t in pair])
     assert [r["output_tokens"] for r in rows] == NEW_TOKENS and [r["request"] for r in rows] == [0, 1, 2, 3]
     assert all(r["submitted_s"] == 0.0 for r in rows) and [r["prompt_tokens"] for r in rows] == [1, 2, 3, 1]
@@ -242,11 +244,11 @@ def test_vllm_serving_admits_at_most_concurrency_requests_and_stamps_each_step(m
     assert fake.most_at_once == concurrency and not fake.running
     assert [(p, params.max_tokens, params.min_tokens, params.ignore_eos, params.temperature)
             for _, p, params in fake.added] == [(r["prompt"], r["new_tokens"], r["new_tokens"], True, 0.0) for r in reqs]
-    burst = bench_serving.figures(rows)
+    burst = rounds.figures(rows)
     makespan = max(f for _, f in BY_HAND[concurrency])
     assert burst["makespan_s"] == pytest.approx(makespan) and burst["output_tokens"] == sum(NEW_TOKENS)
     assert burst["output_tokens_per_s"] == pytest.approx(sum(NEW_TOKENS) / makespan)
-    again = bench_serving.SERVERS["vllm"](engine, None, reqs, concurrency, torch.device("cuda"))
+    again = servers.SERVERS["vllm"](engine, None, reqs, concurrency, torch.device("cuda"))
     assert _times(again) == pytest.approx([t for pair in BY_HAND[concurrency] for t in pair]), \
         "a second burst on the same engine: new request ids, times from its own start"
 
@@ -282,8 +284,8 @@ def test_the_vllm_method_is_served_in_the_interleaved_bursts_beside_naive(result
         loads.append(method)
         return engines.load(method, layout.base_model(), "float32", s["seed"])
     cells = [{"method": "naive", "concurrency": 1}] + [{"method": "vllm", "concurrency": c} for c in (2, len(reqs))]
-    serve = bench_serving.server(model, tokenizer, reqs, torch.device("cpu"), load_engine)
-    rows, sentinel = bench_serving.measure(cells, serve, s["bursts"])
+    serve = servers.server(model, tokenizer, reqs, torch.device("cpu"), load_engine)
+    rows, sentinel = rounds.measure(cells, serve, s["bursts"])
     assert loads == ["vllm"] and len(vllm.LLM.instances) == 1
     names = ["naive@1", "vllm@2", f"vllm@{len(reqs)}"]
     assert [r["order"] for r in sentinel["rounds"]] == [timing.balanced_order(names, b) for b in range(s["bursts"])]
@@ -302,12 +304,12 @@ def test_the_vllm_method_is_served_in_the_interleaved_bursts_beside_naive(result
         if c["concurrency"] == len(reqs):  # every request in the engine from the start: one step per token
             assert [r["finished_s"] for r in mine if r["burst"] == 0] == pytest.approx([0.1 * k for k in new_tokens])
             assert c["makespan_s"]["median"] == pytest.approx(0.1 * max(new_tokens))
-        again = [bench_serving.figures([r for r in mine if r["burst"] == b]) for b in range(s["bursts"])]
+        again = [rounds.figures([r for r in mine if r["burst"] == b]) for b in range(s["bursts"])]
         stats = summarize([f["output_tokens_per_s"] for f in again])
         assert c["output_tokens_per_s"]["median"] == pytest.approx(stats["median"])
         assert c["output_tokens_per_s"]["ci95_median"] == pytest.approx(stats["ci95_median"])
-        assert c["latency_s"] == pytest.approx(bench_serving.percentiles(mine)["latency_s"])
-        assert c["ttft_s"] == pytest.approx(bench_serving.percentiles(mine)["ttft_s"])
+        assert c["latency_s"] == pytest.approx(rounds.percentiles(mine)["latency_s"])
+        assert c["ttft_s"] == pytest.approx(rounds.percentiles(mine)["ttft_s"])
         ratio = c["throughput_vs_naive"]
         naive = cells[0]["by_burst"]
         assert ratio["ratios"] == pytest.approx([a["output_tokens_per_s"] / b["output_tokens_per_s"]

@@ -1,0 +1,4 @@
+from ... import cli
+from . import run
+
+cli.main("bench_inference", run)
