@@ -25,7 +25,8 @@ import torch
 
 from .. import architecture, cli, experiment, profiling, quality, records
 from ..config import UserError
-from ..estimators.memory import Generation, compared, generation_peak, quantized_layer_transient, variant_quant
+from ..estimators.generation_memory import Generation, generation_peak, quantized_layer_transient, variant_quant
+from ..estimators.memory import compared
 from ..layout import Job, Layout
 from ..measure.bandwidth import bandwidth_ceiling, decode_roofline, roofline, speculative_costs
 from ..measure.device import DTYPES

@@ -23,7 +23,8 @@ import torch
 
 from ... import config, profiling
 from ...config import UserError
-from ...estimators.memory import compared, longest_micro_batch, training_peak
+from ...estimators.memory import compared
+from ...estimators.training_memory import longest_micro_batch, training_peak
 from ...experiment import finetune_run
 from ...layout import LOSS_COLUMNS, Job, Layout
 from ...logs import log_file_path, setup_child_logging
