@@ -137,7 +137,7 @@ def check_memory_predictions(family: str, results) -> None:
     beside the measured live-tensor peak, is checked per family. Training's per-layer count is modelled for the
     Llama-style decoders only: any other family says so instead of a number. Generation's is for every family;
     at this size (about 1.5 MiB, mostly vocabulary-sized logits buffers) it is known to run 25% under."""
-    from efflab.estimators.memory import DECODERS
+    from efflab.estimators.training_memory import DECODERS
 
     train = json.loads((results / "finetune" / "lora" / "metrics.json").read_text())["memory_prediction"]
     if family in DECODERS:

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from efflab import architecture
-from efflab.stages import prune
+from efflab.models import pruning
 from tests.families import FAMILIES, family_folder
 
 
@@ -91,16 +91,16 @@ def test_lora_targets_default_to_peft_s_choice_for_the_family(folders, family, e
 def _masked(model, kept: dict, d: int):
     """The base model with the removed heads' output-projection columns zeroed and the removed layers skipped."""
     masked = copy.deepcopy(model)
-    heads = prune.attention_shape(model.config)[1]
+    heads = pruning.attention_shape(model.config)[1]
     stack = architecture.decoder_layers(masked)
     if kept["heads"] < heads:
-        where = prune.attention_modules(masked)
+        where = pruning.attention_modules(masked)
         for i in range(len(stack)):
             output = masked.get_submodule(f"{where['attention'][i]}.{where['output']}")
             for h in set(range(heads)) - set(kept["kept_heads"].get(i, [])):
                 output.weight.data[:, h * d:(h + 1) * d] = 0
     kept_layers = torch.nn.ModuleList([stack[i] for i in kept["kept_layers"]])
-    masked.set_submodule(prune.layer_stack(masked), kept_layers)
+    masked.set_submodule(pruning.layer_stack(masked), kept_layers)
     for i, layer in enumerate(kept_layers):
         for m in layer.modules():
             if hasattr(m, "layer_idx"):
@@ -131,7 +131,7 @@ def test_pruning_heads_is_exact_on_separate_biased_and_fused_projections(folders
     under grouped-query attention."""
     model = phi() if family == "phi" else tiny(folders, family)
     scores = {"heads": [[4.0, 3.0, 2.0, 1.0]] * 2, "layers": [2.0, 1.0]}
-    pruned, kept = prune.prune(model, {"remove_heads": 0.5, "remove_layers": 1}, scores)
+    pruned, kept = pruning.prune(model, {"remove_heads": 0.5, "remove_layers": 1}, scores)
     assert (kept["heads"], kept["kv_heads"], kept["layers"]) == (2, 2, 1), "one query head of each group"
     with torch.no_grad():
         torch.testing.assert_close(pruned(IDS).logits, _masked(model, kept, 16)(IDS).logits, atol=1e-5, rtol=1e-4)
@@ -145,7 +145,7 @@ def test_removing_half_the_layers_needs_only_a_stack_of_decoder_layers(folders, 
     field: num_hidden_layers or n_layer) reloads in plain transformers, and the model computes what the base
     computes with the removed layer skipped."""
     model = tiny(folders, family)
-    pruned, kept = prune.prune(model, {"remove_layers": 0.5}, {"heads": None, "layers": [1.0, 2.0]})
+    pruned, kept = pruning.prune(model, {"remove_layers": 0.5}, {"heads": None, "layers": [1.0, 2.0]})
     assert (kept["layers"], kept["kept_layers"], kept["heads"]) == (1, [1], 4)
     pruned.save_pretrained(tmp_path, safe_serialization=True)
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
@@ -167,10 +167,10 @@ def test_a_family_whose_config_cannot_hold_fewer_heads_refuses_head_strategies_o
     saying so; one that removes only layers is not."""
     model = tiny(folders, family)
     for strategy in ({"remove_heads": 2}, {"keep_heads": 1, "remove_layers": 1}):
-        with pytest.raises(prune.Unprunable, match="config cannot describe fewer heads of the same size: with [12] query heads"):
-            prune.cut_plan(model, strategy)
+        with pytest.raises(pruning.Unprunable, match="config cannot describe fewer heads of the same size: with [12] query heads"):
+            pruning.cut_plan(model, strategy)
     for strategy in ({"remove_layers": 0.5}, {"remove_heads": 0, "remove_layers": 1}):
-        plan, layers = prune.cut_plan(model, strategy)
+        plan, layers = pruning.cut_plan(model, strategy)
         assert (plan["heads"], layers) == (4, 1)
-    where = prune.attention_modules(model)
+    where = pruning.attention_modules(model)
     assert where["output"] == {"opt": "out_proj", "gpt2": "c_proj"}.get(family, "dense")

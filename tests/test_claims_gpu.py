@@ -17,6 +17,7 @@ from efflab.measure.stats import speedup, summarize
 from efflab.measure.timing import INTERLEAVE_RECORD
 from efflab.stages.claims import readings, stage
 from efflab.stages.claims.registry import load
+from efflab.stages.claims.verdict import NotHere
 from tests.helpers import SimulatedClock
 
 H100 = "NVIDIA H100 80GB HBM3"
@@ -127,7 +128,7 @@ def test_flash_attention_2_is_read_before_sdpas_flash_kernel_and_a_cpu_run_is_no
                env={"device": "cpu"})
     row = stage.evaluate(claim, layout)  # sdpa_flash off a GPU is not the claim's kernel, and nothing else ran
     assert row["verdict"] == f"needs GPU: {claim['gpu']}" and row["evidence"] == "measured"
-    with pytest.raises(readings.NotHere, match="sdpa_flash: not run on a CUDA GPU"):
+    with pytest.raises(NotHere, match="sdpa_flash: not run on a CUDA GPU"):
         readings.METRICS["attention_speedup"](layout, claim["metric"])
     _attention(layout, "flash_attention_2", [_interleaved_row(quiet_machine, "flash_attention_2", 4096, 0.04,
                                                               [3.0] * 6)])
@@ -189,7 +190,7 @@ def test_a_cpu_base_model_leaves_the_gpu_claims_to_a_gpu(layout, by_id):
     _write(layout.metrics("base_model"), {"status": "ok", "dtype": "float32", "environment": {"device": "cpu"}})
     for claim in ("fp16-2x-tf32", "tensor-core-2-4x", "fp16-speedup-2-3x", "cuda-kernels-1gb"):
         assert stage.evaluate(by_id[claim], layout)["verdict"] == f"needs GPU: {by_id[claim]['gpu']}"
-    with pytest.raises(readings.NotHere, match="the results are from a CPU run"):
+    with pytest.raises(NotHere, match="the results are from a CPU run"):
         readings.METRICS["matmul_ratio"](layout, by_id["tensor-core-2-4x"]["metric"])
 
 

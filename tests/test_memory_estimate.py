@@ -7,7 +7,8 @@ import json
 import pytest
 import torch
 
-from efflab.estimators import memory as me
+from efflab.estimators import generation_memory as gm
+from efflab.estimators import training_memory as tm
 from efflab.measure.isolation import run_cell
 from efflab.measure.memory import MiB, track_memory
 from efflab.stages.report import sections, tables
@@ -42,7 +43,7 @@ def test_full_fp32_saved_tensors_by_hand(tiny):
     tokens = rows * length
     per_token = 4 * (4 * H + 2 * H + 4 * H + 4 * I) + 4 * HEADS
     layer = per_token * tokens + 4 * rows * length**2
-    terms = me.activation_terms(tiny, _run("full"), "float32", "no", rows, length)
+    terms = tm.activation_terms(tiny, _run("full"), "float32", "no", rows, length)
     assert terms["layers"] == 2 * layer == 2 * (4624 * 20 + 800)
     assert terms["head"] == 4 * (2 * H + H) * tokens  # final norm (input, x/rms) and the head's input
     assert terms["loss"] == 3 * 4 * V * tokens  # log-softmax output, its gradient, the logits' gradient
@@ -58,7 +59,7 @@ def test_lora_bf16_autocast_saved_tensors_by_hand(tiny):
     tokens = rows * length
     layer1 = (8 * H + 24 * H + 8 * H + 6 * I + 4 * HEADS) * tokens + 2 * rows * length**2
     layer0 = layer1 - 16 * H * tokens
-    terms = me.activation_terms(tiny, _run("lora"), "bfloat16", "bf16", rows, length)
+    terms = tm.activation_terms(tiny, _run("lora"), "bfloat16", "bf16", rows, length)
     assert terms["layers"] == layer0 + layer1
     assert terms["head"] == 4 * H * tokens
 
@@ -66,35 +67,35 @@ def test_lora_bf16_autocast_saved_tensors_by_hand(tiny):
 def test_qlora_mlp_stays_fp32_and_the_head_copy_is_kept(tiny):
     # QLoRA upcasts the norms to fp32, so the 4-bit gate/up return fp32: the MLP keeps 3 x 4i instead of 3 x 2i
     rows, length = 1, 8
-    lora = me.activation_terms(tiny, _run("lora"), "bfloat16", "bf16", rows, length)["layers"]
-    qlora = me.activation_terms(tiny, _run("qlora"), "bfloat16", "bf16", rows, length)["layers"]
+    lora = tm.activation_terms(tiny, _run("lora"), "bfloat16", "bf16", rows, length)["layers"]
+    qlora = tm.activation_terms(tiny, _run("qlora"), "bfloat16", "bf16", rows, length)["layers"]
     assert qlora - lora == 2 * 3 * 2 * I * rows * length
-    p = me._precisions(_run("qlora"), "bfloat16", "bf16")
-    adapters = 2 * sum(me._trainable_tensors(tiny, _run("qlora")))
-    assert me._autocast_weight_copies(tiny, _run("qlora"), p) == 2 * V * H + adapters  # the fp32 head in bf16
+    p = tm._precisions(_run("qlora"), "bfloat16", "bf16")
+    adapters = 2 * sum(tm._trainable_tensors(tiny, _run("qlora")))
+    assert tm._autocast_weight_copies(tiny, _run("qlora"), p) == 2 * V * H + adapters  # the fp32 head in bf16
 
 
 def test_optimizer_states_by_hand():
-    assert me.optimizer_state_bytes([1000, 10], "adamw_torch") == 8 * 1010 + 2 * 4  # + a step count per tensor
+    assert tm.optimizer_state_bytes([1000, 10], "adamw_torch") == 8 * 1010 + 2 * 4  # + a step count per tensor
     # bitsandbytes: 32-bit state under 4096 elements; else 1 byte per moment + fp32 absmax per 256 + 256-entry qmap
-    assert me.optimizer_state_bytes([100], "adamw_bnb_8bit") == 2 * 4 * 100
-    assert me.optimizer_state_bytes([4608], "paged_adamw_8bit") == 2 * (4608 + 4 * 18 + 4 * 256)
+    assert tm.optimizer_state_bytes([100], "adamw_bnb_8bit") == 2 * 4 * 100
+    assert tm.optimizer_state_bytes([4608], "paged_adamw_8bit") == 2 * (4608 + 4 * 18 + 4 * 256)
 
 
 def test_lora_trainable_tensors_and_step_phase(tiny):
     # q: 64->64, k/v: 64->32, o: 64->64 per layer; A is r x in, B is out x r
     per_layer = [8 * 64, 8 * 64] + [8 * 64, 8 * 32] * 2 + [8 * 64, 8 * 64]
-    assert sorted(me._trainable_tensors(tiny, _run("lora"))) == sorted(2 * per_layer)
-    full = me.training_peak(tiny, _run("full"), "float32", "no", [3, 4, 5, 6])
-    n = sum(me._trainable_tensors(tiny, _run("full")))
+    assert sorted(tm._trainable_tensors(tiny, _run("lora"))) == sorted(2 * per_layer)
+    full = tm.training_peak(tiny, _run("full"), "float32", "no", [3, 4, 5, 6])
+    n = sum(tm._trainable_tensors(tiny, _run("full")))
     # tiny batches: the optimizer step (gradients + two moments + two temporaries of the embedding) is the peak
     assert full["phase"] == "optimizer step"
-    tensors = len(me._trainable_tensors(tiny, _run("full")))
+    tensors = len(tm._trainable_tensors(tiny, _run("full")))
     assert full["total_mib"] * MiB == 4 * n + 8 * n + 4 * tensors + 2 * 4 * V * H
 
 
 def test_what_is_not_modelled_says_so(tiny):
-    p = me.training_peak(tiny, _run("lora") | {"num_processes": 2}, "float32", "no", [3, 4])
+    p = tm.training_peak(tiny, _run("lora") | {"num_processes": 2}, "float32", "no", [3, 4])
     assert p["total_mib"] is None and p["unavailable"].startswith("not modelled: several processes")
 
 
@@ -104,22 +105,22 @@ def test_the_largest_batch_is_the_last_doubling_whose_prediction_fits(tiny):
     the estimator does not model, unavailable with its reason."""
     lengths = [40 + (7 * k) % 60 for k in range(64)]
     run = _run("lora") | {"batch_size": 2}
-    peak = {rows: me.training_peak(tiny, run | {"batch_size": rows}, "float32", "no", lengths)["total_mib"]
+    peak = {rows: tm.training_peak(tiny, run | {"batch_size": rows}, "float32", "no", lengths)["total_mib"]
             for rows in (2, 4, 8, 16)}
     assert peak[2] < peak[4] < peak[8] < peak[16]
-    got = me.largest_batch(tiny, run, "float32", "no", lengths, "cpu", (peak[8] + peak[16]) / 2)
+    got = tm.largest_batch(tiny, run, "float32", "no", lengths, "cpu", (peak[8] + peak[16]) / 2)
     assert got["rows"] == 8 and [t["rows"] for t in got["tried"]] == [2, 4, 8, 16]
     assert got["tokens_per_step"] == pytest.approx(8 * sum(lengths) / len(lengths))
-    assert me.largest_batch(tiny, run, "float32", "no", lengths, "cpu", peak[2] / 2)["rows"] is None
-    assert me.largest_batch(tiny, run, "float32", "no", lengths, "cpu", 1e9, most=4)["rows"] == 4
-    other = me.largest_batch(tiny, run | {"num_processes": 2}, "float32", "no", lengths, "cpu", 1e9)
+    assert tm.largest_batch(tiny, run, "float32", "no", lengths, "cpu", peak[2] / 2)["rows"] is None
+    assert tm.largest_batch(tiny, run, "float32", "no", lengths, "cpu", 1e9, most=4)["rows"] == 4
+    other = tm.largest_batch(tiny, run | {"num_processes": 2}, "float32", "no", lengths, "cpu", 1e9)
     assert other["rows"] is None and other["unavailable"].startswith("not modelled")
 
 
 def test_checkpointing_keeps_only_each_layers_input(tiny):
     run = _run("lora") | {"gradient_checkpointing": True}
-    plain = me.activation_terms(tiny, _run("lora"), "bfloat16", "bf16", 2, 10)
-    terms = me.activation_terms(tiny, run, "bfloat16", "bf16", 2, 10)
+    plain = tm.activation_terms(tiny, _run("lora"), "bfloat16", "bf16", 2, 10)
+    terms = tm.activation_terms(tiny, run, "bfloat16", "bf16", 2, 10)
     assert terms["layers"] == 2 * 20 * H * 2  # two layers' bf16 inputs, 20 tokens
     assert terms["loss"] == plain["loss"] and terms["head"] == plain["head"]
     # the recomputed last layer saves what a layer saves without checkpointing (whose first layer has no
@@ -137,10 +138,10 @@ def test_batch_order_is_the_one_accelerate_draws():
     order += list(sampler)
     slices = [order[i:j] for i, j in ((0, 3), (3, 6), (6, 7), (7, 10), (10, 13), (13, 14))]  # epochs end short
     expected = [max(lengths[k] for k in batch) for batch in slices]
-    got = me.padded_batch_lengths(lengths, 3, 6, 1, 3)
+    got = tm.padded_batch_lengths(lengths, 3, 6, 1, 3)
     assert [step[0][1] for step in got] == expected
     assert [step[0][0] for step in got] == [3, 3, 1, 3, 3, 1]  # 7 rows in batches of 3: the third is short
-    packed = me.padded_batch_lengths(lengths, 3, 6, 1, 3, packing=True)  # padding free: one row of all tokens
+    packed = tm.padded_batch_lengths(lengths, 3, 6, 1, 3, packing=True)  # padding free: one row of all tokens
     assert [step[0] for step in packed] == [(1, sum(lengths[k] for k in batch)) for batch in slices]
 
 
@@ -175,7 +176,7 @@ def test_predicted_loss_and_activations_match_a_measured_peak(tmp_path):
     config = TINY | {"vocab_size": 15000}
     (tmp_path / "config.json").write_text(json.dumps(config))
     rows, length = 4, 256
-    terms = me.activation_terms(tmp_path, _run("full"), "float32", "no", rows, length)
+    terms = tm.activation_terms(tmp_path, _run("full"), "float32", "no", rows, length)
     cell = run_cell(measured_training_step, {"config": config, "rows": rows, "length": length}, timeout_s=300)
     assert cell["status"] == "ok", cell.get("reason")
     predicted = sum(terms.values()) / MiB  # at the backward's start: no gradient exists yet (set_to_none)
@@ -189,7 +190,7 @@ def test_predicted_layer_activations_match_the_live_tensor_peak(tmp_path):
     config = TINY | {"vocab_size": 512, "num_hidden_layers": 4}
     (tmp_path / "config.json").write_text(json.dumps(config))
     rows, length = 4, 512
-    terms = me.activation_terms(tmp_path, _run("full"), "float32", "no", rows, length)
+    terms = tm.activation_terms(tmp_path, _run("full"), "float32", "no", rows, length)
     assert terms["layers"] > 3 * terms["loss"]
     cell = run_cell(measured_training_step, {"config": config, "rows": rows, "length": length}, timeout_s=300)
     assert cell["status"] == "ok", cell.get("reason")
@@ -203,8 +204,8 @@ def test_predicted_checkpointed_peak_matches_the_live_tensor_peak(tmp_path):
     config = TINY | {"vocab_size": 4096, "num_hidden_layers": 4}
     (tmp_path / "config.json").write_text(json.dumps(config))
     run = _run("full") | {"batch_size": 4, "max_steps": 1}
-    plain = me.training_peak(tmp_path, run, "float32", "no", [256] * 4)
-    p = me.training_peak(tmp_path, run | {"gradient_checkpointing": True}, "float32", "no", [256] * 4)
+    plain = tm.training_peak(tmp_path, run, "float32", "no", [256] * 4)
+    p = tm.training_peak(tmp_path, run | {"gradient_checkpointing": True}, "float32", "no", [256] * 4)
     assert p["phase"].startswith("backward start") and p["total_mib"] < 0.85 * plain["total_mib"]
     cell = run_cell(measured_training_step, {"config": config, "rows": 4, "length": 256, "checkpointing": True},
                     timeout_s=300)
@@ -220,7 +221,7 @@ def test_stages_record_the_prediction_next_to_the_measurement(results, write_par
     params = write_params(small)
     metrics = run_stage("finetune", params, results, "lora-r8")
     p = metrics["memory_prediction"]
-    assert p["total_mib"] > 0 and p["compares_to"] == me.TRAINING_COMPARES_TO
+    assert p["total_mib"] > 0 and p["compares_to"] == tm.TRAINING_COMPARES_TO
     assert p["measured_kind"] == "cpu_tensor_peak"
     assert p["measured_mib"] == metrics["train_memory"]["tensors"]["delta_mib"]
     assert p["ratio"] == pytest.approx(p["measured_mib"] / p["total_mib"])
@@ -236,12 +237,12 @@ def test_report_puts_the_prediction_beside_the_measurement():
 
     env = {"fingerprint": "e1"}
     finetune = [{"run": "lora-r8", "environment": env, "memory_prediction": {
-        "total_mib": 100.0, "compares_to": me.TRAINING_COMPARES_TO, "batch": {"rows": 4, "padded_length": 151},
+        "total_mib": 100.0, "compares_to": tm.TRAINING_COMPARES_TO, "batch": {"rows": 4, "padded_length": 151},
         "terms_mib": {"activations": 60.0, "loss_logits": 40.0, "gradients": 0.0}, "measured_mib": 112.0,
         "measured_kind": "cpu_tensor_peak", "ratio": 1.12, "rss_delta_mib": 150.0, "rss_ratio": 1.5}}]
     inference = [{"variant": "baseline", "environment": env, "cells": [
         {"status": "ok", "kv_cache": True, "batch_size": 1, "memory_prediction": {
-            "total_mib": 2.5, "compares_to": me.GENERATION_COMPARES_TO, "terms_mib": {"kv_cache": 2.5},
+            "total_mib": 2.5, "compares_to": gm.GENERATION_COMPARES_TO, "terms_mib": {"kv_cache": 2.5},
             "measured_mib": 5.0, "measured_kind": "cpu_tensor_peak", "ratio": 2.0}},
         {"status": "failed", "kv_cache": True, "batch_size": 3}]}]
     df = tables.memory_prediction_table(finetune, inference)
@@ -271,11 +272,11 @@ def test_the_frozen_head_copy_is_predicted_exactly_where_this_cpu_makes_it(tmp_p
     assert seen[False] < weight_bytes / 8  # the output and small workspaces, no weight copy
     copies = seen[True] >= weight_bytes
     assert copies or seen[True] < weight_bytes / 8, "a partial copy: neither branch of the model"
-    assert me.frozen_head_copies_weight(vocab, hidden, dtype) is copies
+    assert gm.frozen_head_copies_weight(vocab, hidden, dtype) is copies
 
     (tmp_path / "config.json").write_text(json.dumps(TINY | {"vocab_size": vocab, "hidden_size": hidden}))
-    frozen = me.generation_peak(tmp_path, dtype, None, me.Generation(1, 12, 4), frozen=True)["terms_mib"]
-    trainable = me.generation_peak(tmp_path, dtype, None, me.Generation(1, 12, 4), frozen=False)["terms_mib"]
+    frozen = gm.generation_peak(tmp_path, dtype, None, gm.Generation(1, 12, 4), frozen=True)["terms_mib"]
+    trainable = gm.generation_peak(tmp_path, dtype, None, gm.Generation(1, 12, 4), frozen=False)["terms_mib"]
     assert "frozen_head_weight_copy" not in trainable
     assert frozen.get("frozen_head_weight_copy", 0) * MiB == (weight_bytes if copies else 0)
 
@@ -289,13 +290,13 @@ def test_a_quantized_layers_transient_is_probed_on_the_model_and_predicted(resul
 
     folder = Layout(results).base_model()
     plain = load_model(folder, "float32", torch.device("cpu"))
-    assert me.quantized_layer_transient(plain, "float32") == 0
+    assert gm.quantized_layer_transient(plain, "float32") == 0
     int8 = load_model(folder, "float32", torch.device("cpu"), quant={"method": "int8"})
-    transient = me.quantized_layer_transient(int8, "float32")
+    transient = gm.quantized_layer_transient(int8, "float32")
     biggest = max((m for m in int8.modules() if hasattr(m, "in_features") and m is not int8.lm_head),
                   key=lambda m: m.in_features * m.out_features)
     assert 0 <= transient <= 4 * biggest.in_features * biggest.out_features + 2**16, "at most a fp32 weight copy"
-    args = (folder, "float32", {"method": "int8"}, me.Generation(1, 12, 4))
-    with_it = me.generation_peak(*args, quantized_transient_bytes=transient)
-    without = me.generation_peak(*args)
+    args = (folder, "float32", {"method": "int8"}, gm.Generation(1, 12, 4))
+    with_it = gm.generation_peak(*args, quantized_transient_bytes=transient)
+    without = gm.generation_peak(*args)
     assert (with_it["total_mib"] - without["total_mib"]) * MiB == pytest.approx(transient)

@@ -6,6 +6,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from efflab.config import UserError
+from efflab.models import pruning
 from efflab.models.modeling import load_model, load_tokenizer, read_split
 from efflab.stages import prune
 from tests.helpers import TEST_PARAMS, run_stage
@@ -13,14 +14,14 @@ from tests.helpers import TEST_PARAMS, run_stage
 
 def test_the_seeds_five_strategies_on_smollm2_135m_respect_grouped_query_attention():
     """9 query heads in 3 key/value groups: only 1, 2, 3, 4, 6 or 9 heads can be kept in every layer."""
-    plans = {name: prune.head_plan(s, heads=9, kv=3) for name, s in {
+    plans = {name: pruning.head_plan(s, heads=9, kv=3) for name, s in {
         "heads-2": {"remove_heads": 2}, "heads-half": {"remove_heads": 0.5}, "heads-1": {"keep_heads": 1}}.items()}
     assert (plans["heads-2"]["heads"], plans["heads-2"]["kv_heads"]) == (6, 3), "7 asked: 6 is nearest, all kv kept"
     assert (plans["heads-half"]["heads"], plans["heads-half"]["kv_heads"]) == (4, 2)
     assert (plans["heads-1"]["heads"], plans["heads-1"]["kv_heads"]) == (1, 1)
-    assert prune.layer_count({"remove_layers": 0.5}, 30) == 15
+    assert pruning.layer_count({"remove_layers": 0.5}, 30) == 15
     with pytest.raises(UserError, match="keeps 20 of 9 query heads"):
-        prune.head_plan({"keep_heads": 20}, heads=9, kv=3)
+        pruning.head_plan({"keep_heads": 20}, heads=9, kv=3)
 
 
 def test_removing_heads_and_layers_computes_what_masking_them_computes(prepared):
@@ -31,8 +32,8 @@ def test_removing_heads_and_layers_computes_what_masking_them_computes(prepared)
     rows = read_split(prepared / "prepare_data" / "train.parquet", 4)
     scores = prune.importance(base, rows, tokenizer, "activation_norm")
     assert all(s > 0 for layer in scores["heads"] for s in layer) and all(s > 0 for s in scores["layers"])
-    pruned, kept = prune.prune(base, {"remove_heads": 0.5, "remove_layers": 1}, scores)
-    _, heads, _, d = prune.attention_shape(base.config)
+    pruned, kept = pruning.prune(base, {"remove_heads": 0.5, "remove_layers": 1}, scores)
+    _, heads, _, d = pruning.attention_shape(base.config)
     masked = copy.deepcopy(base)
     for i, layer in enumerate(masked.model.layers):
         for h in set(range(heads)) - set(kept["kept_heads"].get(i, [])):

@@ -201,11 +201,11 @@ def test_a_capacity_search_that_fit_its_whole_grid_is_drawn_as_at_least_its_ceil
 
 
 def _capacity_report(job) -> tuple[str, str, pd.DataFrame]:
-    from efflab.stages.report import decisions, glance, sections
+    from efflab.stages.report import annotate, decisions, glance, sections
     from efflab.stages.report.tables import capacity as tables
 
-    metrics = decisions.with_causes({"qat": [], "capacity": [job], "finetune": [], "bench_attention": [],
-                                     "base_model": [{"config": {}}]})
+    metrics = annotate.with_causes({"qat": [], "capacity": [job], "finetune": [], "bench_attention": [],
+                                    "base_model": [{"config": {}}]})
     return (sections.capacity_body({}, metrics, lambda key: "TABLE") + sections.capacity_misses(metrics),
             glance.capacity(decisions._capacity(metrics["capacity"][0])),
             tables.capacity_table([job]))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from efflab import quality
-from efflab.stages.report import decisions, glance, target
+from efflab.stages.report import annotate, glance, target
 from efflab.stages.report.tables.finetune import target_table
 
 STEP = {"median": 2.0, "ci95_median": [1.8, 2.4], "n": 6}
@@ -127,9 +127,9 @@ def test_without_a_run_from_the_base_the_auto_target_says_which_key_to_set():
 
 
 def test_the_decision_is_in_decisions_json_once(test_cfg):
-    """decisions.build puts the question beside the others, from the records against_tolerance timed once."""
+    """decisions.build puts the question beside the others, from the records annotate.against_tolerance timed once."""
     runs = [_run("full", "full", [3.40, 3.30, 3.20, 3.10], 5e-5)]
-    metrics = decisions.against_tolerance(test_cfg, {"finetune": runs, "qat": [], "evaluate": []})
+    metrics = annotate.against_tolerance(test_cfg, {"finetune": runs, "qat": [], "evaluate": []})
     assert metrics["finetune"][0]["time_to_target"]["steps"] == 2
     assert target.question(test_cfg, metrics["finetune"])["answer"] == "full"
 

@@ -2,8 +2,8 @@
 
 Families name their sizes differently (GPT-2's n_embd and n_inner, Mixtral's num_local_experts, Gemma-3's
 text sub-config), and some build their projections from other layer types (GPT-2's Conv1D). Stages and
-estimators read a model's shape and its matrix-multiply weights, and prune writes a smaller model's config, only
-through here, never a family's own config field or module name.
+estimators read a model's shape and its matrix-multiply weights, and models.pruning writes a smaller model's
+config, only through here, never a family's own config field or module name.
 """
 from __future__ import annotations
 

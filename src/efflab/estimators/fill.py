@@ -1,7 +1,7 @@
 """A batch that fills the device: the most rows a fine-tuning step can take within a share of the device's memory,
-by the memory estimator (estimators.memory.largest_batch), for throughput measurements (the GPU lane's MFU and the
-fine-tuning benchmark's `--batch-size fill`). A few thousand tokens a step leave a large GPU waiting on its kernel
-launches: an MFU read at such a batch says more about the launch overhead than about the training.
+by the memory estimator (estimators.training_memory.largest_batch), for throughput measurements (the GPU lane's
+MFU and the fine-tuning benchmark's `--batch-size fill`). A few thousand tokens a step leave a large GPU waiting on
+its kernel launches: an MFU read at such a batch says more about the launch overhead than about the training.
 
     python -m efflab.estimators.fill [--most N] PARAMS RESULTS RUN [RUN ...]   # a params overlay of each run's batch
 """
@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 import yaml
 
-from .memory import MiB, largest_batch
+from .memory import MiB
+from .training_memory import largest_batch
 
 # The share of the device's memory a filled batch may take (the rest: the allocator's fragmentation, the CUDA
 # context, the estimator's error)

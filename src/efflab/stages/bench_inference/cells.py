@@ -10,7 +10,8 @@ from pathlib import Path
 import torch
 
 from ... import architecture, profiling, records
-from ...estimators.memory import Generation, compared, generation_peak, quantized_layer_transient, variant_quant
+from ...estimators.generation_memory import Generation, generation_peak, quantized_layer_transient, variant_quant
+from ...estimators.memory import compared
 from ...layout import Layout
 from ...measure.bandwidth import decode_roofline, roofline, speculative_costs
 from ...measure.device import DTYPES
@@ -185,7 +186,7 @@ def cell_extras(cfg: dict, layout, work: Workload, cell: dict) -> dict:
 
 
 def predicted_peak(cfg: dict, layout, variant: dict, work: Workload, dtype: str, device: torch.device):
-    """The memory estimator's peak of this cell's generation (estimators.memory.generation_peak)."""
+    """The memory estimator's peak of this cell's generation (estimators.generation_memory.generation_peak)."""
     transient = quantized_layer_transient(work.model, dtype) if device.type == "cpu" else 0
     shape = Generation(work.batch_size, max(x["input_ids"].shape[1] for x in work.batches), work.n, work.kv_cache)
     frozen = not any(p.requires_grad for p in work.model.get_output_embeddings().parameters())

@@ -16,9 +16,9 @@ warm-up steps (training: forward, backward, optimizer step on rows of exactly th
 training split; generation: greedy, exactly new_tokens tokens) with the live-tensor peak tracked, then any timed
 steps untracked. An out-of-memory cell is a result.
 1. The smallest size runs first; it measures the memory with the model loaded, and the estimator
-   (estimators.memory.training_peak / generation_peak, the same as finetune and bench_inference compare with)
-   predicts the tensor growth of every size on top of it: the predicted maximum is the largest size predicted
-   to fit.
+   (estimators.training_memory.training_peak / generation_memory.generation_peak, the same as finetune and
+   bench_inference compare with) predicts the tensor growth of every size on top of it: the predicted maximum is
+   the largest size predicted to fit.
 2. The predicted maximum runs, then the next size; from there the search walks away from the prediction in
    doubling steps until it brackets the boundary, and bisects: it ends with a size that passes next to the
    next size, which fails (or with the grid's end passing: "fits the whole range").

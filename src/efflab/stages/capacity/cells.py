@@ -9,7 +9,8 @@ from pathlib import Path
 import torch
 
 from ... import records
-from ...estimators.memory import Generation, generation_peak, quantized_layer_transient, training_peak, variant_quant
+from ...estimators.generation_memory import Generation, generation_peak, quantized_layer_transient, variant_quant
+from ...estimators.training_memory import training_peak
 from ...experiment import finetune_run
 from ...layout import Layout
 from ...measure.isolation import run_cell

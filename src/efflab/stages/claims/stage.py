@@ -14,10 +14,10 @@ from ...layout import Job
 from ...registry import names
 from .page import markdown
 from .quantities import DEFINITIONS, compute
-from .readings import DEFINITION_METRICS, NotHere, read, scale_note
+from .readings import DEFINITION_METRICS, read, scale_note
 from .registry import REGISTRY, default_tolerance, load
 from .sentences import sentence_counts, with_sentences
-from .verdict import EVIDENCE, VERDICTS, band, band_text, judge, reported_text, units_label, verdict_class
+from .verdict import EVIDENCE, VERDICTS, NotHere, band, band_text, judge, reported_text, units_label, verdict_class
 
 log = logging.getLogger("efflab")
 

@@ -4,7 +4,7 @@ A measured value with its 95% interval is reproduced only when the whole interva
 only when it lies wholly outside, and is inconclusive when it crosses an edge. A measured value without an
 interval (one burst, a fit through three points, two timings) is inconclusive wherever it lies. A computed value
 (arithmetic on the seed's own inputs) or a count of this run's tensors (exact: its interval is the value itself)
-is judged as it stands.
+is judged as it stands. A measured claim's figure is a Reading, or NotHere where its results are not there.
 """
 from __future__ import annotations
 
@@ -41,6 +41,10 @@ class Reading:
     ci: tuple[float, float] | None = None
     exact: bool = False
     cause: str = ""
+
+
+class NotHere(Exception):
+    """The results a measured claim needs are not in this results folder."""
 
 
 def fmt(x: float) -> str:

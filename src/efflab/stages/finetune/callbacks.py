@@ -53,10 +53,11 @@ class CountLongestSteps(TrainerCallback):
     grow with its token positions, so its peak is on one of them; the other steps run without the profiler's
     per-allocation events (on a CPU they cost ~5% of a LoRA step's time). Where the run's longest micro-batch is
     known before training (`longest_expected`: the estimator draws the Trainer's batch order,
-    estimators.memory.padded_batch_lengths), only a step that reaches it is counted after the first: at most two
-    steps, where record after record would be counted otherwise (half the steps of a 7-step packed run). The count
-    resumes once a step's micro-batches are fetched (before the step timer starts) and pauses after the step timer
-    stops: its own start and stop are in no step's time. `steps` lists the counted steps, `record()` what it saw."""
+    estimators.training_memory.padded_batch_lengths), only a step that reaches it is counted after the first: at
+    most two steps, where record after record would be counted otherwise (half the steps of a 7-step packed
+    run). The count resumes once a step's micro-batches are fetched (before the step timer starts) and pauses
+    after the step timer stops: its own start and stop are in no step's time. `steps` lists the counted steps,
+    `record()` what it saw."""
 
     def __init__(self, tensors: CpuTensorPeak, trainer, longest_expected: int | None = None):
         self.tensors, self.steps, self.longest, self._positions = tensors, [], 0, 0

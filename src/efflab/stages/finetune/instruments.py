@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from ... import profiling
-from ...estimators.memory import longest_micro_batch, training_peak
+from ...estimators.training_memory import longest_micro_batch, training_peak
 from ...layout import Job
 from ...measure.energy import EnergyMeter
 from ...measure.flops import matmul_ceiling

@@ -13,17 +13,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ... import quality, records
-from ...config import task_relative, task_tolerance
-from ...evaluation import scores
+from ... import records
 from ...measure import load
 from ...measure.stats import NOT_DECIDED, compare, ratio_words
 from . import advice, questions, target
 from . import generation_modes as modes
 from . import options as opts
+from .annotate import against_tolerance, with_memory_error
 from .decide import winner
 from .results import absent
-from .tables.capacity import capacity_cause
 from .tables.qat import verdict_of
 
 # What each axis is, for a reader of decisions.json: its kind and which way is better.
@@ -31,53 +29,6 @@ AXES = {"memory": ("MiB", "min"), "speed": ("ratio over the baseline (higher is 
         "step": ("median step time, s", "min"), "step_ratio": ("step time over the baseline's", "min"),
         "quality": ("perplexity change over the baseline, %", "min"), "kl": ("mean KL to the adapter", "min"),
         "agreement": ("max abs difference from the baseline's output", "min")}
-
-
-def against_tolerance(cfg: dict, metrics: dict) -> dict:
-    """The records' verdicts against a tolerance, decided again from their paired changes against the one tolerance
-    of params.yaml's `tolerance` section (the same unless the records were made under another): qat's precision
-    range test (tolerance.perplexity_pct) and evaluate's gate (the lm-eval metrics' tolerances)."""
-    pct, tasks, relative = cfg["tolerance"]["perplexity_pct"], task_tolerance(cfg), task_relative(cfg)
-
-    def qat(job: dict) -> dict:
-        if not records.is_ok(job) or not job.get("reference_perplexity"):
-            return job
-        tests = {m: quality.range_test({v["bits"]: v.get("perplexity_change") for v in job["variants"]
-                                        if v["method"] == m}, pct) for m in ("ptq", "qat")}
-        return job | {"precision_range_test": tests, "tolerance_pct": pct}
-
-    evaluated = {j["model"]: j for j in records.ok(metrics.get("evaluate", []))}
-
-    def gated(job: dict) -> dict:
-        if not records.is_ok(job) or not job.get("reference"):
-            return job
-        changes = scores.with_resolution(job, evaluated.get(job["reference"]))
-        def held(m: str, c: dict) -> dict:
-            if m == "empty answers":
-                return c
-            if m not in tasks:
-                return c | {"tolerance": None, "gate": "not gated"}
-            t = scores.tolerance_of(tasks[m], c.get("reference_value"), relative)
-            return c | {"tolerance": t, "gate": scores.gate(c, t, c["higher_is_better"])}
-
-        changes = {t: {m: held(m, c) for m, c in by.items()} for t, by in changes.items()}
-        return job | {"changes": changes, "gate": scores.gate_verdict(changes)}
-
-    return with_causes(metrics) | {"qat": [qat(j) for j in metrics.get("qat", [])],
-                      "evaluate": [gated(j) for j in metrics.get("evaluate", [])],
-                      "finetune": target.with_targets(cfg, metrics.get("finetune", []))}
-
-
-def with_causes(metrics: dict) -> dict:
-    """Each capacity maximum's cause against its prediction (tables.capacity.capacity_cause), decided once on its
-    search: the capacity decision, its section and details.md read it there."""
-    def caused(job: dict) -> dict:
-        if not records.is_ok(job):
-            return job
-        return job | {"searches": [s | {"cause": capacity_cause(s)} if records.is_ok(s) else s
-                                   for s in job.get("searches", [])]}
-
-    return metrics | {"capacity": [caused(j) for j in metrics.get("capacity", [])]}
 
 
 def axis_verdict(key: str, a: dict | None, base: dict | None, tolerance: float) -> str:
@@ -126,17 +77,8 @@ def _finetune_answer(f: dict) -> dict:
     return {k: f["winners"][k] for k in advice.FINETUNE_AXES}
 
 
-def with_memory_error(metrics: dict, errors: dict[str, dict]) -> dict:
-    """The fine-tuning records with their memory kind's measured error (options.memory_errors) beside their peak,
-    where the records measured one: what the fine-tuning options read as the peak's interval."""
-    def put(r: dict) -> dict:
-        error = errors.get((r.get("train_memory") or {}).get("kind"))
-        return r | {"train_memory": r["train_memory"] | {"error": error}} if error and records.is_ok(r) else r
-    return metrics | {"finetune": [put(r) for r in metrics.get("finetune", [])]}
-
-
 def _qat(job: dict, tolerance: float) -> dict:
-    tests = job["precision_range_test"]  # decided against tolerance.perplexity_pct (against_tolerance)
+    tests = job["precision_range_test"]  # decided against tolerance.perplexity_pct (annotate.against_tolerance)
     options = []
     for method in ("ptq", "qat"):
         for bits in job["bits"]:

@@ -6,7 +6,7 @@ import logging
 from ... import provenance, records
 from ...config import UserError
 from ...layout import Job
-from . import advice, decisions, glance, ledger, notes, short_glance, task_quality
+from . import advice, annotate, decisions, glance, ledger, notes, short_glance, task_quality
 from . import sections as sec
 from .draw import Inputs, draw_plots, questions
 from .environments import comparison, environment_table, provenance_table
@@ -97,7 +97,7 @@ def run(cfg: dict, job: Job) -> dict:
     jobs = {f"{s}/{m['name']}" if m.get("name") else s: m for s, ms in metrics.items() for m in ms}
     refuse_stale(layout, jobs)
     metrics, withheld = screen(metrics)  # a figure beyond its physical bound is withheld from every place alike
-    metrics = decisions.against_tolerance(cfg, metrics)
+    metrics = annotate.against_tolerance(cfg, metrics)
     tables = build_tables(metrics)
     made = decisions.build(cfg, metrics)  # every verdict, once: the glance, the plots and figures.json read it
     decisions.write(made, out / "decisions.json")
