@@ -45,7 +45,7 @@ def job_server(tmp_path_factory):
     """One job server (efflab.zygote) per test worker, named in the worker's environment: the stage commands the
     tests' snakemake, dvc and subprocess runs start fork from it, as they do from the one a `snakemake` run starts,
     instead of paying ~10 s of imports each. Where the server is not wanted (a GPU machine) nothing is started."""
-    if zygote.wanted() is not None:
+    if zygote.why_not_fork() is not None:
         yield None
         return
     path = Path(tempfile.mkdtemp(prefix="efflab-zygote-")) / "z.sock"  # short: a socket path is at most 107 bytes

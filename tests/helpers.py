@@ -6,13 +6,12 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from efflab import cli, registry
+from efflab import cli, config, registry
 
 REPO = Path(__file__).resolve().parents[1]
 CI_PARAMS = REPO / "tests" / "config" / "params.test.yaml"
@@ -36,7 +35,7 @@ def _params_in(dtype: str) -> Path:
     if dtype not in ("bfloat16", "float16"):
         raise SystemExit(f"EFFLAB_TEST_DTYPE: {dtype!r} (expected float32, bfloat16 or float16)")
     text = CI_PARAMS.read_text()
-    cfg = yaml.safe_load(text)
+    cfg = config.load(CI_PARAMS)  # the whole experiment: the copy is read from elsewhere, where `extends` fails
     cfg["base_model"]["dtype"] = dtype
     digest = hashlib.sha256(text.encode() + dtype.encode()).hexdigest()[:12]
     path = Path(tempfile.gettempdir()) / f"efflab-params-{dtype}-{digest}.yaml"
@@ -71,12 +70,21 @@ def rounding_tolerance(dtype, scale: float, roundings: int, floor: float = 1e-3)
     return max(floor, roundings * torch.finfo(dtype).eps * scale)
 
 
+def write_experiment(path: Path) -> Path:
+    """The test params as a whole experiment at `path` (a work folder's params.yaml, which DVC reads too): the
+    overlay's `extends` names params.yaml by a path from tests/config/, which a copy elsewhere cannot follow."""
+    import yaml
+
+    path.write_text(yaml.safe_dump(config.load(TEST_PARAMS), sort_keys=False))
+    return path
+
+
 class BackgroundPipeline:
     """The CI pipeline run by `snakemake --cores 2` in a temporary folder, started in the background so that a
     test can do its own work (the SLURM run) meanwhile; `wait()` gives its folder and wall time."""
 
     def __init__(self, work: Path):
-        shutil.copy(TEST_PARAMS, work / "params.yaml")
+        write_experiment(work / "params.yaml")
         self.work, self.t0, self.result = work, time.perf_counter(), None
         self.log = open(work / "snakemake.log", "w+")
         # two jobs at a time: the tiny model's jobs are bound by start-up, not by compute

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import BIN, REPO, TEST_PARAMS
+from tests.helpers import BIN, REPO, write_experiment
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 FENCE = re.compile(r"^\s*```(\S*)\s*$")
@@ -141,7 +141,7 @@ def scratch(root: Path) -> Path:
     for item in REPO.iterdir():
         if item.name not in LEFT_OUT_OF_SCRATCH and not item.name.startswith(".venv"):
             (work / item.name).symlink_to(item)
-    shutil.copy(TEST_PARAMS, work / "params.yaml")
+    write_experiment(work / "params.yaml")
     return work
 
 
@@ -173,7 +173,7 @@ def plan(tokens: list[str], root: Path) -> Job | str:
                 if i >= 0 and args[i + 1:i + 2] == ["conda"]:
                     args = args[:i] + args[i + 2:]
         if "--configfile" in args and not (work / args[args.index("--configfile") + 1]).exists():
-            shutil.copy(TEST_PARAMS, work / args[args.index("--configfile") + 1])  # the reader's own copy
+            write_experiment(work / args[args.index("--configfile") + 1])  # the reader's own copy
         return Job("snakemake", tuple(args), str(work), env)
     if program == "make":
         return Job("make", ("make", "-n", *args), str(scratch(root)), env)

@@ -123,3 +123,20 @@ def test_a_torchao_scheme_flows_through_inference_and_evaluation_as_its_quantize
     run_stage("evaluate", params, results, "base")
     scored = run_stage("evaluate", params, results, "quantized-ao8")
     assert scored["quantized_modules"] == quantized["quantized_parts"] and scored["reference"] == "base"
+
+
+def test_the_scheme_table_is_the_schema_s_methods_and_each_row_s_builder_and_footprint_exist():
+    """A new scheme is a row of schemes.SCHEMES and its name in the schema's enum: nothing else names methods."""
+    from efflab import schemes
+    from efflab.estimators import analytic
+    from efflab.models import quantization
+    from efflab.schema import load_schema
+
+    method = load_schema()["$defs"]["quant"]["properties"]["method"]["enum"]
+    assert set(method) == set(schemes.SCHEMES) | {schemes.FULL_PRECISION}
+    for row in schemes.SCHEMES.values():
+        assert callable(getattr(quantization, row.builder)), row
+        assert row.footprint is None or callable(getattr(analytic, row.footprint)), row
+        assert row.settings <= set(load_schema()["$defs"]["quant"]["properties"]), row
+    assert schemes.weight_bits({"method": "hqq"}) == schemes.DEFAULT_BITS
+    assert schemes.weight_bits({"method": "gptq", "bits": 3}) == 3 and schemes.weight_bits({"method": "none"}) is None

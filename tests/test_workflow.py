@@ -31,7 +31,7 @@ from efflab.experiment import adapter_runs
 from efflab.registry import STAGES
 from efflab.registry import names as stage_names
 from efflab.tools import dvcgen
-from tests.helpers import BIN, REPO, TEST_PARAMS, run_stage
+from tests.helpers import BIN, REPO, TEST_PARAMS, run_stage, write_experiment
 
 pytestmark = pytest.mark.slow
 TIMEOUT = 1200
@@ -102,7 +102,7 @@ def copy_project(work: Path) -> None:
     for item in ("Snakefile", "workflow", "src"):
         src = REPO / item
         (shutil.copytree if src.is_dir() else shutil.copy)(src, work / item)
-    shutil.copy(TEST_PARAMS, work / "params.yaml")
+    write_experiment(work / "params.yaml")
 
 
 # SLURM: first in the module, so its cluster runs while the local pipeline runs in the background -----------
@@ -188,7 +188,7 @@ def test_pipeline_through_slurm_equals_a_local_run(local_pipeline, slurm_cluster
     work.mkdir()
     for item in ("Snakefile", "workflow", "src"):
         (shutil.copytree if (REPO / item).is_dir() else shutil.copy)(REPO / item, work / item)
-    shutil.copy(TEST_PARAMS, work / "params.yaml")
+    write_experiment(work / "params.yaml")
     env = dict(slurm_cluster["env"], PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}")
 
     t0 = time.perf_counter()

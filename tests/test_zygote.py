@@ -12,7 +12,7 @@ import pytest
 
 from efflab import zygote
 
-pytestmark = pytest.mark.skipif(zygote.wanted() is not None, reason=f"no job server here: {zygote.wanted()}")
+pytestmark = pytest.mark.skipif(zygote.why_not_fork() is not None, reason=f"no job server here: {zygote.why_not_fork()}")
 
 
 @pytest.fixture

@@ -20,6 +20,7 @@ from .evaluation.task import TASKS as EVAL_TASKS
 from .evaluation.task import unknown_tasks
 from .experiment import ADAPTER_METHODS, MODEL_KINDS, drafts_of, finetune_run, merge_runs
 from .schema import UnknownKey, children, describe, descriptions, load_schema, parsed
+from .schemes import SCHEMES
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -74,17 +75,12 @@ def validate(cfg: dict, source: str = "params") -> dict:
     return cfg
 
 
-# the settings each quantization method takes besides `method`
-SCHEME_SETTINGS = {"nf4": {"double_quant"}, "fp4": {"double_quant"},
-                   "torchao-int4": {"group_size"}, "hqq": {"bits", "group_size"},
-                   "gptq": {"bits", "group_size", "calibration_rows"}}
-
-
-def _check_scheme(scheme: dict, where: str) -> None:
-    extra = sorted(set(scheme) - {"method"} - SCHEME_SETTINGS.get(scheme["method"], set()))
+def _check_scheme(quant: dict, where: str) -> None:
+    takes = SCHEMES[quant["method"]].settings if quant["method"] in SCHEMES else frozenset()
+    extra = sorted(set(quant) - {"method"} - takes)
     if extra:
-        raise UserError(f"{where}.{extra[0]}: not a setting of method {scheme['method']!r} (it takes "
-                        f"{', '.join(sorted(SCHEME_SETTINGS.get(scheme['method'], ()))) or 'none'})")
+        raise UserError(f"{where}.{extra[0]}: not a setting of method {quant['method']!r} (it takes "
+                        f"{', '.join(sorted(takes)) or 'none'})")
 
 
 # the optimizers bf16_weights replaces with torchao's AdamW (fp32 moments, stochastically rounded bf16 updates)

@@ -39,7 +39,7 @@ CHILD_ENV = "EFFLAB_ZYGOTE_CHILD"  # set in a forked job: it never delegates aga
 PRELOAD = [*preload.PRELOAD, *evaluation.PRELOAD]
 
 
-def wanted() -> str | None:
+def why_not_fork() -> str | None:
     """Why jobs should not fork from a server on this machine, or None when they may."""
     if not sys.platform.startswith("linux"):
         return "not Linux"
@@ -79,7 +79,7 @@ def delegate(module: str, args: list[str]) -> int | None:
     """Run `python -m module args` in a child of the server named by EFFLAB_ZYGOTE: its exit status, or None
     when there is no server to ask (the caller then runs the module itself)."""
     path = os.environ.get(ENV)
-    if not path or os.environ.get(CHILD_ENV) or wanted():
+    if not path or os.environ.get(CHILD_ENV) or why_not_fork():
         return None
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:

@@ -1,5 +1,6 @@
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -46,7 +47,7 @@ def start_job_server():
     """A warm process the jobs fork from (efflab.zygote): each job skips ~10 s of imports. Where it is not wanted
     (a GPU, SLURM, not Linux), the jobs run elsewhere (an executor plugin) or in another environment (--sdm conda
     or apptainer), the jobs run as their own processes."""
-    if zygote.wanted() or workflow.remote_exec or not workflow.local_exec or \
+    if zygote.why_not_fork() or workflow.remote_exec or not workflow.local_exec or \
             workflow.deployment_settings.deployment_method:
         return
     log = Path(".snakemake") / "efflab-zygote.log"
@@ -141,10 +142,12 @@ def log_file(stage):
     return f"results/logs/{stage}/{{name}}.log" if registry.STAGES[stage].grid else f"results/logs/{stage}/{stage}.log"
 
 
-def command(stage):
-    """The stage's CLI, the same command a terminal, pytest and DVC run; every value quoted."""
-    name = " --name {wildcards.name:q}" if registry.STAGES[stage].grid else ""
-    return f"python -m {registry.module(stage)} --params {{params.file:q}}{name} --log {{log:q}}"
+def job_args(stage):
+    """What names a job of the stage on its CLI: ` --name <grid entry>`, quoted (nothing for a stage without a
+    grid)."""
+    if registry.STAGES[stage].grid is None:
+        return lambda wildcards: ""
+    return lambda wildcards: f" --name {shlex.quote(wildcards.name)}"
 
 
 # Resources, under the standard names that both the local scheduler and the SLURM executor read:

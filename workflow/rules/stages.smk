@@ -13,6 +13,8 @@ for _stage in [s.name for s in registry.STAGES.values() if not s.own_rule]:
         output:
             **outputs(_stage),
         params:
+            module=registry.module(_stage),
+            job=job_args(_stage),
             file=PARAMS,
             settings=settings(_stage),
         log:
@@ -25,4 +27,5 @@ for _stage in [s.name for s in registry.STAGES.values() if not s.own_rule]:
         conda:
             "../envs/efflab.yaml"
         shell:
-            command(_stage)
+            # a literal: Snakemake evaluates a shell command when the job runs, after the loop has moved on
+            "python -m {params.module} --params {params.file:q}{params.job} --log {log:q}"

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ..architecture import matmul_layers, shape
 from ..config import REPO_ROOT, UserError
+from ..schemes import SCHEMES
 
 # transformers, accelerate and torch take seconds to import: only the estimates that need them import them.
 
@@ -272,14 +273,20 @@ def bnb_footprint(name: str, method: str, double_quant: bool = False, compute_dt
 
 
 def quant_footprint(name: str, quant: dict, compute_dtype: str = "float16", **overrides) -> dict | None:
-    """Bytes a model occupies loaded with a quantization scheme (efflab.models.quantization): bitsandbytes' (above) and
-    torchao's int8 (the same layers quantized; per output row an fp32 scale, whatever the compute dtype, and an int8
-    zero point: torchao's Int8Tensor). None for a scheme with no model here (torchao-int4, hqq)."""
-    method = quant["method"]
-    if method in ("int8", "nf4", "fp4"):
-        return bnb_footprint(name, method, bool(quant.get("double_quant")), compute_dtype, **overrides)
-    if method not in ("torchao-int8", "torchao-int8-dynamic"):
-        return None
+    """Bytes a model occupies loaded with a quantization scheme: its row's footprint (schemes.SCHEMES). None for a
+    scheme with no model here (torchao-int4, hqq, gptq)."""
+    row = SCHEMES[quant["method"]]
+    return None if row.footprint is None else globals()[row.footprint](name, quant, compute_dtype, **overrides)
+
+
+def bnb_scheme_footprint(name: str, quant: dict, compute_dtype: str, **overrides) -> dict:
+    """A bitsandbytes scheme's bytes (bnb_footprint, above)."""
+    return bnb_footprint(name, quant["method"], bool(quant.get("double_quant")), compute_dtype, **overrides)
+
+
+def torchao_int8_footprint(name: str, quant: dict, compute_dtype: str, **overrides) -> dict:
+    """torchao's int8 weights: the same layers quantized as bitsandbytes' int8; per output row an fp32 scale, whatever
+    the compute dtype, and an int8 zero point (torchao's Int8Tensor)."""
     int8 = bnb_footprint(name, "int8", False, compute_dtype, **overrides)
     rows = sum(lay["out"] for lay in linear_layers(name, **overrides) if not lay["head"])
     constants = rows * (4 + 1)

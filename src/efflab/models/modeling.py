@@ -20,6 +20,7 @@ from ..config import UserError, missing_input  # noqa: F401 (re-exported)
 from ..experiment import MODEL_KINDS, base_quant, finetune_run
 from ..measure.device import DTYPES
 from ..measure.env import FAST_BF16_ISA, cpu_isa, cpu_model
+from ..schemes import weight_bits
 from . import quantization
 
 # transformers, peft, pandas and filelock take seconds to import: they are imported inside the functions that use them.
@@ -222,7 +223,7 @@ def runs_quantized(model, quant: dict) -> None:
     ids = torch.tensor([[model.config.bos_token_id or 0] * 2], device=model.device)
     # 4-bit in training mode: an eval-mode forward would repack its weights for inference only (adapter_check); int8
     # in eval mode, the path its inference takes (training mode's differs)
-    model.train(quantization.WEIGHT_BITS[quant["method"]] == 4)
+    model.train(weight_bits(quant) == 4)
     try:
         with torch.no_grad():
             model(input_ids=ids)

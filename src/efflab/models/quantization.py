@@ -12,12 +12,8 @@ import importlib.util
 
 import torch
 
-# method -> the library that quantizes with it
-LIBRARIES = {"int8": "bitsandbytes", "nf4": "bitsandbytes", "fp4": "bitsandbytes",
-             "torchao-int8": "torchao", "torchao-int4": "torchao", "torchao-int8-dynamic": "torchao",
-             "hqq": "hqq", "gptq": "gptqmodel"}
-# weight bits of each method (hqq, gptq: the scheme's `bits`)
-WEIGHT_BITS = {"int8": 8, "nf4": 4, "fp4": 4, "torchao-int8": 8, "torchao-int4": 4, "torchao-int8-dynamic": 8}
+from ..schemes import DEFAULT_BITS, scheme
+
 DEFAULT_GROUP_SIZE = 64
 
 
@@ -27,32 +23,19 @@ class Unavailable(Exception):
 
 def library(quant: dict | None) -> str | None:
     """The library a scheme quantizes with; None for full precision."""
-    return None if not quant or quant["method"] == "none" else LIBRARIES[quant["method"]]
-
-
-def weight_bits(quant: dict | None) -> int | None:
-    if not quant or quant["method"] == "none":
-        return None
-    return quant.get("bits", 4) if quant["method"] in ("hqq", "gptq") else WEIGHT_BITS[quant["method"]]
+    row = scheme(quant)
+    return None if row is None else row.library
 
 
 def config(quant: dict | None, compute_dtype: torch.dtype, device: torch.device, calibration: dict | None = None):
-    """The transformers quantization config that loads a model with `quant`; None for full precision. Raises
-    Unavailable where the scheme's library or kernels are missing on `device`. A scheme that learns from data
-    (gptq) quantizes on `calibration`: {"texts": [...], "tokenizer": folder}."""
-    lib = library(quant)
-    if lib is None:
-        return None
-    if lib == "bitsandbytes":
-        return bnb_config(quant, compute_dtype)
-    if lib == "hqq":
-        return hqq_config(quant)
-    if lib == "gptqmodel":
-        return gptq_config(quant, calibration)
-    return torchao_config(quant, device)
+    """The transformers quantization config that loads a model with `quant` (its builder, schemes.SCHEMES); None for
+    full precision. Raises Unavailable where the scheme's library or kernels are missing on `device`. A scheme that
+    learns from data (gptq) quantizes on `calibration`: {"texts": [...], "tokenizer": folder}."""
+    row = scheme(quant)
+    return None if row is None else globals()[row.builder](quant, compute_dtype, device, calibration)
 
 
-def bnb_config(quant: dict, compute_dtype: torch.dtype):
+def bnb_config(quant: dict, compute_dtype: torch.dtype, device=None, calibration=None):
     """A transformers BitsAndBytesConfig for a bitsandbytes scheme."""
     from transformers import BitsAndBytesConfig
 
@@ -74,7 +57,7 @@ def four_bit_kernel_dtype(compute_dtype: torch.dtype, device: torch.device) -> t
     return torch.bfloat16 if has_avx512bf16() else compute_dtype
 
 
-def torchao_config(quant: dict, device: torch.device):
+def torchao_config(quant: dict, compute_dtype: torch.dtype, device: torch.device, calibration=None):
     """torchao's weight-only int8, int4 (CUDA's packed kernel), and dynamic int8 activations with int8 weights."""
     from torchao.quantization import Int4WeightOnlyConfig, Int8DynamicActivationInt8WeightConfig, Int8WeightOnlyConfig
     from transformers import TorchAoConfig
@@ -91,7 +74,7 @@ def torchao_config(quant: dict, device: torch.device):
                                               int4_packing_format="tile_packed_to_4d"))
 
 
-def hqq_config(quant: dict):
+def hqq_config(quant: dict, compute_dtype=None, device=None, calibration=None):
     """HQQ (half-quadratic quantization, no calibration data) at the scheme's bits and group size, through
     transformers' HqqConfig: where this transformers' HQQ quantizer cannot load weights, or the hqq package is
     missing, Unavailable says which."""
@@ -105,10 +88,10 @@ def hqq_config(quant: dict):
                           "(its get_quantize_ops is the base class's 'HQQ is not available yet')")
     if importlib.util.find_spec("hqq") is None:
         raise Unavailable("hqq needs the hqq package, which is not installed (DISABLE_CUDA=1 pip install hqq on a CPU)")
-    return HqqConfig(nbits=quant.get("bits", 4), group_size=quant.get("group_size", DEFAULT_GROUP_SIZE))
+    return HqqConfig(nbits=quant.get("bits", DEFAULT_BITS), group_size=quant.get("group_size", DEFAULT_GROUP_SIZE))
 
 
-def gptq_config(quant: dict, calibration: dict | None):
+def gptq_config(quant: dict, compute_dtype, device, calibration: dict | None):
     """GPTQ (Frantar et al. 2022: each layer's weights rounded to minimise its output error on calibration data)
     through transformers' GPTQConfig and the gptqmodel package, at the scheme's bits and group size."""
     if importlib.util.find_spec("gptqmodel") is None:
@@ -118,7 +101,7 @@ def gptq_config(quant: dict, calibration: dict | None):
     from transformers import GPTQConfig
 
     calibration = calibration or {}
-    return GPTQConfig(bits=quant.get("bits", 4), group_size=quant.get("group_size", GPTQ_GROUP_SIZE),
+    return GPTQConfig(bits=quant.get("bits", DEFAULT_BITS), group_size=quant.get("group_size", GPTQ_GROUP_SIZE),
                       dataset=calibration.get("texts"), tokenizer=calibration.get("tokenizer"))
 
 

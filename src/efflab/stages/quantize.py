@@ -21,6 +21,7 @@ from ..measure.flops import count_parameters
 from ..measure.memory import track_memory
 from ..models import quantization
 from ..models.modeling import batches, eval_loss, folder_bytes, load_model, read_split
+from ..schemes import weight_bits
 
 # peft brings accelerate and bitsandbytes with it, 5-10 s of imports on 2 cores, and bitsandbytes asks CUDA for the
 # device capability at import, which initialises CUDA: it is imported inside adapter_check, after cli.main has given
@@ -37,7 +38,7 @@ def run(cfg: dict, job: Job) -> dict:
     device, dtype, tokenizer = job.device, job.dtype, job.tokenizer
     rows = read_split(layout.split("validation"), q["eval_rows"])
     described = {"scheme": job.name, "method": scheme["method"], "library": quantization.library(scheme),
-                 "weight_bits": quantization.weight_bits(scheme), "environment": environment(device, q)}
+                 "weight_bits": weight_bits(scheme), "environment": environment(device, q)}
 
     baseline = cfg["report"]["baseline_scheme"]
     skipped = job.name != baseline and layout.skipped_because([f"quantize/{baseline}"])
