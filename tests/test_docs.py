@@ -19,6 +19,11 @@ def test_the_params_reference_is_in_step_with_the_schema_and_params_yaml():
         "docs/reference/params.md is out of date: run `python -m efflab.tools.docs_reference`"
 
 
+def test_the_stages_nav_is_in_step_with_the_stage_registry():
+    assert docs_reference.MKDOCS.read_text() == docs_reference.render_nav(docs_reference.MKDOCS.read_text()), \
+        "mkdocs.yml's Stages nav is out of date: run `python -m efflab.tools.docs_reference`"
+
+
 def test_the_figures_page_is_in_step_with_the_stage_registry():
     assert docs_reference.FIGURES_PAGE.read_text() == docs_reference.render_figures(), \
         "docs/reference/figures.md is out of date: run `python -m efflab.tools.docs_reference`"

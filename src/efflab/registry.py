@@ -1,5 +1,5 @@
-"""The stage registry: what each stage is, in one table. The Snakemake rules (common.smk), dvcgen, cli, layout,
-gpu_slots, profiling and the report read it; tests/test_registry.py fails when a stage is missing from any of them.
+"""The stage registry: what each stage is, in one table. The Snakemake rules (workflow/rules/stages.smk), dvcgen,
+cli, layout, gpu_slots, profiling and the report (its parts) read it; tests/test_registry.py fails when a stage is missing from any of them.
 
 No torch here: Snakemake reads this while it plans the DAG.
 """
@@ -12,6 +12,7 @@ from typing import Callable
 
 from .config import TASK_TOLERANCES, lookup
 from .experiment import HEALED, MODEL, drafts_of, evaluated_models, finetune_run, merge_runs, model_paths
+from .report_part import Part, Says, Table
 
 # What stages write besides metrics.json, by name (layout says where; experiment.MODEL_KINDS which holds a model).
 QAT_MODEL = "finetuned"  # qat's full-precision fine-tune
@@ -64,6 +65,9 @@ class Stage:
     # it. None: the record of every job before it (claims, report: earlier_records), each of which carries its own
     # chain.
     reads: Callable[[dict, str | None], list[str]] | None = None
+    # How the report shows it: its part of report.md (report_part.Part: title, section, tables, plots), or a line
+    # saying where the report shows it instead.
+    report: Part | str = ""
 
 
 # How a model is scored (the evaluate stage; qat scores its models in its own job through the same code).
@@ -119,17 +123,25 @@ STAGES = _stages(
     Stage("base_model", ("runtime", "base_model"), runtime_min=15, mem_factor=3, outputs=(MODEL,), essential=True,
           sourced=True,
           figures=("dtype", "parameters", "memory_footprint_bytes"),
-          reads=_reading()),
+          reads=_reading(),
+          report="the header (sections.header)"),
     Stage("prepare_data", ("prepare_data",), runtime_min=10, outputs=("train.parquet", "validation.parquet", LM_EVAL),
           essential=True, sourced=True, threads=1,
           figures=("train.rows", "train.tokens", "validation.rows"),
-          reads=_reading(BASE)),
+          reads=_reading(BASE),
+          report="the header (sections.header)"),
     Stage("quantize", ("runtime", "quantize.eval_rows", "quantize.batch_size", "quantize.schemes.{name}",
                        "report.baseline_scheme"), runtime_min=20, mem_factor=3,
           grid=lambda cfg: list(cfg["quantize"]["schemes"]), outputs=(MODEL,), gpu=True,
           figures=("memory_footprint_bytes", "footprint_ratio_vs_base", "perplexity_change.change_pct",
                    "perplexity_change.ci95_change_pct"),
-          reads=_quantize_reads),
+          reads=_quantize_reads,
+          report=Part(
+              "## Quantization (post-training: bitsandbytes, torchao, HQQ)", "Quantization", section="quantize",
+              tables=(Table("quantize", "tables.quantize.quantize_table"),
+                      Table("quantize_adapter", "tables.quantize.adapter_table", keys=2,
+                            details="LoRA on each quantization scheme")),
+              plots=("quantize",))),
     Stage("prune", ("runtime", "prune.importance", "prune.calibration_rows", "prune.eval_rows", "prune.prompt",
                     "prune.max_new_tokens", "prune.repeats", "prune.heal", "prune.strategies.{name}"),
           runtime_min=20, mem_factor=3, grid=lambda cfg: list(cfg["prune"]["strategies"]),
@@ -138,31 +150,55 @@ STAGES = _stages(
           figures=("parameter_ratio", "footprint_ratio", "pruned.perplexity_change.change_pct",
                    "pruned.perplexity_change.ci95_change_pct", "generation_speedup.median", "generation_speedup.ci95",
                    "generation_speedup.verdict"),
-          reads=_reading(BASE, TRAIN, VALIDATION)),
+          reads=_reading(BASE, TRAIN, VALIDATION),
+          report=Part(
+              "## Structured pruning", "Pruning", section="prune",
+              tables=(Table("prune", "tables.prune.prune_table", keys=1,
+                            says=(Says("prune", "{strategy}", "verdict vs base", "speed"),)),),
+              plots=("prune",))),
     Stage("qat", ("runtime", "qat", "tolerance.perplexity_pct", *EVALUATION), runtime_min=40, mem_factor=6,
           left_out=("qat.bits is empty", lambda cfg: not cfg["qat"]["bits"]),
           outputs=(QAT_MODEL, "evals.csv", "losses.csv"), gpu=True,
           figures=("variants[variant].perplexity",),
-          reads=_reading(BASE, TRAIN, VALIDATION, TASK)),
+          reads=_reading(BASE, TRAIN, VALIDATION, TASK),
+          report=Part(
+              "## Quantization-aware training and the precision range test", "Quantization-aware training", section="qat",
+              tables=(Table("qat", "tables.qat.qat_table", keys=1,
+                            says=(Says("qat", "ptq {bits} bits", "PTQ verdict", "quality"),
+                                  Says("qat", "qat {bits} bits", "QAT verdict", "quality"))),),
+              plots=("qat",))),
     Stage("finetune", ("runtime", "finetune.defaults", "finetune.runs.{name}", "profile"), runtime_min=60,
           mem_factor={"full": 5, "lora": 2, "qlora": 2}, grid=lambda cfg: list(cfg["finetune"]["runs"]),
           left_out=("finetune.runs is empty", lambda cfg: not cfg["finetune"]["runs"]),
           outputs=(MODEL, LOSS_CSV), gpu=True, profiled=True,
           figures=("tokens_per_s", "step_time", "train_memory.peak_mib", "train_memory.kind", "validation_after.loss"),
-          reads=_reading(BASE, TRAIN, VALIDATION)),
+          reads=_reading(BASE, TRAIN, VALIDATION),
+          report=Part(
+              "## Fine-tuning: full vs LoRA vs QLoRA", "Fine-tuning", section="finetune",
+              tables=(Table("finetune", "tables.finetune.finetune_table", keys=1),
+                      Table("finetune_target", "tables.finetune.target_table", keys=1,
+                            details="Time to target, run by run"),
+                      Table("finetune_knobs", "knobs.knob_table", keys=3, reads=("finetune", "bench_finetune"),
+                            says=(Says("finetune_knobs", "{runs}", "step time verdict", "step_ratio"),))),
+              plots=("finetune", "finetune_pareto", "finetune_loss"))),
     Stage("merge", ("runtime", "merge", "finetune.defaults", "finetune.runs.{name}"), runtime_min=20, mem_factor=3,
           grid=merge_runs,
           left_out=("no adapter run to merge (merge.runs, finetune.runs)", lambda cfg: not merge_runs(cfg)),
           outputs=(MODEL,), gpu=True,
           figures=("merged.max_abs_logit_diff", "merged.perplexity_change.change_pct"),
-          reads=lambda cfg, name: [BASE, VALIDATION, model_paths("adapter", name)[-1]]),
+          reads=lambda cfg, name: [BASE, VALIDATION, model_paths("adapter", name)[-1]],
+          report=Part(
+              "## Merging adapters", "Merging", section="merge",
+              tables=(Table("merge", "tables.merge.merge_table", keys=1),
+                      Table("merge_targets", "tables.merge.merge_targets_table", keys=2)))),
     Stage("bench_finetune", ("runtime", "bench_finetune", "finetune.defaults", "finetune.runs"), runtime_min=30,
           mem_factor=7, code=("src/efflab/stages/finetune",),  # its cells train as the finetune stage does
           left_out=("finetune.runs has fewer than two runs to compare", lambda cfg: len(cfg["finetune"]["runs"]) < 2),
           gpu=True,
           figures=("pairs[a,b].step_time_ratio.median", "pairs[a,b].step_time_ratio.ci95",
                    "pairs[a,b].step_time_ratio.verdict"),
-          reads=_reading(BASE, TRAIN)),
+          reads=_reading(BASE, TRAIN),
+          report="fine-tuning's part: its knob table and plot read the interleaved steps"),
     Stage("bench_attention", ("runtime", "bench_attention.seq_lens", "bench_attention.batch_sizes",
                               "bench_attention.modes", "bench_attention.warmup", "bench_attention.repeats"),
           runtime_min=20, mem_factor=2, grid=lambda cfg: list(cfg["bench_attention"]["implementations"]),
@@ -170,7 +206,15 @@ STAGES = _stages(
                     lambda cfg: not cfg["bench_attention"]["implementations"]),
           gpu=True,
           figures=("rows[mode,seq_len,batch_size].latency",),
-          reads=_reading(BASE)),
+          reads=_reading(BASE),
+          report=Part(
+              "## Attention implementations", "Attention", section="attention",
+              tables=(Table("bench_attention", "tables.bench_attention.attention_table", keys=4,
+                            says=(Says("attention", "{implementation} {mode} L={seq len} B={batch}", "verdict vs eager",
+                                       "speed"),)),
+                      Table("attention_memory_exponent", "tables.bench_attention.exponent_table",
+                            details="Attention memory against sequence length")),
+              plots=("bench_attention", "bench_attention_memory"))),
     Stage("bench_inference", ("runtime", "bench_inference.max_new_tokens", "bench_inference.warmup",
                               "bench_inference.repeats", "bench_inference.kv_cache", "bench_inference.batch_sizes",
                               "bench_inference.generation", "bench_inference.kv_quant",
@@ -182,12 +226,34 @@ STAGES = _stages(
           figures=tuple(f"cells[kv_cache,batch_size,generation,draft?,kv_quant?].{f}" for f in (
               "decode_tokens_per_s", "ttft", "memory.peak_mib", "roofline.bandwidth_fraction",
               "generation_tokens_per_s")),
-          reads=lambda cfg, name: [BASE, VALIDATION, _variant_model(cfg, name), *_draft_models(cfg, name)]),
+          reads=lambda cfg, name: [BASE, VALIDATION, _variant_model(cfg, name), *_draft_models(cfg, name)],
+          report=Part(
+              "## Inference variants (greedy, fixed length)", "Inference", section="inference",
+              tables=(Table("bench_inference", "tables.bench_inference.inference_table", keys=6,
+                            says=(Says("bench_inference", "{variant} (KV cache {KV cache}, batch {batch}, {generation})", "verdict",
+                                       "speed"),)),
+                      Table("bench_inference_costs", "tables.bench_inference.costs_table", keys=6,
+                            details="Inference cells: per-token latency, memory and the roofline"),
+                      Table("speculative", "tables.bench_inference.speculative_table", keys=3,
+                            says=(Says("speculative", "{variant}: {mode}", "verdict", "speed"),
+                                  Says("speculative", "{variant}: {mode}", "pays?", "status"))),
+                      Table("kv_quant", "tables.bench_inference.kv_quant_table", keys=3,
+                            says=(Says("kv_quant", "{variant} {cache} at {context (tokens)}", "verdict", "speed"),))),
+              plots=("bench_inference", "inference_pareto"))),
     Stage("bench_serving", ("runtime", "bench_serving"), runtime_min=20, mem_factor=3,
           left_out=("bench_serving.methods is empty", lambda cfg: not cfg["bench_serving"]["methods"]),
           outputs=("requests.csv", "open_loop_requests.csv"), gpu=True,
           figures=("cells[method,concurrency].output_tokens_per_s", "open_loop.cells[method,rate].goodput"),
-          reads=_reading(BASE, TRAIN, VALIDATION)),
+          reads=_reading(BASE, TRAIN, VALIDATION),
+          report=Part(
+              "## Serving: naive vs static vs continuous batching", "Serving", section="serving",
+              tables=(Table("bench_serving", "tables.bench_serving.serving_table", keys=2,
+                            says=(Says("serving", "{method} at {concurrency}", "verdict vs naive", "speed"),
+                                  Says("serving", "{method} at {concurrency}", "verdict vs static", "versus_static"))),
+                      Table("bench_serving_latency", "tables.bench_serving.serving_latency_table", keys=2),
+                      Table("bench_serving_open_loop", "tables.bench_serving.open_loop_table", keys=2,
+                            details="Open-loop serving, rate by rate")),
+              plots=("bench_serving",))),
     Stage("capacity", ("runtime", "capacity", "finetune.defaults", "finetune.runs.{capacity.runs}",
                        "bench_inference.variants.{capacity.variants}.kind",
                        "bench_inference.variants.{capacity.variants}.of", "bench_inference.kv_quant_options"),
@@ -198,20 +264,28 @@ STAGES = _stages(
           outputs=("cells.csv",), gpu=True,
           figures=("searches[subject,kind,dimension].measured_max",),
           reads=lambda cfg, name: [BASE, TRAIN, *sorted({_variant_model(cfg, v)
-                                                         for v in cfg["capacity"]["variants"]})]),
+                                                         for v in cfg["capacity"]["variants"]})],
+          report=Part(
+              "## Capacity: the largest batch and sequence that fit", "Capacity", section="capacity",
+              tables=(Table("capacity", "tables.capacity.capacity_table", keys=2),),
+              plots=("capacity",))),
     Stage("evaluate", ("runtime", "evaluate.tasks", *EVALUATION, "evaluate.samples"),
           runtime_min=20, mem_factor=3, grid=lambda cfg: list(evaluated_models(cfg)), outputs=(LM_EVAL,), gpu=True,
           left_out=("evaluate.models is empty", lambda cfg: not evaluated_models(cfg)),
           timed=False,
           figures=("tasks.*.metrics.*.value", "gate.verdict"),
-          reads=_evaluate_reads),
+          reads=_evaluate_reads,
+          report=Part(
+              "## Task quality (lm-evaluation-harness) and the quality gate", "Task quality", section="evaluate")),
     Stage("claims", ("claims", "tolerance"), runtime_min=10, outputs=("claims.csv", "claims.md", "summary.json"),
           code=("src/efflab/estimators/analytic.py", "workflow/claims.yaml", "workflow/schemas/claims.schema.yaml",
                 "workflow/models"),  # the shipped architecture configs it computes from
-          threads=1, figures=("by_verdict",)),
+          threads=1, figures=("by_verdict",),
+          report="the notes above the sections (notes.claims_lines)"),
     Stage("report", ("report", "tolerance"), runtime_min=10, essential=True, own_rule=True, threads=1,
           code=("workflow/profiles/gpu/params.yaml",),  # the larger experiment: what this run leaves out of it
-          figures=("not_run", "decisions.*")),
+          figures=("not_run", "decisions.*"),
+          report="the report itself"),
 )
 
 

@@ -1,5 +1,5 @@
 """Generate the reference pages: docs/reference/params.md from the schema and params.yaml, and
-docs/reference/figures.md (what each stage shows DVC) from the stage registry.
+docs/reference/figures.md (what each stage shows DVC) and mkdocs.yml's Stages nav from the stage registry.
 
 Every key of workflow/schemas/params.schema.yaml gets a row: its dotted path (`<name>` for a named entry of a
 grid), its type as the schema states it, its default (the value in params.yaml, the offline default
@@ -187,13 +187,25 @@ def render_figures() -> str:
     return FIGURES_HEADER + "\n".join(rows) + "\n"
 
 
+MKDOCS = config.REPO_ROOT / "mkdocs.yml"
+STAGES_NAV = "  - Stages:\n"
+
+
+def render_nav(mkdocs: str) -> str:
+    """mkdocs.yml with its Stages nav one page a registered stage, in the registry's order."""
+    start = mkdocs.index(STAGES_NAV) + len(STAGES_NAV)
+    end = mkdocs.index("\n  - ", start) + 1
+    return mkdocs[:start] + "".join(f"      - {name}: stages/{name}.md\n" for name in STAGES) + mkdocs[end:]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m efflab.tools.docs_reference", description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="exit 1 if the committed page differs from the schema")
     args = parser.parse_args(argv)
     try:
         pages = {PAGE: (render(), "workflow/schemas/params.schema.yaml and params.yaml"),
-                 FIGURES_PAGE: (render_figures(), "the stage registry's figures")}
+                 FIGURES_PAGE: (render_figures(), "the stage registry's figures"),
+                 MKDOCS: (render_nav(MKDOCS.read_text()), "the stage registry (its Stages nav)")}
     except config.UserError as err:
         sys.exit(f"efflab docs_reference: error: {err}")
     for path, (text, source) in pages.items():

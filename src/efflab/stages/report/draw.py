@@ -101,11 +101,11 @@ def capacity(given: Inputs, path: Path) -> None:
 def draw_plots(given: Inputs, out: Path) -> list[str]:
     """Every part's plots into `out` (given.questions: out/decisions.json's, which the stage writes first)."""
     drawn = []
-    for part in PARTS.values():
-        why = absent(given.cfg, given.metrics, part.stage)
+    for stage, part in PARTS.items():
+        why = absent(given.cfg, given.metrics, stage)
         for plot in part.plots:
             path = out / f"{plot}.png"
-            placeholder_plot(path, f"{part.stage}: {why}") if why else globals()[plot](given, path)
+            placeholder_plot(path, f"{stage}: {why}") if why else globals()[plot](given, path)
             drawn.append(path.name)
     return sorted(drawn)
 

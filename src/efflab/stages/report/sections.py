@@ -56,6 +56,11 @@ def prompt_count(cfg: dict, metrics: dict) -> int:
     return done[0] if done else len(chosen) if isinstance(chosen, list) else chosen["validation_rows"]
 
 
+def part_body(part, cfg: dict, metrics: dict, table) -> str:
+    """A part without a section of its own: its tables, in order."""
+    return render("sections/part.md.j2", tables=[table(t.name) for t in part.tables])
+
+
 def evaluate_body(cfg: dict, metrics: dict, table) -> str:
     return render("sections/evaluate.md.j2", **task_quality.facts(cfg, metrics["evaluate"]))
 

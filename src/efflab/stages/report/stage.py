@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+from functools import partial
 
 from ... import provenance, records
 from ...config import UserError
@@ -44,9 +45,9 @@ def report_text(cfg: dict, metrics: dict, tables: dict, environments: dict, made
              *notes.claims_lines(metrics["claims"], "../claims/claims.md", made),
              "## In detail\n\nHow to read the numbers, and the words of every verdict: "
              "[details.md](details.md#how-to-read-the-numbers).\n"]
-    for part in PARTS.values():
-        body = getattr(sec, f"{part.section}_body")
-        parts += sec.section(cfg, metrics, part.stage, part.title, lambda body=body: body(cfg, metrics, table))
+    for stage, part in PARTS.items():
+        body = getattr(sec, f"{part.section}_body") if part.section else partial(sec.part_body, part)
+        parts += sec.section(cfg, metrics, stage, part.title, lambda body=body: body(cfg, metrics, table))
     parts += [sec.profiles(metrics), sec.not_run(not_run_table(metrics)),
               sec.run_size(cfg, metrics), render("sections/footer.md.j2")]
     return "\n".join(p.rstrip("\n") + "\n" if p else "" for p in parts)

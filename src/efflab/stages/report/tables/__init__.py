@@ -1,11 +1,12 @@
 """The report's tables: one DataFrame per table of each stage's part (report.parts names its builder, in a module
-of this package named after the stage), and the tables across stages: the jobs that did not run and the memory
-predictions."""
+of this package named after the stage, or its columns: paths into the records), and the tables across stages: the
+jobs that did not run and the memory predictions."""
 from __future__ import annotations
 
 import pandas as pd
 
 from .... import records
+from ....config import lookup
 from .. import spread
 from ..fmt import env_of, percent
 from ..parts import PARTS, resolve
@@ -14,11 +15,25 @@ from ..parts import PARTS, resolve
 def build_tables(metrics: dict) -> dict[str, pd.DataFrame]:
     """Every part's tables, in the report's order, each built from the records of the stages it reads."""
     tables = {}
-    for part in PARTS.values():
+    for stage, part in PARTS.items():
         for table in part.tables:
-            tables[table.name] = resolve(table.build)(*(metrics[stage] for stage in table.reads or (part.stage,)))
+            given = [metrics[s] for s in table.reads or (stage,)]
+            tables[table.name] = resolve(table.build)(*given) if table.build else columns_table(*given, table.columns)
             tables[table.name].attrs["keys"] = table.keys
     return tables
+
+
+def columns_table(jobs: list[dict], columns: tuple[tuple[str, str], ...]) -> pd.DataFrame:
+    """A table declared by its columns (report_part.Table.columns): one row a job that produced numbers, each column
+    the value at a dotted path of its record (empty where the record has none)."""
+    def at(record: dict, path: str):
+        try:
+            return lookup(record, path)
+        except (KeyError, TypeError):
+            return None
+
+    return pd.DataFrame([{heading: at(job, path) for heading, path in columns} for job in records.ok(jobs)],
+                        columns=[heading for heading, _ in columns])
 
 
 def change_text(record: dict | None, point_key: str = "perplexity_change_pct") -> str:
