@@ -102,5 +102,5 @@ def test_a_table_declared_by_its_columns_has_a_row_a_job_that_produced_numbers()
     jobs = [{"status": "ok", "name": "a", "speed": {"median": 1.5}}, {"status": "failed", "name": "b"},
             {"status": "ok", "name": "c"}]
     frame = columns_table(jobs, (("job", "name"), ("speed", "speed.median")))
-    assert list(frame.columns) == ["job", "speed"] and frame["job"].tolist() == ["a", "c"]
+    assert list(frame.columns) == ["job", "speed", "env"] and frame["job"].tolist() == ["a", "c"]
     assert frame["speed"].iloc[0] == 1.5 and frame["speed"].isna().tolist() == [False, True]

@@ -64,7 +64,8 @@ def not_run(by_stage: dict[str, list[dict]]) -> list[dict]:
                              "reason": r.get("reason", "")})
                 continue
             alike: dict[tuple, list[str]] = {}
-            for cell in (c for key in CELL_LISTS for c in r.get(key) or () if isinstance(c, dict) and not is_ok(c)):
+            cells = (c for key in CELL_LISTS if isinstance(r.get(key), list) for c in r[key])  # not a figure `rows: 12`
+            for cell in (c for c in cells if isinstance(c, dict) and not is_ok(c)):
                 label = " ".join(f"{k}={cell[k]}" for k in CELL_KEYS if k in cell)
                 alike.setdefault((cell["status"], cell.get("reason") or ""), []).append(label)
             rows += [{"stage": stage, "name": f"{r.get('name') or stage}: {', '.join(labels)}", "status": status,

@@ -19,6 +19,7 @@ class QuantScheme:
     settings: frozenset[str] = frozenset()  # what a scheme of this method may set besides `method`
     builder: str = ""  # models.quantization.<builder>(quant, compute_dtype, device, calibration): its config
     footprint: str | None = None  # estimators.analytic.<footprint>(name, quant, compute_dtype, **overrides)
+    config: str = ""  # the library's config class that is the scheme, where one is (torchao.quantization.<config>)
 
 
 DEFAULT_BITS = 4  # hqq's and gptq's `bits` where a scheme leaves it out
@@ -32,9 +33,12 @@ SCHEMES = _table(
     QuantScheme("int8", "bitsandbytes", 8, builder="bnb_config", footprint="bnb_scheme_footprint"),
     QuantScheme("nf4", "bitsandbytes", 4, frozenset({"double_quant"}), "bnb_config", "bnb_scheme_footprint"),
     QuantScheme("fp4", "bitsandbytes", 4, frozenset({"double_quant"}), "bnb_config", "bnb_scheme_footprint"),
-    QuantScheme("torchao-int8", "torchao", 8, builder="torchao_config", footprint="torchao_int8_footprint"),
-    QuantScheme("torchao-int4", "torchao", 4, frozenset({"group_size"}), "torchao_config"),
-    QuantScheme("torchao-int8-dynamic", "torchao", 8, builder="torchao_config", footprint="torchao_int8_footprint"),
+    QuantScheme("torchao-int8", "torchao", 8, builder="torchao_config", footprint="torchao_int8_footprint",
+                config="Int8WeightOnlyConfig"),
+    QuantScheme("torchao-int4", "torchao", 4, frozenset({"group_size"}), "torchao_int4_config",
+                config="Int4WeightOnlyConfig"),
+    QuantScheme("torchao-int8-dynamic", "torchao", 8, builder="torchao_config", footprint="torchao_int8_footprint",
+                config="Int8DynamicActivationInt8WeightConfig"),
     QuantScheme("hqq", "hqq", None, frozenset({"bits", "group_size"}), "hqq_config"),
     QuantScheme("gptq", "gptqmodel", None, frozenset({"bits", "group_size", "calibration_rows"}), "gptq_config"),
 )

@@ -58,15 +58,19 @@ def four_bit_kernel_dtype(compute_dtype: torch.dtype, device: torch.device) -> t
 
 
 def torchao_config(quant: dict, compute_dtype: torch.dtype, device: torch.device, calibration=None):
-    """torchao's weight-only int8, int4 (CUDA's packed kernel), and dynamic int8 activations with int8 weights."""
-    from torchao.quantization import Int4WeightOnlyConfig, Int8DynamicActivationInt8WeightConfig, Int8WeightOnlyConfig
+    """A torchao scheme whose config class takes no settings (its row's `config`): int8 weight-only, dynamic int8
+    activations with int8 weights."""
+    import torchao.quantization
     from transformers import TorchAoConfig
 
-    method = quant["method"]
-    if method == "torchao-int8":
-        return TorchAoConfig(Int8WeightOnlyConfig())
-    if method == "torchao-int8-dynamic":
-        return TorchAoConfig(Int8DynamicActivationInt8WeightConfig())
+    return TorchAoConfig(getattr(torchao.quantization, scheme(quant).config)())
+
+
+def torchao_int4_config(quant: dict, compute_dtype: torch.dtype, device: torch.device, calibration=None):
+    """torchao's int4 weight-only, packed for CUDA's tinygemm kernel at the scheme's group size."""
+    from torchao.quantization import Int4WeightOnlyConfig
+    from transformers import TorchAoConfig
+
     if device.type != "cuda":
         raise Unavailable("torchao's int4 weight-only packs for CUDA's tinygemm kernel (or XPU/NPU); on a CPU "
                           "torchao keeps int4 values unpacked in int8, no smaller than torchao-int8")

@@ -25,15 +25,17 @@ def build_tables(metrics: dict) -> dict[str, pd.DataFrame]:
 
 def columns_table(jobs: list[dict], columns: tuple[tuple[str, str], ...]) -> pd.DataFrame:
     """A table declared by its columns (report_part.Table.columns): one row a job that produced numbers, each column
-    the value at a dotted path of its record (empty where the record has none)."""
+    the value at a dotted path of its record (empty where the record has none), and the environment it was measured
+    in (a record of numbers that depend on no machine has none: "")."""
     def at(record: dict, path: str):
         try:
             return lookup(record, path)
         except (KeyError, TypeError):
             return None
 
-    return pd.DataFrame([{heading: at(job, path) for heading, path in columns} for job in records.ok(jobs)],
-                        columns=[heading for heading, _ in columns])
+    rows = [{**{heading: at(job, path) for heading, path in columns},
+             "env": env_of(job) if "environment" in job else ""} for job in records.ok(jobs)]
+    return pd.DataFrame(rows, columns=[heading for heading, _ in columns] + ["env"])
 
 
 def change_text(record: dict | None, point_key: str = "perplexity_change_pct") -> str:
