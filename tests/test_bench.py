@@ -7,7 +7,7 @@ import sys
 import pandas as pd
 import pytest
 
-from efflab import config
+from efflab import config, experiment
 from efflab.measure.memory import allocated_delta
 from efflab.stages.report.options import attention_memory_error
 from tests.helpers import TEST_PARAMS, run_stage
@@ -308,7 +308,7 @@ def test_a_generation_mode_the_model_cannot_run_is_unavailable_with_the_reason(r
             raise ValueError("This model does not support `cache_implementation='static'`")
         return real(model, tokenizer, batch, n, kv_cache, mode, extra)
     monkeypatch.setattr(cells, "generate_timed", refusing)
-    cell = cells.inference_cell(test_cfg, str(results), "baseline", "float32", "cpu", {
+    cell = cells.inference_cell(test_cfg, str(results), experiment.variant(test_cfg, "baseline"), "float32", "cpu", {
         "kv_cache": True, "batch_size": 1, "generation": "static"}, {"bandwidth": {}, "matmul": {}})
     assert cell["status"] == "unavailable" and "static generation is not supported" in cell["reason"]
     assert "does not support `cache_implementation='static'`" in cell["reason"]

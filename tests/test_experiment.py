@@ -24,10 +24,10 @@ def test_each_kind_is_made_by_a_stage_that_writes_its_folder(kind):
 
 def test_an_adapter_loads_its_base_first_and_every_other_kind_its_own_folder():
     layout = Layout(Path("results"))
-    assert layout.variant_folders({"kind": "adapter", "of": "r8"}) == [Path("results/base_model/model"),
+    assert layout.variant_folders(experiment.ModelRef("adapter", "r8")) == [Path("results/base_model/model"),
                                                                        Path("results/finetune/r8/model")]
-    assert layout.variant_folders({"kind": "healed", "of": "h"}) == [Path("results/prune/h/healed")]
-    assert layout.variant_folders({"kind": "base"}) == [Path("results/base_model/model")]
+    assert layout.variant_folders(experiment.ModelRef("healed", "h")) == [Path("results/prune/h/healed")]
+    assert layout.variant_folders(experiment.ModelRef("base")) == [Path("results/base_model/model")]
 
 
 def test_the_params_kinds_are_model_kinds():

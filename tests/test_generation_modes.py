@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 
+from efflab import experiment
 from efflab.models import kv_cache, model_check, speculative
 from efflab.models.modeling import load_model, load_tokenizer, read_split, summed_nll
 from efflab.stages import bench_inference
@@ -203,7 +204,7 @@ def test_a_quantized_cache_cell_holds_less_and_measures_its_quality_change(resul
     from efflab.measure.flops import matmul_ceiling
 
     limits = {"bandwidth": bandwidth_ceiling(CPU), "matmul": matmul_ceiling("float32", CPU)}
-    cell = cells.inference_cell(cfg, str(results), "baseline", "float32", "cpu",
+    cell = cells.inference_cell(cfg, str(results), experiment.variant(cfg, "baseline"), "float32", "cpu",
                                 {"kv_cache": True, "batch_size": 1, "generation": "dynamic",
                                  "kv_quant": "quanto-4"}, limits)
     q = cell["quantized_cache"]

@@ -12,6 +12,7 @@ import types
 import pytest
 import torch
 
+from efflab import experiment
 from efflab.layout import Layout
 from efflab.measure import timing
 from efflab.measure.isolation import run_cell
@@ -127,7 +128,7 @@ def test_the_engine_cell_times_the_fakes_generations_interleaved_with_dynamic_ge
     n, batch_size = b["max_new_tokens"], 1
     assert engines.unavailable("vllm", torch.device("cuda"), "base") is None, "installed: a GPU run would time it"
     cell = run_cell(cells.engine_cell, dict(
-        cfg=cfg, results=str(results), name="baseline", dtype="float32", device="cpu",
+        cfg=cfg, results=str(results), variant=experiment.variant(cfg, "baseline"), dtype="float32", device="cpu",
         cell={"kv_cache": True, "batch_size": batch_size, "generation": "vllm"}, limits={}), isolation="inprocess")
     assert cell["status"] == "ok", cell.get("reason")
     (llm,) = vllm.LLM.instances
@@ -176,7 +177,8 @@ def test_an_engine_that_stops_short_of_the_forced_length_fails_the_cell(results,
         return outs
     monkeypatch.setattr(vllm.LLM, "generate", one_token_short)
     cell = run_cell(cells.engine_cell, dict(
-        cfg=copy.deepcopy(test_cfg), results=str(results), name="baseline", dtype="float32", device="cpu",
+        cfg=copy.deepcopy(test_cfg), results=str(results), variant=experiment.variant(test_cfg, "baseline"),
+        dtype="float32", device="cpu",
         cell={"kv_cache": True, "batch_size": 2, "generation": "vllm"}, limits={}), isolation="inprocess")
     assert cell["status"] == "failed" and "generation length differs from max_new_tokens" in cell["reason"]
 

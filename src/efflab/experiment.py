@@ -72,6 +72,40 @@ def base_quant(run: dict) -> dict | None:
     return run["quant"] if run["method"] == "qlora" else None
 
 
+@dataclass(frozen=True)
+class ModelRef:
+    """A model a stage loads, as the params name it (a bench_inference variant, an evaluated model, a draft, a
+    capacity subject), resolved once (model_ref): its kind, the grid entry it is `of`, and the quantization scheme
+    its weights are loaded with (a quantized model's scheme; an adapter's base's, QLoRA's 4-bit; None: full
+    precision)."""
+    kind: str
+    of: str | None = None
+    quant: dict | None = None
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A bench_inference variant, built once and handed whole to each of its cells: its name, the model it loads and
+    its own params entry (kv_cache, batch_sizes, generation, ...)."""
+    name: str
+    model: ModelRef
+    settings: dict
+
+
+def model_ref(cfg: dict, entry: dict) -> ModelRef:
+    """The model a params entry ({kind, of}) names, with the scheme its weights load with."""
+    kind, of = entry["kind"], entry.get("of")
+    quant = (cfg["quantize"]["schemes"][of] if kind == "quantized"
+             else base_quant(finetune_run(cfg, of)) if MODEL_KINDS[kind].on_base else None)
+    return ModelRef(kind, of, quant)
+
+
+def variant(cfg: dict, name: str) -> Variant:
+    """The bench_inference variant `name`."""
+    entry = cfg["bench_inference"]["variants"][name]
+    return Variant(name, model_ref(cfg, entry), entry)
+
+
 def adapter_runs(cfg: dict) -> list[str]:
     """Finetune runs that produce an adapter, so that merge has work to do."""
     return [n for n, r in cfg["finetune"]["runs"].items() if r["method"] in ADAPTER_METHODS]

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
-from .experiment import model_paths
+from .experiment import ModelRef, model_paths
 from .records import is_ok, read
 from .registry import HEALED, LM_EVAL, LOSS_CSV, MODEL, QAT_MODEL, STAGES
 
@@ -40,10 +40,10 @@ class Layout:
     def model(self, stage: str, name: str) -> Path:
         return self.out(stage, name) / MODEL
 
-    def variant_folders(self, variant: dict) -> list[Path]:
-        """The earlier stages' folders a model (bench_inference's variant, or an evaluated model) loads: an adapter's
-        base, then its own folder (experiment.MODEL_KINDS)."""
-        return [self.root / path for path in model_paths(variant["kind"], variant.get("of"))]
+    def variant_folders(self, ref: ModelRef) -> list[Path]:
+        """The earlier stages' folders a model (experiment.ModelRef: a variant's, an evaluated model) loads: an
+        adapter's base, then its own folder (experiment.MODEL_KINDS)."""
+        return [self.root / path for path in model_paths(ref.kind, ref.of)]
 
     def lm_eval_docs(self) -> Path:
         """The documents of efflab's local lm-eval tasks (the validation split; efflab.evaluation.task), written by

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 import torch
 
 from .. import architecture
-from ..experiment import base_quant, finetune_run
 from ..measure.device import DTYPES
 from ..measure.memory import live_tensor_bytes
 from ..models import quantization
@@ -107,12 +106,3 @@ def quantized_layer_transient(model, dtype: str) -> int:
     with torch.no_grad():
         seen = live_tensor_bytes(lambda: outputs.append(layer(x)))
     return 0 if seen is None else max(0, round(seen) - outputs[0].numel() * outputs[0].element_size())
-
-
-def variant_quant(cfg: dict, variant: dict) -> dict | None:
-    """The quantization scheme an inference variant's weights are loaded with (None: full precision)."""
-    if variant["kind"] == "quantized":
-        return cfg["quantize"]["schemes"][variant["of"]]
-    if variant["kind"] == "adapter":
-        return base_quant(finetune_run(cfg, variant["of"]))
-    return None

@@ -17,7 +17,7 @@ import torch
 from .. import records
 from ..architecture import skeleton
 from ..config import UserError, missing_input  # noqa: F401 (re-exported)
-from ..experiment import MODEL_KINDS, base_quant, finetune_run
+from ..experiment import MODEL_KINDS, ModelRef
 from ..measure.device import DTYPES
 from ..measure.env import FAST_BF16_ISA, cpu_isa, cpu_model
 from ..schemes import weight_bits
@@ -363,12 +363,13 @@ def shape_only(folder: Path):
     return skeleton(AutoConfig.from_pretrained(require_input(folder)))
 
 
-def load_variant(cfg: dict, variant: dict, layout, dtype: str, device: torch.device):
-    """An inference variant's model: a saved folder, or a fine-tuning run's adapter on the base it trained on."""
+def load_variant(ref: ModelRef, layout, dtype: str, device: torch.device):
+    """A model another stage made (experiment.ModelRef): a saved folder, or a fine-tuning run's adapter on the base
+    it trained on (loaded with the base's scheme, QLoRA's 4-bit)."""
     from peft import PeftModel
 
-    folders = layout.variant_folders(variant)
-    if not MODEL_KINDS[variant["kind"]].on_base:
+    folders = layout.variant_folders(ref)
+    if not MODEL_KINDS[ref.kind].on_base:
         return load_model(folders[0], dtype, device)
-    base = load_model(folders[0], dtype, device, quant=base_quant(finetune_run(cfg, variant["of"])))
+    base = load_model(folders[0], dtype, device, quant=ref.quant)
     return PeftModel.from_pretrained(base, folders[-1]).eval()

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from ..config import classify_source
+from ..experiment import model_ref
 from .modeling import load_model, load_variant
 
 SPECULATIVE = ("prompt_lookup", "assisted")
@@ -39,7 +40,7 @@ def load_draft(cfg: dict, name: str, layout, dtype: str, device: torch.device):
     spec = cfg["bench_inference"]["speculative"]["drafts"][name]
     if "source" in spec:
         return load_model(draft_folder(spec, f"bench_inference.speculative.drafts.{name}.source"), dtype, device)
-    return load_variant(cfg, spec, layout, dtype, device)
+    return load_variant(model_ref(cfg, spec), layout, dtype, device)
 
 
 def batch_unavailable(mode: str, batch_size: int) -> str | None:

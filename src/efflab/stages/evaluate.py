@@ -18,7 +18,7 @@ import time
 from .. import cli, records
 from ..config import task_relative, task_tolerance
 from ..evaluation import harness, scores, task
-from ..experiment import evaluated_models
+from ..experiment import evaluated_models, model_ref
 from ..layout import Job
 from ..measure.env import environment
 from ..models import quantization
@@ -44,14 +44,15 @@ def run(cfg: dict, job: Job) -> dict:
     tokenizer, dtype = job.tokenizer, job.dtype
     # The task folder it scores with, written where the job's outputs go (named by where they end up): its
     # generation task's file carries every generation setting, and its comment the command that reruns this model.
-    folders = [str(f) for f in layout.variant_folders(model_cfg)]
+    ref = model_ref(cfg, model_cfg)
+    folders = [str(f) for f in layout.variant_folders(ref)]
     commands = harness.cli_commands(folders, dtype, device.type, job.final / LM_EVAL, e["tasks"], e["docs"],
                                     e["batch_size"])
     task_dir = task.write_task(job.out / LM_EVAL, layout.lm_eval_docs(),
                                task.generation_kwargs(e["max_new_tokens"], tokenizer.eos_token),
                                {t: cmd for tasks, cmd in commands.items() for t in tasks.split(",") if t in task.TASKS})
     t0 = time.perf_counter()
-    model = load_variant(cfg, model_cfg, layout, dtype, device)
+    model = load_variant(ref, layout, dtype, device)
     load_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     results = harness.evaluate(model, tokenizer, task_dir, e["tasks"], e["docs"], e["batch_size"],

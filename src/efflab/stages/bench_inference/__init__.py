@@ -61,16 +61,16 @@ def cell_folder(cell: dict) -> str:
 def run(cfg: dict, job: Job) -> dict:
     """Benchmark greedy generation of one variant over its KV-cache, batch-size and generation-mode cells."""
     b, rt, name, layout = cfg["bench_inference"], cfg["runtime"], job.name, job.layout
-    variant = b["variants"][name]
+    variant = experiment.variant(cfg, name)  # built once, handed whole to each cell
     prestart(rt["isolation"])  # the cells' forkserver imports beside this job
     device, dtype = job.device, job.dtype
     skipped = layout.skipped_because(built_on(cfg, "bench_inference", name))
     if skipped:
-        return {**skipped, "variant": name, "kind": variant["kind"], "of": variant.get("of"), "cells": [],
+        return {**skipped, "variant": name, "kind": variant.model.kind, "of": variant.model.of, "cells": [],
                 "environment": environment(device, b)}
-    for folder in layout.variant_folders(variant):  # a missing input is the user's error, not a failed cell
+    for folder in layout.variant_folders(variant.model):  # a missing input is the user's error, not a failed cell
         require_input(folder)
-    made_by = layout.job_metrics(experiment.made_by(variant["kind"], variant.get("of")))
+    made_by = layout.job_metrics(experiment.made_by(variant.model.kind, variant.model.of))
     journal = job.journal({"bench_inference": b, "runtime": rt, "built_on": made_by.read_text()})
     cells = []
     # The machine's two limits, measured once in this job and given to every cell (each cell is a fresh process)
@@ -78,8 +78,8 @@ def run(cfg: dict, job: Job) -> dict:
     profiles = layout.out("bench_inference") / f".{name}.{profiling.FOLDER}"  # beside the journal, until the end
     if journal.resumed == 0:
         shutil.rmtree(profiles, ignore_errors=True)  # a killed earlier run's
-    for cell in cells_of(b, variant):
-        if reason := engines.unavailable(cell["generation"], device, variant["kind"]) or (
+    for cell in cells_of(b, variant.settings):
+        if reason := engines.unavailable(cell["generation"], device, variant.model.kind) or (
                 speculative.batch_unavailable(cell["generation"], cell["batch_size"])):
             cells.append(cell | {"status": "unavailable", "reason": reason})
             continue
@@ -87,7 +87,7 @@ def run(cfg: dict, job: Job) -> dict:
         profile_dir = str(profiles / folder) if profiling.wanted(cfg, "bench_inference") else None
         result = journal.result(cell, lambda: run_cell(
             engine_cell if cell["generation"] in engines.ENGINES else inference_cell,
-            dict(cfg=cfg, results=str(layout.root), name=name, dtype=dtype, device=str(device), cell=cell,
+            dict(cfg=cfg, results=str(layout.root), variant=variant, dtype=dtype, device=str(device), cell=cell,
                  limits=limits, profile_dir=profile_dir),
             isolation=rt["isolation"], timeout_s=rt["cell_timeout_s"], memory_cap_mib=rt["cell_memory_cap_mib"]))
         if not records.is_ok(result):
@@ -98,7 +98,7 @@ def run(cfg: dict, job: Job) -> dict:
         shutil.move(str(profiles), str(job.out / profiling.FOLDER))
     return {
         "status": "ok" if records.ok(cells) else "failed",
-        "variant": name, "kind": variant["kind"], "of": variant.get("of"), "dtype": dtype,
+        "variant": name, "kind": variant.model.kind, "of": variant.model.of, "dtype": dtype,
         "prompts": len(prompts(b, layout, job.tokenizer)),
         "prompts_from": "configured" if isinstance(b["prompts"], list) else "validation rows",
         "new_tokens": b["max_new_tokens"], "repeats": b["repeats"],

@@ -10,8 +10,9 @@ from pathlib import Path
 import torch
 
 from ... import architecture, profiling, records
-from ...estimators.generation_memory import Generation, generation_peak, quantized_layer_transient, variant_quant
+from ...estimators.generation_memory import Generation, generation_peak, quantized_layer_transient
 from ...estimators.memory import compared
+from ...experiment import Variant
 from ...layout import Layout
 from ...measure.bandwidth import decode_roofline, roofline, speculative_costs
 from ...measure.device import DTYPES
@@ -84,8 +85,8 @@ class Workload:
         return replace(self, model=self.model if model is None else model, mode="dynamic", extra=None)
 
 
-def timed_rounds(work: Workload, b: dict, name: str, plain: bool, layout: Layout, dtype: str, device: torch.device
-                 ) -> tuple[list[dict], dict | None]:
+def timed_rounds(work: Workload, b: dict, variant: Variant, plain: bool, layout: Layout, dtype: str,
+                 device: torch.device) -> tuple[list[dict], dict | None]:
     """The timed generations of every prompt batch, `repeats` rounds: the base variant's dynamic generation alone;
     any other variant's interleaved round by round with the base model's (its speed against the base's with an
     interval, free of the machine's drift between jobs); any other mode, a quantized cache or a speculative one,
@@ -95,7 +96,8 @@ def timed_rounds(work: Workload, b: dict, name: str, plain: bool, layout: Layout
 
     def mine(round_):
         by_round[round_] = work.generate_all()
-    if plain and b["variants"][name]["kind"] == "base":
+    name = variant.name
+    if plain and variant.model.kind == "base":
         for r in range(b["repeats"]):
             mine(r)
         return [g for r in range(b["repeats"]) for g in by_round[r]], None
@@ -185,12 +187,12 @@ def cell_extras(cfg: dict, layout, work: Workload, cell: dict) -> dict:
     return extras
 
 
-def predicted_peak(cfg: dict, layout, variant: dict, work: Workload, dtype: str, device: torch.device):
+def predicted_peak(layout, variant: Variant, work: Workload, dtype: str, device: torch.device):
     """The memory estimator's peak of this cell's generation (estimators.generation_memory.generation_peak)."""
     transient = quantized_layer_transient(work.model, dtype) if device.type == "cpu" else 0
     shape = Generation(work.batch_size, max(x["input_ids"].shape[1] for x in work.batches), work.n, work.kv_cache)
     frozen = not any(p.requires_grad for p in work.model.get_output_embeddings().parameters())
-    return generation_peak(layout.base_model(), dtype, variant_quant(cfg, variant), shape, frozen=frozen,
+    return generation_peak(layout.base_model(), dtype, variant.model.quant, shape, frozen=frozen,
                            device=device.type, quantized_transient_bytes=transient)
 
 
@@ -226,14 +228,14 @@ def profiled(cfg: dict, profile_dir: str | None, work: Workload, device: torch.d
                                         lambda: work.generate(work.batches[0]))
 
 
-def inference_cell(cfg: dict, results: str, name: str, dtype: str, device: str, cell: dict, limits: dict,
+def inference_cell(cfg: dict, results: str, variant: Variant, dtype: str, device: str, cell: dict, limits: dict,
                    profile_dir: str | None = None) -> dict:
     """Measure one cell of a variant (`cell`: kv_cache, batch_size, generation mode, and a quantized cache or a
     draft where it has one): prefill and decode, apart, at a fixed length."""
     b, layout, device = cfg["bench_inference"], Layout(Path(results)), torch.device(device)
     kv_cache, batch_size, generation = cell["kv_cache"], cell["batch_size"], cell.get("generation", "dynamic")
     tokenizer = load_tokenizer(layout.base_model())
-    model = load_variant(cfg, b["variants"][name], layout, dtype, device)
+    model = load_variant(variant.model, layout, dtype, device)
     if reason := mode_unavailable(generation, model) or kv_quant.unavailable(cell.get("kv_quant", "none"),
                                                                              model.config):
         return {"status": "unavailable", "reason": reason}
@@ -249,14 +251,14 @@ def inference_cell(cfg: dict, results: str, name: str, dtype: str, device: str, 
             raise  # a failure of generate() itself, or memory: recorded as such by run_cell
         return unsupported(cell, err)
     extras = cell_extras(cfg, layout, work, cell)
-    prediction = predicted_peak(cfg, layout, b["variants"][name], work, dtype, device)
+    prediction = predicted_peak(layout, variant, work, dtype, device)
     # Time and memory in separate passes: on a CPU the memory tracker records every allocation through
     # torch.profiler (tens of thousands of events per generation), which would slow the timed decode.
     with track_memory(device) as mem:
         work.generate_all()
     # And energy in a pass of its own (this cell alone: the timed rounds interleave another)
     energy = energy_per_token(*energy_of(lambda: sum(work.generate(x)["batch_size"] * n for x in batches), device))
-    runs, versus = timed_rounds(work, b, name, plain_cell(cell), layout, dtype, device)
+    runs, versus = timed_rounds(work, b, variant, plain_cell(cell), layout, dtype, device)
     profile = profiled(cfg, profile_dir, work, device)  # after every timed pass: the profiler's cost lands in none
     if any(r["new_tokens"] != n for r in runs):
         raise RuntimeError(f"generation length differs from max_new_tokens={n}")
@@ -266,7 +268,7 @@ def inference_cell(cfg: dict, results: str, name: str, dtype: str, device: str, 
     costs = decode_costs(work, runs, footprint, dtype, extras.get("speculation"))
     per_token = per_token_latency(runs, kv_cache)
     log.info("%s kv_cache=%s batch %d %s: TTFT median %.3f s, decode %.1f tokens/s (per token p50 %.1f / p99 %.1f ms), "
-             "peak delta %s MiB (%s)", name, kv_cache, batch_size, records.cell_mode(cell), ttft["median"],
+             "peak delta %s MiB (%s)", variant.name, kv_cache, batch_size, records.cell_mode(cell), ttft["median"],
              decode_tps["median"],
              1000 * per_token["median"], 1000 * per_token["p99"], _fmt(mem.get("delta_mib")), mem["kind"])
     return {"ttft": ttft, "decode_tokens_per_s": decode_tps, "per_token_latency": per_token, "memory": mem,
@@ -283,16 +285,16 @@ def inference_cell(cfg: dict, results: str, name: str, dtype: str, device: str, 
                         for a, t in zip(asked, runs[0]["texts"])]}
 
 
-def engine_cell(cfg: dict, results: str, name: str, dtype: str, device: str, cell: dict, limits: dict,
+def engine_cell(cfg: dict, results: str, variant: Variant, dtype: str, device: str, cell: dict, limits: dict,
                 profile_dir: str | None = None) -> dict:
     """An engine's cell (efflab.models.engines): the same prompt batches, as token ids, at the same forced length, through
     the engine, interleaved round by round with the same model's dynamic generate(). An engine gives no per-token
     stamps offline, so its rate is of whole generations (prefill included), and so is the speedup."""
     b, layout, device = cfg["bench_inference"], Layout(Path(results)), torch.device(device)
     kv_cache, batch_size, generation = cell["kv_cache"], cell["batch_size"], cell["generation"]
-    tokenizer, variant, n = load_tokenizer(layout.base_model()), b["variants"][name], b["max_new_tokens"]
-    engine = engines.load(generation, layout.variant_folders(variant)[-1], dtype, cfg["base_model"]["seed"])
-    model = load_variant(cfg, variant, layout, dtype, device)
+    tokenizer, n = load_tokenizer(layout.base_model()), b["max_new_tokens"]
+    engine = engines.load(generation, layout.variant_folders(variant.model)[-1], dtype, cfg["base_model"]["seed"])
+    model = load_variant(variant.model, layout, dtype, device)
     asked = prompts(b, layout, tokenizer)
     batches = prompt_batches(tokenizer, [a["text"] for a in asked], batch_size, device)
     ids = [[t for t, m in zip(row.tolist(), mask.tolist()) if m] for x in batches

@@ -9,9 +9,9 @@ from pathlib import Path
 import torch
 
 from ... import records
-from ...estimators.generation_memory import Generation, generation_peak, quantized_layer_transient, variant_quant
+from ...estimators.generation_memory import Generation, generation_peak, quantized_layer_transient
 from ...estimators.training_memory import training_peak
-from ...experiment import finetune_run
+from ...experiment import finetune_run, model_ref
 from ...layout import Layout
 from ...measure.isolation import run_cell
 from ...measure.memory import CpuTensorPeak, cap_cuda_memory, file_pages_mib, held_mib, held_peak_mib, run_steps
@@ -52,13 +52,14 @@ def _generate_work(cfg: dict, variant: dict, layout, dtype: str, device: torch.d
     cache = kv_cache.generate_kwargs(kv, kv_settings(cfg))
     new_tokens = cfg["capacity"]["generate"]["new_tokens"]
     tokenizer = load_tokenizer(layout.base_model())
-    model = load_variant(cfg, variant, layout, dtype, device)
+    ref = model_ref(cfg, variant)  # the spec carries the params entry: it is the journal's key, in JSON
+    model = load_variant(ref, layout, dtype, device)
     ids = token_rows(layout, batch_size, seq_len).to(device)
     frozen = not any(p.requires_grad for p in model.get_output_embeddings().parameters())
     transient = quantized_layer_transient(model, dtype) if device.type == "cpu" else 0
 
     def predicted(b: int, n: int) -> float | None:
-        return generation_peak(layout.base_model(), dtype, variant_quant(cfg, variant), Generation(b, n, new_tokens),
+        return generation_peak(layout.base_model(), dtype, ref.quant, Generation(b, n, new_tokens),
                                frozen=frozen, device=device.type, quantized_transient_bytes=transient)["total_mib"]
 
     def work():
