@@ -72,11 +72,29 @@ def rounding_tolerance(dtype, scale: float, roundings: int, floor: float = 1e-3)
 
 def write_experiment(path: Path) -> Path:
     """The test params as a whole experiment at `path` (a work folder's params.yaml, which DVC reads too): the
-    overlay's `extends` names params.yaml by a path from tests/config/, which a copy elsewhere cannot follow."""
-    import yaml
+    overlay's `extends` names params.yaml by a path from tests/config/, which a copy elsewhere cannot follow. Written
+    over params.yaml's own text, so that its comments and flow lists stay where the values do (`dvc exp run` must
+    keep them)."""
+    from ruamel.yaml import YAML
 
-    path.write_text(yaml.safe_dump(config.load(TEST_PARAMS), sort_keys=False))
+    yaml = YAML()
+    yaml.width = 120
+    doc = yaml.load((REPO / "params.yaml").read_text())
+    _sync(doc, config.load(TEST_PARAMS))
+    with open(path, "w") as out:
+        yaml.dump(doc, out)
     return path
+
+
+def _sync(node, want: dict) -> None:
+    """Make the mapping `node` hold `want`, keeping what is already equal (and its comments)."""
+    for key in [k for k in node if k not in want]:
+        del node[key]
+    for key, value in want.items():
+        if isinstance(value, dict) and isinstance(node.get(key), dict):
+            _sync(node[key], value)
+        elif key not in node or node[key] != value:
+            node[key] = value
 
 
 class BackgroundPipeline:
