@@ -259,7 +259,8 @@ def overlay(base: dict, changes: dict, nodes: list | None = None) -> dict:
     keys, merged = children(schema, nodes), dict(base)
     for key, value in changes.items():
         subs = keys.get(key) or keys.get("<name>") or []
-        settings = subs and "<name>" not in children(schema, subs) and children(schema, subs)
+        below = children(schema, subs) if subs else {}
+        settings = bool(below) and "<name>" not in below
         both = isinstance(value, dict) and isinstance(base.get(key), dict)
         merged[key] = overlay(base[key], value, subs) if settings and both else value
     return merged
