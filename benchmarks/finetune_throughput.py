@@ -61,10 +61,10 @@ import torch
 import yaml
 from transformers import AutoConfig
 
-from efflab.architecture import lora_targets
 from efflab.config import load
 from efflab.estimators.fill import fill
-from efflab.experiment import finetune_run
+from efflab.experiment import FinetuneRun, finetune_run
+from efflab.lora import lora_targets
 from efflab.measure.device import thread_count
 from efflab.measure.phases import PHASES, PHASES_ENV, summary
 from efflab.measure.quiet import MAX_OTHERS_SHARE, OthersCpu
@@ -642,7 +642,7 @@ def main() -> None:
 
 def resolve(args, params: dict, results: Path, device: torch.device) -> tuple[dict, dict | None]:
     """The run's settings with --steps and --batch-size; `fill` resolved by the estimator (and recorded)."""
-    settings = finetune_run(params, args.run) | ({"max_steps": args.steps} if args.steps else {})
+    settings = finetune_run(params, args.run).settings | ({"max_steps": args.steps} if args.steps else {})
     if settings["method"] != "lora":
         sys.exit(f"finetune_throughput: error: --run {args.run!r} is a {settings['method']} run; the baseline "
                  "script is a LoRA script")
@@ -652,7 +652,7 @@ def resolve(args, params: dict, results: Path, device: torch.device) -> tuple[di
                      "prepare_data first)")
     filled = None
     if args.batch_size == "fill":
-        filled = fill(results, settings, device)
+        filled = fill(results, FinetuneRun.of(settings, args.run), device)
         if not filled["rows"]:
             why = filled.get("unavailable") or f"not even the run's own batch fits in {filled['budget_mib']:.0f} MiB"
             sys.exit(f"finetune_throughput: error: --batch-size fill: {why}")

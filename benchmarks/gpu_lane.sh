@@ -136,7 +136,7 @@ if ! done_before diagnosis; then
     say "diagnosis: begins"
     repeats=$(( $(left) > 480 ? 2 : 1 ))
     rows=$("$py" -c 'import sys; from efflab.config import load; from efflab.experiment import finetune_run
-print(finetune_run(load(sys.argv[1]), "lora-r8")["batch_size"])' "$state/headline.yaml")
+print(finetune_run(load(sys.argv[1]), "lora-r8").batch_size)' "$state/headline.yaml")
     sweep=""; [ $(( rows / 4 )) -gt 0 ] && sweep=",efflab@$(( rows / 4 ))"
     in_results "$state/headline-results" timeout -k 10 $(( $(left) - 40 )) "$py" benchmarks/finetune_throughput.py \
       --params "$state/headline.yaml" --run lora-r8 --batch-size "$rows" --steps 20 --repeats $repeats \

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from efflab import architecture
+from efflab import architecture, lora
 from efflab.models import pruning
 from tests.families import FAMILIES, family_folder
 
@@ -81,9 +81,9 @@ def test_lora_targets_default_to_peft_s_choice_for_the_family(folders, family, e
     from peft import LoraConfig, get_peft_model
 
     model = tiny(folders, family)
-    targets = architecture.lora_targets(model.config, None)
+    targets = lora.lora_targets(model.config, None)
     assert targets == expected
-    assert architecture.lora_targets(model.config, ["x"]) == ["x"], "the user's names are kept"
+    assert lora.lora_targets(model.config, ["x"]) == ["x"], "the user's names are kept"
     adapted = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", r=2, target_modules=targets))
     assert adapted.get_nb_trainable_parameters()[0] > 0
 

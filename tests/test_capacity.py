@@ -207,14 +207,14 @@ def test_a_quantized_cache_search_passes_its_cache_to_generate(results, test_cfg
     from efflab.layout import Layout
     from efflab.models import kv_cache
 
-    calls, load = [], capacity_cells.load_variant
+    calls, load = [], capacity_cells.build
 
     def spied(*args, **kwargs):
         model = load(*args, **kwargs)
         generate = model.generate
         model.generate = lambda **kw: calls.append(kw) or generate(**kw)
         return model
-    monkeypatch.setattr(capacity_cells, "load_variant", spied)
+    monkeypatch.setattr(capacity_cells, "build", spied)
     cfg = copy.deepcopy(test_cfg)
     options = {"residual_length": 16, "group_size": 32, "eval_rows": 2, "chunk": 16, "context_lengths": [64]}
     cfg["bench_inference"]["kv_quant_options"] = options

@@ -11,8 +11,10 @@ import transformers  # imported before any fake device is installed (libraries i
 
 from efflab import config, training
 from efflab.config import UserError
+from efflab.experiment import FinetuneRun
 from efflab.measure import device as measure_device
 from efflab.measure import energy, flops, memory, phases, timing
+from efflab.models import build as model_build
 from efflab.stages import capacity
 from efflab.stages.bench_inference import generation
 from efflab.stages.finetune.callbacks import SequenceLengths, StepTimes
@@ -23,8 +25,8 @@ MiB = memory.MiB
 DEFAULTS = config.load(TEST_PARAMS)["finetune"]["defaults"]  # a run's keys, as the stages read them
 
 
-def run_cfg(**overrides) -> dict:
-    return dict(DEFAULTS) | overrides
+def run_cfg(**overrides) -> FinetuneRun:
+    return FinetuneRun.of(DEFAULTS | {"method": "lora"} | overrides)
 
 
 # -- measure.memory --------------------------------------------------------------------------------------------
@@ -414,7 +416,7 @@ def test_liger_kernels_without_the_package_are_an_unavailable_knob_and_never_ski
         "liger_kernel needs the liger-kernel package, which is not installed (pip install liger-kernel)"]
     model = types.SimpleNamespace(config=types.SimpleNamespace(model_type="llama"))
     with pytest.raises(ImportError, match="liger_kernel"):  # never a run labelled liger trained without it
-        training.with_liger_kernels(model)
+        model_build.with_liger_kernels(model)
 
 
 def test_liger_kernels_patch_a_known_family_and_name_an_unknown_one(fake_cuda, monkeypatch):
@@ -427,10 +429,10 @@ def test_liger_kernels_patch_a_known_family_and_name_an_unknown_one(fake_cuda, m
     for module in (package, transformers_, monkey_patch):
         monkeypatch.setitem(sys.modules, module.__name__, module)
     llama = types.SimpleNamespace(config=types.SimpleNamespace(model_type="llama"))
-    training.with_liger_kernels(llama)
+    model_build.with_liger_kernels(llama)
     assert applied == [llama]
     with pytest.raises(UserError, match=r"no kernels for model_type 'gpt_neox' \(it has: llama, qwen2\)"):
-        training.with_liger_kernels(types.SimpleNamespace(config=types.SimpleNamespace(model_type="gpt_neox")))
+        model_build.with_liger_kernels(types.SimpleNamespace(config=types.SimpleNamespace(model_type="gpt_neox")))
     assert applied == [llama]
 
 

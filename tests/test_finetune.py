@@ -14,7 +14,7 @@ def _lora_param_count(cfg, name):
     hidden, head, layers = c["hidden_size"], c["head_dim"], c["num_hidden_layers"]
     shapes = {"q_proj": (hidden, c["num_attention_heads"] * head), "k_proj": (hidden, c["num_key_value_heads"] * head),
               "v_proj": (hidden, c["num_key_value_heads"] * head), "o_proj": (c["num_attention_heads"] * head, hidden)}
-    return layers * sum(run["lora"]["r"] * sum(shapes[t]) for t in run["lora"]["target_modules"])
+    return layers * sum(run.lora["r"] * sum(shapes[t]) for t in run.lora["target_modules"])
 
 
 def test_lora_trains_only_the_adapter_and_loss_goes_down(results, test_cfg):
@@ -55,15 +55,15 @@ def test_qlora_gradients_do_not_depend_on_an_earlier_validation_pass(results, te
     the layers kept on the differentiable path, a QLoRA gradient is the same with or without that pass."""
     import warnings
 
-    from efflab.training import build_model
+    from efflab.models.build import build
 
     run = finetune_run(test_cfg, "qlora-r8")
-    run["lora"] = run["lora"] | {"dropout": 0.0}
+    run = run.but(lora=run.lora | {"dropout": 0.0})
     ids = torch.tensor([[1, 5, 9, 200, 31, 7, 64, 2] * 4])
 
     def gradients(validate_first: bool) -> dict:
         torch.manual_seed(0)
-        model = build_model(run, Layout(results), "float32", torch.device("cpu"))
+        model = build(run, Layout(results), "float32", torch.device("cpu"))
         if validate_first:
             model.eval()
             with torch.no_grad():
@@ -208,12 +208,12 @@ def test_packed_rows_see_only_themselves_and_keep_the_loss(results, write_params
     """Padding-free batches: the logits of rows laid end to end equal those of each row alone (no attention
     across rows), and a packed run trains on the same real tokens with the same loss as a padded one."""
     from efflab.models.modeling import load_model, load_tokenizer, read_split
-    from efflab.training import collator
+    from efflab.training import StepRun, collator
 
     layout = Layout(results)
     model = load_model(layout.base_model(), "float32", torch.device("cpu"))
     rows = read_split(layout.split("train"), 3)
-    packed = collator({"packing": True}, load_tokenizer(layout.base_model()))(rows)
+    packed = collator(StepRun(steps=1, batch_size=2, learning_rate=1e-3, packing=True), load_tokenizer(layout.base_model()))(rows)
     with torch.no_grad():
         together = model(input_ids=packed["input_ids"], position_ids=packed["position_ids"], use_cache=False).logits[0]
         alone = torch.cat([model(input_ids=torch.tensor([r["input_ids"]]), use_cache=False).logits[0] for r in rows])
@@ -397,7 +397,7 @@ def test_bf16_weights_train_in_bf16_with_fp32_adam_moments(results, write_params
     assert m["trainable_dtype"] == "bfloat16" and m["mixed_precision"] == "no"
     assert m["optimizer"].startswith("torchao AdamW")
     tensors = 2 * test_cfg["base_model"]["config_overrides"]["num_hidden_layers"] * len(
-        finetune_run(test_cfg, "lora-r8")["lora"]["target_modules"])
+        finetune_run(test_cfg, "lora-r8").lora["target_modules"])
     assert m["optimizer_state_bytes"] == 2 * 4 * trainable + 4 * tensors, "two fp32 moments and a step count"
     assert m["validation_after"]["loss"] < m["validation_before"]["loss"]
     assert "bf16_weights" in m["memory_prediction"]["unavailable"]
@@ -406,14 +406,14 @@ def test_bf16_weights_train_in_bf16_with_fp32_adam_moments(results, write_params
 def test_stochastic_rounding_keeps_the_small_updates_that_round_to_nearest_bf16_drops():
     """Adam's update (about lr per step) is smaller than half a bf16 step at |w| ~ 0.05: rounded to nearest it is
     mostly lost; rounded stochastically it is kept on average, as the fp32 optimizer keeps it."""
-    from efflab.training import optimizer_cls_and_kwargs
+    from efflab.training import StepRun, optimizer_cls_and_kwargs
 
     gen = torch.Generator().manual_seed(0)
     start = (torch.randn(64, 256, generator=gen) * 0.05).to(torch.bfloat16)
     grad = torch.randn(64, 256, generator=gen)
     lr, steps = 5e-5, 20
     args = type("Args", (), {"learning_rate": lr, "adam_beta1": 0.9, "adam_beta2": 0.999, "adam_epsilon": 1e-8})
-    cls, kwargs = optimizer_cls_and_kwargs({"bf16_weights": True}, args)
+    cls, kwargs = optimizer_cls_and_kwargs(StepRun(steps=1, batch_size=1, learning_rate=1e-3, bf16_weights=True), args)
 
     def moved(weight, optimizer_cls, **kw) -> float:
         """The mean distance each weight moved against its gradient's sign."""

@@ -10,10 +10,11 @@ import pytest
 import torch
 import yaml
 
-from efflab import lora_init, training
+from efflab import lora, training
 from efflab.config import load
 from efflab.experiment import finetune_run
 from efflab.layout import Layout
+from efflab.models.build import build
 from tests.helpers import BIN, REPO, run_stage
 
 # eva: peft's SVD loop runs until each layer's components converge, about 2 minutes on the tiny random model
@@ -23,7 +24,7 @@ INITS = ["gaussian", "pissa_niter_2", "olora", pytest.param("eva", marks=pytest.
 
 def _adapter(results, params, run: str) -> dict[str, torch.Tensor]:
     cfg = load(params)
-    model = training.build_model(finetune_run(cfg, run), Layout(results), "float32", torch.device("cpu"))
+    model = build(finetune_run(cfg, run), Layout(results), "float32", torch.device("cpu"))
     return model, {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
 
 
@@ -45,7 +46,7 @@ def test_each_init_starts_from_another_adapter_than_the_default_and_trains(resul
     assert default.keys() == chosen.keys()
     assert any(not torch.equal(default[k], chosen[k]) for k in default), f"{init}: the default's adapter"
     assert model.efflab_init["init"] == init and model.efflab_init["seconds"] > 0
-    assert model.efflab_init["rows"] > 0 if init in lora_init.DATA_DRIVEN else model.efflab_init["rows"] == 0
+    assert model.efflab_init["rows"] > 0 if init in lora.DATA_DRIVEN else model.efflab_init["rows"] == 0
     m = run_stage("finetune", params, results, init)
     assert m["status"] == "ok" and m["lora_init"]["init"] == init
     points = m["validation_curve"]["points"]
@@ -63,8 +64,8 @@ def _reloaded_loss(results, params, run: str) -> float:
     layout, settings = Layout(results), finetune_run(load(params), run)
     base = load_model(layout.base_model(), "float32", torch.device("cpu"))
     model = PeftModel.from_pretrained(base, str(layout.model("finetune", run))).eval()
-    rows = read_split(layout.split("validation"), settings["eval_rows"])
-    return eval_loss(model, rows, settings["batch_size"], load_tokenizer(layout.base_model()))["loss"]
+    rows = read_split(layout.split("validation"), settings.eval_rows)
+    return eval_loss(model, rows, settings.batch_size, load_tokenizer(layout.base_model()))["loss"]
 
 
 def test_the_default_init_starts_from_the_base_and_says_so(results, write_params):
@@ -83,7 +84,7 @@ def test_the_default_init_starts_from_the_base_and_says_so(results, write_params
 def test_an_init_peft_refuses_is_unavailable_with_peft_s_reason(results, write_params, monkeypatch):
     def refuse(*args, **kwargs):
         raise ValueError("PiSSA cannot decompose this layer type\nmore lines")
-    monkeypatch.setattr(lora_init, "_adapt", refuse)
+    monkeypatch.setattr(lora, "_adapt", refuse)
     params = write_params(lambda cfg: cfg["finetune"]["runs"].update(
         {"pissa": {"method": "lora", "max_steps": 2, "lora": {"init": "pissa"}}}))
     m = run_stage("finetune", params, results, "pissa")
@@ -109,7 +110,7 @@ def test_a_missing_optimizer_package_is_unavailable_with_the_pip_line(monkeypatc
     import importlib.util
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "galore_torch" else real(name))
-    run = finetune_run(test_cfg, "full") | {"optimizer": "galore_adamw"}
+    run = finetune_run(test_cfg, "full").but(optimizer="galore_adamw")
     assert training.unavailable_knobs(run, torch.device("cpu")) == [
         "optimizer galore_adamw needs the galore-torch package, which is not installed (pip install galore-torch)"]
 

@@ -8,6 +8,7 @@ with the reason where it is missing.
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import replace
 
 import pytest
 import torch
@@ -213,8 +214,7 @@ def test_a_lora_step_in_bf16_lowers_the_loss_over_ten_steps(tmp_path):
                                       task_type="CAUSAL_LM"))
     ids = torch.randint(0, 1024, (4, 64), generator=torch.Generator().manual_seed(2)).to(CUDA)
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
-    run = {"mixed_precision": "auto", "optimizer": "adamw_torch", "learning_rate": 1e-2, "weight_decay": 0.0,
-           "lr_scheduler": "constant", "warmup_steps": 0, "max_grad_norm": 1.0, "tf32": False}
+    run = training.StepRun(steps=10, batch_size=4, learning_rate=1e-2, lr_scheduler="constant")
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad and "layers.0" in n}
     step, precision = training.training_step(run, model, "float32", CUDA, [[batch]], str(tmp_path))
     assert precision == ("bf16" if torch.cuda.is_bf16_supported() else "fp16")
@@ -234,9 +234,10 @@ def test_auto_picks_bf16_on_a_gpu_that_has_it():
         assert supported, "an Ampere-or-newer GPU has bf16"
     dtype, evidence = resolve_dtype("auto", CUDA)
     assert dtype == ("bfloat16" if supported else "float16") and evidence["requested"] == "auto"
-    assert training.mixed_precision({"mixed_precision": "auto"}, "float32", CUDA) == ("bf16" if supported else "fp16")
-    assert training.mixed_precision({"mixed_precision": "auto", "bf16_weights": True}, "bfloat16", CUDA) == "no"
-    assert training.mixed_precision({"mixed_precision": "fp16"}, "float32", CUDA) == "fp16", "an explicit choice stands"
+    run = training.StepRun(steps=1, batch_size=1, learning_rate=1e-3)
+    assert training.mixed_precision(run, "float32", CUDA) == ("bf16" if supported else "fp16")
+    assert training.mixed_precision(replace(run, bf16_weights=True), "bfloat16", CUDA) == "no"
+    assert training.mixed_precision(replace(run, mixed_precision="fp16"), "float32", CUDA) == "fp16", "an explicit choice stands"
 
 
 def test_efflab_s_step_instruments_add_no_synchronisation_to_a_training_step(tiny_llama, tmp_path):

@@ -7,12 +7,14 @@ import json
 import pytest
 import torch
 
+from efflab import config
 from efflab.estimators import generation_memory as gm
 from efflab.estimators import training_memory as tm
+from efflab.experiment import FinetuneRun
 from efflab.measure.isolation import run_cell
 from efflab.measure.memory import MiB, track_memory
 from efflab.stages.report import sections, tables
-from tests.helpers import run_stage
+from tests.helpers import TEST_PARAMS, run_stage
 
 # h=64, i=128, 4 heads x 16 (attention width 64), 2 KV heads, vocab 1000
 TINY = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
@@ -28,10 +30,13 @@ def tiny(tmp_path):
 
 
 def _run(method, dropout=0.05, targets=("q_proj", "k_proj", "v_proj", "o_proj"), optimizer="adamw_torch"):
-    return {"method": method, "batch_size": 2, "max_steps": 3, "gradient_accumulation_steps": 1, "seed": 0,
-            "optimizer": optimizer, "gradient_checkpointing": False, "num_processes": 1, "num_machines": 1,
-            "accelerate_config": None,
-            "lora": {"r": 8, "dropout": dropout, "target_modules": list(targets)}}
+    """A run of the CI params' defaults with the settings the estimator reads set here (padded batches)."""
+    defaults = config.load(TEST_PARAMS)["finetune"]["defaults"]
+    return FinetuneRun.of(defaults | {
+        "method": method, "batch_size": 2, "max_steps": 3, "gradient_accumulation_steps": 1, "seed": 0,
+        "optimizer": optimizer, "gradient_checkpointing": False, "num_processes": 1, "num_machines": 1,
+        "accelerate_config": None, "packing": False, "bf16_weights": False,
+        "lora": defaults["lora"] | {"r": 8, "dropout": dropout, "target_modules": list(targets)}})
 
 
 def test_full_fp32_saved_tensors_by_hand(tiny):
@@ -95,7 +100,7 @@ def test_lora_trainable_tensors_and_step_phase(tiny):
 
 
 def test_what_is_not_modelled_says_so(tiny):
-    p = tm.training_peak(tiny, _run("lora") | {"num_processes": 2}, "float32", "no", [3, 4])
+    p = tm.training_peak(tiny, _run("lora").but(num_processes=2), "float32", "no", [3, 4])
     assert p["total_mib"] is None and p["unavailable"].startswith("not modelled: several processes")
 
 
@@ -104,8 +109,8 @@ def test_the_largest_batch_is_the_last_doubling_whose_prediction_fits(tiny):
     budget planted between the predictions of 8 and 16 rows it answers 8; below the run's own batch, none; a run
     the estimator does not model, unavailable with its reason."""
     lengths = [40 + (7 * k) % 60 for k in range(64)]
-    run = _run("lora") | {"batch_size": 2}
-    peak = {rows: tm.training_peak(tiny, run | {"batch_size": rows}, "float32", "no", lengths)["total_mib"]
+    run = _run("lora").but(batch_size=2)
+    peak = {rows: tm.training_peak(tiny, run.but(batch_size=rows), "float32", "no", lengths)["total_mib"]
             for rows in (2, 4, 8, 16)}
     assert peak[2] < peak[4] < peak[8] < peak[16]
     got = tm.largest_batch(tiny, run, "float32", "no", lengths, "cpu", (peak[8] + peak[16]) / 2)
@@ -113,12 +118,12 @@ def test_the_largest_batch_is_the_last_doubling_whose_prediction_fits(tiny):
     assert got["tokens_per_step"] == pytest.approx(8 * sum(lengths) / len(lengths))
     assert tm.largest_batch(tiny, run, "float32", "no", lengths, "cpu", peak[2] / 2)["rows"] is None
     assert tm.largest_batch(tiny, run, "float32", "no", lengths, "cpu", 1e9, most=4)["rows"] == 4
-    other = tm.largest_batch(tiny, run | {"num_processes": 2}, "float32", "no", lengths, "cpu", 1e9)
+    other = tm.largest_batch(tiny, run.but(num_processes=2), "float32", "no", lengths, "cpu", 1e9)
     assert other["rows"] is None and other["unavailable"].startswith("not modelled")
 
 
 def test_checkpointing_keeps_only_each_layers_input(tiny):
-    run = _run("lora") | {"gradient_checkpointing": True}
+    run = _run("lora").but(gradient_checkpointing=True)
     plain = tm.activation_terms(tiny, _run("lora"), "bfloat16", "bf16", 2, 10)
     terms = tm.activation_terms(tiny, run, "bfloat16", "bf16", 2, 10)
     assert terms["layers"] == 2 * 20 * H * 2  # two layers' bf16 inputs, 20 tokens
@@ -203,9 +208,9 @@ def test_predicted_checkpointed_peak_matches_the_live_tensor_peak(tmp_path):
     # and still matches the live-tensor peak.
     config = TINY | {"vocab_size": 4096, "num_hidden_layers": 4}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    run = _run("full") | {"batch_size": 4, "max_steps": 1}
+    run = _run("full").but(batch_size=4, max_steps=1)
     plain = tm.training_peak(tmp_path, run, "float32", "no", [256] * 4)
-    p = tm.training_peak(tmp_path, run | {"gradient_checkpointing": True}, "float32", "no", [256] * 4)
+    p = tm.training_peak(tmp_path, run.but(gradient_checkpointing=True), "float32", "no", [256] * 4)
     assert p["phase"].startswith("backward start") and p["total_mib"] < 0.85 * plain["total_mib"]
     cell = run_cell(measured_training_step, {"config": config, "rows": 4, "length": 256, "checkpointing": True},
                     timeout_s=300)

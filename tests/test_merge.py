@@ -22,7 +22,7 @@ def merge_rounding(m: dict, roundings: int, kernel=None) -> float:
 def test_merged_logits_equal_adapter_logits(results):
     run_stage("finetune", TEST_PARAMS, results, "lora-r8")
     m = run_stage("merge", TEST_PARAMS, results, "lora-r8")
-    layers = 2 * len(finetune_run(config.load(TEST_PARAMS), "lora-r8")["lora"]["target_modules"])  # 2 layers
+    layers = 2 * len(finetune_run(config.load(TEST_PARAMS), "lora-r8").lora["target_modules"])  # 2 layers
     tolerance = merge_rounding(m, 2 * layers)  # each merged weight rounded, and the adapter's own path
     assert m["merged"]["max_abs_logit_diff"] < tolerance
     loss = m["adapter_validation"]["loss"]
@@ -100,7 +100,7 @@ def test_the_qlora_round_trip_merge_keeps_the_adapter_s_logits_on_any_family(pre
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from efflab.architecture import lora_targets
+    from efflab.lora import lora_targets
     from efflab.models.quantization import four_bit_kernel_dtype
     from efflab.stages.merge import merged_into, round_trip_base
     from tests.families import family_folder

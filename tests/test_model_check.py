@@ -76,7 +76,7 @@ def test_what_peft_cannot_wrap_is_said_before_training_with_the_model_s_own_modu
 
 
 def test_the_default_targets_of_a_family_peft_has_none_for_are_its_own_projections():
-    from efflab.architecture import lora_targets
+    from efflab.lora import lora_targets
 
     targets = lora_targets(family_config("deepseek_v3"), None)
     assert targets == ["down_proj", "gate_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "q_a_proj", "q_b_proj",

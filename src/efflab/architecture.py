@@ -138,39 +138,6 @@ def resized_config(config, keep_layers: list[int], heads: tuple[int, int, int] |
     return config
 
 
-def lora_targets(config, targets: str | list[str] | None, model=None, dropout: float = 0.0) -> str | list[str]:
-    """The modules LoRA adapts: the user's names or peft's all-linear as given; for null, what peft itself
-    chooses for the family (its per-architecture default, e.g. q_proj and v_proj for Llama, query_key_value
-    for GPT-NeoX, c_attn for GPT-2), and for a family peft has no default for, the model's own projections
-    (own_projections of `model`, else of the config's skeleton). A mixture of experts' routed experts are among
-    them only without dropout: peft maps their names onto the fused 3-D expert weights (expert_targets), which it
-    wraps as parameters, and those take no dropout. Not all-linear there: it would take them whatever the dropout."""
-    if targets is not None:
-        return targets
-    from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_DEFAULTS
-
-    default = PEFT_DEFAULTS.get(text_config(config).model_type)
-    if default:
-        return sorted(default)
-    model = model if model is not None else skeleton(config)
-    names = own_projections(model)
-    if dropout:
-        names = [n for n in names if n not in expert_targets(model, names)]
-    return names or "all-linear"
-
-
-def expert_targets(model, names: list[str]) -> set[str]:
-    """Of the target names `names`, those peft's own conversion for transformers 5 maps onto a mixture of experts'
-    fused expert weights (Qwen3-MoE's and DeepSeek-V3's gate_proj, up_proj and down_proj name their shared or dense
-    MLP's layers and the routed experts' gate_up_proj and down_proj at once); none for any other model."""
-    from peft import LoraConfig
-    from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
-
-    probe = LoraConfig(task_type="CAUSAL_LM", target_modules=list(names))
-    convert_peft_config_for_transformers(probe, model, None)
-    return set(names) - set(probe.target_modules)
-
-
 def own_projections(model) -> list[str]:
     """The leaf names of the model's own matrix-multiply layers but the LM head (an attention's q_a_proj and
     o_proj, an MLP's or shared expert's gate_proj, GPT-2's c_attn): what a target_modules list can name. peft's
@@ -182,21 +149,3 @@ def own_projections(model) -> list[str]:
             continue
         names.add(name.replace(".base_layer", "").rsplit(".", 1)[-1])
     return sorted(names)
-
-
-def lora_refusal(model, err: Exception) -> str:
-    """peft's reason for refusing a LoRA setting on `model`, with the projections a target_modules list can name."""
-    return (f"peft cannot adapt {type(model).__name__} so: {str(err).splitlines()[0].rstrip('.')}; its own "
-            f"projections are {', '.join(own_projections(model))}")
-
-
-def lora_config(config, lora: dict, model=None, **init):
-    """peft's LoraConfig for the settings `lora` (r, alpha, dropout, target_modules, use_dora, use_rslora) on a
-    model of `config` (`model`, where the caller has it: lora_targets reads its modules): one construction for
-    fine-tuning, healing and the dry-run check. `init`: the initialisation's keys (init_lora_weights and its
-    method's config: lora_init.adapt)."""
-    from peft import LoraConfig
-
-    return LoraConfig(task_type="CAUSAL_LM", r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
-                      bias="none", target_modules=lora_targets(config, lora["target_modules"], model, lora["dropout"]),
-                      use_dora=lora.get("use_dora", False), use_rslora=lora.get("use_rslora", False), **init)

@@ -18,7 +18,7 @@ import yaml
 
 from .evaluation.task import TASKS as EVAL_TASKS
 from .evaluation.task import unknown_tasks
-from .experiment import ADAPTER_METHODS, MODEL_KINDS, drafts_of, finetune_run, merge_runs
+from .experiment import ADAPTER_METHODS, MODEL_KINDS, FinetuneRun, drafts_of, finetune_run, merge_runs
 from .schema import UnknownKey, children, describe, descriptions, load_schema, parsed
 from .schemes import SCHEMES
 
@@ -87,22 +87,22 @@ def _check_scheme(quant: dict, where: str) -> None:
 BF16_WEIGHTS_OPTIMIZERS = ("adamw_torch", "adamw_torch_fused")
 
 
-def _check_bf16_weights(run: dict, where: str) -> None:
-    if not run["bf16_weights"]:
+def _check_bf16_weights(run: FinetuneRun, where: str) -> None:
+    if not run.bf16_weights:
         return
-    if run["optimizer"] not in BF16_WEIGHTS_OPTIMIZERS:
+    if run.optimizer not in BF16_WEIGHTS_OPTIMIZERS:
         raise UserError(f"{where}.optimizer: bf16_weights trains with torchao's AdamW (fp32 moments), which replaces "
-                        f"{' or '.join(BF16_WEIGHTS_OPTIMIZERS)}; got {run['optimizer']!r}")
-    if run["mixed_precision"] == "fp16":
+                        f"{' or '.join(BF16_WEIGHTS_OPTIMIZERS)}; got {run.optimizer!r}")
+    if run.mixed_precision == "fp16":
         raise UserError(f"{where}.mixed_precision: bf16_weights computes in bf16; expected auto, no or bf16, "
                         f"got 'fp16'")
 
 
-def _check_optimizer(run: dict, where: str) -> None:
+def _check_optimizer(run: FinetuneRun, where: str) -> None:
     """A low-rank optimizer (GaLore, APOLLO) projects full weights' gradients: it has nothing to do on an adapter."""
-    if run["optimizer"].startswith(LOW_RANK_OPTIMIZERS) and run["method"] != "full":
-        raise UserError(f"{where}.optimizer: {run['optimizer']} projects the gradients of full weights; expected "
-                        f"method full, got {run['method']!r} (use adamw_* for an adapter)")
+    if run.optimizer.startswith(LOW_RANK_OPTIMIZERS) and run.method != "full":
+        raise UserError(f"{where}.optimizer: {run.optimizer} projects the gradients of full weights; expected "
+                        f"method full, got {run.method!r} (use adamw_* for an adapter)")
 
 
 LOW_RANK_OPTIMIZERS = ("galore_", "apollo_")  # transformers' GaLore and APOLLO optimizers (training.LOW_RANK)
@@ -120,9 +120,9 @@ def _cross_check(cfg: dict, source: str) -> None:
         _check_scheme(scheme, f"{source}: quantize.schemes.{name}")
     for name in runs:
         run = finetune_run(cfg, name)
-        if run["method"] == "qlora" and run["quant"]["method"] not in ("nf4", "fp4"):
+        if run.method == "qlora" and run.quant["method"] not in ("nf4", "fp4"):
             raise UserError(f"{source}: finetune.runs.{name}.quant.method: QLoRA needs a 4-bit base "
-                            f"(nf4 or fp4), got {run['quant']['method']!r}")
+                            f"(nf4 or fp4), got {run.quant['method']!r}")
         _check_bf16_weights(run, f"{source}: finetune.runs.{name}")
         _check_optimizer(run, f"{source}: finetune.runs.{name}")
     for name in cfg["merge"]["runs"] or []:

@@ -7,7 +7,7 @@ and reads (which Snakemake evaluates while it plans the DAG) derive from it.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 # The folders a stage's job writes its model to (layout says where the job's folder is).
 MODEL = "model"
@@ -61,15 +61,72 @@ def deep_merge(base: dict, over: dict) -> dict:
     return out
 
 
-def finetune_run(cfg: dict, name: str) -> dict:
+@dataclass(frozen=True)
+class FinetuneRun:
+    """A fine-tuning run's full settings (finetune.defaults overridden by finetune.runs.<name>, every key of the
+    schema's finetune_settings), resolved once (finetune_run) and handed whole to the stages that train, the model
+    builder and the estimators. `settings` is the dict its records keep."""
+    name: str
+    max_steps: int
+    batch_size: int
+    gradient_accumulation_steps: int
+    learning_rate: float
+    lr_scheduler: str
+    warmup_steps: int
+    weight_decay: float
+    max_grad_norm: float
+    optimizer: str
+    mixed_precision: str
+    gradient_checkpointing: bool
+    packing: bool
+    tf32: bool
+    torch_compile: bool
+    bf16_weights: bool
+    liger_kernel: bool
+    attn_implementation: str | None
+    dataloader_num_workers: int
+    pin_memory: str | bool
+    deterministic: bool
+    eval_rows: int | None
+    seed: int
+    checkpoint_every: int
+    timing_warmup_steps: int
+    instruments: bool
+    num_processes: int
+    num_machines: int
+    accelerate_config: str | None
+    lora: dict
+    quant: dict
+    method: str
+
+    @classmethod
+    def of(cls, settings: dict, name: str = "") -> FinetuneRun:
+        return cls(name=name, **copy.deepcopy(settings))
+
+    @property
+    def settings(self) -> dict:
+        """The run's settings as params name them (its records' `settings`)."""
+        return {f.name: copy.deepcopy(getattr(self, f.name)) for f in fields(self) if f.name != "name"}
+
+    @property
+    def base_quant(self) -> dict | None:
+        """The bitsandbytes scheme the run's frozen base is loaded with: QLoRA's 4-bit scheme, else None (full
+        precision). Training, merging, inference and the memory estimates all load that same base."""
+        return self.quant if self.method == "qlora" else None
+
+    @property
+    def lora_init(self) -> str:
+        """How its adapter is initialised (lora.init; peft's default where unset)."""
+        return self.lora.get("init") or "default"
+
+    def but(self, **changes) -> FinetuneRun:
+        """The run with `changes` to its settings."""
+        return replace(self, **changes)
+
+
+def finetune_run(cfg: dict, name: str) -> FinetuneRun:
     """A finetune run's full settings: finetune.defaults overridden by finetune.runs.<name>."""
-    return deep_merge(cfg["finetune"]["defaults"], cfg["finetune"]["runs"][name])
-
-
-def base_quant(run: dict) -> dict | None:
-    """The bitsandbytes scheme a fine-tuning run's frozen base is loaded with: QLoRA's 4-bit scheme, else None
-    (full precision). Training, merging, inference and the memory estimates all load that same base."""
-    return run["quant"] if run["method"] == "qlora" else None
+    return FinetuneRun.of(deep_merge(cfg["finetune"]["defaults"], cfg["finetune"]["runs"][name]), name)
 
 
 @dataclass(frozen=True)
@@ -96,7 +153,7 @@ def model_ref(cfg: dict, entry: dict) -> ModelRef:
     """The model a params entry ({kind, of}) names, with the scheme its weights load with."""
     kind, of = entry["kind"], entry.get("of")
     quant = (cfg["quantize"]["schemes"][of] if kind == "quantized"
-             else base_quant(finetune_run(cfg, of)) if MODEL_KINDS[kind].on_base else None)
+             else finetune_run(cfg, of).base_quant if MODEL_KINDS[kind].on_base else None)
     return ModelRef(kind, of, quant)
 
 

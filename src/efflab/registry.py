@@ -374,4 +374,4 @@ def settings(cfg: dict, stage: str, name: str | None = None) -> str:
 def mem_factor(cfg: dict, stage: str, name: str | None = None) -> float:
     """The stage's host memory in units of the base model's size (for finetune, its run's method's)."""
     factor = STAGES[stage].mem_factor
-    return factor.get(finetune_run(cfg, name)["method"], 0) if isinstance(factor, dict) else factor
+    return factor.get(finetune_run(cfg, name).method, 0) if isinstance(factor, dict) else factor

@@ -1,4 +1,4 @@
-"""Fine-tuning shared by the stages that train: the model to train (build_model), its collator, its mixed
+"""Fine-tuning shared by the stages that train (the model a run trains is models.build's): its collator, its mixed
 precision and the knobs a device cannot honour; and one optimizer step written out, for stages that train several
 models in one process (bench_finetune, capacity, prune's healing, qat).
 
@@ -14,21 +14,49 @@ from __future__ import annotations
 import functools
 import importlib.util
 from contextlib import nullcontext
+from dataclasses import dataclass, fields
 
 import torch
 
-from . import lora_init
-from .config import UserError
-from .experiment import base_quant
-from .models.modeling import load_model
+from .experiment import FinetuneRun
 
 # transformers, peft and bitsandbytes take seconds to import: they are imported inside the functions that use them.
 
 
-def mixed_precision(run: dict, dtype: str, device: torch.device) -> str:
+@dataclass(frozen=True)
+class StepRun:
+    """What the written-out step (training_step) and its batches read of a run, for the stages that train a model of
+    their own in one process (prune's healing, qat) from a section of their own params. An experiment.FinetuneRun
+    has every one of these settings, so bench_finetune and capacity hand theirs over as it is."""
+    steps: int
+    batch_size: int
+    learning_rate: float
+    seed: int = 0
+    optimizer: str = "adamw_torch"
+    lr_scheduler: str = "cosine"
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    mixed_precision: str = "auto"
+    gradient_accumulation_steps: int = 1
+    packing: bool = True
+    bf16_weights: bool = False
+    tf32: bool = False
+    torch_compile: bool = False
+
+    @classmethod
+    def of(cls, section: dict) -> StepRun:
+        """The step settings of a params section (qat.train, prune.heal): its keys that are settings of a step."""
+        return cls(**{f.name: section[f.name] for f in fields(cls) if f.name in section})
+
+
+Run = FinetuneRun | StepRun  # what the shared training functions take
+
+
+def mixed_precision(run: Run, dtype: str, device: torch.device) -> str:
     """'bf16', 'fp16' or 'no'; 'auto' follows what the base_model stage measured to be fast."""
-    want = run["mixed_precision"]
-    if want == "auto" and run.get("bf16_weights"):
+    want = run.mixed_precision
+    if want == "auto" and run.bf16_weights:
         return "no"  # the weights are bf16 already: their matmuls run in bf16 without autocast
     if want == "auto":
         if device.type == "cuda":
@@ -46,122 +74,62 @@ def low_rank(optimizer: str) -> tuple[str, str] | None:
     return next((package for prefix, package in LOW_RANK.items() if optimizer.startswith(prefix)), None)
 
 
-def unavailable_knobs(run: dict, device: torch.device) -> list[str]:
+def unavailable_knobs(run: Run, device: torch.device) -> list[str]:
     """The knobs of a run that this device cannot honour. Such a run is recorded as unavailable with these
     reasons rather than trained without them: a row labelled tf32 that ran without TF32 would be a lie."""
     reasons = []
-    package = low_rank(run["optimizer"])
+    package = low_rank(run.optimizer)
     if package and importlib.util.find_spec(package[0]) is None:
-        reasons.append(f"optimizer {run['optimizer']} needs the {package[1]} package, which is not installed "
+        reasons.append(f"optimizer {run.optimizer} needs the {package[1]} package, which is not installed "
                        f"(pip install {package[1]})")
     if device.type != "cuda":
-        if run["mixed_precision"] == "fp16":
+        if run.mixed_precision == "fp16":
             reasons.append("mixed_precision fp16 (with gradient scaling) needs a CUDA GPU")
-        if run["tf32"]:
+        if run.tf32:
             reasons.append("tf32 needs an NVIDIA GPU of compute capability 8.0 (Ampere) or newer")
-        if run["pin_memory"] is True:
+        if run.pin_memory is True:
             reasons.append("pin_memory: page-locked host memory only speeds up copies to a CUDA GPU")
-        if run.get("liger_kernel"):
+        if run.liger_kernel:
             reasons.append("liger_kernel: Liger's kernels are Triton kernels for CUDA GPUs")
-        if run.get("attn_implementation") == "flash_attention_2":
+        if run.attn_implementation == "flash_attention_2":
             reasons.append("attn_implementation flash_attention_2: FlashAttention-2 is CUDA kernels")
-    elif run.get("attn_implementation") == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+    elif run.attn_implementation == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
         reasons.append("attn_implementation flash_attention_2 needs the flash-attn package, which is not installed "
                        "(pip install flash-attn)")
-    if device.type == "cuda" and run.get("liger_kernel") and importlib.util.find_spec("liger_kernel") is None:
+    if device.type == "cuda" and run.liger_kernel and importlib.util.find_spec("liger_kernel") is None:
         reasons.append("liger_kernel needs the liger-kernel package, which is not installed (pip install liger-kernel)")
-    if device.type == "cuda" and run["tf32"] and torch.cuda.get_device_capability(device)[0] < 8:
+    if device.type == "cuda" and run.tf32 and torch.cuda.get_device_capability(device)[0] < 8:
         reasons.append(f"tf32 needs compute capability 8.0 or newer; {torch.cuda.get_device_name(device)} has "
                        f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}")
     return reasons
 
 
-def collator(run: dict, tokenizer):
+def collator(run: Run, tokenizer):
     """Padding-free batches when packing: the batch's rows laid end to end in one row with position ids
     restarting at every row, which transformers turns into a block-diagonal causal mask (eager, sdpa) or
     variable-length kernels (flash_attention_2). Same rows and label tokens per step as padded batches,
     so the loss is the same; only the pad tokens' compute is gone."""
     from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening
 
-    if run["packing"]:
+    if run.packing:
         return DataCollatorWithFlattening(return_position_ids=True, separator_id=-100)
     return DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
 
 
-def build_model(run: dict, layout, dtype: str, device: torch.device):
-    """The model to train: full weights in fp32, or the frozen base (4-bit for QLoRA) with LoRA; with
-    bf16_weights, full weights, or LoRA's base and adapters (QLoRA's adapters), in bf16."""
-    from peft import prepare_model_for_kbit_training
-
-    bf16 = run.get("bf16_weights")
-    if run["method"] == "full":
-        model = load_model(layout.base_model(), "bfloat16" if bf16 else "float32", device,
-                           attn_implementation=run.get("attn_implementation"))
-        if run.get("liger_kernel"):
-            with_liger_kernels(model)
-        if run["gradient_checkpointing"]:
-            checkpointing_enable(model)
-        return model
-    quant = base_quant(run)
-    model = load_model(layout.base_model(), "bfloat16" if bf16 and not quant else dtype, device, quant=quant,
-                       attn_implementation=run.get("attn_implementation"))
-    if run.get("liger_kernel"):
-        with_liger_kernels(model)
-    if quant:
-        keep_4bit_layers_differentiable(model)
-        model = prepare_model_for_kbit_training(
-            model, use_gradient_checkpointing=run["gradient_checkpointing"],
-            gradient_checkpointing_kwargs={"use_reentrant": False})
-    elif run["gradient_checkpointing"]:
-        checkpointing_enable(model)
-        model.enable_input_require_grads()
-    try:
-        made = lora_init.adapt(model, run["lora"], bool(quant), layout.base_model(),
-                               _calibration(run, layout, device) if lora_init.lora_init(run["lora"])
-                               in lora_init.DATA_DRIVEN else [])
-    except ValueError as err:
-        raise UserError(f"finetune.lora.target_modules: {str(err).splitlines()[0]}") from None
-    model = made.model
-    model.efflab_init = {"init": made.init, "seconds": made.seconds, "rows": made.rows}
-    if bf16:  # peft keeps adapters in fp32 whatever the base's dtype
-        for p in model.parameters():
-            if p.requires_grad:
-                p.data = p.data.to(torch.bfloat16)
-    return model
-
-
-def _calibration(run: dict, layout, device: torch.device) -> list[dict]:
-    """The training rows eva and corda read: the first batches of the train split, padded."""
-    from .models.modeling import load_tokenizer, read_split
-
-    pad = load_tokenizer(layout.base_model()).pad_token_id or 0
-    return lora_init.calibration_batches(read_split(layout.split("train"), lora_init.CALIBRATION_BATCHES *
-                                                    run["batch_size"]), run["batch_size"], pad, device)
-
-
-def checkpointing_enable(model) -> None:
-    """Activation (gradient) checkpointing, non-reentrant: transformers >= 5.2x names it
-    activation_checkpointing_enable and deprecates the old name; 5.17 (efflab's floor) has only the old one."""
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-
-
-def optimizer_cls_and_kwargs(run: dict, args) -> tuple | None:
+def optimizer_cls_and_kwargs(run: Run, args) -> tuple | None:
     """The optimizer of a run with bf16_weights, for the Trainer's `optimizer_cls_and_kwargs` (the Trainer still
     makes the weight-decay groups): torchao's AdamW, which computes each update in fp32 and rounds it to bf16
     stochastically (round to nearest would drop most updates smaller than half a bf16 step), with its two moments
-    kept in fp32. None otherwise: the Trainer builds run["optimizer"]. `args` are the run's TrainingArguments."""
-    if not run.get("bf16_weights"):
+    kept in fp32. None otherwise: the Trainer builds run.optimizer. `args` are the run's TrainingArguments."""
+    if not run.bf16_weights:
         return None
     return _adamw_fp32_moments(), {"lr": args.learning_rate, "betas": (args.adam_beta1, args.adam_beta2),
                                    "eps": args.adam_epsilon, "bf16_stochastic_round": True}
 
 
-def optimizer_name(run: dict) -> str:
+def optimizer_name(run: Run) -> str:
     """The optimizer a run trains with, as its records name it."""
-    return "torchao AdamW (fp32 moments, bf16 stochastic rounding)" if run.get("bf16_weights") else run["optimizer"]
+    return "torchao AdamW (fp32 moments, bf16 stochastic rounding)" if run.bf16_weights else run.optimizer
 
 
 @functools.cache
@@ -187,41 +155,12 @@ def _adamw_fp32_moments() -> type:
     return AdamWFp32Moments
 
 
-def with_liger_kernels(model) -> None:
-    """Liger's fused kernels patched into the model's own modules (what the HF Trainer's use_liger_kernel does), before
-    peft wraps it, so the Trainer's loop and the written-out step (training_step) train the same patched model. A
-    family Liger has no kernels for is a user-facing error naming it."""
-    from liger_kernel.transformers import _apply_liger_kernel_to_instance
-    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
-
-    if model.config.model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
-        raise UserError(f"finetune.liger_kernel: Liger has no kernels for model_type {model.config.model_type!r} "
-                        f"(it has: {', '.join(sorted(MODEL_TYPE_TO_APPLY_LIGER_FN))})")
-    _apply_liger_kernel_to_instance(model=model)
-
-
-def keep_4bit_layers_differentiable(model) -> int:
-    """Keep every bitsandbytes 4-bit layer of a model that will train on its differentiable path.
-
-    bitsandbytes (0.50) repacks a Linear4bit weight for its AVX512-BF16 CPU inference kernel the first time
-    the layer runs in eval mode without gradients (here: the validation loss before training) and from then
-    on calls that kernel in training too. The kernel has no backward, so the gradient through every frozen
-    4-bit layer would be silently dropped (torch only warns: "an autograd kernel was not registered") and
-    QLoRA's adapters would train on wrong gradients. Returns the number of layers kept."""
-    import bitsandbytes as bnb
-
-    layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
-    for layer in layers:
-        layer.support_avx512bf16_for_cpu = False
-    return len(layers)
-
-
-def batches(run_cfg: dict, tokenizer, rows: list[dict], count: int, device: torch.device) -> list[list[dict]]:
+def batches(run_cfg: Run, tokenizer, rows: list[dict], count: int, device: torch.device) -> list[list[dict]]:
     """`count` optimizer steps' micro-batches, drawn in a seeded order and collated as the run collates them
     (packed or padded), already on the device."""
-    gen = torch.Generator().manual_seed(run_cfg["seed"])
+    gen = torch.Generator().manual_seed(run_cfg.seed)
     order = torch.randperm(len(rows), generator=gen).tolist()
-    micro, accumulate = run_cfg["batch_size"], run_cfg["gradient_accumulation_steps"]
+    micro, accumulate = run_cfg.batch_size, run_cfg.gradient_accumulation_steps
     collate = collator(run_cfg, tokenizer)
     steps = []
     for step in range(count):
@@ -239,7 +178,7 @@ def real_tokens(micros: list[dict]) -> int:
     return sum(int(b["attention_mask"].sum()) if "attention_mask" in b else b["input_ids"].numel() for b in micros)
 
 
-def training_step(run_cfg: dict, model, dtype: str, device: torch.device, steps: list[list[dict]],
+def training_step(run_cfg: Run, model, dtype: str, device: torch.device, steps: list[list[dict]],
                   output_dir: str, total_steps: int | None = None):
     """A function doing `model`'s optimizer step `i` on steps[i % len(steps)] and returning its loss (a
     detached tensor: reading it is the caller's choice, and a synchronisation), and the mixed precision used.
@@ -248,12 +187,12 @@ def training_step(run_cfg: dict, model, dtype: str, device: torch.device, steps:
 
     model.config.use_cache = False
     model.train()
-    if run_cfg.get("torch_compile"):
+    if run_cfg.torch_compile:
         model = torch.compile(model)
     precision = mixed_precision(run_cfg, dtype, device)
-    args = TrainingArguments(output_dir=output_dir, optim=run_cfg["optimizer"],
-                             learning_rate=run_cfg["learning_rate"], weight_decay=run_cfg["weight_decay"],
-                             lr_scheduler_type=run_cfg["lr_scheduler"], warmup_steps=run_cfg["warmup_steps"],
+    args = TrainingArguments(output_dir=output_dir, optim=run_cfg.optimizer,
+                             learning_rate=run_cfg.learning_rate, weight_decay=run_cfg.weight_decay,
+                             lr_scheduler_type=run_cfg.lr_scheduler, warmup_steps=run_cfg.warmup_steps,
                              use_cpu=device.type == "cpu", report_to=[])
     trainer = Trainer(model=model, args=args, optimizer_cls_and_kwargs=optimizer_cls_and_kwargs(run_cfg, args))
     optimizer = trainer.create_optimizer()
@@ -264,7 +203,7 @@ def training_step(run_cfg: dict, model, dtype: str, device: torch.device, steps:
 
     def step(i: int) -> torch.Tensor:
         if device.type == "cuda":
-            torch.backends.cuda.matmul.allow_tf32 = bool(run_cfg.get("tf32"))
+            torch.backends.cuda.matmul.allow_tf32 = bool(run_cfg.tf32)
         micros = steps[i % len(steps)]
         total = torch.zeros((), device=device)
         for batch in micros:
@@ -274,8 +213,8 @@ def training_step(run_cfg: dict, model, dtype: str, device: torch.device, steps:
             total += loss.detach()
         if scaler:
             scaler.unscale_(optimizer)
-        if run_cfg["max_grad_norm"] > 0:  # 0: no clipping, as in the Trainer (clipping to 0 would zero every step)
-            torch.nn.utils.clip_grad_norm_(params, run_cfg["max_grad_norm"])
+        if run_cfg.max_grad_norm > 0:  # 0: no clipping, as in the Trainer (clipping to 0 would zero every step)
+            torch.nn.utils.clip_grad_norm_(params, run_cfg.max_grad_norm)
         if scaler:
             scaler.step(optimizer)
             scaler.update()

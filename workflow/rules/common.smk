@@ -204,7 +204,7 @@ def runtime(stage):
     def estimate(wildcards, input, attempt):
         minutes = registry.STAGES[stage].runtime_min * max(1.0, model_mb(input) / 1000)
         if stage == "finetune":
-            minutes *= max(1.0, experiment.finetune_run(config, wildcards.name)["max_steps"] / 100)
+            minutes *= max(1.0, experiment.finetune_run(config, wildcards.name).max_steps / 100)
         return int(minutes * 2 ** (attempt - 1))
     return estimate
 

@@ -15,7 +15,8 @@ import math
 
 import torch
 
-from .. import architecture
+from .. import architecture, lora
+from ..experiment import FinetuneRun
 from . import analytic
 from .memory import ELEMENT_BYTES, MiB
 
@@ -47,11 +48,11 @@ def padded_batch_lengths(lengths: list[int], batch_size: int, steps: int, accumu
     return [micro[k * accumulation:(k + 1) * accumulation] for k in range(steps)]
 
 
-def longest_micro_batch(lengths: list[int], run: dict) -> int:
+def longest_micro_batch(lengths: list[int], run: FinetuneRun) -> int:
     """The most token positions (rows x padded length; packed: the batch's tokens) of any micro-batch `run` will
     train on, in the Trainer's own order (padded_batch_lengths)."""
-    steps = padded_batch_lengths(lengths, run["batch_size"], run["max_steps"], run["gradient_accumulation_steps"],
-                                 run["seed"], run.get("packing", False))
+    steps = padded_batch_lengths(lengths, run.batch_size, run.max_steps, run.gradient_accumulation_steps,
+                                 run.seed, run.packing)
     return max(rows * length for micro in steps for rows, length in micro)
 
 
@@ -59,12 +60,12 @@ def _arch(folder) -> dict:
     return architecture.shape(analytic.hf_config(str(folder)))
 
 
-def _precisions(run: dict, dtype: str, precision: str) -> dict:
+def _precisions(run: FinetuneRun, dtype: str, precision: str) -> dict:
     """Element sizes of the run as efflab's finetune builds it: full fine-tuning loads fp32 weights; LoRA keeps
     the base in the base dtype; QLoRA's prepare_model_for_kbit_training upcasts everything not 4-bit (norms,
     embeddings, head) to fp32. peft keeps adapters in fp32. Autocast (mixed precision) computes linears and
     SDPA in 16 bits."""
-    method = run["method"]
+    method = run.method
     return {"autocast": {"bf16": 2, "fp16": 2}.get(precision), "base": 4 if method in ("full", "qlora") else
             ELEMENT_BYTES[dtype], "four_bit": method == "qlora", "trainable_base": method == "full"}
 
@@ -133,15 +134,15 @@ def _decoder_layer(a: dict, p: dict, lora: dict | None, grad_in: bool) -> tuple[
     return saved.per_token, per_square, grad_mlp
 
 
-def activation_rates(folder, run: dict, dtype: str, precision: str) -> dict:
+def activation_rates(folder, run: FinetuneRun, dtype: str, precision: str) -> dict:
     """Bytes the forward pass leaves saved for the backward, per token and per (row x length^2), by part:
     a batch's shape only scales them (see `activation_terms`)."""
     a, p = _arch(folder), _precisions(run, dtype, precision)
     lora = None
-    if run["method"] != "full":
+    if run.method != "full":
         names = {lay["name"].rsplit(".", 1)[-1] for lay in _targeted_layers(folder, run)}
-        lora = {"modules": names, "dropout": run["lora"]["dropout"]}
-    checkpointing = run["gradient_checkpointing"]
+        lora = {"modules": names, "dropout": run.lora["dropout"]}
+    checkpointing = run.gradient_checkpointing
     # the embedding output needs a gradient when the embedding trains, or when checkpointing (efflab then makes
     # the inputs require grad, as peft's prepare_model_for_kbit_training does, so the recomputed layers have one)
     grad = p["trainable_base"] or checkpointing
@@ -165,7 +166,7 @@ def activation_rates(folder, run: dict, dtype: str, precision: str) -> dict:
     return rates
 
 
-def activation_terms(folder, run: dict, dtype: str, precision: str, rows: int, length: int,
+def activation_terms(folder, run: FinetuneRun, dtype: str, precision: str, rows: int, length: int,
                      rates: dict | None = None) -> dict:
     """Bytes the forward pass of one (rows x length) batch leaves saved for the backward, by part; with
     gradient checkpointing also `recompute`: what recomputing one layer in the backward adds."""
@@ -178,26 +179,26 @@ def activation_terms(folder, run: dict, dtype: str, precision: str, rows: int, l
     return terms
 
 
-def _trainable_tensors(folder, run: dict) -> list[int]:
+def _trainable_tensors(folder, run: FinetuneRun) -> list[int]:
     """Element counts of the trainable tensors (tied weights once)."""
-    if run["method"] == "full":
+    if run.method == "full":
         return [t.numel() for t in analytic.meta_model(str(folder)).parameters()]
-    r = run["lora"]["r"]
+    r = run.lora["r"]
     return [n for lay in _targeted_layers(folder, run) for n in (r * lay["in"], r * lay["out"])]
 
 
-def _targeted_layers(folder, run: dict) -> list[dict]:
-    """The layers a LoRA run adapts (architecture.lora_targets, read from the cached meta-device model)."""
-    targets = architecture.lora_targets(analytic.hf_config(str(folder)), run["lora"]["target_modules"],
-                                        analytic.meta_model(str(folder)), run["lora"]["dropout"])
+def _targeted_layers(folder, run: FinetuneRun) -> list[dict]:
+    """The layers a LoRA run adapts (lora.lora_targets, read from the cached meta-device model)."""
+    targets = lora.lora_targets(analytic.hf_config(str(folder)), run.lora["target_modules"],
+                                        analytic.meta_model(str(folder)), run.lora["dropout"])
     return analytic.targeted_layers(str(folder), targets)
 
 
-def _gradients_before_the_last_layer(folder, run: dict, layers: int, gradients: int) -> int:
+def _gradients_before_the_last_layer(folder, run: FinetuneRun, layers: int, gradients: int) -> int:
     """fp32 gradient bytes that exist when the backward reaches the last decoder layer's recompute: those of
     the parameters outside the decoder layers (head, tied embedding, final norm) and of the last layer; with
     LoRA, the last layer's adapters' (one layer's share of all the trainable `gradients`)."""
-    if run["method"] != "full":
+    if run.method != "full":
         return gradients // layers
     last = f".layers.{layers - 1}."
     return 4 * sum(p.numel() for name, p in analytic.meta_model(str(folder)).named_parameters()
@@ -214,7 +215,7 @@ def optimizer_state_bytes(numels: list[int], optimizer: str, param_bytes: int = 
     return sum(2 * param_bytes * n + 4 for n in numels)
 
 
-def _autocast_weight_copies(folder, run: dict, p: dict) -> int:
+def _autocast_weight_copies(folder, run: FinetuneRun, p: dict) -> int:
     """Under autocast every fp32 nn.Linear weight is cast to 16 bits for its matmul, and the copy stays saved
     for the backward (the weight's own gradient or the input's). 4-bit layers dequantize transiently."""
     c = p["autocast"]
@@ -225,12 +226,12 @@ def _autocast_weight_copies(folder, run: dict, p: dict) -> int:
         kept = lay["head"] or not p["four_bit"]
         if kept and p["base"] != c:
             copies += c * lay["in"] * lay["out"]
-    if run["method"] != "full":
+    if run.method != "full":
         copies += c * sum(_trainable_tensors(folder, run))  # the fp32 adapters
     return copies
 
 
-def training_peak(folder, run: dict, dtype: str, precision: str, lengths: list[int], device: str = "cpu") -> dict:
+def training_peak(folder, run: FinetuneRun, dtype: str, precision: str, lengths: list[int], device: str = "cpu") -> dict:
     """Predicted peak of the memory a fine-tuning run adds over its start (see the module docstring).
 
     `run` is a resolved finetune run (finetune_run), `dtype` the base model's dtype, `precision` the mixed
@@ -239,26 +240,26 @@ def training_peak(folder, run: dict, dtype: str, precision: str, lengths: list[i
     unmodelled = (f"model type {a['model_type']!r} (modelled: {', '.join(DECODERS)})"
                   if a["model_type"] not in DECODERS else
                   "several processes (each rank draws its own shard of the batches)"
-                  if run["num_processes"] * run["num_machines"] > 1 or run["accelerate_config"] else
+                  if run.num_processes * run.num_machines > 1 or run.accelerate_config else
                   "bf16_weights (the model assumes fp32 trainable weights and gradients)"
-                  if run.get("bf16_weights") else None)
+                  if run.bf16_weights else None)
     if unmodelled:
         return {"total_mib": None, "unavailable": f"not modelled: {unmodelled}", "compares_to": TRAINING_COMPARES_TO}
     p = _precisions(run, dtype, precision)
     numels = _trainable_tensors(folder, run)
-    states = optimizer_state_bytes(numels, run["optimizer"])
+    states = optimizer_state_bytes(numels, run.optimizer)
     gradients = 4 * sum(numels)  # trainable parameters are fp32 in every method efflab runs
     copies = _autocast_weight_copies(folder, run, p)
     # torch's AdamW on CPU runs per tensor (no foreach kernels): sqrt(v) and its bias correction are two
     # temporaries of the largest tensor; on CUDA the foreach path builds sqrt(v) for all tensors at once
     step_temporaries = 2 * 4 * max(numels) if device == "cpu" else 4 * sum(numels)
-    if run["optimizer"] != "adamw_torch":
+    if run.optimizer != "adamw_torch":
         step_temporaries = 0
-    steps = padded_batch_lengths(lengths, run["batch_size"], run["max_steps"], run["gradient_accumulation_steps"],
-                                 run["seed"], run.get("packing", False))
+    steps = padded_batch_lengths(lengths, run.batch_size, run.max_steps, run.gradient_accumulation_steps,
+                                 run.seed, run.packing)
     rates = activation_rates(folder, run, dtype, precision)
     last_gradients = (_gradients_before_the_last_layer(folder, run, a["layers"], gradients)
-                      if run["gradient_checkpointing"] else 0)
+                      if run.gradient_checkpointing else 0)
     best = {"total": 0.0}
     for k, micro in enumerate(steps):
         for m, (rows, length) in enumerate(micro):
@@ -288,16 +289,16 @@ def training_peak(folder, run: dict, dtype: str, precision: str, lengths: list[i
     }
 
 
-def largest_batch(folder, run: dict, dtype: str, precision: str, lengths: list[int], device: str,
+def largest_batch(folder, run: FinetuneRun, dtype: str, precision: str, lengths: list[int], device: str,
                   budget_mib: float, most: int = 4096) -> dict:
     """The most rows a step of `run` can take within `budget_mib` of memory over the loaded model, by this
     estimator: the run's batch_size doubled while the predicted training peak (training_peak) stays within the
     budget, up to `most` rows. A batch that fills a GPU for a throughput measurement (a few thousand tokens leave an
     H100 waiting on its kernel launches). `rows` is None where even the run's own batch does not fit, or where the
     run is not modelled (`unavailable`)."""
-    rows, tried, fits = run["batch_size"], [], None
+    rows, tried, fits = run.batch_size, [], None
     while rows <= most:
-        predicted = training_peak(folder, run | {"batch_size": rows}, dtype, precision, lengths, device)
+        predicted = training_peak(folder, run.but(batch_size=rows), dtype, precision, lengths, device)
         if predicted["total_mib"] is None:
             return {"rows": None, "unavailable": predicted["unavailable"], "budget_mib": budget_mib}
         tried.append({"rows": rows, "predicted_mib": predicted["total_mib"]})

@@ -79,14 +79,15 @@ def lora_notes(cfg: dict, config, label: str) -> list[str]:
     family cannot take makes its runs unavailable, with peft's reason, and the rest of the DAG runs."""
     from peft import get_peft_model
 
-    from ..architecture import lora_config, lora_refusal, skeleton
+    from ..architecture import skeleton
+    from ..lora import lora_config, lora_refusal
 
     wanted = {}
     for run in cfg["finetune"]["runs"]:
-        if finetune_run(cfg, run)["method"] in ADAPTER_METHODS:
+        if finetune_run(cfg, run).method in ADAPTER_METHODS:
             own = set(cfg["finetune"]["runs"][run].get("lora") or {})
             key = f"finetune.runs.{run}.lora" if own else "finetune.defaults.lora"
-            wanted.setdefault(json.dumps(finetune_run(cfg, run)["lora"], sort_keys=True), key)
+            wanted.setdefault(json.dumps(finetune_run(cfg, run).lora, sort_keys=True), key)
     if not not_asked(cfg, "prune") and cfg["prune"]["heal"]["steps"]:
         wanted.setdefault(json.dumps(cfg["prune"]["heal"]["lora"], sort_keys=True), "prune.heal.lora")
     out = []

@@ -17,10 +17,8 @@ import torch
 from .. import records
 from ..architecture import skeleton
 from ..config import UserError, missing_input  # noqa: F401 (re-exported)
-from ..experiment import MODEL_KINDS, ModelRef
 from ..measure.device import DTYPES
 from ..measure.env import FAST_BF16_ISA, cpu_isa, cpu_model
-from ..schemes import weight_bits
 from . import quantization
 
 # transformers, peft, pandas and filelock take seconds to import: they are imported inside the functions that use them.
@@ -190,64 +188,22 @@ def no_progress_bars():
 
 def load_model(folder: str | Path, dtype: str, device: torch.device, quant: dict | None = None,
                attn_implementation: str | None = None, calibration: dict | None = None):
-    """Load a local HF folder (safetensors only, no remote code) onto `device`."""
+    """Load a local HF folder (safetensors only, no remote code) onto `device`, quantized with `quant` (a scheme,
+    models.quantization) where one is given."""
     from transformers import AutoModelForCausalLM
 
     require_input(folder)
     torch_dtype = DTYPES[dtype]
     kwargs = dict(dtype=torch_dtype, use_safetensors=True, trust_remote_code=False)
-    if quant and quant["method"] != "none":
-        kwargs["quantization_config"] = quantization.config(quant, torch_dtype, device, calibration)
-        # (HQQ refuses a device map naming the CPU; the plain device is the same placement)
-        kwargs["device_map"] = {"": device.index or 0} if device.type == "cuda" else (
-            "cpu" if quantization.library(quant) == "hqq" else {"": "cpu"})
+    kwargs |= quantization.loading(quant, torch_dtype, device, calibration)
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     with no_progress_bars():
         model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
-    if quantization.library(quant) == "bitsandbytes" and not quantization.quantized_parts(model):
-        raise NotImplementedError(unquantized_reason(model, quant))
     if "device_map" not in kwargs:
         model.to(device)
-    if quantization.library(quant) == "bitsandbytes":
-        runs_quantized(model, quant)
+    quantization.check_loaded(model, quant)
     return model.eval()
-
-
-def runs_quantized(model, quant: dict) -> None:
-    """One two-token forward of the quantized model: where bitsandbytes' kernel cannot run one of its layers as the
-    family calls it (DeepSeek-V3's kv_b_proj takes a 4-D latent, which the CPU int8 kernel's row scales do not
-    broadcast over), NotImplementedError naming the layer, so the scheme is unavailable, never a crash later."""
-    import traceback
-
-    ids = torch.tensor([[model.config.bos_token_id or 0] * 2], device=model.device)
-    # 4-bit in training mode: an eval-mode forward would repack its weights for inference only (adapter_check); int8
-    # in eval mode, the path its inference takes (training mode's differs)
-    model.train(weight_bits(quant) == 4)
-    try:
-        with torch.no_grad():
-            model(input_ids=ids)
-    except (RuntimeError, AssertionError, ValueError) as err:
-        frames = [f for f, _ in traceback.walk_tb(err.__traceback__) if "bitsandbytes" in f.f_code.co_filename
-                  and isinstance(f.f_locals.get("self"), torch.nn.Module)]
-        if not frames:
-            raise
-        layer = frames[-1].f_locals["self"]
-        name = next((n for n, m in model.named_modules() if m is layer), type(layer).__name__)
-        raise NotImplementedError(f"{quant['method']}: bitsandbytes' {type(layer).__name__} cannot run "
-                                  f"{type(model).__name__}'s {name}: {str(err).splitlines()[0]}") from None
-
-
-def unquantized_reason(model, quant: dict) -> str:
-    """Why a bitsandbytes scheme left every layer in full precision: transformers converts modules whose type is
-    exactly nn.Linear, and some families subclass it (Falcon's FalconLinear). A model that ran unquantized must
-    never be recorded as quantized."""
-    linear = sorted({type(m).__name__ for m in model.modules()
-                     if isinstance(m, torch.nn.Linear) and type(m) is not torch.nn.Linear})
-    kinds = f"its linear layers are {', '.join(linear)}, subclasses of nn.Linear, which" if linear else "it has no " \
-        "nn.Linear layer, and"
-    return (f"{quant['method']}: transformers' bitsandbytes integration quantized no layer of "
-            f"{type(model).__name__}: {kinds} it converts only exact nn.Linear modules")
 
 
 def base_dtype(layout) -> str:
@@ -361,15 +317,3 @@ def shape_only(folder: Path):
     from transformers import AutoConfig
 
     return skeleton(AutoConfig.from_pretrained(require_input(folder)))
-
-
-def load_variant(ref: ModelRef, layout, dtype: str, device: torch.device):
-    """A model another stage made (experiment.ModelRef): a saved folder, or a fine-tuning run's adapter on the base
-    it trained on (loaded with the base's scheme, QLoRA's 4-bit)."""
-    from peft import PeftModel
-
-    folders = layout.variant_folders(ref)
-    if not MODEL_KINDS[ref.kind].on_base:
-        return load_model(folders[0], dtype, device)
-    base = load_model(folders[0], dtype, device, quant=ref.quant)
-    return PeftModel.from_pretrained(base, folders[-1]).eval()

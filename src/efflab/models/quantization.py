@@ -35,6 +35,63 @@ def config(quant: dict | None, compute_dtype: torch.dtype, device: torch.device,
     return None if row is None else globals()[row.builder](quant, compute_dtype, device, calibration)
 
 
+def loading(quant: dict | None, compute_dtype: torch.dtype, device: torch.device, calibration: dict | None = None) -> dict:
+    """What from_pretrained takes to load a model with `quant`: its quantization config (`config`) and the device map
+    that places it; nothing for full precision."""
+    row = scheme(quant)
+    if row is None:
+        return {}
+    # (HQQ refuses a device map naming the CPU; the plain device is the same placement)
+    placed = {"": device.index or 0} if device.type == "cuda" else "cpu" if row.library == "hqq" else {"": "cpu"}
+    return {"quantization_config": config(quant, compute_dtype, device, calibration), "device_map": placed}
+
+
+def check_loaded(model, quant: dict | None) -> None:
+    """A model loaded with a bitsandbytes scheme runs quantized: NotImplementedError saying why where transformers
+    quantized none of its layers (unquantized_reason) or bitsandbytes cannot run one of them (runs_quantized)."""
+    if library(quant) != "bitsandbytes":
+        return
+    if not quantized_parts(model):
+        raise NotImplementedError(unquantized_reason(model, quant))
+    runs_quantized(model, quant)
+
+
+def runs_quantized(model, quant: dict) -> None:
+    """One two-token forward of the quantized model: where bitsandbytes' kernel cannot run one of its layers as the
+    family calls it (DeepSeek-V3's kv_b_proj takes a 4-D latent, which the CPU int8 kernel's row scales do not
+    broadcast over), NotImplementedError naming the layer, so the scheme is unavailable, never a crash later."""
+    import traceback
+
+    ids = torch.tensor([[model.config.bos_token_id or 0] * 2], device=model.device)
+    # 4-bit in training mode: an eval-mode forward would repack its weights for inference only (adapter_check); int8
+    # in eval mode, the path its inference takes (training mode's differs)
+    model.train(scheme(quant).bits == 4)
+    try:
+        with torch.no_grad():
+            model(input_ids=ids)
+    except (RuntimeError, AssertionError, ValueError) as err:
+        frames = [f for f, _ in traceback.walk_tb(err.__traceback__) if "bitsandbytes" in f.f_code.co_filename
+                  and isinstance(f.f_locals.get("self"), torch.nn.Module)]
+        if not frames:
+            raise
+        layer = frames[-1].f_locals["self"]
+        name = next((n for n, m in model.named_modules() if m is layer), type(layer).__name__)
+        raise NotImplementedError(f"{quant['method']}: bitsandbytes' {type(layer).__name__} cannot run "
+                                  f"{type(model).__name__}'s {name}: {str(err).splitlines()[0]}") from None
+
+
+def unquantized_reason(model, quant: dict) -> str:
+    """Why a bitsandbytes scheme left every layer in full precision: transformers converts modules whose type is
+    exactly nn.Linear, and some families subclass it (Falcon's FalconLinear). A model that ran unquantized must
+    never be recorded as quantized."""
+    linear = sorted({type(m).__name__ for m in model.modules()
+                     if isinstance(m, torch.nn.Linear) and type(m) is not torch.nn.Linear})
+    kinds = f"its linear layers are {', '.join(linear)}, subclasses of nn.Linear, which" if linear else "it has no " \
+        "nn.Linear layer, and"
+    return (f"{quant['method']}: transformers' bitsandbytes integration quantized no layer of "
+            f"{type(model).__name__}: {kinds} it converts only exact nn.Linear modules")
+
+
 def bnb_config(quant: dict, compute_dtype: torch.dtype, device=None, calibration=None):
     """A transformers BitsAndBytesConfig for a bitsandbytes scheme."""
     from transformers import BitsAndBytesConfig

@@ -18,7 +18,8 @@ import torch
 
 from ..config import classify_source
 from ..experiment import model_ref
-from .modeling import load_model, load_variant
+from .build import build
+from .modeling import load_model
 
 SPECULATIVE = ("prompt_lookup", "assisted")
 # the files a hub draft is fetched with: the weights as safetensors, the config and the tokenizer's
@@ -40,7 +41,7 @@ def load_draft(cfg: dict, name: str, layout, dtype: str, device: torch.device):
     spec = cfg["bench_inference"]["speculative"]["drafts"][name]
     if "source" in spec:
         return load_model(draft_folder(spec, f"bench_inference.speculative.drafts.{name}.source"), dtype, device)
-    return load_variant(model_ref(cfg, spec), layout, dtype, device)
+    return build(model_ref(cfg, spec), layout, dtype, device)
 
 
 def batch_unavailable(mode: str, batch_size: int) -> str | None:

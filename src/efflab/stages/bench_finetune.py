@@ -31,8 +31,9 @@ from ..measure.env import environment
 from ..measure.isolation import prestart, run_cell
 from ..measure.stats import format_ratio, paired_ratio
 from ..measure.timing import interleave
+from ..models.build import build
 from ..models.modeling import load_tokenizer, read_split
-from ..training import batches, build_model, real_tokens, training_step, unavailable_knobs
+from ..training import batches, real_tokens, training_step, unavailable_knobs
 
 # transformers takes seconds to import: it is imported inside the function that uses it.
 
@@ -67,9 +68,9 @@ def group_cell(cfg: dict, results: str, runs: list[str], pairs: list[list[str]],
     variants, tokens, precision = {}, {}, {}
     for name in runs:
         run_cfg = finetune_run(cfg, name)
-        set_seed(run_cfg["seed"])
+        set_seed(run_cfg.seed)
         steps = batches(run_cfg, tokenizer, rows, count, device)
-        model = build_model(run_cfg, layout, dtype, device)
+        model = build(run_cfg, layout, dtype, device)
         variants[name], precision[name] = training_step(run_cfg, model, dtype, device, steps,
                                                         str(layout.out("bench_finetune")))
         tokens[name] = [real_tokens(s) for s in steps]
@@ -109,7 +110,7 @@ def run(cfg: dict, job: Job) -> dict:
     bf, rt, layout = cfg["bench_finetune"], cfg["runtime"], job.layout
     prestart(rt["isolation"])  # the cells' forkserver imports beside this job
     device, dtype = job.device, job.dtype
-    configured = [{"run": name, "settings": finetune_run(cfg, name)} for name in cfg["finetune"]["runs"]]
+    configured = [{"run": name, "settings": finetune_run(cfg, name).settings} for name in cfg["finetune"]["runs"]]
     journal = job.journal({"bench_finetune": bf, "finetune": cfg["finetune"], "runtime": rt,
                            "base": layout.metrics("base_model").read_text()})
     pairs, cells = [], []

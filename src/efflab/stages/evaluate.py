@@ -22,7 +22,7 @@ from ..experiment import evaluated_models, model_ref
 from ..layout import Job
 from ..measure.env import environment
 from ..models import quantization
-from ..models.modeling import load_variant
+from ..models.build import build
 from ..registry import LM_EVAL, built_on
 
 log = logging.getLogger("efflab")
@@ -52,7 +52,7 @@ def run(cfg: dict, job: Job) -> dict:
                                task.generation_kwargs(e["max_new_tokens"], tokenizer.eos_token),
                                {t: cmd for tasks, cmd in commands.items() for t in tasks.split(",") if t in task.TASKS})
     t0 = time.perf_counter()
-    model = load_variant(ref, layout, dtype, device)
+    model = build(ref, layout, dtype, device)
     load_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     results = harness.evaluate(model, tokenizer, task_dir, e["tasks"], e["docs"], e["batch_size"],

@@ -14,7 +14,7 @@ from functools import partial
 import torch
 
 from .. import cli, quality
-from ..experiment import base_quant, finetune_run
+from ..experiment import finetune_run
 from ..layout import Job
 from ..measure.env import environment
 from ..models.modeling import forward_batches, load_model, read_split, row_nll, rows_summary
@@ -121,13 +121,13 @@ def run(cfg: dict, job: Job) -> dict:
     skipped = layout.skipped_because(built_on(cfg, "merge", name))
     if skipped:
         layout.write_not_run("merge", job.out, skipped["status"], skipped["reason"])
-        return {**skipped, "run": name, "method": run_cfg["method"], "environment": environment(device, m)}
+        return {**skipped, "run": name, "method": run_cfg.method, "environment": environment(device, m)}
     dtype, tokenizer = job.dtype, job.tokenizer
     rows = read_split(layout.split("validation"), m["eval_rows"])
-    batch_size = run_cfg["batch_size"]
+    batch_size = run_cfg.batch_size
     adapter = layout.model("finetune", name)
 
-    quant = base_quant(run_cfg)
+    quant = run_cfg.base_quant
     base = load_model(layout.base_model(), m["dtype"] if quant is None else dtype, device, quant=quant)
     reference = PeftModel.from_pretrained(base, adapter).eval()
     ref_logits, ref_eval = reference_logits(reference, rows, batch_size, tokenizer)
@@ -156,7 +156,7 @@ def run(cfg: dict, job: Job) -> dict:
              name, in_memory["max_abs_logit_diff"], m["dtype"], dtype, saved["max_abs_logit_diff"],
              ref_eval["perplexity"], in_memory["validation"]["perplexity"])
     return {
-        "run": name, "method": run_cfg["method"],
+        "run": name, "method": run_cfg.method,
         "reference": "adapter on the 4-bit base it was trained on" if quant else "adapter on the base",
         "merge_target": f"dequantized {quant['method']} base" if quant else "full-precision base",
         "merge_dtype": m["dtype"], "saved_dtype": dtype, "round_trip_layers": replayed,

@@ -30,9 +30,9 @@ from pathlib import Path
 
 import torch
 
-from .. import architecture, cli, quality
+from .. import cli, quality
 from ..layout import NOT_RUN, Job
-from ..lora_init import Refused
+from ..lora import Refused, lora_config, lora_refusal
 from ..measure.env import environment
 from ..measure.flops import count_parameters
 from ..measure.stats import speedup
@@ -40,7 +40,7 @@ from ..measure.timing import INTERLEAVE_RECORD, SENTINEL_TOLERANCE, interleave
 from ..models.modeling import eval_loss, folder_bytes, forward_batches, load_model, read_split
 from ..models.pruning import Unprunable, attention_modules, attention_shape, cut_plan, layer_stack, prune
 from ..registry import HEALED
-from ..training import batches, training_step
+from ..training import StepRun, batches, training_step
 
 # transformers and peft take seconds to import: they are imported inside the functions that use them.
 
@@ -113,13 +113,11 @@ def heal(pruned, h: dict, tokenizer, rows: list[dict], dtype: str, device: torch
     lora = h["lora"]
     model = copy.deepcopy(pruned)
     try:
-        model = get_peft_model(model, architecture.lora_config(pruned.config, lora, model))
+        model = get_peft_model(model, lora_config(pruned.config, lora, model))
     except ValueError as err:  # peft's refusal of the targets, or of dropout on fused expert weights
-        raise Refused(architecture.lora_refusal(model, err)) from None
-    run_cfg = h | {"gradient_accumulation_steps": 1, "packing": True, "optimizer": "adamw_torch", "weight_decay": 0.0,
-                   "lr_scheduler": "cosine", "warmup_steps": 0, "max_grad_norm": 1.0, "mixed_precision": "auto",
-                   "tf32": False, "torch_compile": False}
-    step, precision = training_step(run_cfg, model, dtype, device, batches(run_cfg, tokenizer, rows, h["steps"], device),
+        raise Refused(lora_refusal(model, err)) from None
+    run = StepRun.of(h)
+    step, precision = training_step(run, model, dtype, device, batches(run, tokenizer, rows, run.steps, device),
                                     scratch)
     losses = [step(i).item() for i in range(h["steps"])]
     healed = model.merge_and_unload().eval()

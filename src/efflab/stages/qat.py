@@ -39,7 +39,7 @@ from ..measure.isolation import prestart, run_cell
 from ..measure.stats import summarize
 from ..models.modeling import forward_batches, load_model, load_tokenizer, read_split, row_nll, shape_only
 from ..registry import LM_EVAL, QAT_MODEL
-from ..training import batches, training_step
+from ..training import StepRun, batches, training_step
 
 # torchao, tqdm and transformers are imported inside the functions that use them: torchao's import is slow and noisy.
 
@@ -126,21 +126,15 @@ def perplexity(rows: list[dict]) -> float:
     return math.exp(sum(r["nll_sum"] for r in rows) / sum(r["tokens"] for r in rows))
 
 
-def train_cfg(q: dict) -> dict:
-    """The qat.train settings as the shared training step reads a run's (training.training_step)."""
-    t = q["train"]
-    return t | {"gradient_accumulation_steps": 1, "packing": True, "tf32": False, "torch_compile": False}
-
-
 def _train(model, q: dict, tokenizer, train_rows: list[dict], dtype: str, device: torch.device, tag: str,
            scratch: str) -> dict:
     from tqdm.auto import tqdm
 
-    run = train_cfg(q)
-    steps = batches(run, tokenizer, train_rows, run["steps"], device)
+    run = StepRun.of(q["train"])
+    steps = batches(run, tokenizer, train_rows, run.steps, device)
     step, precision = training_step(run, model, dtype, device, steps, scratch)
     losses, times = [], []
-    for i in (bar := tqdm(range(run["steps"]), desc=f"qat {tag}", unit="step", leave=False)):
+    for i in (bar := tqdm(range(run.steps), desc=f"qat {tag}", unit="step", leave=False)):
         t0 = time.perf_counter()
         losses.append(step(i).item())
         times.append(time.perf_counter() - t0)

@@ -13,8 +13,9 @@ import time
 
 import torch
 
-from .. import architecture, cli, quality, records
+from .. import cli, quality, records
 from ..layout import Job
+from ..lora import lora_config
 from ..measure.device import DTYPES
 from ..measure.env import environment
 from ..measure.flops import count_parameters
@@ -121,12 +122,12 @@ def adapter_check(model, rows: list[dict], tokenizer, lora: dict) -> dict:
 
     batch = {k: v.to(model.device) for k, v in next(batches(rows[:2], 2, tokenizer)).items()}
     inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
-    lora_config = architecture.lora_config(model.config, lora, model)  # the adapter fine-tuning would train
-    settings = {"r": lora_config.r, "lora_alpha": lora_config.lora_alpha,
-                "target_modules": sorted(lora_config.target_modules) if isinstance(lora_config.target_modules, set)
-                else lora_config.target_modules}
+    adapter = lora_config(model.config, lora, model)  # the adapter fine-tuning would train
+    settings = {"r": adapter.r, "lora_alpha": adapter.lora_alpha,
+                "target_modules": sorted(adapter.target_modules) if isinstance(adapter.target_modules, set)
+                else adapter.target_modules}
     try:
-        adapted = get_peft_model(model, lora_config).train()
+        adapted = get_peft_model(model, adapter).train()
         trainable = [p for p in adapted.parameters() if p.requires_grad]
         adapted(**inputs, labels=batch["labels"]).loss.backward()
         grads = [p.grad for p in trainable if p.grad is not None]

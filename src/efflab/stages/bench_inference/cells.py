@@ -23,7 +23,8 @@ from ...measure.stats import percentile, speedup, summarize
 from ...measure.timing import INTERLEAVE_RECORD, SENTINEL_TOLERANCE, figure_rounds, interleave
 from ...models import engines, quantization, speculative
 from ...models import kv_cache as kv_quant
-from ...models.modeling import load_model, load_tokenizer, load_variant
+from ...models.build import build
+from ...models.modeling import load_model, load_tokenizer
 from ...models.speculative import SPECULATIVE
 from .generation import generate_timed, mode_unavailable, prompt_batches, prompts
 from .kv_quality import quantized_cache
@@ -235,7 +236,7 @@ def inference_cell(cfg: dict, results: str, variant: Variant, dtype: str, device
     b, layout, device = cfg["bench_inference"], Layout(Path(results)), torch.device(device)
     kv_cache, batch_size, generation = cell["kv_cache"], cell["batch_size"], cell.get("generation", "dynamic")
     tokenizer = load_tokenizer(layout.base_model())
-    model = load_variant(variant.model, layout, dtype, device)
+    model = build(variant.model, layout, dtype, device)
     if reason := mode_unavailable(generation, model) or kv_quant.unavailable(cell.get("kv_quant", "none"),
                                                                              model.config):
         return {"status": "unavailable", "reason": reason}
@@ -294,7 +295,7 @@ def engine_cell(cfg: dict, results: str, variant: Variant, dtype: str, device: s
     kv_cache, batch_size, generation = cell["kv_cache"], cell["batch_size"], cell["generation"]
     tokenizer, n = load_tokenizer(layout.base_model()), b["max_new_tokens"]
     engine = engines.load(generation, layout.variant_folders(variant.model)[-1], dtype, cfg["base_model"]["seed"])
-    model = load_variant(variant.model, layout, dtype, device)
+    model = build(variant.model, layout, dtype, device)
     asked = prompts(b, layout, tokenizer)
     batches = prompt_batches(tokenizer, [a["text"] for a in asked], batch_size, device)
     ids = [[t for t, m in zip(row.tolist(), mask.tolist()) if m] for x in batches

@@ -16,8 +16,9 @@ from ...layout import Layout
 from ...measure.isolation import run_cell
 from ...measure.memory import CpuTensorPeak, cap_cuda_memory, file_pages_mib, held_mib, held_peak_mib, run_steps
 from ...models import kv_cache
-from ...models.modeling import load_tokenizer, load_variant, read_split
-from ...training import build_model, mixed_precision, training_step
+from ...models.build import build
+from ...models.modeling import load_tokenizer, read_split
+from ...training import mixed_precision, training_step
 from .subjects import Subject, kv_settings
 
 # transformers takes seconds to import: it is imported inside the function that uses it.
@@ -33,14 +34,14 @@ def token_rows(layout, batch_size: int, seq_len: int) -> torch.Tensor:
 
 def _train_work(cfg: dict, subject: str, layout, dtype: str, device: torch.device, batch_size: int, seq_len: int):
     run_cfg = finetune_run(cfg, subject)
-    model = build_model(run_cfg, layout, dtype, device)
+    model = build(run_cfg, layout, dtype, device)
     ids = token_rows(layout, batch_size, seq_len).to(device)
     batch = {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
     precision = mixed_precision(run_cfg, dtype, device)
 
     def predicted(b: int, n: int) -> float | None:
         shape = {"batch_size": b, "max_steps": 2, "gradient_accumulation_steps": 1, "packing": False}
-        return training_peak(layout.base_model(), run_cfg | shape, dtype, precision, [n] * b,
+        return training_peak(layout.base_model(), run_cfg.but(**shape), dtype, precision, [n] * b,
                              device.type)["total_mib"]
     step, _ = training_step(run_cfg, model, dtype, device, [[batch]],
                             str(layout.out("capacity") / ".trainer"), total_steps=10**6)
@@ -53,7 +54,7 @@ def _generate_work(cfg: dict, variant: dict, layout, dtype: str, device: torch.d
     new_tokens = cfg["capacity"]["generate"]["new_tokens"]
     tokenizer = load_tokenizer(layout.base_model())
     ref = model_ref(cfg, variant)  # the spec carries the params entry: it is the journal's key, in JSON
-    model = load_variant(ref, layout, dtype, device)
+    model = build(ref, layout, dtype, device)
     ids = token_rows(layout, batch_size, seq_len).to(device)
     frozen = not any(p.requires_grad for p in model.get_output_embeddings().parameters())
     transient = quantized_layer_transient(model, dtype) if device.type == "cpu" else 0

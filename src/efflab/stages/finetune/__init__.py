@@ -12,9 +12,9 @@ import shutil
 
 import torch
 
-from ...experiment import finetune_run
+from ...experiment import FinetuneRun, finetune_run
 from ...layout import Job
-from ...lora_init import Refused
+from ...lora import Refused
 from ...measure.env import environment
 from ...registry import LOSS_CSV
 from ...training import unavailable_knobs
@@ -43,7 +43,7 @@ def run(cfg: dict, job: Job) -> dict:
     missing = unavailable_knobs(run_cfg, device)
     if missing:
         return unavailable(job, run_cfg, "; ".join(missing))
-    if run_cfg["num_processes"] * run_cfg["num_machines"] > 1 or run_cfg["accelerate_config"]:
+    if run_cfg.num_processes * run_cfg.num_machines > 1 or run_cfg.accelerate_config:
         if "LOCAL_RANK" not in os.environ:
             return launch_distributed(run_cfg, job)
     try:
@@ -52,15 +52,15 @@ def run(cfg: dict, job: Job) -> dict:
         return unavailable(job, run_cfg, str(err))
 
 
-def unavailable(job: Job, run_cfg: dict, reason: str) -> dict:
+def unavailable(job: Job, run_cfg: FinetuneRun, reason: str) -> dict:
     """The record of a run this device or model cannot do as asked, with the reason."""
     job.layout.write_not_run("finetune", job.out, "unavailable", reason)
     log.warning("%s: unavailable: %s", job.name, reason)
-    return {"status": "unavailable", "reason": reason, "run": job.name, "method": run_cfg["method"],
-            "settings": run_cfg, "environment": environment(job.device, run_cfg)}
+    return {"status": "unavailable", "reason": reason, "run": job.name, "method": run_cfg.method,
+            "settings": run_cfg.settings, "environment": environment(job.device, run_cfg.settings)}
 
 
-def train(cfg: dict, job: Job, run_cfg: dict) -> dict:
+def train(cfg: dict, job: Job, run_cfg: FinetuneRun) -> dict:
     """The training itself, in this process (one DDP rank when launched by accelerate), of the run whose settings
     (finetune_run, resolved once a process) are `run_cfg`."""
     prepared = PreparedRun.prepare(job, run_cfg)

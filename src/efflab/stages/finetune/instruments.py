@@ -77,7 +77,7 @@ class Instruments:
             self.ceiling = matmul_ceiling(run.matmul_dtype, run.device)
             log.info("%s: matmul ceiling %.3f TFLOP/s (%s, measured in this process)", job.name,
                      self.ceiling["tflops"], run.matmul_dtype)
-        on = run.run_cfg["instruments"]
+        on = run.run_cfg.instruments
         self.profiled = run.processes.main and profiling.wanted(cfg, "finetune")
         self.tensors = CpuTensorPeak(unavailable=profiling.REPLACES_TENSOR_PEAK if self.profiled else
                                      None if on else "instruments: false (no live-tensor count)")
@@ -98,7 +98,7 @@ class Instruments:
 
         run = self.run
         lengths = run.train_lengths
-        if run.run_cfg["instruments"]:
+        if run.run_cfg.instruments:
             self.counted = CountLongestSteps(self.tensors, trainer, None if run.processes.world > 1 else
                                              longest_micro_batch(lengths, run.run_cfg))
             trainer.add_callback(self.counted)  # after StepTimes: it pauses once the step is timed

@@ -14,7 +14,7 @@ from typing import Callable
 
 from ... import config
 from ...config import UserError
-from ...experiment import finetune_run
+from ...experiment import FinetuneRun, finetune_run
 from ...layout import Job, Layout
 from ...logs import log_file_path, setup_child_logging
 
@@ -30,21 +30,21 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch_distributed(run_cfg: dict, job: Job) -> dict:
+def launch_distributed(run_cfg: FinetuneRun, job: Job) -> dict:
     """Run this stage's training as `accelerate launch` DDP workers (gloo on CPU, NCCL on GPU); rank 0
     writes the outputs into this job's folder and hands its metrics back through a file."""
     log_file = log_file_path()
-    config = run_cfg["accelerate_config"]
+    config = run_cfg.accelerate_config
     if config and not Path(config).is_file():
         raise UserError(f"finetune.accelerate_config: {config!r} does not exist (expected an accelerate config file)")
     kind = ["--config_file", config] if config else ["--multi_gpu"]  # multi_gpu: gloo DDP on a CPU-only machine
     cmd = [sys.executable, "-m", "accelerate.commands.launch", *kind,
-           "--num_processes", str(run_cfg["num_processes"] * run_cfg["num_machines"]),
-           "--num_machines", str(run_cfg["num_machines"]), "--main_process_port", str(_free_port()),
+           "--num_processes", str(run_cfg.num_processes * run_cfg.num_machines),
+           "--num_machines", str(run_cfg.num_machines), "--main_process_port", str(_free_port()),
            "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "efflab.stages.finetune", WORKER_FLAG,
            "--params", str(job.params), "--name", job.name, "--results", str(job.layout.root),
            "--out", str(job.out)] + (["--log", log_file] if log_file else [])
-    log.info("%s: launching %d DDP processes: %s", job.name, run_cfg["num_processes"], " ".join(cmd))
+    log.info("%s: launching %d DDP processes: %s", job.name, run_cfg.num_processes, " ".join(cmd))
     proc = subprocess.run(cmd)
     handoff = job.out / HANDOFF
     if proc.returncode != 0 or not handoff.is_file():

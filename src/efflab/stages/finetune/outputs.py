@@ -11,13 +11,14 @@ from pathlib import Path
 
 import torch
 
+from ...experiment import FinetuneRun
 from ...layout import LOSS_COLUMNS
-from ...lora_init import lora_init, rewrites_base, save_initial
+from ...lora import rewrites_base, save_initial
 
 log = logging.getLogger("efflab")
 
 
-def checkpoints(layout, name: str, run_cfg: dict, rank: int) -> tuple[Path, str | None]:
+def checkpoints(layout, name: str, run_cfg: FinetuneRun, rank: int) -> tuple[Path, str | None]:
     """The run's step-checkpoint folder (a hidden sibling of its outputs, which Snakemake does not own and
     so does not delete when a killed job's outputs are cleaned up) and the checkpoint to resume from.
     Checkpoints written with different settings are discarded, never resumed."""
@@ -25,7 +26,7 @@ def checkpoints(layout, name: str, run_cfg: dict, rank: int) -> tuple[Path, str 
 
     folder = layout.out("finetune").joinpath(f".{name}.checkpoints")
     stamp = folder / "settings.json"
-    wanted = json.dumps({"settings": run_cfg, "base": layout.metrics("base_model").read_text(),
+    wanted = json.dumps({"settings": run_cfg.settings, "base": layout.metrics("base_model").read_text(),
                          "train": layout.split("train").stat().st_size}, sort_keys=True)
     if rank == 0:
         if folder.is_dir() and (not stamp.is_file() or stamp.read_text() != wanted):
@@ -33,7 +34,7 @@ def checkpoints(layout, name: str, run_cfg: dict, rank: int) -> tuple[Path, str 
             shutil.rmtree(folder)
         folder.mkdir(parents=True, exist_ok=True)
         stamp.write_text(wanted)
-    last = get_last_checkpoint(str(folder)) if folder.is_dir() and run_cfg["checkpoint_every"] else None
+    last = get_last_checkpoint(str(folder)) if folder.is_dir() and run_cfg.checkpoint_every else None
     return folder, last
 
 
@@ -45,19 +46,19 @@ def checkpoint_state(checkpoint: str | None) -> dict:
     return {"global_step": state["global_step"], "num_input_tokens_seen": state.get("num_input_tokens_seen", 0)}
 
 
-def initial_adapter(model, run_cfg: dict, folder: Path) -> str | None:
+def initial_adapter(model, run_cfg: FinetuneRun, folder: Path) -> str | None:
     """The adapter as initialised, saved in `folder`, where its init leaves the base a residual (save_model converts
     the trained adapter against it); None for a full fine-tune and an init that keeps the base."""
-    if run_cfg["method"] != "full" and rewrites_base(lora_init(run_cfg["lora"])):
+    if run_cfg.method != "full" and rewrites_base(run_cfg.lora_init):
         return save_initial(model, folder)
     return None
 
 
-def save_model(model, tokenizer, run_cfg: dict, dtype: str, folder: Path, initial: str | None = None) -> None:
+def save_model(model, tokenizer, run_cfg: FinetuneRun, dtype: str, folder: Path, initial: str | None = None) -> None:
     """The full model in the base's dtype, or the peft adapter (its target modules sorted: a stable file); an
     adapter whose init left the base a residual (PiSSA, OLoRA, CorDA), converted against its `initial` state to one
     on the original base, which every later stage loads."""
-    if run_cfg["method"] == "full":
+    if run_cfg.method == "full":
         model.to(getattr(torch, dtype)).save_pretrained(folder, safe_serialization=True)
     else:
         model.save_pretrained(folder, safe_serialization=True,

@@ -3,6 +3,7 @@ MFU, the validation curve, and the record assembled from the prepared run, what 
 from __future__ import annotations
 
 from ...estimators.memory import compared
+from ...experiment import FinetuneRun
 from ...measure.energy import energy_per_token
 from ...measure.env import environment
 from ...measure.flops import mfu, published_peak_tflops, training_flops_per_token
@@ -38,9 +39,9 @@ def throughput(run: PreparedRun, trained: Trained, gauges: Instruments) -> tuple
     tokens, samples, train_s = trained.tokens, trained.steps * run.effective_batch, trained.train_s
     # Attention FLOPs per token over each sequence's own length (token-weighted), as the model computed them.
     attention_len = gauges.processed.attention_length() or tokens / samples
-    flops = training_flops_per_token(run.model, attention_len, run.run_cfg["gradient_checkpointing"])
+    flops = training_flops_per_token(run.model, attention_len, run.run_cfg.gradient_checkpointing)
     published = published_peak_tflops(run.device, run.matmul_dtype)
-    steady = steady_steps(gauges.step_times, run.run_cfg["timing_warmup_steps"])
+    steady = steady_steps(gauges.step_times, run.run_cfg.timing_warmup_steps)
     rate = steady["tokens_per_s"] or tokens / train_s
     return {
         "tokens_per_s": rate, "samples_per_s": samples / train_s, "whole_run_tokens_per_s": tokens / train_s,
@@ -53,7 +54,7 @@ def throughput(run: PreparedRun, trained: Trained, gauges: Instruments) -> tuple
     }, steady
 
 
-def validation_curve(gauges: Instruments, trained: Trained, after: dict, run_cfg: dict) -> dict | None:
+def validation_curve(gauges: Instruments, trained: Trained, after: dict, run_cfg: FinetuneRun) -> dict | None:
     """The validation loss at step 0, every `every` steps and the last step, each with the training seconds so far
     (time to quality: the report finds the first point at or below finetune.target). None without a target."""
     if gauges.evals is None:
@@ -66,9 +67,9 @@ def validation_curve(gauges: Instruments, trained: Trained, after: dict, run_cfg
             "counts": "training time: the timed steps' sum up to the point (validation outside it)",
             "validation_s": gauges.evals.seconds,
             # its step-0 loss is the base model's (auto targets are read from such a run)
-            "starts_from_base": not resumed and not run_cfg.get("bf16_weights") and (
-                run_cfg["method"] == "full" or run_cfg["method"] == "lora" and not run_cfg["lora"].get("use_dora")
-                and (run_cfg["lora"].get("init") or "default") in NO_OP_INITS)}
+            "starts_from_base": not resumed and not run_cfg.bf16_weights and (
+                run_cfg.method == "full" or run_cfg.method == "lora" and not run_cfg.lora.get("use_dora")
+                and run_cfg.lora_init in NO_OP_INITS)}
 
 
 def _lora_scaling(model) -> float | None:
@@ -81,7 +82,7 @@ def _lora_scaling(model) -> float | None:
 
 
 def _init_cost(model) -> dict | None:
-    """How the adapter was initialised and what it cost (lora_init.adapt); None for a full fine-tune."""
+    """How the adapter was initialised and what it cost (lora.adapt); None for a full fine-tune."""
     return getattr(model, "efflab_init", None)
 
 
@@ -91,11 +92,11 @@ def record(name: str, run: PreparedRun, trained: Trained, gauges: Instruments, a
     steps, tokens, train_s, curve = trained.steps, trained.tokens, trained.train_s, trained.loss_curve
     rates, steady = throughput(run, trained, gauges)
     return {
-        "run": name, "method": run_cfg["method"], "settings": run_cfg, "compute_dtype": run.dtype,
+        "run": name, "method": run_cfg.method, "settings": run_cfg.settings, "compute_dtype": run.dtype,
         "mixed_precision": run.precision, "threads": run.processes.threads, "parameters": run.params,
         "processes": run.processes.world, "ranks": ranks, "total_steps": trained.result.global_step,
         "effective_batch": run.effective_batch,
-        "padding_free": run_cfg["packing"], "tokens_processed": processed.positions,
+        "padding_free": run_cfg.packing, "tokens_processed": processed.positions,
         "pad_fraction": 1 - tokens / processed.positions if processed.positions else None,
         "resumed_from": trained.resumed["global_step"] or None,
         "optimizer": optimizer_name(run_cfg),
@@ -115,6 +116,6 @@ def record(name: str, run: PreparedRun, trained: Trained, gauges: Instruments, a
         "first_loss": curve[0]["loss"], "last_loss": curve[-1]["loss"],
         "validation_before": before, "validation_after": after,
         "validation_loss_drop": before["loss"] - after["loss"],
-        "environment": environment(run.device, run_cfg),
+        "environment": environment(run.device, run_cfg.settings),
         "validation_curve": validation_curve(gauges, trained, after, run_cfg), "lora_init": _init_cost(model),
     }

@@ -1,4 +1,5 @@
-"""A LoRA adapter put on a model the way `lora.init` asks (peft's init_lora_weights), with what it cost.
+"""The LoRA adapter of any family: the modules it adapts (lora_targets), its peft config (lora_config) and the adapter
+put on a model the way `lora.init` asks (adapt: peft's init_lora_weights), with what it cost.
 
 peft initialises an adapter in one of three ways: from the weights alone (default, gaussian, pissa, pissa_niter_N,
 olora, orthogonal, and loftq on a full-precision base), from the layers' inputs on training rows (eva: the SVD of
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import architecture
+from .architecture import own_projections, skeleton, text_config
 
 DATA_DRIVEN = ("eva", "corda")  # modes that read the layers' inputs on training rows
 # modes that move the weights' principal part into the adapter and leave the base the residual: their trained adapter
@@ -27,6 +28,14 @@ CALIBRATION_BATCHES = 4  # batches of training rows the data-driven modes read
 
 class Refused(Exception):
     """peft cannot initialise this adapter this way on this model: the reason is peft's."""
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The training rows eva and corda read, the batch size they are read in and the pad id that fills a batch."""
+    rows: list[dict]
+    batch_size: int
+    pad_id: int
 
 
 @dataclass
@@ -60,16 +69,17 @@ def peft_value(init: str):
     return True if init == "default" else init
 
 
-def adapt(model, lora: dict, quantized: bool, base_folder, calibration: list[dict]) -> Initialised:
+def adapt(model, lora: dict, quantized: bool, base_folder, calibration: Calibration | None = None) -> Initialised:
     """`model` with a LoRA adapter of the settings `lora`, initialised as lora.init asks. `quantized`: the base is
-    4-bit (QLoRA); `calibration`: padded batches of training rows for eva and corda."""
+    4-bit (QLoRA); `calibration`: the training rows eva and corda read (padded into batches on the model's device)."""
     init = lora_init(lora)
     t0 = time.perf_counter()
+    calibration = calibration_batches(calibration, model.device) if init in DATA_DRIVEN else []
     try:
         made = _adapt(model, lora, init, quantized, str(base_folder), calibration)
     except (ValueError, TypeError, NotImplementedError, RuntimeError, AttributeError, AssertionError) as err:
         if init == "default" and isinstance(err, ValueError):  # the targets, or what they name (fused experts
-            raise Refused(architecture.lora_refusal(model, err)) from None  # take no dropout)
+            raise Refused(lora_refusal(model, err)) from None  # take no dropout)
         raise Refused(f"lora.init {init}: peft refused it for this model: {str(err).splitlines()[0]}") from None
     rows = sum(len(b["input_ids"]) for b in calibration) if init in DATA_DRIVEN else 0
     return Initialised(made, init, time.perf_counter() - t0, rows)
@@ -81,11 +91,11 @@ def _adapt(model, lora: dict, init: str, quantized: bool, base_folder: str, cali
     if init == "loftq" and quantized:
         from peft import replace_lora_weights_loftq
 
-        made = get_peft_model(model, architecture.lora_config(model.config, lora, model, init_lora_weights=True))
+        made = get_peft_model(model, lora_config(model.config, lora, model, init_lora_weights=True))
         replace_lora_weights_loftq(made, model_path=base_folder)
         return made
     extra = _extra_config(init)
-    config = architecture.lora_config(model.config, lora, model, init_lora_weights=peft_value(init), **extra)
+    config = lora_config(model.config, lora, model, init_lora_weights=peft_value(init), **extra)
     if init == "corda":
         from peft.tuners.lora.corda import preprocess_corda
 
@@ -119,9 +129,10 @@ def _forward(model, batches: list[dict]) -> None:
             model(input_ids=ids[mask.bool()].unsqueeze(0))
 
 
-def calibration_batches(rows: list[dict], batch_size: int, pad_id: int, device) -> list[dict]:
+def calibration_batches(calibration: Calibration, device) -> list[dict]:
     """The first CALIBRATION_BATCHES right-padded batches of training rows, as eva and corda read them: input ids,
     attention mask and labels (eva leaves out the label mask's -100 positions)."""
+    rows, batch_size, pad_id = calibration.rows, calibration.batch_size, calibration.pad_id
     out = []
     for start in range(0, min(len(rows), CALIBRATION_BATCHES * batch_size), batch_size):
         chunk = rows[start:start + batch_size]
@@ -134,3 +145,54 @@ def calibration_batches(rows: list[dict], batch_size: int, pad_id: int, device) 
             ids[i, :n], labels[i, :n], mask[i, :n] = torch.tensor(r["input_ids"]), torch.tensor(r["labels"]), 1
         out.append({"input_ids": ids.to(device), "attention_mask": mask.to(device), "labels": labels.to(device)})
     return out
+
+
+def lora_targets(config, targets: str | list[str] | None, model=None, dropout: float = 0.0) -> str | list[str]:
+    """The modules LoRA adapts: the user's names or peft's all-linear as given; for null, what peft itself
+    chooses for the family (its per-architecture default, e.g. q_proj and v_proj for Llama, query_key_value
+    for GPT-NeoX, c_attn for GPT-2), and for a family peft has no default for, the model's own projections
+    (own_projections of `model`, else of the config's skeleton). A mixture of experts' routed experts are among
+    them only without dropout: peft maps their names onto the fused 3-D expert weights (expert_targets), which it
+    wraps as parameters, and those take no dropout. Not all-linear there: it would take them whatever the dropout."""
+    if targets is not None:
+        return targets
+    from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_DEFAULTS
+
+    default = PEFT_DEFAULTS.get(text_config(config).model_type)
+    if default:
+        return sorted(default)
+    model = model if model is not None else skeleton(config)
+    names = own_projections(model)
+    if dropout:
+        names = [n for n in names if n not in expert_targets(model, names)]
+    return names or "all-linear"
+
+
+def expert_targets(model, names: list[str]) -> set[str]:
+    """Of the target names `names`, those peft's own conversion for transformers 5 maps onto a mixture of experts'
+    fused expert weights (Qwen3-MoE's and DeepSeek-V3's gate_proj, up_proj and down_proj name their shared or dense
+    MLP's layers and the routed experts' gate_up_proj and down_proj at once); none for any other model."""
+    from peft import LoraConfig
+    from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
+
+    probe = LoraConfig(task_type="CAUSAL_LM", target_modules=list(names))
+    convert_peft_config_for_transformers(probe, model, None)
+    return set(names) - set(probe.target_modules)
+
+
+def lora_refusal(model, err: Exception) -> str:
+    """peft's reason for refusing a LoRA setting on `model`, with the projections a target_modules list can name."""
+    return (f"peft cannot adapt {type(model).__name__} so: {str(err).splitlines()[0].rstrip('.')}; its own "
+            f"projections are {', '.join(own_projections(model))}")
+
+
+def lora_config(config, lora: dict, model=None, **init):
+    """peft's LoraConfig for the settings `lora` (r, alpha, dropout, target_modules, use_dora, use_rslora) on a
+    model of `config` (`model`, where the caller has it: lora_targets reads its modules): one construction for
+    fine-tuning, healing and the dry-run check. `init`: the initialisation's keys (init_lora_weights and its
+    method's config: adapt)."""
+    from peft import LoraConfig
+
+    return LoraConfig(task_type="CAUSAL_LM", r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
+                      bias="none", target_modules=lora_targets(config, lora["target_modules"], model, lora["dropout"]),
+                      use_dora=lora.get("use_dora", False), use_rslora=lora.get("use_rslora", False), **init)
