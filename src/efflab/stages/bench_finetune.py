@@ -116,8 +116,8 @@ def run(cfg: dict, job: Job) -> dict:
     pairs, cells = [], []
     for knob, value_a, value_b, a, b in timed_pairs(cfg, configured):
         cell = {"knob": knob, "from": value_a, "to": value_b, "a": a["run"], "b": b["run"]}
-        reason = _knob_reason(knob) or "; ".join(unavailable_knobs(a["settings"], device)
-                                                 + unavailable_knobs(b["settings"], device)) or None
+        reason = _knob_reason(knob) or "; ".join(unavailable_knobs(finetune_run(cfg, a["run"]), device)
+                                                 + unavailable_knobs(finetune_run(cfg, b["run"]), device)) or None
         pairs.append(cell)  # in timed_pairs' order; a pair that runs is filled in below, where it was timed
         if reason:
             cell.update(status="unavailable", reason=reason)
