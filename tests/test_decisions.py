@@ -8,7 +8,7 @@ import pytest
 from efflab import config
 from efflab.measure import stats
 from efflab.measure.stats import summarize
-from efflab.stages.report import advice, decisions, fmt, glance, knobs, pareto, short_glance
+from efflab.stages.report import decisions, glance, knobs, pareto, question_facts, short_glance, writing
 from tests.helpers import TEST_PARAMS
 from tests.test_advice import CFG, INFERENCE, QUANTIZE, metrics
 
@@ -112,7 +112,7 @@ def test_every_verdict_the_glance_states_for_a_pair_is_the_decisions(cfg, tmp_pa
     made = _build(cfg, quantize=QUANTIZE, bench_inference=INFERENCE, finetune=FINETUNE, bench_attention=ATTENTION)
     decisions.write(made, tmp_path / "decisions.json")
     stored = json.loads((tmp_path / "decisions.json").read_text())["questions"]
-    text = "\n".join(advice.lines(made["_facts"], cfg))
+    text = "\n".join(question_facts.lines(made["_facts"], cfg))
     rows = {}
     for line in text.splitlines():
         cells = [c.strip() for c in line.strip("|").split("|")] if line.startswith("| ") else []
@@ -144,8 +144,8 @@ def test_a_speedup_the_sentinel_left_without_a_figure_says_why_in_every_place(cf
     for key in ("inference", "quantize"):
         speed = _option(made["questions"][key], "int8")["axes"]["speed"]
         assert speed["value"] is None and speed["verdict"] == f"not decided: {why}", (key, speed)
-    assert fmt.speedup_verdict(unstable[1]["cells"][0]["vs_base"], "generation_speedup") == f"not decided: {why}"
-    assert f"Its decode speed has no figure: {why}." in "\n".join(advice.lines(made["_facts"], cfg))
+    assert writing.speedup_verdict(unstable[1]["cells"][0]["vs_base"], "generation_speedup") == f"not decided: {why}"
+    assert f"Its decode speed has no figure: {why}." in "\n".join(question_facts.lines(made["_facts"], cfg))
     line = glance.inference(made["questions"]["inference"], 5.0)
     assert f"int8 no figure, not decided: {why}" in line and "not measured" not in line
 
@@ -243,7 +243,7 @@ def test_capacity_answers_the_largest_size_that_fits_per_subject_and_nothing_whe
 def test_every_answer_is_a_full_line_and_the_glance_is_short_lines_of_the_same_verdicts(cfg):
     made = _build(cfg, quantize=QUANTIZE, bench_inference=INFERENCE, finetune=FINETUNE, bench_attention=ATTENTION,
                   merge=MERGE, qat=QAT, prune=PRUNE, bench_serving=SERVING, capacity=CAPACITY)
-    text = advice.every_answer(made)  # the full lines, in details.md
+    text = question_facts.every_answer(made)  # the full lines, in details.md
     assert text.count("\n- **") >= len(made["questions"])
     questions = [b for line in glance.lines(made) for b in line.splitlines()]
     assert len(questions) == len(made["questions"]) + bool(made["questions"]["serving"].get("open_loop"))
@@ -263,9 +263,9 @@ def test_every_answer_is_a_full_line_and_the_glance_is_short_lines_of_the_same_v
 @pytest.mark.parametrize(("value", "said"), [(-5.42e-09, "0"), (-0.0, "0"), (81413568, "81,413,568"),
                                              (0.06506, "0.06506"), (2172.567, "2,173")])
 def test_numbers_read_without_float_noise_or_exponents(value, said):
-    assert fmt.number(value) == said
-    assert fmt.percent(-3.61e-05) == "-0.000036" and fmt.percent(2172.5) == "+2,172"  # two digits, no exponent
-    assert fmt.percent(-4e-09) == "0" and fmt.percent(-0.04) == "-0.04" and fmt.percent(0.05) == "+0.1"
+    assert writing.number(value) == said
+    assert writing.percent(-3.61e-05) == "-0.000036" and writing.percent(2172.5) == "+2,172"  # two digits, no exponent
+    assert writing.percent(-4e-09) == "0" and writing.percent(-0.04) == "-0.04" and writing.percent(0.05) == "+0.1"
 
 
 def _rows(loss):
@@ -355,6 +355,6 @@ def test_the_frontier_keeps_a_run_with_less_memory_and_a_shorter_step_by_each_pa
     assert not any(p["dominated"] for p in points) and points[1]["x"]["kind"] == pareto.MEASURED_ERROR
     assert "on the frontier of memory × step time × perplexity: **full**, **lora**, **lora-gc**" in \
         glance.finetune(q)
-    table = "\n".join(advice.lines(made["_facts"], cfg))
+    table = "\n".join(question_facts.lines(made["_facts"], cfg))
     assert "On the frontier of memory × step time × quality: **full**, **lora**, **lora-gc**." in table
     assert not [line for line in table.splitlines() if line.startswith("| lora") and line.endswith("| no |")]

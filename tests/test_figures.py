@@ -1,7 +1,7 @@
 """figures.json: the few figures of a job that DVC shows, picked from its record by the registry's paths."""
 from __future__ import annotations
 
-from efflab.figures import pick
+from efflab.figure_picks import pick
 from efflab.measure.stats import summarize
 from efflab.registry import STAGES
 

@@ -73,7 +73,7 @@ STAGE_PACKAGE = "efflab.stages"
 
 
 def stage_of(module: str) -> str | None:
-    """The stage a module belongs to (efflab.stages.report.fmt -> report), or None for the shared core."""
+    """The stage a module belongs to (efflab.stages.report.writing -> report), or None for the shared core."""
     parts = module.split(".")
     return parts[2] if module.startswith(STAGE_PACKAGE + ".") else None
 

@@ -118,7 +118,7 @@ def test_every_reference_run_s_statements_hold_together():
 def test_an_interval_end_near_its_verdict_s_bound_keeps_the_digits_that_set_it_apart():
     """A ratio decided faster on a lower end of 1.0011 is not printed [1, ...], nor a change reaching -0.04% [0, ...];
     float noise on the bound stays the bound."""
-    from efflab.stages.report.render import value_text
+    from efflab.stages.report.templating import value_text
 
     assert value_text({"value": 1.2, "lo": 1.0011, "hi": 1.27, "n": 6}, "×") == "1.2× [1.001, 1.27]"
     assert value_text({"value": 3.1, "lo": -0.04, "hi": 6.4, "n": 16}, "%", signed=True) == "+3.1% [-0.04, +6.4]"
@@ -219,7 +219,7 @@ def test_every_link_of_each_reference_report_and_details_lands_on_a_heading():
     heading that file has: the full answers moved to details.md keep their links working from there."""
     import re
 
-    from efflab.stages.report.fmt import anchor
+    from efflab.stages.report.writing import anchor
 
     for folder in sorted(p.parent for p in (REPO / "results" / "reference").glob("*/report/report.md")):
         heads = {f: {anchor(h) for h in re.findall(r"^#+ (.+)$", (folder / f).read_text(), re.M)}

@@ -69,7 +69,7 @@ def _intervals(ax) -> list[tuple[float, float, float]]:
 
 
 def _row_verdicts(ax) -> dict[str, str]:
-    """A ratio plot's verdict per row (report.figure.ratio_rows): its tick label's first line (the row's name; a
+    """A ratio plot's verdict per row (report.plotting.ratio_rows): its tick label's first line (the row's name; a
     second line says where its ratio comes from) -> the words beside it."""
     rows = {round(t.get_position()[1]): t.get_text().split("\n")[0] for t in ax.get_yticklabels()}
     return {rows[round(a.xy[1])]: a.get_text().replace("\n", " ") for a in ax.texts if getattr(a, "xy", (0,))[0] > 1}

@@ -6,7 +6,7 @@ import torch
 
 from efflab import records
 from efflab.measure import env
-from efflab.stages.report import bench_plots, environments, fmt, knobs, notes, pareto, plots
+from efflab.stages.report import bench_plots, environments, knobs, notes, pareto, plots, writing
 
 
 def _envs():
@@ -33,7 +33,7 @@ def test_results_from_different_environments_are_not_put_in_one_table_unless_ask
 
 
 def test_missing_values_print_as_a_dash():
-    table = fmt.markdown(pd.DataFrame([{"a": 1.5, "b": None}, {"a": float("nan"), "b": "x"}]))
+    table = writing.markdown(pd.DataFrame([{"a": 1.5, "b": None}, {"a": float("nan"), "b": "x"}]))
     assert "nan" not in table and "-" in table.splitlines()[-1]
 
 
@@ -141,7 +141,7 @@ def test_the_inference_frontier_is_the_advices_by_intervals_drawn_without_a_line
     frontier; `bad` is beaten by separated intervals. The labels of the two coinciding points do not overlap."""
     from matplotlib.text import Text
 
-    from efflab.stages.report import advice
+    from efflab.stages.report import question_facts
 
     quantize = [_scheme("baseline", 256), _scheme("int8", 155, (3.4, 1.0, 4.5)), _scheme("nf4", 105, (28.9, 20, 38)),
                 _scheme("close", 256, (0.5, -1.0, 2.0)), _scheme("bad", 260, (10.0, 8.0, 12.0))]
@@ -149,10 +149,10 @@ def test_the_inference_frontier_is_the_advices_by_intervals_drawn_without_a_line
                  _variant("nf4", "quantized", 105, (1.2, 1.1, 1.3)),
                  _variant("close", "quantized", 256, (0.98, 0.9, 1.05)),
                  _variant("bad", "quantized", 260, (0.9, 0.85, 0.95))]
-    points = pareto.inference_pareto(inference, quantize, advice.inference_facts(inference, quantize, 5.0))
+    points = pareto.inference_pareto(inference, quantize, question_facts.inference_facts(inference, quantize, 5.0))
     assert {p["name"]: p["dominated"] for p in points} == {"baseline": False, "int8": False, "nf4": False,
                                                            "close": False, "bad": True}
-    front = advice.inference_facts(inference, quantize, 5.0)["front"]
+    front = question_facts.inference_facts(inference, quantize, 5.0)["front"]
     assert [p["name"] for p in points if not p["dominated"]] == front
     plots.plot_inference_pareto(points, tmp_path / "front.png")
     (fig,) = drawn
@@ -389,9 +389,9 @@ def test_the_long_results_table_keeps_each_figure_with_its_interval_and_n():
 def test_a_wide_table_is_split_into_parts_that_repeat_its_key_columns_and_empty_columns_go():
     df = pd.DataFrame([{"variant": "a", "batch": 1, **{f"c{i}": float(i) for i in range(14)}, "empty": None}])
     df.attrs["keys"] = 2
-    parts = fmt.markdown(df).split("\n\n")
+    parts = writing.markdown(df).split("\n\n")
     assert len(parts) == 2 and all(p.startswith("| variant | batch |") for p in parts)
-    assert all(len(p.splitlines()[0].split(" | ")) <= 10 for p in parts) and "empty" not in fmt.markdown(df)
+    assert all(len(p.splitlines()[0].split(" | ")) <= 10 for p in parts) and "empty" not in writing.markdown(df)
 
 
 def test_the_claims_headline_splits_measured_from_computed_and_definitions():
@@ -418,7 +418,7 @@ def test_serving_reads_its_bursts_an_interval_from_six_a_range_below_and_an_old_
     three = serving_record({k: v[:3] for k, v in rates.items()})
     one = json.loads((REPO / "tests/records/bench_serving_one_burst.json").read_text())  # a record of one burst
     table = tables.serving_table([six]).set_index("method")
-    assert len(table.columns) + 1 <= fmt.MAX_COLUMNS
+    assert len(table.columns) + 1 <= writing.MAX_COLUMNS
     assert table.loc["continuous", "x static [95% CI]"] == "1.30 [1.30, 1.30]"
     assert table.loc["continuous", "verdict vs static"] == "faster" == table.loc["static", "verdict vs naive"]
     assert table.loc["continuous", "x naive [95% CI]"] == "3.25 [3.25, 3.25]" and table.loc["naive", "x naive [95% CI]"] == "-"
@@ -432,7 +432,7 @@ def test_serving_reads_its_bursts_an_interval_from_six_a_range_below_and_an_old_
     assert table.loc[("continuous", 12), "output tokens/s"] == "74.2"
     metrics = {"bench_serving": [six]}
     built = {"bench_serving": tables.serving_table([six]), "bench_serving_latency": tables.serving_latency_table([six])}
-    body = sections.serving_body({}, metrics, lambda key: fmt.markdown(built[key]))
+    body = sections.serving_body({}, metrics, lambda key: writing.markdown(built[key]))
     assert "The burst is served 6 times" in body and "8 requests arrive at once" in body
     assert "- Continuous over static batching at concurrency 4: 1.30 [1.30, 1.30], faster." in body
     assert "TTFT and latency percentiles over the requests of all 6 burst(s), pooled" in body
@@ -452,7 +452,7 @@ def test_serving_reads_its_bursts_an_interval_from_six_a_range_below_and_an_old_
 
 
 def test_a_later_part_of_a_split_table_leaves_out_rows_with_nothing_in_it():
-    from efflab.stages.report.fmt import markdown
+    from efflab.stages.report.writing import markdown
 
     wide = pd.DataFrame([{"name": n, **{f"c{i}": i + k for i in range(9)}, "ratio": r}
                          for k, (n, r) in enumerate((("eager", None), ("sdpa", 1.5)))])
@@ -510,7 +510,7 @@ def test_did_not_run_lists_the_failed_cells_of_a_job_that_ran_one_row_per_reason
 
 def test_an_axis_measured_without_a_figure_reads_so_and_does_not_break_the_glance():
     """A serving ratio left with no stable burst (the machine's speed changed) has no median: the report says so."""
-    from efflab.stages.report.render import value_text
+    from efflab.stages.report.templating import value_text
 
     assert value_text({"value": None, "lo": None, "hi": None, "n": 6}, "×") == "no figure"
     assert value_text(None) == "not measured"

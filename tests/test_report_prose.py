@@ -4,8 +4,8 @@ import pandas as pd
 import pytest
 
 from efflab import config
-from efflab.stages.report import fmt, notes, sections, task_quality
-from efflab.stages.report.render import render
+from efflab.stages.report import notes, sections, task_quality, writing
+from efflab.stages.report.templating import render
 from tests.helpers import TEST_PARAMS, serving_record
 
 NOT_VERDICTS = ("undecided", "no difference measured")
@@ -75,10 +75,10 @@ def test_without_a_claims_record_the_attention_note_states_no_verdict():
 def test_a_constant_column_is_one_natural_line_above_the_table_and_a_blank_column_goes():
     df = pd.DataFrame([{"scheme": s, "footprint (MiB)": f, "LoRA on it": "not checked", "tail cause": ""}
                        for s, f in (("baseline", 513.1), ("nf4", 158.8))])
-    table = fmt.markdown(df)
+    table = writing.markdown(df)
     assert table.startswith("In every row, LoRA on it: not checked.\n\n| scheme | footprint (MiB) |")
     assert "tail cause" not in table and "Every row:" not in table
-    some = fmt.markdown(pd.DataFrame([{"a": "x", "kind": k, "n": n} for k, n in (("rss", 1), (None, 2), ("rss", 3))]), keys=1)
+    some = writing.markdown(pd.DataFrame([{"a": "x", "kind": k, "n": n} for k, n in (("rss", 1), (None, 2), ("rss", 3))]), keys=1)
     assert some.startswith("In every row with a value, kind: rss.")
 
 

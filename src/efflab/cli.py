@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import config, figures, gpu_slots, provenance, records, registry
+from . import config, figure_picks, gpu_slots, provenance, records, registry
 from .config import UserError
 from .layout import METRICS, Job, Layout
 from .logs import setup_logging
@@ -132,7 +132,7 @@ def main(stage: str, run, argv: list[str] | None = None) -> None:
                    "wall_s": time.perf_counter() - t0, **metrics,
                    "provenance": provenance.record(stage, args.name, cfg, layout, staging, args.params)}
         write_json(staging / METRICS, metrics)
-        write_json(staging / figures.FIGURES, figures.pick(metrics, STAGES[stage].figures))
+        write_json(staging / figure_picks.FIGURES, figure_picks.pick(metrics, STAGES[stage].figures))
         shutil.rmtree(final, ignore_errors=True)
         staging.rename(final)
         log.info("%s%s: done in %.1f s -> %s", stage, f"[{args.name}]" if args.name else "",

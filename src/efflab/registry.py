@@ -57,7 +57,7 @@ class Stage:
     # Its numbers are timings, so on a CPU run it takes every core and runs alone; a stage that times nothing
     # (evaluate) takes half of them, so two of its jobs run side by side.
     timed: bool = True
-    # The figures a person compares across experiments: paths into its record (efflab.figures), written to each
+    # The figures a person compares across experiments: paths into its record (efflab.figure_picks), written to each
     # job's figures.json, its DVC metric. A few per job, so that `dvc exp show` stays a table one can read.
     figures: tuple[str, ...] = ()
     # What a job reads of earlier jobs: paths under the results folder (`stage/name/file`, `stage/file`), given the

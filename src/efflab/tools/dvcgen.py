@@ -18,7 +18,7 @@ import yaml
 
 from .. import config
 from ..config import REPO_ROOT
-from ..figures import FIGURES
+from ..figure_picks import FIGURES
 from ..registry import LOSS_CSV, STAGES, param_keys
 
 

@@ -1,5 +1,5 @@
 """The benchmarks' plots: serving, capacity, attention (speed and memory) and inference, each drawn from its
-stage's records or table, with the conventions of report.figure."""
+stage's records or table, with the conventions of report.plotting."""
 from __future__ import annotations
 
 import math
@@ -11,7 +11,7 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
 from ... import records
-from .figure import (
+from .plotting import (
     legend_below,
     legend_beside,
     plt,
@@ -21,8 +21,8 @@ from .figure import (
     spread_values,
     spread_words,
 )
-from .fmt import speedup_verdict
 from .spread import of_median, of_ratio, of_speedup, spread, text
+from .writing import speedup_verdict
 
 METHOD_COLOURS = {"naive": "tab:gray", "static": "tab:blue", "continuous": "tab:green"}
 

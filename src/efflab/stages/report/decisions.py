@@ -16,11 +16,11 @@ from pathlib import Path
 from ... import records
 from ...measure import load
 from ...measure.stats import NOT_DECIDED, compare, ratio_words
-from . import advice, questions, target
 from . import generation_modes as modes
 from . import options as opts
+from . import question_facts, questions, target
 from .annotate import against_tolerance, with_memory_error
-from .decide import winner
+from .dominance import winner
 from .results import absent
 from .tables.qat import verdict_of
 
@@ -36,7 +36,7 @@ def axis_verdict(key: str, a: dict | None, base: dict | None, tolerance: float) 
     if not a:
         return "not measured"
     if key == "quality":
-        return advice.quality_status(a, tolerance)
+        return question_facts.quality_status(a, tolerance)
     if key == "speed":
         return compare(a["value"], a["lo"], a["hi"], n=a.get("n"), why=a.get("why"))
     if key == "step_ratio":
@@ -74,7 +74,7 @@ def _question(text: str, facts: dict, baseline: str | None, answer, why: str, to
 
 
 def _finetune_answer(f: dict) -> dict:
-    return {k: f["winners"][k] for k in advice.FINETUNE_AXES}
+    return {k: f["winners"][k] for k in question_facts.FINETUNE_AXES}
 
 
 def _qat(job: dict, tolerance: float) -> dict:
@@ -281,7 +281,7 @@ def build(cfg: dict, metrics: dict) -> dict:
     """Every question the records support, its options, verdicts, frontier and answer."""
     errors = opts.memory_errors(metrics.get("capacity", []))
     metrics = with_memory_error(against_tolerance(cfg, metrics), errors)
-    facts = advice.facts(metrics, cfg)
+    facts = question_facts.facts(metrics, cfg)
     tolerance = facts["tolerance"]
     q: dict[str, dict] = {}
     if facts["quantize"]:

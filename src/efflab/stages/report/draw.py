@@ -18,7 +18,6 @@ from .bench_plots import (
     plot_inference,
     plot_serving,
 )
-from .figure import placeholder_plot
 from .notes import same_updates
 from .parts import PARTS
 from .plots import (
@@ -30,6 +29,7 @@ from .plots import (
     plot_qat,
     plot_quantize,
 )
+from .plotting import placeholder_plot
 from .results import absent
 
 

@@ -7,7 +7,7 @@ import pandas as pd
 
 from ... import provenance
 from ...measure.env import FINGERPRINT_KEYS
-from .fmt import markdown
+from .writing import markdown
 
 
 def _flat(env: dict) -> dict:

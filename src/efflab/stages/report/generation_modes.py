@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from ... import records
 from ...models.speculative import SPECULATIVE
-from .decide import axis
-from .fmt import env_of
+from .dominance import axis
 from .options import change_axis, ratio_axis
+from .writing import env_of
 
 
 def _cells(inference: list[dict], keep) -> list[tuple[dict, dict]]:

@@ -4,9 +4,9 @@ and its cost on the other axes) with the link to its table, then the facts of th
 from __future__ import annotations
 
 from ...measure.bounds import at_bound
-from .fmt import brief, number, recovered_text
 from .questions import QUESTIONS
-from .render import value_text
+from .templating import value_text
+from .writing import brief, number, recovered_text
 
 # Where each question's table is (report.questions): the glance's option tables in details.md, the stages' sections
 # in report.md.

@@ -5,7 +5,7 @@ import pandas as pd
 
 from ... import records
 from ...measure.timing import SENTINEL_TOLERANCE
-from .fmt import env_of, init_text, pct, peak_mib, ratio_of, setting_text
+from .writing import env_of, init_text, pct, peak_mib, ratio_of, setting_text
 
 
 def _tensor_peaks(a: dict, b: dict) -> str:

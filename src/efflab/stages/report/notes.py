@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ... import records
 from ...estimators import analytic
-from .render import render
+from .templating import render
 
 
 def same_updates(finetune: list[dict]) -> list[list[str]]:
@@ -95,7 +95,7 @@ def claims_cited(claims: list[dict], made: dict) -> list[dict]:
     figure as the answer states it: one measurement, two readings of it (the ledger holds them equal)."""
     from .ledger import claimed, readings
     from .questions import of
-    from .render import value_text
+    from .templating import value_text
 
     out = []
     for r in readings(claims):

@@ -12,8 +12,8 @@ from __future__ import annotations
 from ... import quality, records
 from ...measure.memory import allocated_delta
 from ...measure.timing import SENTINEL_TOLERANCE
-from .decide import axis
-from .fmt import MiB, peak_mib
+from .dominance import axis
+from .writing import MiB, peak_mib
 
 
 def ratio_axis(ratio: dict | None) -> dict | None:

@@ -1,8 +1,8 @@
 """Pareto frontiers: the options the report's advice finds no other beats, their points as the plots draw them,
 and their data for `dvc plots`.
 
-The frontier is the decision's own (decisions.build: report.decide.frontier over each option's intervals; the
-fine-tuning one compares each pair of runs by its own measurement, advice.finetune_front), never one of point
+The frontier is the decision's own (decisions.build: report.dominance.frontier over each option's intervals; the
+fine-tuning one compares each pair of runs by its own measurement, question_facts.finetune_front), never one of point
 values: an option is dominated only where another beats it on some axis and loses on none.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The report's plots, each drawn from a stage's records or table (conventions: report.figure). The benchmarks'
+"""The report's plots, each drawn from a stage's records or table (conventions: report.plotting). The benchmarks'
 plots are in report.bench_plots; report.draw draws each part's plots (report.parts) with them."""
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import pandas as pd
 
 from ... import records
 from ...measure.timing import SENTINEL_TOLERANCE
-from .figure import (
+from .glance import b_min_text
+from .plotting import (
     label_column,
     legend_below,
     legend_beside,
@@ -23,9 +24,8 @@ from .figure import (
     spread_words,
     verdict_colour,
 )
-from .fmt import MiB, setting_text
-from .glance import b_min_text
 from .spread import CI, as_ratio, of_axis, of_change, spread, text
+from .writing import MiB, setting_text
 
 
 def plot_quantize(rows: list[dict], path: Path, tolerance_pct: float, question: dict | None = None) -> None:

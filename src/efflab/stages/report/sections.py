@@ -10,8 +10,6 @@ from ...measure.stats import EQUIVALENCE_MARGIN, format_ratio
 from ...measure.timing import SENTINEL_TOLERANCE
 from . import slices, task_quality
 from .environments import comparison
-from .fmt import brief, markdown, one_line, status_text
-from .render import render
 from .results import absent
 from .tables import MEMORY_TARGET, memory_prediction_table
 from .tables.capacity import (
@@ -20,6 +18,8 @@ from .tables.capacity import (
     capacity_largest,
     capacity_measured,
 )
+from .templating import render
+from .writing import brief, markdown, one_line, status_text
 
 
 def section(cfg: dict, metrics: dict, stage: str, title: str, body) -> list[str]:

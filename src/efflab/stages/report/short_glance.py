@@ -7,11 +7,11 @@ from __future__ import annotations
 import re
 
 from ...measure.stats import interval_is_range
-from .decide import best_point
-from .fmt import brief
+from .dominance import best_point
 from .glance import LINKS, b_min_text, kl_text, quantizer_library
 from .questions import QUESTIONS, kind_of, of
-from .render import value_text
+from .templating import value_text
+from .writing import brief
 
 MAX_LINES = 12  # the scale line and the closing pointer included
 MAX_CHARS = 200  # of what a reader sees: a link's target is not counted

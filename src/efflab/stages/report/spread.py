@@ -71,7 +71,7 @@ def of_change(change: dict | None) -> dict | None:
 
 
 def of_axis(axis: dict | None) -> dict | None:
-    """An option's axis (report.decide.axis): its interval, none for an exact value or a single measurement."""
+    """An option's axis (report.dominance.axis): its interval, none for an exact value or a single measurement."""
     if not axis:
         return None
     exact = axis["lo"] is not None and axis["lo"] == axis["hi"] == axis["value"]

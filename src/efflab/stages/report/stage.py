@@ -7,19 +7,19 @@ from functools import partial
 from ... import provenance, records
 from ...config import UserError
 from ...layout import Job
-from . import advice, annotate, decisions, glance, ledger, notes, short_glance, task_quality
+from . import annotate, decisions, glance, ledger, notes, question_facts, short_glance, task_quality
 from . import sections as sec
 from .draw import Inputs, draw_plots, questions
 from .environments import comparison, environment_table, provenance_table
-from .fmt import anchor, env_of, markdown
 from .glance import fact
 from .pareto import finetune_pareto, inference_pareto, write_fronts
 from .parts import PARTS, details_tables
-from .render import render
 from .results import read_results
 from .screen import screen
 from .tables import build_tables, not_run_table
+from .templating import render
 from .tidy import results_table
+from .writing import anchor, env_of, markdown
 
 log = logging.getLogger("efflab")
 DETAILS = {t.name: t.details for t in details_tables()}  # the tables report.md links to details.md, by name
@@ -39,7 +39,7 @@ def report_text(cfg: dict, metrics: dict, tables: dict, environments: dict, made
             return f"In details.md: [{DETAILS[key]}](details.md#{anchor(DETAILS[key])})."
         return comparison(tables[key], environments, cfg["report"]["allow_mixed_environments"])
 
-    parts = [sec.header(metrics["base_model"][0], metrics["prepare_data"][0]), *advice.glance(made, cfg, metrics),
+    parts = [sec.header(metrics["base_model"][0], metrics["prepare_data"][0]), *question_facts.glance(made, cfg, metrics),
              *filter(None, [sec.withheld(withheld)]),
              *notes.lines(metrics, [fact(f) for f in made.get("facts", [])]),
              *notes.claims_lines(metrics["claims"], "../claims/claims.md", made),
@@ -113,8 +113,8 @@ def run(cfg: dict, job: Job) -> dict:
                                 cfg["report"]["allow_mixed_environments"])
     answers = task_quality.answers(metrics["evaluate"])
     (out / "details.md").write_text(render(
-        "details.md.j2", how_to_read=sec.how_to_read(cfg), every_answer=advice.every_answer(made),
-        decisions="\n".join(advice.lines(facts, cfg)), memory=memory,
+        "details.md.j2", how_to_read=sec.how_to_read(cfg), every_answer=question_facts.every_answer(made),
+        decisions="\n".join(question_facts.lines(facts, cfg)), memory=memory,
         more=more_tables(cfg, tables, environments), samples=sec.samples(metrics["bench_inference"]),
         capacity=sec.capacity_misses(metrics),
         left_out=sec.left_out_details(cfg),

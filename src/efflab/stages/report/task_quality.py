@@ -11,7 +11,7 @@ from ... import records
 from ...config import task_relative, task_tolerance
 from ...evaluation.scores import CANNOT_TELL
 from ...measure.stats import NOT_DECIDED
-from .fmt import markdown, number, one_line
+from .writing import markdown, number, one_line
 
 # The gate as the report's one vocabulary says it (records made before it said undecided)
 GATE_WORDS = {"undecided": NOT_DECIDED}

@@ -8,8 +8,8 @@ import pandas as pd
 from .... import records
 from ....config import lookup
 from .. import spread
-from ..fmt import env_of, percent
 from ..parts import PARTS, resolve
+from ..writing import env_of, percent
 
 
 def build_tables(metrics: dict) -> dict[str, pd.DataFrame]:

@@ -6,7 +6,7 @@ import pandas as pd
 
 from .... import records
 from ....measure.memory import allocated_delta
-from ..fmt import env_of, interval_text, speedup_text, speedup_verdict, status_text
+from ..writing import env_of, interval_text, speedup_text, speedup_verdict, status_text
 
 
 def attention_table(rows: list[dict]) -> pd.DataFrame:

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pandas as pd
 
 from .... import records
-from ..fmt import MiB, env_of, interval_text, pct, speedup_text, speedup_verdict, status_text
 from ..generation_modes import speculative_options, speculative_status
+from ..writing import MiB, env_of, interval_text, pct, speedup_text, speedup_verdict, status_text
 from . import change_text
 
 

@@ -5,8 +5,8 @@ import pandas as pd
 
 from .... import records
 from ....measure.stats import format_ratio, ratio_words
-from ..fmt import brief, env_of, status_text
 from ..spread import of_median, text
+from ..writing import brief, env_of, status_text
 
 SERVING_COLUMNS = ["method", "concurrency", "status", "requests/s", "output tokens/s", "x naive [95% CI]",
                    "verdict vs naive", "x static [95% CI]", "verdict vs static", "env"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pandas as pd
 
 from .... import records
-from ..fmt import env_of, median_text, status_text
+from ..writing import env_of, median_text, status_text
 from . import MEMORY_TARGET
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pandas as pd
 
 from .... import records
-from ..fmt import env_of, init_text, median_text, pct, peak_mib
+from ..writing import env_of, init_text, median_text, pct, peak_mib
 
 
 def tokens_per_s(run: dict) -> float:

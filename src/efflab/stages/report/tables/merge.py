@@ -4,7 +4,7 @@ from __future__ import annotations
 import pandas as pd
 
 from .... import records
-from ..fmt import env_of
+from ..writing import env_of
 from . import change_text
 
 

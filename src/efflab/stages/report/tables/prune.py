@@ -4,7 +4,7 @@ from __future__ import annotations
 import pandas as pd
 
 from .... import records
-from ..fmt import MiB, env_of, speedup_text, speedup_verdict
+from ..writing import MiB, env_of, speedup_text, speedup_verdict
 from . import change_text
 
 PRUNE_COLUMNS = ["strategy", "layers", "query heads (kv)", "heads asked", "parameters", "parameters kept (%)",

@@ -6,7 +6,7 @@ import pandas as pd
 from .... import records
 from ....measure.stats import NOT_DECIDED
 from .. import spread
-from ..fmt import MiB, env_of, percent, recovered_text, status_text
+from ..writing import MiB, env_of, percent, recovered_text, status_text
 
 QAT_COLUMNS = ["bits", "PTQ perplexity", "PTQ change vs full precision (%)", "PTQ verdict", "QAT perplexity",
                "QAT change vs full precision (%)", "QAT verdict", "QAT recovers of PTQ's gap (%)",

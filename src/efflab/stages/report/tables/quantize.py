@@ -5,7 +5,7 @@ from __future__ import annotations
 import pandas as pd
 
 from .... import records
-from ..fmt import MiB, env_of
+from ..writing import MiB, env_of
 from . import change_text
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from functools import cache
 from pathlib import Path
 
-from .fmt import number, percent
+from .writing import number, percent
 
 # jinja2 is imported when the first template is rendered: the report's other modules do not need it.
 TEMPLATES = Path(__file__).parent / "templates"

@@ -1,5 +1,5 @@
 """The report's opening answers follow from planted records, not from which option is cheapest or named first."""
-from efflab.stages.report import advice
+from efflab.stages.report import question_facts
 
 MiB = 2**20
 CFG = {"tolerance": {"perplexity_pct": 5.0}, "report": {"baseline_scheme": "baseline"},
@@ -26,7 +26,7 @@ def metrics(**stages):
 
 
 def render(**stages):
-    return "\n".join(advice.lines(advice.facts(metrics(**stages), CFG), CFG))
+    return "\n".join(question_facts.lines(question_facts.facts(metrics(**stages), CFG), CFG))
 
 
 QUANTIZE = [scheme("baseline", 256), scheme("int8", 155, change(3.4, 1.0, 4.5)),
@@ -36,7 +36,7 @@ INFERENCE = [variant("baseline", "base", None, 256), variant("int8", "quantized"
 
 
 def test_the_smallest_scheme_that_keeps_quality_is_named_with_its_slower_decode_and_nf4_is_not_called_best():
-    facts = advice.quantize_facts(QUANTIZE, INFERENCE, "baseline", 5.0)
+    facts = question_facts.quantize_facts(QUANTIZE, INFERENCE, "baseline", 5.0)
     assert facts["pick"]["name"] == "int8", "nf4 is beyond the tolerance, fp4's interval straddles it"
     assert facts["speed"] == "slower"
     assert facts["by_status"] == {"within": ["int8"], "beyond": ["nf4"], "not decided at this size": ["fp4"], "not measured": [],
@@ -61,7 +61,7 @@ def test_no_scheme_is_recommended_when_none_is_shown_within_the_tolerance():
 
 
 def test_the_fastest_variant_is_not_recommended_when_its_quality_is_beyond_the_tolerance():
-    facts = advice.inference_facts(INFERENCE, QUANTIZE, 5.0)
+    facts = question_facts.inference_facts(INFERENCE, QUANTIZE, 5.0)
     assert facts["pick"] is None and facts["top"]["name"] == "nf4"
     text = render(quantize=QUANTIZE, bench_inference=INFERENCE)
     assert "No variant is shown to be both faster than the base model and within the quality tolerance" in text
@@ -73,9 +73,9 @@ def test_a_smaller_or_faster_model_that_fails_the_task_gate_is_not_recommended_a
     """int8 keeps perplexity within the tolerance, but its answers fail the evaluate stage's gate: no scheme is
     recommended, and the advice says the smaller one fails the gate; a faster variant that fails it likewise."""
     gates = {"base": "reference", "quantized-int8": "fails", "quantized-nf4": "fails", "quantized-fp4": "passes"}
-    facts = advice.quantize_facts(QUANTIZE, INFERENCE, "baseline", 5.0, gates)
+    facts = question_facts.quantize_facts(QUANTIZE, INFERENCE, "baseline", 5.0, gates)
     assert facts["pick"]["baseline"] and facts["by_status"]["fails the task gate"] == ["int8", "nf4"]
-    faster = advice.inference_facts(INFERENCE, QUANTIZE, 5.0, gates)
+    faster = question_facts.inference_facts(INFERENCE, QUANTIZE, 5.0, gates)
     assert faster["pick"] is None and faster["gate_failed_faster"] == ["nf4"]
     evaluated = [{"status": "ok", "model": m, "gate": {"verdict": v, "failed": []}} for m, v in gates.items()]
     text = render(quantize=QUANTIZE, bench_inference=INFERENCE, evaluate=evaluated)
@@ -105,7 +105,7 @@ def test_a_lowest_loss_within_noise_is_no_winner_and_a_different_learning_rate_i
     noisy = [[10, 20.0 + d] for d in (0.5, -0.5, 0.4, -0.4, 0.3, -0.3, 0.2, -0.2)]
     runs = [_run("full", "full", [[10, 20.0]] * 8, lr=5e-5, memory=3600.0),
             _run("lora-r8", "lora", noisy, step=(0.5, 0.45, 0.55))]
-    facts = advice.finetune_facts(runs)
+    facts = question_facts.finetune_facts(runs)
     assert facts["winners"] == {"memory": None, "step_ratio": "lora-r8", "quality": None}
     text = render(finetune=runs)
     assert "Lowest validation perplexity after training: not decided at this size;" in text
@@ -124,12 +124,12 @@ def test_a_figure_measured_once_per_run_is_undecided_not_no_difference():
 
 
 def test_the_fine_tuning_table_shows_a_peak_with_its_measured_error_not_as_an_interval():
-    """decisions.py renders the advice's one fine-tuning table (advice.finetune_table): a peak and its kind's measured
+    """decisions.py renders the advice's one fine-tuning table (question_facts.finetune_table): a peak and its kind's measured
     error, never the error band as if it were a 95% interval."""
     def option(name, mib, baseline=False):
         return {"name": name, "baseline": baseline, "method": "lora",
                 "axes": {"memory": {"value": mib, "lo": mib * 0.99, "hi": mib * 1.01, "error_pct": 0.8},
                          "step": None, "step_ratio": None, "quality": None}}
-    text = advice.finetune_table([option("full", 3226.0, True), option("lora-r8", 1685.0)], ["full", "lora-r8"])
+    text = question_facts.finetune_table([option("full", 3226.0, True), option("lora-r8", 1685.0)], ["full", "lora-r8"])
     assert "3,226 MiB ± 0.8% (measured error)" in text and "1,685 MiB ± 0.8% (measured error)" in text
     assert "[3,19" not in text and "[1,6" not in text

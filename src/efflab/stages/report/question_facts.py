@@ -2,7 +2,7 @@
 
 For each decision (quantization scheme, fine-tuning method, attention implementation, inference variant, merge
 route) the options are read from the records with an interval on every axis (report.options), the frontier is
-what no option beats on one axis without losing on another (report.decide), and a recommendation is named only
+what no option beats on one axis without losing on another (report.dominance), and a recommendation is named only
 where the intervals separate; it states its cost on the other axes. One baseline and one stated tolerance per
 decision. The words are in templates/advice.md.j2; this module computes the facts they say.
 """
@@ -16,12 +16,12 @@ from ...measure.stats import NOT_DECIDED, against_tolerance, compare
 from ...measure.timing import SENTINEL_TOLERANCE
 from . import options as opts
 from . import short_glance
-from .decide import beats, best_point, frontier, winner
-from .fmt import markdown, percent
+from .dominance import beats, best_point, frontier, winner
 from .glance import fact
 from .glance import lines as question_lines
-from .render import render, value_text
 from .sections import prompt_count
+from .templating import render, value_text
+from .writing import markdown, percent
 
 SPEED, QUALITY = {"speed": "max"}, {"quality": "min"}
 
@@ -132,7 +132,7 @@ def _beats(a: dict, b: dict, key: str, runs: dict, bench_finetune: list[dict]) -
     """Whether run a beats run b on one axis, by the pair's own comparison where the records hold one: step time
     by b's step over a's (records.step_ratio: interleaved, else their steps paired, else their runs' intervals),
     perplexity by b's change over a's on the same rows; else (memory: peaks ± their measured error) by separated
-    intervals (report.decide.beats)."""
+    intervals (report.dominance.beats)."""
     ra, rb = runs[a["name"]], runs[b["name"]]
     if key == "step_ratio":
         ratio = records.step_ratio(ra, rb, bench_finetune, SENTINEL_TOLERANCE)
@@ -148,7 +148,7 @@ def _beats(a: dict, b: dict, key: str, runs: dict, bench_finetune: list[dict]) -
 def finetune_front(options: list[dict], finetune: list[dict], bench_finetune: list[dict]) -> tuple[list, dict]:
     """The fine-tuning frontier and each axis's winner, every pair of runs compared by its own measurement (_beats):
     two runs' step times over the reference's are not their ratio to each other. A run is dominated where another
-    beats it on an axis and loses on none, both measured on the same axes (report.decide.frontier's rule)."""
+    beats it on an axis and loses on none, both measured on the same axes (report.dominance.frontier's rule)."""
     runs = {r["run"]: r for r in records.ok(finetune)}
 
     def wins(a: dict, b: dict) -> list[str]:
