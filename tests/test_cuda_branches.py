@@ -299,11 +299,11 @@ def test_auto_dtype_on_cuda_follows_bf16_support(fake_cuda):
 
 
 def test_auto_mixed_precision_on_cuda_is_bf16_where_supported_else_fp16(fake_cuda):
-    assert training.mixed_precision(run_cfg(), "float32", CUDA) == "bf16"
+    assert model_build.mixed_precision(run_cfg(), "float32", CUDA) == "bf16"
     fake_cuda.bf16 = False
-    assert training.mixed_precision(run_cfg(), "bfloat16", CUDA) == "fp16"
-    assert training.mixed_precision(run_cfg(bf16_weights=True), "float32", CUDA) == "no"  # bf16 already
-    assert training.mixed_precision(run_cfg(mixed_precision="no"), "float32", CUDA) == "no"
+    assert model_build.mixed_precision(run_cfg(), "bfloat16", CUDA) == "fp16"
+    assert model_build.mixed_precision(run_cfg(bf16_weights=True), "float32", CUDA) == "no"  # bf16 already
+    assert model_build.mixed_precision(run_cfg(mixed_precision="no"), "float32", CUDA) == "no"
 
 
 def test_tf32_needs_compute_capability_8_and_the_cuda_only_knobs_are_honoured(fake_cuda):

@@ -10,7 +10,7 @@ from efflab.measure import stats
 from efflab.measure.stats import summarize
 from efflab.stages.report import decisions, glance, knobs, pareto, question_facts, short_glance, writing
 from tests.helpers import TEST_PARAMS
-from tests.test_advice import CFG, INFERENCE, QUANTIZE, metrics
+from tests.test_question_facts import CFG, INFERENCE, QUANTIZE, metrics
 
 
 @pytest.fixture(scope="module")

@@ -225,9 +225,10 @@ def test_a_lora_step_in_bf16_lowers_the_loss_over_ten_steps(tmp_path):
 
 def test_auto_picks_bf16_on_a_gpu_that_has_it():
     """'auto' on CUDA: the base model's dtype (measure.flops.resolve_dtype) and the training's mixed precision
-    (training.mixed_precision) are bf16 where the GPU supports it (compute capability 8.0 on: A100, H100, H200)."""
+    (models.build.mixed_precision) are bf16 where the GPU supports it (compute capability 8.0 on: A100, H100, H200)."""
     from efflab import training
     from efflab.measure.flops import resolve_dtype
+    from efflab.models.build import mixed_precision
 
     supported = torch.cuda.is_bf16_supported()
     if torch.cuda.get_device_capability(CUDA)[0] >= 8:
@@ -235,9 +236,9 @@ def test_auto_picks_bf16_on_a_gpu_that_has_it():
     dtype, evidence = resolve_dtype("auto", CUDA)
     assert dtype == ("bfloat16" if supported else "float16") and evidence["requested"] == "auto"
     run = training.StepRun(steps=1, batch_size=1, learning_rate=1e-3)
-    assert training.mixed_precision(run, "float32", CUDA) == ("bf16" if supported else "fp16")
-    assert training.mixed_precision(replace(run, bf16_weights=True), "bfloat16", CUDA) == "no"
-    assert training.mixed_precision(replace(run, mixed_precision="fp16"), "float32", CUDA) == "fp16", "an explicit choice stands"
+    assert mixed_precision(run, "float32", CUDA) == ("bf16" if supported else "fp16")
+    assert mixed_precision(replace(run, bf16_weights=True), "bfloat16", CUDA) == "no"
+    assert mixed_precision(replace(run, mixed_precision="fp16"), "float32", CUDA) == "fp16", "an explicit choice stands"
 
 
 def test_efflab_s_step_instruments_add_no_synchronisation_to_a_training_step(tiny_llama, tmp_path):

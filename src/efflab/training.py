@@ -19,6 +19,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from .experiment import FinetuneRun
+from .models.build import mixed_precision
 
 # transformers, peft and bitsandbytes take seconds to import: they are imported inside the functions that use them.
 
@@ -51,18 +52,6 @@ class StepRun:
 
 
 Run = FinetuneRun | StepRun  # what the shared training functions take
-
-
-def mixed_precision(run: Run, dtype: str, device: torch.device) -> str:
-    """'bf16', 'fp16' or 'no'; 'auto' follows what the base_model stage measured to be fast."""
-    want = run.mixed_precision
-    if want == "auto" and run.bf16_weights:
-        return "no"  # the weights are bf16 already: their matmuls run in bf16 without autocast
-    if want == "auto":
-        if device.type == "cuda":
-            return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
-        return "bf16" if dtype == "bfloat16" else "no"
-    return want
 
 
 # transformers' low-rank optimizers (config.LOW_RANK_OPTIMIZERS): the package each needs, by prefix

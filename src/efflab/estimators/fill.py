@@ -35,8 +35,8 @@ def fill(results: Path, run: dict, device: torch.device, share: float = FILL_SHA
     import pandas as pd
 
     from ..layout import Layout
+    from ..models.build import mixed_precision
     from ..models.modeling import base_dtype
-    from ..training import mixed_precision
 
     layout = Layout(Path(results))
     folder, dtype = layout.base_model(), base_dtype(layout)  # the dtype the finetune stage trains in

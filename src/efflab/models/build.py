@@ -1,5 +1,6 @@
 """The one way a stage gets a model: `build(spec, ...)` of a fine-tuning run (experiment.FinetuneRun: the model it
-trains) or of a model the pipeline made (experiment.ModelRef: a saved folder, or an adapter on its base).
+trains) or of a model the pipeline made (experiment.ModelRef: a saved folder, or an adapter on its base); and the
+numerics a run trains its model in (its weights' dtype, `trainable`, and its autocast, `mixed_precision`).
 
 The model a run trains: full weights in fp32 (bf16 with bf16_weights), or the frozen base (4-bit for QLoRA) with a
 LoRA adapter initialised as lora.init asks; Liger's kernels and activation checkpointing where the run asks.
@@ -21,6 +22,19 @@ def build(spec: FinetuneRun | ModelRef, layout, dtype: str, device: torch.device
     if isinstance(spec, FinetuneRun):
         return trainable(spec, layout, dtype, device)
     return made(spec, layout, dtype, device)
+
+
+def mixed_precision(run, dtype: str, device: torch.device) -> str:
+    """The autocast a run (a FinetuneRun, or training.StepRun) trains its model in: 'bf16', 'fp16' or 'no'; 'auto'
+    follows what the base_model stage measured to be fast, and is 'no' for bf16 weights (trainable's)."""
+    want = run.mixed_precision
+    if want == "auto" and run.bf16_weights:
+        return "no"  # the weights are bf16 already: their matmuls run in bf16 without autocast
+    if want == "auto":
+        if device.type == "cuda":
+            return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+        return "bf16" if dtype == "bfloat16" else "no"
+    return want
 
 
 def made(ref: ModelRef, layout, dtype: str, device: torch.device):

@@ -16,9 +16,9 @@ from ...layout import Layout
 from ...measure.isolation import run_cell
 from ...measure.memory import CpuTensorPeak, cap_cuda_memory, file_pages_mib, held_mib, held_peak_mib, run_steps
 from ...models import kv_cache
-from ...models.build import build
+from ...models.build import build, mixed_precision
 from ...models.modeling import load_tokenizer, read_split
-from ...training import mixed_precision, training_step
+from ...training import training_step
 from .subjects import Subject, kv_settings
 
 # transformers takes seconds to import: it is imported inside the function that uses it.

@@ -12,9 +12,9 @@ import torch
 from ...experiment import FinetuneRun
 from ...layout import Job
 from ...measure.flops import count_parameters
-from ...models.build import build
+from ...models.build import build, mixed_precision
 from ...models.modeling import eval_loss, read_split
-from ...training import collator, low_rank, mixed_precision, optimizer_cls_and_kwargs
+from ...training import collator, low_rank, optimizer_cls_and_kwargs
 
 log = logging.getLogger("efflab")
 

@@ -285,9 +285,3 @@ def every_answer(decisions: dict) -> str:
     lines = [line.replace("](#", "](report.md#").replace("](details.md#", "](#") for line in question_lines(decisions)]
     return "## Every answer in full\n\n" + "\n".join(lines) + (
         "\n\n" + "\n".join(facts) if facts else "") + "\n"
-
-
-def beaten_by(options: list[dict], name: str, key: str, better: str) -> list[str]:
-    """The options that beat `name` on `key` (for the template's "but" clauses)."""
-    me = next(o for o in options if o["name"] == name)
-    return [o["name"] for o in options if o is not me and beats(o["axes"].get(key), me["axes"].get(key), better)]
