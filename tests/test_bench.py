@@ -174,6 +174,7 @@ def test_flex_attention_runs_forward_and_says_why_not_backward_on_cpu(results, w
     assert "backward on CPU" in rows["forward_backward"]["reason"]
 
 
+@pytest.mark.integration  # make test's 10 minutes on a 2-core AVX2 CPU: run by make test-integration
 def test_int8_cells_show_each_warning_at_most_once_and_no_profiler_lines(results, write_params, capfd):
     """bitsandbytes logs 'MatMul8bitLt: inputs will be cast ...' on every INT8 matmul and Kineto a 'USDT: ...
     profiler_start/stop' line at every start and stop of the memory profiler: neither may flood the console, in

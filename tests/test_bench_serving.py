@@ -9,6 +9,7 @@ from efflab.stages.report import decisions, glance
 from tests.helpers import TEST_PARAMS, SimulatedClock, run_stage, serving_record
 
 
+@pytest.mark.integration  # make test's 10 minutes on a 2-core AVX2 CPU: run by make test-integration
 def test_every_serving_figure_is_recomputed_from_the_per_request_log_burst_by_burst(results, test_cfg):
     """The stage on this machine, the real speed probe between bursts: whatever it set aside, the figures are those
     of the bursts the sentinel kept, recomputed from requests.csv."""

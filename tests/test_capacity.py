@@ -121,6 +121,7 @@ def test_grids_stay_within_the_model_s_context(test_cfg):
     assert batch[0] == (1, c["train_seq_len"]) and batch[-1] == (c["max_batch_size"], c["train_seq_len"])
 
 
+@pytest.mark.integration  # make test's 10 minutes on a 2-core AVX2 CPU: run by make test-integration
 def test_each_maximum_passes_within_the_budget_and_the_next_size_runs_out_of_memory(results, write_params):
     """The stage on the tiny model, every cell a real subprocess: each maximum in metrics.json, and the memory at it
     (predicted and measured tensor growth, growth of the memory the budget holds, their gap), is recomputed from

@@ -222,6 +222,7 @@ def test_the_evaluated_models_are_every_model_the_run_makes_and_a_list_keeps_wha
     assert set(experiment.evaluated_models(config.validate(unmade))) == {"base", "quantized-int8"}
 
 
+@pytest.mark.integration  # make test's 10 minutes on a 2-core AVX2 CPU: run by make test-integration
 def test_a_task_whose_data_cannot_be_loaded_is_unavailable_and_the_others_run(results, test_cfg, tmp_path,
                                                                               monkeypatch):
     """A task named in evaluate.tasks whose dataset is not at hand (offline: a hub dataset) is a cell with its

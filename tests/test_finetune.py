@@ -165,6 +165,7 @@ def _weights(results, run):
     return load_file(Layout(results).model("finetune", run) / "adapter_model.safetensors")
 
 
+@pytest.mark.integration  # make test's 10 minutes on a 2-core AVX2 CPU: run by make test-integration
 def test_a_killed_run_resumes_from_its_last_checkpoint_and_ends_where_an_uninterrupted_one_does(
         results, write_params):
     import os
@@ -191,6 +192,7 @@ def test_a_killed_run_resumes_from_its_last_checkpoint_and_ends_where_an_uninter
     assert not (out / ".killed.checkpoints").exists(), "a finished run clears its checkpoints"
 
 
+@pytest.mark.integration  # make test's 10 minutes on a 2-core AVX2 CPU: run by make test-integration
 def test_the_same_params_train_bitwise_identically_on_cpu(results, write_params):
     def edit(cfg):
         for name in ("one", "two"):
@@ -386,6 +388,7 @@ def test_the_live_tensor_peak_counted_on_the_longest_steps_is_the_peak_counted_o
     assert seen["counted_steps"] == [1] and "256 token positions" in seen["missed"]
 
 
+@pytest.mark.integration  # make test's 10 minutes on a 2-core AVX2 CPU: run by make test-integration
 def test_bf16_weights_train_in_bf16_with_fp32_adam_moments(results, write_params, test_cfg):
     def edit(cfg):
         # bf16 matmuls are slow on an AVX2-only CPU: few, short steps

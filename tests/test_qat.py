@@ -68,6 +68,7 @@ def test_the_stage_s_perplexities_and_b_min_are_recomputed_from_its_per_row_log(
             assert v["weight_bytes"]["held_bytes"] < v["weight_bytes"]["fp32_bytes"] / 3
 
 
+@pytest.mark.integration  # make test's 10 minutes on a 2-core AVX2 CPU: run by make test-integration
 def test_ptq_figures_are_recomputed_from_the_kept_fine_tuned_model(results, test_cfg):
     """finetuned/ loads in plain transformers; quantized again, it gives the PTQ rows of evals.csv."""
     q = test_cfg["qat"]
