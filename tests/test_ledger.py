@@ -140,19 +140,21 @@ def test_each_reference_glance_is_read_in_a_minute_scale_first_then_short_lines(
 
 
 def test_the_questions_table_is_the_one_place_a_question_is_defined():
-    """decisions.json's keys, the glance's links and the short glance's order all derive from report.questions: an
-    unknown key fails loudly rather than dropping out of the glance."""
-    from efflab.stages.report import questions, short_glance
+    """decisions.json's keys, the glance's links, both glances' renderers and the short glance's order all derive
+    from efflab.questions: an unknown key fails loudly rather than dropping out of the glance."""
+    from efflab import questions
+    from efflab.stages.report import short_glance
 
     made = json.loads((AVX2 / "decisions.json").read_text())
     assert {questions.kind_of(k) for k in made["questions"]} <= set(questions.BY_KIND)
     assert all(made["questions"][k]["objective"] == questions.of(k).objective for k in made["questions"])
     assert set(glance.LINKS) == set(questions.BY_KIND)
     assert [k for k in short_glance.ORDER if k != "open_loop"] == list(questions.ORDER)
-    with pytest.raises(KeyError, match="not in report.questions"):
+    with pytest.raises(KeyError, match="not in efflab.questions"):
         short_glance.lines(made | {"questions": made["questions"] | {"mystery": {"answer": None}}})
-    with pytest.raises(KeyError, match="has no glance line"):
+    with pytest.raises(KeyError, match="not in efflab.questions"):
         glance.lines(made | {"questions": made["questions"] | {"mystery": {"answer": None}}})
+    assert set(glance.SAYS) == set(short_glance.SAYS) == set(questions.BY_KIND)  # a line of each length per question
 
 
 def test_a_ratio_decided_on_its_extreme_rounds_says_so():

@@ -117,11 +117,16 @@ class FinetuneRun:
     @property
     def lora_init(self) -> str:
         """How its adapter is initialised (lora.init; peft's default where unset)."""
-        return self.lora.get("init") or "default"
+        return adapter_init(self.lora)
 
     def but(self, **changes) -> FinetuneRun:
         """The run with `changes` to its settings."""
         return replace(self, **changes)
+
+
+def adapter_init(lora: dict) -> str:
+    """How an adapter of the settings `lora` is initialised: lora.init, peft's default where unset."""
+    return lora.get("init") or "default"
 
 
 def finetune_run(cfg: dict, name: str) -> FinetuneRun:

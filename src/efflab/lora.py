@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from .architecture import own_projections, skeleton, text_config
+from .experiment import adapter_init
 
 DATA_DRIVEN = ("eva", "corda")  # modes that read the layers' inputs on training rows
 # modes that move the weights' principal part into the adapter and leave the base the residual: their trained adapter
@@ -46,10 +47,6 @@ class Initialised:
     rows: int  # training rows a data-driven mode read (0 for the others)
 
 
-def lora_init(lora: dict) -> str:
-    return lora.get("init") or "default"
-
-
 def rewrites_base(init: str) -> bool:
     return init.startswith(RESIDUAL)
 
@@ -72,7 +69,7 @@ def peft_value(init: str):
 def adapt(model, lora: dict, quantized: bool, base_folder, calibration: Calibration | None = None) -> Initialised:
     """`model` with a LoRA adapter of the settings `lora`, initialised as lora.init asks. `quantized`: the base is
     4-bit (QLoRA); `calibration`: the training rows eva and corda read (padded into batches on the model's device)."""
-    init = lora_init(lora)
+    init = adapter_init(lora)
     t0 = time.perf_counter()
     calibration = calibration_batches(calibration, model.device) if init in DATA_DRIVEN else []
     try:

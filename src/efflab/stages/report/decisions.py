@@ -13,12 +13,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ... import records
+from ... import questions, records
 from ...measure import load
 from ...measure.stats import NOT_DECIDED, compare, ratio_words
 from . import generation_modes as modes
 from . import options as opts
-from . import question_facts, questions, target
+from . import question_facts, target
 from .annotate import against_tolerance, with_memory_error
 from .dominance import winner
 from .results import absent
@@ -64,10 +64,10 @@ def _option(o: dict, base: dict | None, tolerance: float, extra: dict | None = N
     return {"name": o["name"], "baseline": bool(o.get("baseline")), "axes": axes, **(extra or {})}
 
 
-def _question(text: str, facts: dict, baseline: str | None, answer, why: str, tolerance: float,
+def _question(facts: dict, baseline: str | None, answer, why: str, tolerance: float,
               status: dict | None = None) -> dict:
     base = next((o for o in facts["options"] if o.get("baseline")), None)
-    return {"question": text, "baseline": baseline, "answer": answer, "why": why,
+    return {"baseline": baseline, "answer": answer, "why": why,
             "frontier": facts.get("front", []),
             "options": [_option(o, base, tolerance, {"status": status[o["name"]]} if status else None)
                         for o in facts["options"]]}
@@ -88,8 +88,7 @@ def _qat(job: dict, tolerance: float) -> dict:
             options.append({**_option(o, None, tolerance), "method": method, "bits": bits,
                             "verdict": verdict_of(tests[method], bits)})
     qat = {v["bits"]: v for v in job["variants"] if v["method"] == "qat" and records.is_ok(v)}
-    return {"question": "Fewest weight bits, quantized after training (ptq) or during it (qat)",
-            "baseline": "the full-precision fine-tune", "frontier": [],
+    return {"baseline": "the full-precision fine-tune", "frontier": [],
             "answer": {m: tests[m]["b_min"] for m in ("ptq", "qat")},
             "undecided_at": {m: tests[m].get("undecided_at") for m in ("ptq", "qat")},
             "why": "the fewest bits whose perplexity interval lies within the tolerance",
@@ -115,7 +114,7 @@ def _serving(job: dict) -> dict:
             **({"versus_static": ratio_words(versus)} if versus else {})})
     decided = [o for o in options if (o["axes"]["speed"] or {}).get("verdict") == "faster"]
     answer = max(decided, key=lambda o: o["axes"]["speed"]["value"])["name"] if decided else None
-    return {"question": "Which serving method?", "baseline": "naive", "answer": answer, "frontier": [],
+    return {"baseline": "naive", "answer": answer, "frontier": [],
             "why": "the fastest over naive by its paired burst ratio, where that is decided", "options": options,
             "open_loop": _open_loop(job.get("open_loop"))}
 
@@ -160,7 +159,7 @@ def _speculative(options: list[dict], tolerance: float) -> dict:
         o["status"] = modes.speculative_status(o, (o["axes"]["speed"] or {}).get("verdict", "not measured"))
     paid = [o for o in made if o["status"] == "pays"]
     answer = paid[0]["name"] if len(paid) == 1 else winner(paid, "speed", "max") if paid else None
-    return {"question": "Which speculative decoding pays on this model?", "baseline": "the same model's dynamic "
+    return {"baseline": "the same model's dynamic "
             "generation", "answer": answer, "frontier": [], "options": made,
             "why": "faster than the model's own dynamic generation, with its greedy tokens; the fastest of those where "
                    "the intervals separate"}
@@ -185,7 +184,7 @@ def _kv_quant(variant: str, options: list[dict], tolerance: float) -> dict:
     trades = [{"name": o["name"], "cache": o["cache"], "context": o["context"],  # its speed: the option's axis
                "saves_mib": full["value"] - o["axes"]["memory"]["value"] if full.get("value") else None}
               for o in kept if o not in fast]
-    return {"question": f"Which KV cache for {variant}?", "variant": variant, "baseline": (base or {}).get("name"),
+    return {"variant": variant, "baseline": (base or {}).get("name"),
             "answer": answer, "trades": trades, "speed_floor": KV_SPEED_FLOOR,
             "frontier": [], "options": made,
             "why": "the quantized cache holding the least memory whose perplexity interval lies within the tolerance "
@@ -206,7 +205,7 @@ def _prune(rows: list[dict], tolerance: float) -> dict:
             options.append(_option(healed, None, tolerance, {"healed_from": r["strategy"]}))
     kept = [o for o in options if (o["axes"]["quality"] or {}).get("verdict") == "within"
             and (o["axes"]["speed"] or {}).get("verdict") == "faster"]
-    return {"question": "Which pruning strategy?", "baseline": "the base model", "frontier": [],
+    return {"baseline": "the base model", "frontier": [],
             "answer": kept[0]["name"] if len(kept) == 1 else None,
             "why": "faster than the base model with perplexity within the tolerance", "options": options}
 
@@ -228,7 +227,7 @@ def _capacity(job: dict, finetune: list[dict] = ()) -> dict:
         context.setdefault(s["paired_with"], {"subject": s["paired_with"], **{k: full.get(k) for k in fields},
                                               "quantized": []})["quantized"].append(
             {k: s.get(k) for k in ("kv_quant", *fields, "context_gain", "context_gain_why")})
-    return {"question": "What fits the memory budget?", "baseline": None, "frontier": [], "budget": job["budget"],
+    return {"baseline": None, "frontier": [], "budget": job["budget"],
             "train_seq_len": job["fixed"].get("train_seq_len"), "prompt_len": job["fixed"].get("prompt_len"),
             "answer": {o["name"]: o["measured_max"] for o in options}, "context": list(context.values()),
             "why": "the largest measured size that fits, per subject (None: nothing fits); `context`: the longest "
@@ -286,12 +285,12 @@ def build(cfg: dict, metrics: dict) -> dict:
     q: dict[str, dict] = {}
     if facts["quantize"]:
         f = facts["quantize"]
-        q["quantize"] = _question("Which quantization scheme?", f, f["baseline"], (f["pick"] or {}).get("name"),
+        q["quantize"] = _question(f, f["baseline"], (f["pick"] or {}).get("name"),
                                   "the smallest scheme whose perplexity interval lies within the tolerance and "
                                   "whose task gate does not fail", tolerance, f["status"])
     if facts["finetune"]:
         f = facts["finetune"]
-        q["finetune"] = _question("Which fine-tuning method?", f, f["reference"]["name"], _finetune_answer(f),
+        q["finetune"] = _question(f, f["reference"]["name"], _finetune_answer(f),
                                   "per axis, the run that beats every other: step time and perplexity by each "
                                   "pair's own comparison, memory by peaks apart by more than their measured error",
                                   tolerance)
@@ -300,19 +299,19 @@ def build(cfg: dict, metrics: dict) -> dict:
         q["finetune_target"] = ttt
     if facts["inference"]:
         f = facts["inference"]
-        q["inference"] = _question(questions.BY_KIND["inference"].ask, f, "base",
+        q["inference"] = _question(f, "base",
                                    (f["pick"] or {}).get("name"), "faster than the base model and within the "
                                    "quality tolerance; the fastest of those where intervals separate",
                                    tolerance, f["status"])
     if facts["attention"]:
         f = facts["attention"]
-        q["attention"] = _question("Which attention implementation?", f, "eager", (f["pick"] or {}).get("name"),
+        q["attention"] = _question(f, "eager", (f["pick"] or {}).get("name"),
                                    "faster than eager; the fastest where intervals separate", tolerance)
         q["attention"]["cell"] = f["cell"]
         q["attention"]["memory_kind"] = f["options"][0].get("memory_kind")
         q["attention"]["memory_error"] = opts.attention_memory_error(metrics.get("bench_attention", []))
     for m in facts["merge"]:
-        q[f"merge:{m['run']}"] = _question(f"Which merge route for {m['run']}?", m, "the adapter",
+        q[f"merge:{m['run']}"] = _question(m, "the adapter",
                                            {"closest": m["closest"], "best_quality": m["best_quality"]},
                                            "lowest mean KL to the adapter; lowest perplexity where its interval "
                                            "separates", tolerance)
@@ -328,8 +327,8 @@ def build(cfg: dict, metrics: dict) -> dict:
         q["serving"] = _serving(records.ok(metrics["bench_serving"])[0])
     if records.ok(metrics.get("capacity", [])):
         q["capacity"] = _capacity(records.ok(metrics["capacity"])[0], metrics.get("finetune", []))
-    for key, d in q.items():  # what an answer must be, from the one table of questions
-        d["objective"] = questions.of(key).objective
+    # each question as asked and what an answer must be, from the one table of questions
+    q = {key: {"question": questions.asked(key), **d, "objective": questions.of(key).objective} for key, d in q.items()}
     missing = {k: absent(cfg, metrics, s) or "its records give no comparison" for k, s in questions.asked_once().items()
                if k not in q}
     return {"tolerance_pct": tolerance, "vocabulary": VOCABULARY, "memory_error": errors, "questions": q,

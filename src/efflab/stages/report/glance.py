@@ -4,11 +4,11 @@ and its cost on the other axes) with the link to its table, then the facts of th
 from __future__ import annotations
 
 from ...measure.bounds import at_bound
-from .questions import QUESTIONS
+from ...questions import QUESTIONS, of
 from .templating import value_text
 from .writing import brief, number, recovered_text
 
-# Where each question's table is (report.questions): the glance's option tables in details.md, the stages' sections
+# Where each question's table is (efflab.questions): the glance's option tables in details.md, the stages' sections
 # in report.md.
 LINKS = {q.kind: q.link for q in QUESTIONS}
 
@@ -339,37 +339,20 @@ def lines(decisions: dict) -> list[str]:
 
 def by_question(decisions: dict) -> dict[str, str]:
     """Each question's glance line, by its key in decisions.json (what the ledger checks each line against)."""
-    return {key: text for key, text in zip(decisions["questions"], _lines(decisions))}
+    return {key: say(SAYS, key, d, decisions["tolerance_pct"]) for key, d in decisions["questions"].items()}
 
 
-def _lines(decisions: dict) -> list[str]:
-    q, tolerance = decisions["questions"], decisions["tolerance_pct"]
-    out = []
-    for key, d in q.items():
-        if key == "quantize":
-            out.append(quantize(d, tolerance))
-        elif key == "finetune":
-            out.append(finetune(d))
-        elif key == "finetune_target":
-            out.append(finetune_target(d))
-        elif key == "inference":
-            out.append(inference(d, tolerance))
-        elif key == "attention":
-            out.append(attention(d))
-        elif key.startswith("merge:"):
-            out.append(merge(key, d))
-        elif key == "qat":
-            out.append(qat(d))
-        elif key == "prune":
-            out.append(prune(d))
-        elif key == "speculative":
-            out.append(speculative(d))
-        elif key.startswith("kv_quant:"):
-            out.append(kv_quant(d))
-        elif key == "serving":
-            out.append(serving(d))
-        elif key == "capacity":
-            out.append(capacity(d))
-        else:
-            raise KeyError(f"decisions.json's question {key!r} has no glance line")
-    return out
+def say(says: dict, key: str, d: dict, tolerance: float) -> str:
+    """A question's line by the renderer `says` holds for its kind (efflab.questions: a key that is not a row fails
+    loudly): merge's is per run, and quantize's and inference's read the perplexity tolerance."""
+    kind = of(key).kind
+    if kind not in says:
+        raise KeyError(f"decisions.json's question {key!r} has no glance line")
+    if kind == "merge":
+        return says[kind](key, d)
+    return says[kind](d, tolerance) if kind in ("quantize", "inference") else says[kind](d)
+
+
+SAYS = {"quantize": quantize, "finetune": finetune, "finetune_target": finetune_target, "inference": inference,
+        "attention": attention, "speculative": speculative, "kv_quant": kv_quant, "serving": serving,
+        "capacity": capacity, "merge": merge, "qat": qat, "prune": prune}

@@ -93,8 +93,8 @@ def lines(metrics: dict, facts: list[str] = ()) -> list[str]:
 def claims_cited(claims: list[dict], made: dict) -> list[dict]:
     """Each claim whose reading is a figure a question of decisions.json decides (ledger.CLAIMED), beside that
     figure as the answer states it: one measurement, two readings of it (the ledger holds them equal)."""
+    from ...questions import of
     from .ledger import claimed, readings
-    from .questions import of
     from .templating import value_text
 
     out = []

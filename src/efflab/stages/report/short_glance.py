@@ -7,16 +7,16 @@ from __future__ import annotations
 import re
 
 from ...measure.stats import interval_is_range
+from ...questions import QUESTIONS, kind_of, of
 from .dominance import best_point
-from .glance import LINKS, b_min_text, kl_text, quantizer_library
-from .questions import QUESTIONS, kind_of, of
+from .glance import LINKS, b_min_text, kl_text, quantizer_library, say
 from .templating import value_text
 from .writing import brief
 
 MAX_LINES = 12  # the scale line and the closing pointer included
 MAX_CHARS = 200  # of what a reader sees: a link's target is not counted
 FULL = "details.md#every-answer-in-full"
-# report.questions' order and labels, with the open loop after the serving method it belongs to
+# efflab.questions' order and labels, with the open loop after the serving method it belongs to
 ORDER = tuple(k for q in QUESTIONS for k in ((q.kind, "open_loop") if q.kind == "serving" else (q.kind,)))
 TITLES = {q.kind: q.title for q in QUESTIONS} | {"open_loop": "Open-loop serving"}
 
@@ -157,12 +157,10 @@ def prune(d: dict) -> str:
 
 def _entries(decisions: dict) -> list[tuple[str, str, str, str]]:
     """(the question's key in decisions.json, its kind, title, text) for every question answered, in ORDER."""
-    tolerance, out = decisions["tolerance_pct"], []
+    out = []
     for key, d in decisions["questions"].items():
-        kind = of(key).kind  # a key that is not a row of report.questions fails here
-        text = merge(key, d) if kind == "merge" else \
-            SAYS[kind](d, tolerance) if kind in ("quantize", "inference") else SAYS[kind](d)
-        out.append((key, kind, TITLES[kind], text))
+        kind = of(key).kind
+        out.append((key, kind, TITLES[kind], say(SAYS, key, d, decisions["tolerance_pct"])))
         if kind == "serving" and d.get("open_loop"):
             out.append((key, "open_loop", TITLES["open_loop"], open_loop(d["open_loop"])))
     return sorted(out, key=lambda e: ORDER.index(e[1]))
@@ -170,7 +168,7 @@ def _entries(decisions: dict) -> list[tuple[str, str, str, str]]:
 
 SAYS = {"quantize": quantize, "finetune": finetune, "finetune_target": finetune_target, "inference": inference,
         "attention": attention, "speculative": speculative, "kv_quant": kv_quant, "serving": serving,
-        "capacity": capacity, "qat": qat, "prune": prune}
+        "capacity": capacity, "merge": merge, "qat": qat, "prune": prune}
 
 
 def visible(line: str) -> int:

@@ -65,7 +65,7 @@ def question(cfg: dict, finetune: list[dict], bench_finetune: list[dict] = ()) -
     runs = [r for r in records.ok(finetune) if r.get("time_to_target")]
     if not runs:
         target = target_of(cfg, finetune)
-        return {"question": "Which fine-tune reaches the target loss first?", "answer": None, "options": [],
+        return {"answer": None, "options": [],
                 "why": target["why"], "target": target, "baseline": None, "frontier": []} \
             if target and target.get("why") else None
     target = runs[0]["time_to_target"]["target"]
@@ -78,7 +78,7 @@ def question(cfg: dict, finetune: list[dict], bench_finetune: list[dict] = ()) -
     # paired step by step, else the runs' own at one machine speed: records.step_ratio gives why not otherwise)
     answer, why = quality.first_to_target({o["name"]: o["time"] for o in options}, lambda a, b: records.step_ratio(
         by_name[a], by_name[b], bench_finetune, SENTINEL_TOLERANCE))
-    return {"question": "Which fine-tune reaches the target loss first?", "baseline": None, "answer": answer,
+    return {"baseline": None, "answer": answer,
             "why": why, "target": target, "frontier": [], "options": options}
 
 

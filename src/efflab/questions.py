@@ -2,8 +2,9 @@
 it under (a prefix for a question asked per run: `merge:<run>`, `kv_quant:<variant>`), how it is asked, the stage
 whose records answer it, its objective (what an answer must be, stated in decisions.json beside how it was
 decided), the glance's label and where its table is. decisions.build answers them; the glance, its links, the
-short glance's order and labels and decisions.json's `absent` list derive from this table. A key that is not a
-row fails loudly."""
+short glance's order and labels and decisions.json's `absent` list derive from this table, and `efflab compare` reads
+which stage answers each finding. A key that is not a row fails loudly. In the core (a leaf: no imports) because the
+report stage and the compare command both read it."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -54,7 +55,7 @@ QUESTIONS = (
     Question("merge", "Which merge route?", "merge",
              "the lowest mean KL to the adapter; the lowest perplexity where its interval separates", "Merge route",
              DETAILS + "merge-route", per_run=True, absent_said=False),
-    Question("qat", "Fewest weight bits?", "qat",
+    Question("qat", "Fewest weight bits, quantized after training (ptq) or during it (qat)", "qat",
              "the fewest bits whose perplexity interval lies within the tolerance, after training and with QAT",
              "Fewest weight bits", "#quantization-aware-training-and-the-precision-range-test"),
     Question("prune", "Which pruning strategy?", "prune",
@@ -74,9 +75,15 @@ def of(key: str) -> Question:
     try:
         return BY_KIND[kind_of(key)]
     except KeyError:
-        raise KeyError(f"decisions.json's question {key!r} is not in report.questions.QUESTIONS") from None
+        raise KeyError(f"decisions.json's question {key!r} is not in efflab.questions.QUESTIONS") from None
 
 
 def asked_once() -> dict[str, str]:
     """The questions decisions.json's `absent` names where a run does not answer them, with the stage that would."""
     return {q.kind: q.stage for q in QUESTIONS if q.absent_said}
+
+
+def asked(key: str) -> str:
+    """A decisions.json key's question as it is asked there: a question asked per run names its run."""
+    q = of(key)
+    return f"{q.ask.removesuffix('?')} for {key.split(':', 1)[1]}?" if q.per_run else q.ask
