@@ -44,7 +44,7 @@ SKIPPED = {
     "nvidia-smi": "needs an NVIDIA driver", "sacct": "needs a SLURM cluster", "grep": "reads this machine",
     "sort": "a filter", "bash": "runs a repository script (its path is checked)", "conda": "needs conda",
 }
-CONSOLE_SCRIPTS = {"mkdocs", "accelerate", "hf"}
+CONSOLE_SCRIPTS = {"mkdocs", "accelerate", "hf", "efflab"}
 # Where a command names files of the repository, those must exist (outputs and the reader's own files, under
 # results/, data/ or dist/, need not).
 REPO_PATH = re.compile(r"^(workflow|tests|benchmarks|src|docs)/|^constraints[\w-]*\.txt$")
