@@ -283,7 +283,9 @@ STAGES = _stages(
           threads=1, figures=("by_verdict",),
           report="the notes above the sections (notes.claims_lines)"),
     Stage("report", ("report", "tolerance"), runtime_min=10, essential=True, own_rule=True, threads=1,
-          code=("workflow/profiles/gpu/params.yaml",),  # the larger experiment: what this run leaves out of it
+          # the larger experiment (what this run leaves out of it), and the questions it answers (in the core: the
+          # compare command reads them too)
+          code=("workflow/profiles/gpu/params.yaml", "src/efflab/questions.py"),
           figures=("not_run", "decisions.*"),
           report="the report itself"),
 )
