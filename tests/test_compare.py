@@ -117,3 +117,13 @@ def test_the_efflab_command_runs_compare(tmp_path):
                            "amd-epyc-avx512-bf16", "--out", str(tmp_path)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert "not comparable" in done.stdout and (tmp_path / "amd-epyc-avx2-vs-amd-epyc-avx512-bf16" / "compare.md").is_file()
+
+
+def test_a_machine_is_named_by_its_cpu_kind():
+    from efflab.measure.env import cpu_kind
+
+    assert [cpu_kind(isa) for isa in (["avx2"], ["avx2", "avx512f", "avx512_vnni"],
+                                      ["avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16"],
+                                      ["avx2", "avx512f", "avx512_bf16", "avx512_vnni"], [])] == \
+        ["AVX2 only", "AVX512 without BF16", "AVX512-BF16 with AMX", "AVX512-BF16 without AMX", "no AVX2"]
+    assert findings.machine_text({"gpu": "NVIDIA H200", "cpu": "x"}) == "NVIDIA H200"

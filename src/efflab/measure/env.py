@@ -43,6 +43,14 @@ CPU_ISA = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_til
 FAST_BF16_ISA = {"avx512_bf16", "amx_bf16"}
 
 
+def cpu_kind(isa) -> str:
+    """Which of the CPU kinds efflab plans for a recorded `cpu_isa` is (README, "CPU kinds")."""
+    isa = set(isa or ())
+    if "avx512_bf16" in isa:
+        return f"AVX512-BF16 {'with' if 'amx_bf16' in isa else 'without'} AMX"
+    return "AVX512 without BF16" if "avx512f" in isa else "AVX2 only" if "avx2" in isa else "no AVX2"
+
+
 def cpu_isa() -> list[str]:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

@@ -159,8 +159,7 @@ def _speculative(options: list[dict], tolerance: float) -> dict:
         o["status"] = modes.speculative_status(o, (o["axes"]["speed"] or {}).get("verdict", "not measured"))
     paid = [o for o in made if o["status"] == "pays"]
     answer = paid[0]["name"] if len(paid) == 1 else winner(paid, "speed", "max") if paid else None
-    return {"baseline": "the same model's dynamic "
-            "generation", "answer": answer, "frontier": [], "options": made,
+    return {"baseline": "the same model's dynamic generation", "answer": answer, "frontier": [], "options": made,
             "why": "faster than the model's own dynamic generation, with its greedy tokens; the fastest of those where "
                    "the intervals separate"}
 

@@ -22,7 +22,7 @@ def parser() -> argparse.ArgumentParser:
 
 def summary(paired: dict, answers: list[dict], where: Path) -> str:
     moved = [r for r in paired["rows"] if findings.changed(r["verdict"])]
-    apart = sum(r["verdict"].startswith("not comparable") for r in paired["rows"])
+    apart = sum(findings.not_comparable(r["verdict"]) for r in paired["rows"])
     lines = [f"{len(moved)} of {len(paired['rows'])} findings changed, {apart} not comparable, "
              f"{len(answers)} answer{'s' if len(answers) != 1 else ''} changed: {where / 'compare.md'}"]
     lines += [f"  {r['finding']} {r['subject']} {r['metric']}: {r['verdict']}" for r in moved[:10]]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from ... import questions
 from ...measure.bounds import BOUNDS, at_bound
+from ...measure.env import cpu_kind
 from ...measure.stats import compare
 from .runs import Run
 
@@ -24,6 +25,7 @@ FACTS = {"qat_step_cost": (("ratio", "min", True), "qat"),
 # what every finding rests on: the model and the data
 UNDER_ALL = ("base_model", "prepare_data")
 SAME_FIGURE = "same figure"
+NOT_COMPARABLE = "not comparable: "
 SAME_VERDICT = "same verdict"
 
 
@@ -64,10 +66,8 @@ def params_differ(a: Run, b: Run, stage: str) -> str | None:
 
 
 def machine_text(machine: dict) -> str:
-    gpu = machine.get("gpu")
-    isa = [f for f in machine.get("cpu_isa") or () if f.startswith(("avx512_bf16", "amx"))] or \
-        [max(machine.get("cpu_isa") or ["?"], key=len)]
-    return gpu or f"{machine.get('cpu')} {'+'.join(isa)}, {machine.get('cpu_cores')} cores"
+    return machine.get("gpu") or \
+        f"{machine.get('cpu')} {cpu_kind(machine.get('cpu_isa'))}, {machine.get('cpu_cores')} cores"
 
 
 def versions_differ(a: dict, b: dict) -> str | None:
@@ -110,15 +110,15 @@ def _ratio(kind: str, a: dict, b: dict) -> tuple:
     return vb / va, ends[2] / ends[1], ends[3] / ends[0]
 
 
-def verdict(finding: str, a: dict, b: dict, why: str | None) -> dict:
-    """One finding of both runs: B over A where both have a figure, its interval, and the verdict."""
+def verdict(a: dict, b: dict, said: tuple | None, why: str | None) -> dict:
+    """One finding of both runs (`said`: how its metric is compared, findings.how): B over A where both have a
+    figure, its interval, and the verdict."""
     figure = ("value", "lo", "hi", "n", "verdict")
     row = {"ratio": None, "lo": None, "hi": None}
-    said = how(finding, a["metric"])
     if all(a.get(k) == b.get(k) for k in figure):
         return row | {"verdict": SAME_FIGURE}
     if why:
-        return row | {"verdict": f"not comparable: {why}"}
+        return row | {"verdict": NOT_COMPARABLE + why}
     if said is None or a["value"] is None or b["value"] is None:
         return row | {"verdict": SAME_VERDICT if a["verdict"] == b["verdict"] else
                       f"verdict changed: {a['verdict']} → {b['verdict']}"}
@@ -138,6 +138,10 @@ def changed(v: str) -> bool:
     return v in ("improved", "regressed") or v.startswith(("improved (", "regressed (", "verdict changed"))
 
 
+def not_comparable(v: str) -> bool:
+    return v.startswith(NOT_COMPARABLE)
+
+
 def pair(a: Run, b: Run) -> dict:
     """Every finding both runs hold, side by side, and those only one holds."""
     rows = []
@@ -148,7 +152,7 @@ def pair(a: Run, b: Run) -> dict:
         rows.append({"finding": key[0], "subject": key[1], "metric": key[2],
                      "a": {k: fa.get(k) for k in ("value", "lo", "hi", "n", "verdict")},
                      "b": {k: fb.get(k) for k in ("value", "lo", "hi", "n", "verdict")},
-                     **verdict(key[0], fa, fb, why)})
+                     **verdict(fa, fb, said, why)})
     return {"rows": rows, "only_a": [list(k) for k in a.findings if k not in b.findings],
             "only_b": [list(k) for k in b.findings if k not in a.findings]}
 

@@ -10,7 +10,7 @@ from collections import Counter
 from pathlib import Path
 
 from ...measure.stats import EQUIVALENCE_MARGIN
-from .findings import changed, machine_text, params_differ, versions_differ
+from .findings import NOT_COMPARABLE, changed, machine_text, not_comparable, params_differ, versions_differ
 from .runs import Run
 
 INTERVAL = ("B over A, with the interval from both runs' intervals (B's low end over A's high end, B's high end over "
@@ -49,9 +49,8 @@ def _differs(a: Run, b: Run) -> list[str]:
 def markdown(a: Run, b: Run, paired: dict, answers: list[dict]) -> str:
     rows = paired["rows"]
     moved = [r for r in rows if changed(r["verdict"])]
-    apart = Counter(r["verdict"].removeprefix("not comparable: ") for r in rows
-                    if r["verdict"].startswith("not comparable"))
-    counts = Counter("changed" if changed(r["verdict"]) else "not comparable" if r["verdict"].startswith("not comp")
+    apart = Counter(r["verdict"].removeprefix(NOT_COMPARABLE) for r in rows if not_comparable(r["verdict"]))
+    counts = Counter("changed" if changed(r["verdict"]) else "not comparable" if not_comparable(r["verdict"])
                      else r["verdict"].split(" (")[0] for r in rows)
     out = [f"# {b.label} against {a.label}", "", f"A: `{a.folder}`. B: `{b.folder}`.", "", "## What differs", "",
            *_differs(a, b), "", "## Questions whose answer changed", ""]
