@@ -8,7 +8,7 @@ from pathlib import Path
 
 from efflab import config as efflab_config
 from efflab import experiment, gpu_slots, layout, registry, zygote
-from efflab.models import model_check
+from efflab.models import memory_check, model_check
 
 # The stage CLIs read the params file themselves, so the DAG must be built from that same file alone:
 # --configfile FILE names a whole experiment, which replaces params.yaml (Snakemake would otherwise merge it
@@ -162,6 +162,11 @@ def job_args(stage):
 HEAVY = max(workflow.cores, 1)
 _GPUS = gpu_slots.visible_gpus(os.environ, gpu_slots.driver_gpu_count())
 USE_GPU = config["runtime"]["device"] == "cuda" or (config["runtime"]["device"] == "auto" and bool(_GPUS))
+try:  # every fine-tuning, inference and capacity job's predicted peak against the device's memory
+    for line in memory_check.plan(config, "cuda" if USE_GPU else "cpu"):
+        print(f"efflab: {line}", file=sys.stderr)
+except efflab_config.UserError as err:
+    sys.exit(f"efflab: error: {PARAMS}: {err}")
 _gpu_limit = workflow.global_resources.get("gpu")
 GPU_JOBS = max(1, (_gpu_limit.value if _gpu_limit is not None else None) or len(_GPUS))
 GPU_THREADS = max(1, HEAVY // GPU_JOBS)

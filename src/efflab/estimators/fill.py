@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from .fit import available_host_mib
 from .memory import MiB
 from .training_memory import largest_batch
 
@@ -25,8 +26,7 @@ def device_memory_mib(device: torch.device) -> float:
     """A GPU's whole card, or the memory a CPU has available now."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory / MiB
-    meminfo = Path("/proc/meminfo").read_text().splitlines()
-    return next(int(line.split()[1]) for line in meminfo if line.startswith("MemAvailable:")) / 1024
+    return available_host_mib()
 
 
 def fill(results: Path, run: dict, device: torch.device, share: float = FILL_SHARE, most: int = 4096) -> dict:

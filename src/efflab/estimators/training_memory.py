@@ -308,3 +308,23 @@ def largest_batch(folder, run: FinetuneRun, dtype: str, precision: str, lengths:
     per_row = sum(lengths) / len(lengths)
     return {"rows": fits, "tokens_per_step": fits * per_row if fits else None, "budget_mib": budget_mib,
             "tried": tried, "by": f"efflab's memory estimator ({TRAINING_COMPARES_TO}), batch_size doubled"}
+
+
+def loaded_weights_bytes(folder, run: FinetuneRun, dtype: str) -> int:
+    """What the model a run trains weighs once loaded, before training adds anything (_precisions: fp32 weights for
+    full fine-tuning, bf16 ones with bf16_weights; the base in its dtype for LoRA, QLoRA's 4-bit base with the rest in
+    fp32), its fp32 adapters included. Counted from the architecture, not estimated: any family."""
+    if run.method == "full":
+        return (2 if run.bf16_weights else 4) * analytic.parameter_count(str(folder))
+    adapters = 4 * sum(_trainable_tensors(folder, run))
+    if run.base_quant:
+        return round(analytic.quant_footprint(str(folder), run.base_quant, "float32")["total"]) + adapters
+    return ELEMENT_BYTES[dtype] * analytic.parameter_count(str(folder)) + adapters
+
+
+def optimizer_step_bytes(folder, run: FinetuneRun) -> int:
+    """The gradients and optimizer states (fp32, bf16_weights' too) alive together at every optimizer step: a floor
+    under any run's training peak, for any family (the activations on top are what training_peak models, for its
+    decoders)."""
+    numels = _trainable_tensors(folder, run)
+    return optimizer_state_bytes(numels, run.optimizer) + (2 if run.bf16_weights else 4) * sum(numels)

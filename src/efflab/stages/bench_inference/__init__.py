@@ -17,6 +17,8 @@ import logging
 import shutil
 
 from ... import experiment, profiling, records
+from ...estimators.fit import assess, budget, generation_prediction, measured_error, refusal, try_anyway
+from ...estimators.generation_memory import Generation
 from ...layout import Job
 from ...measure.bandwidth import bandwidth_ceiling
 from ...measure.env import environment
@@ -58,6 +60,23 @@ def cell_folder(cell: dict) -> str:
                                                                    else ""))
 
 
+def cell_fit(cfg: dict, job: Job, variant: experiment.Variant):
+    """cell -> its predicted peak against the device's memory (estimators.fit, as the dry run said it) on the longest
+    of the job's prompts; None for a cell the estimator does not model (an engine's, which preallocates its own
+    cache; a draft's, whose second model it does not count)."""
+    b, folder, device = cfg["bench_inference"], job.layout.variant_folders(variant.model)[0], job.device
+    longest = max(len(job.tokenizer(p["text"], add_special_tokens=False).input_ids)
+                  for p in prompts(b, job.layout, job.tokenizer))
+    room, errors = budget(cfg["runtime"], device.type), measured_error(job.layout.root)
+
+    def fit(cell: dict) -> dict | None:
+        if cell["generation"] in engines.ENGINES or cell.get("draft"):
+            return None
+        shape = Generation(cell["batch_size"], longest, b["max_new_tokens"], cell["kv_cache"])
+        return assess(generation_prediction(folder, job.dtype, variant.model.quant, shape, device.type), room, errors)
+    return fit
+
+
 def run(cfg: dict, job: Job) -> dict:
     """Benchmark greedy generation of one variant over its KV-cache, batch-size and generation-mode cells."""
     b, rt, name, layout = cfg["bench_inference"], cfg["runtime"], job.name, job.layout
@@ -78,10 +97,15 @@ def run(cfg: dict, job: Job) -> dict:
     profiles = layout.out("bench_inference") / f".{name}.{profiling.FOLDER}"  # beside the journal, until the end
     if journal.resumed == 0:
         shutil.rmtree(profiles, ignore_errors=True)  # a killed earlier run's
+    fitting = cell_fit(cfg, job, variant)
     for cell in cells_of(b, variant.settings):
         if reason := engines.unavailable(cell["generation"], device, variant.model.kind) or (
                 speculative.batch_unavailable(cell["generation"], cell["batch_size"])):
             cells.append(cell | {"status": "unavailable", "reason": reason})
+            continue
+        fit = fitting(cell)
+        if fit and (why := refusal(fit)) and not try_anyway(cfg):
+            cells.append(cell | {"status": "unavailable", "reason": why, "memory_fit": fit})
             continue
         folder = cell_folder(cell)
         profile_dir = str(profiles / folder) if profiling.wanted(cfg, "bench_inference") else None
@@ -92,7 +116,7 @@ def run(cfg: dict, job: Job) -> dict:
             isolation=rt["isolation"], timeout_s=rt["cell_timeout_s"], memory_cap_mib=rt["cell_memory_cap_mib"]))
         if not records.is_ok(result):
             log.warning("%s %s: %s: %s", name, cell, result["status"], result.get("reason"))
-        cells.append(cell | result)
+        cells.append(cell | result | ({"memory_fit": fit} if fit else {}))
     journal.remove()
     if profiles.is_dir():
         shutil.move(str(profiles), str(job.out / profiling.FOLDER))

@@ -12,10 +12,13 @@ import shutil
 
 import torch
 
+from ...estimators.fit import assess, budget, finetune_prediction, measured_error, refusal, try_anyway
 from ...experiment import FinetuneRun, finetune_run
 from ...layout import Job
 from ...lora import Refused
 from ...measure.env import environment
+from ...models.build import mixed_precision
+from ...models.modeling import read_split
 from ...registry import LOSS_CSV
 from ...training import unavailable_knobs
 from .instruments import Instruments
@@ -46,10 +49,24 @@ def run(cfg: dict, job: Job) -> dict:
     if run_cfg.num_processes * run_cfg.num_machines > 1 or run_cfg.accelerate_config:
         if "LOCAL_RANK" not in os.environ:
             return launch_distributed(run_cfg, job)
+    fit = memory_fit(cfg, job, run_cfg)
+    if (why := refusal(fit)) and not try_anyway(cfg):
+        return unavailable(job, run_cfg, why) | {"memory_fit": fit}
     try:
-        return train(cfg, job, run_cfg)
+        trained = train(cfg, job, run_cfg)
     except Refused as err:  # peft cannot initialise the adapter this way for this model
         return unavailable(job, run_cfg, str(err))
+    return trained and trained | {"memory_fit": fit}
+
+
+def memory_fit(cfg: dict, job: Job, run_cfg: FinetuneRun) -> dict:
+    """The run's predicted peak against the device's memory (estimators.fit, as the dry run said it), on its rows,
+    before its model loads."""
+    device, folder = job.device, job.layout.base_model()
+    lengths = [len(row["input_ids"]) for row in read_split(job.layout.split("train"))]
+    prediction = finetune_prediction(folder, run_cfg, job.dtype, mixed_precision(run_cfg, job.dtype, device), lengths,
+                                     device.type)
+    return assess(prediction, budget(cfg["runtime"], device.type), measured_error(job.layout.root))
 
 
 def unavailable(job: Job, run_cfg: FinetuneRun, reason: str) -> dict:

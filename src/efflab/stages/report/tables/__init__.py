@@ -61,16 +61,19 @@ def _main_terms(terms: dict, top: int = 3) -> str:
 
 def memory_prediction_table(finetune_rows: list[dict], inference_rows: list[dict]) -> pd.DataFrame:
     """Each run's and cell's predicted peak (made before it ran) next to its measured peak."""
-    def row(what: str, p: dict, env: str) -> dict:
+    def row(what: str, p: dict, env: str, fit: dict | None = None) -> dict:
         ratio, predicted = p.get("ratio"), p.get("total_mib")
+        said = {"fit before it ran (budget)": f"{fit['verdict'] or 'not decided'} ({fit['budget_mib'] / 1024:.1f} GiB)"
+                } if fit else {}
         return {"run / cell": what, "memory": f"{p.get('measured_kind') or '?'} delta", "predicted (MiB)": predicted,
                 "main terms (MiB)": _main_terms(p["terms_mib"]) if predicted else p.get("unavailable"),
                 "measured (MiB)": p.get("measured_mib"), "measured / predicted": ratio,
                 "within ±15%": None if ratio is None else ("yes" if abs(ratio - 1) <= MEMORY_TARGET else "no"),
-                "RSS delta (MiB)": p.get("rss_delta_mib"), "RSS / predicted": p.get("rss_ratio"), "env": env}
+                "RSS delta (MiB)": p.get("rss_delta_mib"), "RSS / predicted": p.get("rss_ratio"), **said, "env": env}
 
     out = [row(f"finetune {r['run']}" + (f" (longest batch {p['batch']['rows']}x{p['batch']['padded_length']})"
-                                         if p.get("batch") else f" ({p['phase']})" if p.get("phase") else ""), p, env_of(r))
+                                         if p.get("batch") else f" ({p['phase']})" if p.get("phase") else ""), p, env_of(r),
+               r.get("memory_fit"))
            for r in finetune_rows if (p := r.get("memory_prediction"))]
     out += [row(f"inference {r['variant']} (KV {'on' if c['kv_cache'] else 'off'}, batch {c['batch_size']}"
                 f"{'' if records.cell_mode(c) == 'dynamic' else ', ' + records.cell_mode(c)})",
