@@ -68,7 +68,7 @@ def test_a_full_fine_tune_whose_adam_state_alone_exceeds_the_budget_is_refused_a
     full = next(line for line in lines if line.startswith("memory: finetune full: "))
     assert full.startswith("memory: finetune full: will not fit: predicted ")
     assert "runtime.try_anyway" in full and "change finetune.runs.full" in full, full
-    assert f"of {0.9 * adam_mib / 1024:.2f} GiB (runtime.memory_budget)" in full
+    assert f"; budget {0.9 * adam_mib / 1024:.2f} GiB (runtime.memory_budget)" in full
     jobs = [line.split(":")[1].strip() for line in lines]
     assert {"finetune lora-r8", "bench_inference baseline"} <= set(jobs), lines
     cfg["runtime"]["memory_budget"] = 1000.0
@@ -108,3 +108,19 @@ def test_a_dry_run_over_the_budget_only_on_rows_of_max_length_leaves_the_verdict
     refused = memory_check._line({"job": "finetune full", "key": "k", "bounded": True},
                                  fit.assess(training(400, 700, floor=1100), ROOM, {}))
     assert refused.startswith("memory: finetune full: will not fit") and "runtime.try_anyway" in refused
+
+
+def test_a_family_the_estimator_does_not_model_is_refused_on_its_floor_and_never_said_to_fit(tmp_path, monkeypatch):
+    monkeypatch.setenv("EFFLAB_CACHE_DIR", str(tmp_path / "cache"))
+    folder = tmp_path / "gpt2"
+    AutoConfig.for_model("gpt2", vocab_size=1000, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                         **FAMILIES["gpt2"]).save_pretrained(folder)
+    (folder / "tokenizer.json").write_text("{}")
+    cfg = copy.deepcopy(config.load(TEST_PARAMS))
+    cfg["base_model"] |= {"source": str(folder), "config_overrides": {}}
+    cfg["runtime"]["memory_budget"] = 1e-4
+    lines = {line.split(":")[1].strip(): line for line in memory_check.plan(cfg, "cpu", tmp_path / "results")}
+    assert lines["finetune full"].startswith("memory: finetune full: will not fit: predicted at least ")
+    assert "not modelled: model type 'gpt2'" in lines["finetune full"]
+    # the CI params' Llama LoRA targets are not GPT-2's: that run is unavailable for it, not for its memory
+    assert lines["finetune lora-r8"].startswith("memory: finetune lora-r8: not decided: not predicted: ")

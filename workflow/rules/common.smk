@@ -162,7 +162,10 @@ def job_args(stage):
 HEAVY = max(workflow.cores, 1)
 _GPUS = gpu_slots.visible_gpus(os.environ, gpu_slots.driver_gpu_count())
 USE_GPU = config["runtime"]["device"] == "cuda" or (config["runtime"]["device"] == "auto" and bool(_GPUS))
-try:  # every fine-tuning, inference and capacity job's predicted peak against the device's memory
+try:  # every fine-tuning, inference and capacity job's predicted peak against the device's memory, once the sources
+    for _stage in registry.STAGES:  # are known to exist (local_source says so per rule, after these lines)
+        if registry.STAGES[_stage].sourced:
+            efflab_config.local_source_files(_stage, config[_stage]["source"])
     for line in memory_check.plan(config, "cuda" if USE_GPU else "cpu"):
         print(f"efflab: {line}", file=sys.stderr)
 except efflab_config.UserError as err:

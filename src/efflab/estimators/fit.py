@@ -103,9 +103,13 @@ def refusal(fit: dict) -> str | None:
 
 def finetune_prediction(folder, run, dtype: str, precision: str, lengths: list[int], device_type: str) -> dict:
     """What the fine-tuning run `run` (a resolved FinetuneRun) on rows of `lengths` tokens is predicted to hold."""
+    from ..config import UserError
     from .training_memory import loaded_weights_bytes, optimizer_step_bytes, training_peak
 
-    weights = loaded_weights_bytes(folder, run, dtype) / MiB
+    try:
+        weights = loaded_weights_bytes(folder, run, dtype) / MiB
+    except UserError as err:  # LoRA targets the family lacks: the run is recorded unavailable for that, with peft's words
+        return {"kind": "training", "weights_mib": None, "floor_mib": 0.0, "unavailable": f"not predicted: {err}"}
     growth = training_peak(folder, run, dtype, precision, lengths, device_type)
     out = {"kind": "training", "weights_mib": weights, "floor_mib": weights + optimizer_step_bytes(folder, run) / MiB}
     if growth["total_mib"] is None:

@@ -56,15 +56,16 @@ def _lengths(cfg: dict, layout: Layout, rows: int) -> tuple[list[int], str]:
 def _line(p: dict, f: dict) -> str:
     room = f"{f['budget_mib'] / 1024:.2f} GiB ({f['budget_source']})"
     if f.get("predicted_mib") is None:
-        said = f"at least {f['floor_mib'] / 1024:.2f} GiB ({f['unavailable']})"
+        said = (f"predicted at least {f['floor_mib'] / 1024:.2f} GiB ({f['unavailable']})" if f["floor_mib"] else
+                f["unavailable"])
     else:
-        said = (f"{f['predicted_mib'] / 1024:.2f} GiB (weights {f['weights_mib'] / 1024:.2f} + peak "
+        said = (f"predicted {f['predicted_mib'] / 1024:.2f} GiB (weights {f['weights_mib'] / 1024:.2f} + peak "
                 f"{f['growth_mib'] / 1024:.2f}{', ' + p['rows'] if p.get('rows') else ''})")
     error = "" if f["error"] is None else f"; estimator error ±{100 * f['error']:.1f}% over {f['error_n']} jobs"
     verdict = f["verdict"] or "not decided"
     if p.get("bounded") and verdict == fit.WILL_NOT_FIT and f["floor_mib"] <= f["budget_mib"]:
         verdict = "may not fit (its job decides on the prepared rows)"
-    line = f"memory: {p['job']}: {verdict}: predicted {said} of {room}{error}"
+    line = f"memory: {p['job']}: {verdict}: {said}; budget {room}{error}"
     if verdict == fit.WILL_NOT_FIT:
         line += (f"; recorded unavailable unless runtime.try_anyway: true (change {p['key']}, or "
                  "runtime.memory_budget)")
@@ -153,6 +154,9 @@ def plan(cfg: dict, device_type: str, results: Path = Path("results")) -> list[s
     if path is None or not path.is_file():
         return []
     folder, layout = _folder(cfg, path), Layout(results)
-    found = _predictions(cfg, folder, _dtype(cfg, layout, device_type), device_type, layout)
+    try:
+        found = _predictions(cfg, folder, _dtype(cfg, layout, device_type), device_type, layout)
+    except (KeyError, ValueError, TypeError, AttributeError, NotImplementedError) as err:  # a family's config the
+        return [f"memory: not predicted ({type(err).__name__}: {err}); the jobs run without a verdict"]  # estimators miss
     room, errors = fit.budget(cfg["runtime"], device_type), fit.measured_error(results)
     return [_line(p, fit.assess(p, room, errors)) for p in found]
