@@ -1,14 +1,14 @@
 """Whether a job fits the device's memory, said before it starts: at the dry run (common.smk, through `plan`) for every
-fine-tuning run, inference cell and capacity subject, and again by the fine-tuning job itself before it loads its
-model, from the same functions.
+fine-tuning run, inference variant and capacity subject, and again by each fine-tuning job and inference cell before
+it loads its model, from the same functions, on the job's own rows and prompts.
 
 A prediction is the loaded weights (counted from the architecture: parameter bytes, or the quantized footprint) plus
 what the memory estimator predicts the job adds over them (training_memory, generation_memory): live tensor bytes,
 the kind torch.cuda.max_memory_allocated reports on a GPU (the CUDA context and the allocator's cache come on top)
 and the live tensors on a CPU (whose resident set also holds the libraries and what malloc keeps). The budget is
 runtime.memory_budget (GiB), else the GPU's memory, else the memory this machine has available now. The verdict:
-- will not fit: the prediction is over the budget; the job is recorded `unavailable: predicted X GiB > Y GiB` without
-  loading its model, unless runtime.try_anyway;
+- will not fit: the prediction is over the budget; the job (or cell) is recorded `unavailable: predicted X GiB > Y GiB`
+  without loading its model, unless runtime.try_anyway (a capacity search's cells run under its own budget instead);
 - tight: it fits, but not by the estimator's error: the largest |measured / predicted - 1| among the predictions this
   run's records compare (results/ at hand), of the same kind (training or generation), applied to the predicted
   growth over the weights;
