@@ -27,7 +27,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-GiB, MiB = 2**30, 2**20
+MiB = 2**20
 FITS, TIGHT, WILL_NOT_FIT = "fits", "tight", "will not fit"
 KINDS = {"finetune": "training", "bench_inference": "generation"}
 

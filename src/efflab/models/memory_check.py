@@ -43,14 +43,17 @@ def _dtype(cfg: dict, layout: Layout, device_type: str) -> str:
     return "bfloat16" if device_type == "cuda" or FAST_BF16_ISA & set(cpu_isa()) else "float32"
 
 
-def _lengths(cfg: dict, layout: Layout, rows: int) -> tuple[list[int], str]:
+def _lengths(cfg: dict, layout: Layout, rows: int) -> tuple[list[int], dict]:
+    """The training rows' token counts, and how they were taken (`bounded`: at max_length, the data not prepared)."""
     split = layout.split("train")
     if split.is_file():
         import pandas as pd
 
-        return [len(ids) for ids in pd.read_parquet(split, columns=["input_ids"]).input_ids], "the prepared rows"
+        return ([len(ids) for ids in pd.read_parquet(split, columns=["input_ids"]).input_ids],
+                {"rows": "the prepared rows", "bounded": False})
     n = cfg["prepare_data"]["max_length"]
-    return [n] * rows, f"rows of prepare_data.max_length {n} (at most; the data is not prepared yet)"
+    return [n] * rows, {"rows": f"rows of prepare_data.max_length {n} (at most; the data is not prepared yet)",
+                        "bounded": True}
 
 
 def _line(p: dict, f: dict) -> str:
@@ -88,11 +91,11 @@ def _training(cfg: dict, folder: Path, dtype: str, device_type: str, layout: Lay
     out, c = [], cfg["capacity"]
     for name in cfg["finetune"]["runs"]:
         run = finetune_run(cfg, name)
-        lengths, rows = _lengths(cfg, layout, run.batch_size * run.gradient_accumulation_steps)
+        lengths, taken = _lengths(cfg, layout, run.batch_size * run.gradient_accumulation_steps)
         predicted = fit.finetune_prediction(folder, run, dtype, _precision(run, dtype, device_type), lengths,
                                             device_type)
-        out.append({"job": f"finetune {name}", "key": f"finetune.runs.{name} (method, batch_size, optimizer)",
-                    "rows": rows, "bounded": not layout.split("train").is_file()} | predicted)
+        out.append({"job": f"finetune {name}", "key": f"finetune.runs.{name} (method, batch_size, optimizer)"}
+                   | taken | predicted)
     for name in c["runs"] if not not_asked(cfg, "capacity") else []:
         run = finetune_run(cfg, name).but(batch_size=1, max_steps=2, gradient_accumulation_steps=1, packing=False)
         out.append({"job": f"capacity {name} (its first cell)", "key": "capacity.runs"} | fit.finetune_prediction(
