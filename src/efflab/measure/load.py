@@ -21,8 +21,9 @@ KEPT_UP = 0.9
 SATURATION_RULE = (f"the lowest rate at which, as medians over its repeats, the later half of the requests waited "
                    f"more than {QUEUE_GROWTH:g}x as long for their first token (TTFT, from arrival) as the earlier "
                    f"half, and the achieved requests/s fell below {KEPT_UP:.0%} of the schedule's own offered rate")
-MEASURED = ("throughput and goodput over each run's span, its first arrival to its last finish; offered rate: the "
-            "schedule's requests over its arrivals' span plus one mean gap (1/rate)")
+MEASURED = ("offered rate: the schedule's requests over its window, its arrivals' span plus one mean gap (1/rate); "
+            "throughput and goodput over the longer of that window and the span from its first arrival to its last "
+            "finish, so that goodput <= requests/s served <= the offered rate")
 PERCENTILES = (50, 90, 99)
 
 
@@ -66,11 +67,12 @@ def queue_growth(rows: list[dict]) -> float:
 
 def run_figures(rows: list[dict], rate: float, slo: dict) -> dict:
     """One served schedule (a method at a rate, one repeat): requests/s, output tokens/s and goodput (requests/s
-    meeting the SLO) over its span, the offered rate of its own schedule, the share of it achieved and the queue's
-    growth."""
+    meeting the SLO) over its span (MEASURED: at least the schedule's window, so that neither exceeds the offered
+    rate), the offered rate of its own schedule, the share of it achieved and the queue's growth."""
     first_arrival = min(r["arrival_s"] for r in rows)
-    span = max(r["finished_s"] for r in rows) - first_arrival
-    offered = len(rows) / (max(r["arrival_s"] for r in rows) - first_arrival + 1 / rate)
+    window = max(r["arrival_s"] for r in rows) - first_arrival + 1 / rate  # the arrivals' span and one mean gap
+    span = max(max(r["finished_s"] for r in rows) - first_arrival, window)
+    offered = len(rows) / window
     good = sum(meets(r, slo) for r in rows)
     return {"requests": len(rows), "span_s": span, "offered_per_s": offered, "requests_per_s": len(rows) / span,
             "output_tokens_per_s": sum(r["output_tokens"] for r in rows) / span, "met_slo": good,
@@ -121,5 +123,6 @@ def best_goodput(cells: list[dict]) -> dict | None:
     c = max(sorted(cells, key=lambda c: c["rate"]), key=lambda c: c["goodput_per_s"]["median"])
     g = c["goodput_per_s"]
     lo, hi = g["ci95_median"] or (None, None)
+    offered = [r["offered_per_s"] for r in c.get("by_round", [])]
     return {"value": g["median"], "lo": lo, "hi": hi, "n": g["n"], "rate": c["rate"], "min": g["min"],
-            "max": g["max"]}
+            "max": g["max"], "bound": statistics.median(offered) if offered else None}

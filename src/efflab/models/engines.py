@@ -40,13 +40,15 @@ class Vllm:
     """vLLM's offline LLM on one model folder, greedy, every generation forced to its number of new tokens: whole
     batches (generate) or a burst of requests served at a concurrency (serve)."""
 
-    def __init__(self, folder, dtype: str, seed: int, memory_fraction: float = 0.3):
+    def __init__(self, folder, dtype: str, seed: int, memory_fraction: float = 0.3, prefix_caching: bool | None = None):
         import vllm
 
         self.version = vllm.__version__
-        # a share of the card: the transformers model it is interleaved with lives on the same GPU
+        # a share of the card: the transformers model it is interleaved with lives on the same GPU; the automatic
+        # prefix cache on or off where asked (None: vLLM's default)
+        caching = {} if prefix_caching is None else {"enable_prefix_caching": prefix_caching}
         self.llm = vllm.LLM(model=str(folder), dtype=dtype, seed=seed, gpu_memory_utilization=memory_fraction,
-                            trust_remote_code=False)
+                            trust_remote_code=False, **caching)
         self._vllm = vllm
         self._request_ids = itertools.count()  # serve()'s request ids: unique in the engine, burst after burst
 
@@ -99,5 +101,6 @@ class Vllm:
                 for rid in ids]
 
 
-def load(engine: str, folder, dtype: str, seed: int):
-    return {"vllm": Vllm}[engine](folder, dtype, seed)
+def load(engine: str, folder, dtype: str, seed: int, prefix_caching: bool | None = None, memory_fraction: float = 0.3):
+    """The engine on `folder`, its prefix cache on or off where asked (None: the engine's default)."""
+    return {"vllm": Vllm}[engine](folder, dtype, seed, memory_fraction, prefix_caching)

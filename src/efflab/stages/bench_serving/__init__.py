@@ -46,7 +46,7 @@ from ...measure.env import environment
 from ...measure.stats import format_ratio
 from ...models import engines
 from ...models.modeling import load_model, read_split
-from . import open_loop
+from . import open_loop, slo_search
 from .rounds import measure
 from .servers import server, unavailable_reason
 
@@ -105,11 +105,16 @@ def run(cfg: dict, job: Job) -> dict:
                  f"x naive {format_ratio(c['throughput_vs_naive'])}" if "throughput_vs_naive" in c else "naive",
                  (c["ttft_s"] or {}).get("p50", float("nan")), c["latency_s"]["p90"])
     open_rows, open_record = open_loop.sweep(s, model, serve, device)
+    slo_rows, slo_record = slo_search.search(
+        s, model, tokenizer, device, requests(cfg, layout, slo_search.requests_per_probe(s)),
+        read_split(layout.split("train")), lambda method, caching: engines.load(
+            method, layout.base_model(), dtype, s["seed"], caching))
     write_csv(Path(job.out) / "requests.csv", REQUEST_COLUMNS, log_rows)
     write_csv(Path(job.out) / "open_loop_requests.csv", open_loop.OPEN_COLUMNS, open_rows)
+    write_csv(Path(job.out) / "slo_search_requests.csv", slo_search.COLUMNS, slo_rows)
     return {"dtype": dtype, "requests": len(reqs), "prompt_tokens": [len(r["prompt"]) for r in reqs],
             "new_tokens": [r["new_tokens"] for r in reqs], "arrival": "all requests at once (offline burst)",
             "bursts": s["bursts"], "sentinel_tolerance": s["sentinel_tolerance"],
             "round_orders": [r["order"] for r in sentinel["rounds"]] if sentinel else [], "sentinel": sentinel,
-            "cells": cells, "open_loop": open_record, "environment": environment(device, s)}
+            "cells": cells, "open_loop": open_record, "slo_search": slo_record, "environment": environment(device, s)}
 

@@ -71,21 +71,39 @@ def serve_static(model, tokenizer, reqs: list[dict], concurrency: int, device) -
     return log_
 
 
-def _continuous_config(tokenizer, reqs: list[dict], concurrency: int):
+def _continuous_config(tokenizer, reqs: list[dict], concurrency: int, prefix_caching: bool | None = None,
+                       page: int = 256):
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     gen = GenerationConfig(do_sample=False, max_new_tokens=max(r["new_tokens"] for r in reqs),
                            eos_token_id=-1, pad_token_id=tokenizer.pad_token_id)  # forced lengths: no early stop
-    # A paged cache sized to this burst (every request's prompt and output, in 256-token pages, twice over):
-    # left to itself it takes most of the free memory, 14 GB here, which a CPU spends seconds zeroing.
-    page = 256
-    pages = sum(-(-(len(r["prompt"]) + r["new_tokens"]) // page) for r in reqs)
+    # A paged cache sized to this burst (every request's prompt and output, in `page`-token pages, twice over; at
+    # most `concurrency` of them held at once where there are many): left to itself it takes most of the free
+    # memory, 14 GB here, which a CPU spends seconds zeroing.
+    held = sorted((-(-(len(r["prompt"]) + r["new_tokens"]) // page) for r in reqs), reverse=True)
+    pages = sum(held[:concurrency]) if len(reqs) > 4 * concurrency else sum(held)
     # transformers 5.17 (efflab's floor) names the page block_size; later versions page_size (block_size deprecated)
     size_key = "page_size" if "page_size" in inspect.signature(ContinuousBatchingConfig).parameters else "block_size"
+    sharing = {} if prefix_caching is None else {"allow_block_sharing": prefix_caching}
     cb = ContinuousBatchingConfig(max_requests_per_batch=concurrency, num_blocks=2 * pages + 2, **{size_key: page},
-                                  max_batch_tokens=max(page, concurrency * max(len(r["prompt"]) for r in reqs)))
+                                  max_batch_tokens=max(page, concurrency * max(len(r["prompt"]) for r in reqs)),
+                                  **sharing)
     return gen, cb
+
+
+def prefix_caching_reason(method: str) -> str | None:
+    """Why `method` cannot serve with its prefix cache switched on and off here (None: it can)."""
+    if method == "naive":
+        return "naive serving (generate() one request at a time) keeps no cache across requests"
+    if method == "continuous":
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+        if "allow_block_sharing" not in inspect.signature(ContinuousBatchingConfig).parameters:
+            import transformers
+
+            return f"transformers {transformers.__version__}'s continuous batching has no prefix cache switch"
+    return None
 
 
 def _submit_and_collect(manager, reqs: list[dict], arrivals: list[float], t0: float) -> dict:
@@ -108,10 +126,13 @@ def _submit_and_collect(manager, reqs: list[dict], arrivals: list[float], t0: fl
     return results
 
 
-def serve_continuous(model, tokenizer, reqs: list[dict], concurrency: int, device, arrivals=None) -> list[dict]:
-    """transformers' continuous batching, each request submitted at its arrival (None: all at once)."""
+def serve_continuous(model, tokenizer, reqs: list[dict], concurrency: int, device, arrivals=None,
+                     prefix_caching: bool | None = None, page: int = 256) -> list[dict]:
+    """transformers' continuous batching, each request submitted at its arrival (None: all at once); its prefix cache
+    (block sharing: a prompt's full `page`-token pages computed once for every request that shares them) on or off
+    (None: transformers' default)."""
     arrivals = arrivals or [0.0] * len(reqs)
-    gen, cb = _continuous_config(tokenizer, reqs, concurrency)
+    gen, cb = _continuous_config(tokenizer, reqs, concurrency, prefix_caching, page)
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.WARNING)
     with model.continuous_batching_context_manager(generation_config=gen, continuous_batching_config=cb,
                                                    warmup=False) as manager:

@@ -11,6 +11,7 @@ as its interval (`error_pct`), and two peaks differ only where they are further 
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 from ... import questions, records
@@ -116,7 +117,7 @@ def _serving(job: dict) -> dict:
     answer = max(decided, key=lambda o: o["axes"]["speed"]["value"])["name"] if decided else None
     return {"baseline": "naive", "answer": answer, "frontier": [],
             "why": "the fastest over naive by its paired burst ratio, where that is decided", "options": options,
-            "open_loop": _open_loop(job.get("open_loop"))}
+            "open_loop": _open_loop(job.get("open_loop")), "slo_search": slo_search_answer(job.get("slo_search"))}
 
 
 def _more_goodput(a: dict, b: dict) -> str:
@@ -147,6 +148,44 @@ def _open_loop(o: dict | None) -> dict | None:
             "answer": answer, "methods": methods, "versus": versus, "saturation_rule": o["saturation_rule"],
             "why": "the highest goodput (requests/s meeting every SLO bound) over the rates swept, more than every "
                    "other method's by intervals that lie apart"}
+
+
+def _at_answer(subject: dict, key: str) -> dict:
+    """The median over the schedules of a probe figure at each schedule's highest rate met (those met nowhere: left
+    out), with the arrival rate's median as its bound (goodput <= arrival rate schedule by schedule, so the medians
+    keep the order)."""
+    met = {(b[0], k) for k, b in enumerate(subject["answer"]["brackets"]) if b[0]}
+    probes = [p for p in subject["probes"] if (p["rate"], p["schedule"]) in met and p["meets"]]
+    if not probes:
+        return {"value": None, "bound": None, "n": 0}
+    return {"value": statistics.median(p[key] for p in probes),
+            "bound": statistics.median(p["arrival_per_s"] for p in probes), "n": len(probes)}
+
+
+def slo_search_answer(o: dict | None) -> dict | None:
+    """The SLO search's answer: per subject its highest rate meeting the SLO (measure.rate_search.answer: the median
+    over the schedules, the interval of their brackets) and its goodput there; per method and workload, the prefix
+    cache on against off in the one vocabulary (more / less only where 95% intervals lie apart: from 6 schedules)."""
+    if not o or not o.get("subjects"):
+        return None
+    subjects = {}
+    for x in records.ok(o["subjects"]):
+        a = x["answer"]
+        axis = {"value": a["value"], "lo": a["lo"] if a["interval"] == "ci95" else None,
+                "hi": a["hi"] if a["interval"] == "ci95" else None, "n": a["n"]}
+        subjects[x["name"]] = {"answer": a, "axis": axis, "goodput": _at_answer(x, "goodput_per_s"),
+                               "method": x["method"], "workload": x["workload"], "prefix_caching": x["prefix_caching"]}
+    caching = {}
+    for name, on in subjects.items():
+        off = next((v for v in subjects.values() if v["prefix_caching"] is False and
+                    (v["method"], v["workload"]) == (on["method"], on["workload"])), None)
+        if on["prefix_caching"] and off:
+            caching[f"{on['method']} {on['workload']}"] = {
+                "on": name, "verdict": _more_goodput(on["axis"], off["axis"]),
+                "ratio": on["answer"]["value"] / off["answer"]["value"] if off["answer"]["value"] else None}
+    return {"question": "What is the highest request rate that meets the SLO?", "slo": o["slo"],
+            "percentile": o["percentile"], "requests_per_probe": o["requests_per_probe"], "subjects": subjects,
+            "caching": caching, "rule": o.get("rule")}
 
 
 def _speculative(options: list[dict], tolerance: float) -> dict:

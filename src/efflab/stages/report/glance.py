@@ -249,6 +249,29 @@ def _open_loop(o: dict) -> str:
             f"{head}{each}." + _link("serving"))
 
 
+def _slo_rate(x: dict) -> str:
+    """A subject's highest rate meeting the SLO, its interval named by its coverage."""
+    a = x["answer"]
+    if a["censored"] == "below the lowest rate":
+        return f"met at no rate down to {a['lowest']:g} requests/s"
+    top = f"{a['hi']:.3g}" if a["hi"] is not None else f"over {a['highest']:g}"
+    kind = "95% CI" if a["interval"] == "ci95" else f"range of {a['n']} schedules"
+    return f"{a['value']:.3g} requests/s [{a['lo']:.3g}, {top}] ({kind})"
+
+
+def slo_search_line(o: dict) -> str:
+    """The SLO search's line: the SLO at its percentile, each subject's highest rate meeting it, and each prefix
+    cache's verdict, all as decisions' `slo_search` holds them."""
+    slo = ", ".join(f"{k.removesuffix('_s').upper()} ≤ {v:g} s" for k, v in o["slo"].items() if v is not None)
+    each = "; ".join(f"{name}: {_slo_rate(x)}" for name, x in o["subjects"].items())
+    caching = "".join(f" Prefix cache on vs off ({pair}): {brief(c['verdict'])}"
+                      + (f", ×{c['ratio']:.2f} the rate" if c["ratio"] else "") + "."
+                      for pair, c in o["caching"].items())
+    return (f"- **Highest rate meeting the SLO** (p{o['percentile']:g} {slo or 'of no bound'}, and kept up; "
+            f"{o['requests_per_probe']} Poisson requests a probe): {each or 'no subject searched'}.{caching}"
+            + _link("serving"))
+
+
 def serving(d: dict) -> str:
     """The serving answer; a why that several verdicts share (the machine's speed changed) said once, at the end."""
     opts = [o for o in d["options"] if not o["baseline"]]
@@ -263,7 +286,8 @@ def serving(d: dict) -> str:
     head = f"**{d['answer']}**" if d["answer"] else "no method shown faster than naive"
     why = f" Why: {whys[0].split(': ', 1)[1]}." if whys else ""
     return f"- **Serving method** (vs naive, throughput): {head}. {rest}.{why}" + _link("serving") + (
-        "\n" + _open_loop(d["open_loop"]) if d.get("open_loop") else "")
+        "\n" + _open_loop(d["open_loop"]) if d.get("open_loop") else "") + (
+        "\n" + slo_search_line(d["slo_search"]) if d.get("slo_search") else "")
 
 
 def _fits(o: dict, rows: str) -> str:

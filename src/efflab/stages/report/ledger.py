@@ -57,6 +57,7 @@ class Statement:
     reference: str | None = None
     file: str = "decisions.json"
     anchor: str = ""
+    bound: float | None = None  # a bound another figure sets (the arrival rate of a goodput): measure.bounds
 
 
 def in_vocabulary(verdict: str | None) -> bool:
@@ -77,11 +78,12 @@ class Ledger:
 
     def state(self, finding: str, subject: str, metric: str, axis: dict | None, *, verdict: str | None = None,
               reference: str | None = None, file: str, anchor: str = "") -> None:
-        """Record that `file` states `axis` (a decisions axis: value, lo, hi, n, verdict) of the finding."""
+        """Record that `file` states `axis` (a decisions axis: value, lo, hi, n, verdict, and the `bound` another
+        figure sets) of the finding."""
         if axis is not None:
             self.statements.append(Statement(finding, subject, metric, axis.get("value"), axis.get("lo"),
                                              axis.get("hi"), axis.get("n"), verdict or axis.get("verdict"),
-                                             reference, file, anchor))
+                                             reference, file, anchor, axis.get("bound")))
 
     def from_decisions(self, made: dict) -> None:
         """decisions.json's statements: every option's axes, status and comparisons of every question, an answer
@@ -108,9 +110,20 @@ class Ledger:
                     said(f"answer.{axis}", "-", {"value": None}, verdict=NOT_DECIDED)
             for method, m in ((q.get("open_loop") or {}).get("methods") or {}).items():
                 said("goodput", method, m.get("best_goodput"), verdict=None)
+            self._slo_search(key, q.get("slo_search"))
         for f in made.get("facts", []):
             if isinstance(f, dict) and "fact" in f:
                 self.state(f["fact"], f.get("run") or "-", "value", f, anchor="facts", file="decisions.json")
+
+    def _slo_search(self, key: str, o: dict | None) -> None:
+        """The SLO search's statements: each subject's highest rate meeting the SLO and its goodput there (held to
+        the arrival rate), and each prefix-cache comparison's verdict."""
+        for name, x in ((o or {}).get("subjects") or {}).items():
+            self.state(key, name, "slo_rate", x["axis"], file="decisions.json", anchor="slo_search")
+            self.state(key, name, "goodput", x["goodput"], file="decisions.json", anchor="slo_search")
+        for pair, c in ((o or {}).get("caching") or {}).items():
+            self.state(key, c["on"], "prefix_caching", {"value": c["ratio"]}, verdict=c["verdict"],
+                       reference=f"{pair} cache off", file="decisions.json", anchor="slo_search")
 
     def from_tables(self, tables: dict, parts: dict) -> None:
         """Each verdict column of each table (report.parts' `Table.says`), row by row: a verdict with no figure, in
@@ -223,7 +236,7 @@ def check(statements: list[Statement]) -> list[str]:
         if not in_vocabulary(s.verdict):
             problems.append(f"{s.finding} {s.subject} {s.metric}: verdict {s.verdict!r} ({s.file}#{s.anchor}) is "
                             "outside the vocabulary")
-        why = violation(s.metric, s.value) if s.metric in BOUNDS else None
+        why = violation(s.metric, s.value, s.bound) if s.metric in BOUNDS else None
         if why:
             problems.append(f"{s.finding} {s.subject} {s.metric} ({s.file}#{s.anchor}): {why}")
     return problems

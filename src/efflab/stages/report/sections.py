@@ -143,7 +143,9 @@ def serving_body(cfg: dict, metrics: dict, table) -> str:
     return render("sections/serving.md.j2", job=job, bursts=job.get("bursts", 1), versus=versus,
                   table=table("bench_serving"), latency=table("bench_serving_latency"),
                   open_loop=job.get("open_loop"),
-                  open_table=table("bench_serving_open_loop") if (job.get("open_loop") or {}).get("cells") else "")
+                  open_table=table("bench_serving_open_loop") if (job.get("open_loop") or {}).get("cells") else "",
+                  slo=slo if (slo := job.get("slo_search") or {}).get("subjects") else None,
+                  slo_table=table("bench_serving_slo_search") if slo.get("subjects") else "")
 
 
 def capacity_body(cfg: dict, metrics: dict, table) -> str:

@@ -17,8 +17,9 @@ MAX_LINES = 12  # the scale line and the closing pointer included
 MAX_CHARS = 200  # of what a reader sees: a link's target is not counted
 FULL = "details.md#every-answer-in-full"
 # efflab.questions' order and labels, with the open loop after the serving method it belongs to
-ORDER = tuple(k for q in QUESTIONS for k in ((q.kind, "open_loop") if q.kind == "serving" else (q.kind,)))
-TITLES = {q.kind: q.title for q in QUESTIONS} | {"open_loop": "Open-loop serving"}
+ORDER = tuple(k for q in QUESTIONS for k in ((q.kind, "open_loop", "slo_search") if q.kind == "serving" else (q.kind,)))
+TITLES = {q.kind: q.title for q in QUESTIONS} | {"open_loop": "Open-loop serving",
+                                                  "slo_search": "Highest rate within the SLO"}
 
 
 def _said(a: dict | None, unit: str = "×", signed: bool = False) -> str:
@@ -119,6 +120,13 @@ def open_loop(o: dict) -> str:
     return (f"**{o['answer']}** the most goodput; " if o["answer"] else "") + (each or "no goodput measured")
 
 
+def slo_search(o: dict) -> str:
+    """Each subject's highest rate meeting the SLO, and each prefix cache's verdict."""
+    each = "; ".join(f"{name}: {x['answer']['value']:.3g}/s" for name, x in o["subjects"].items())
+    caching = "".join(f"; prefix cache ({pair}): {brief(c['verdict'])}" for pair, c in o["caching"].items())
+    return f"p{o['percentile']:g} within the SLO up to: {each or 'none searched'}{caching}"
+
+
 def capacity(d: dict) -> str:
     """Per training subject: the largest batch and the longest sequence at batch 1 that fit, or that none does."""
     by: dict[str, list[str]] = {}
@@ -163,6 +171,8 @@ def _entries(decisions: dict) -> list[tuple[str, str, str, str]]:
         out.append((key, kind, TITLES[kind], say(SAYS, key, d, decisions["tolerance_pct"])))
         if kind == "serving" and d.get("open_loop"):
             out.append((key, "open_loop", TITLES["open_loop"], open_loop(d["open_loop"])))
+        if kind == "serving" and d.get("slo_search"):
+            out.append((key, "slo_search", TITLES["slo_search"], slo_search(d["slo_search"])))
     return sorted(out, key=lambda e: ORDER.index(e[1]))
 
 

@@ -16,7 +16,8 @@ from .runs import Run
 METRICS = {"speed": ("ratio", "max", True), "step_ratio": ("ratio", "min", True), "kl": ("ratio", "min", True),
            "agreement": ("ratio", "min", True), "quality": ("change", "min", True),
            "memory": ("ratio", "min", False), "step": ("ratio", "min", False),
-           "time_to_target": ("ratio", "min", False), "goodput": ("ratio", "max", False)}
+           "time_to_target": ("ratio", "min", False), "goodput": ("ratio", "max", False),
+           "slo_rate": ("ratio", "max", False), "prefix_caching": ("ratio", "max", True)}
 # decisions.json's facts state their figure as `value`: what it is, and the stage whose records make it
 FACTS = {"qat_step_cost": (("ratio", "min", True), "qat"),
          "qlora_worse_than_base": (("change", "min", True), "finetune"),

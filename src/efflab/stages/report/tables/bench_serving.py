@@ -5,6 +5,7 @@ import pandas as pd
 
 from .... import records
 from ....measure.stats import format_ratio, ratio_words
+from .. import decisions
 from ..spread import of_median, text
 from ..writing import brief, env_of, status_text
 
@@ -80,3 +81,39 @@ def open_loop_table(jobs: list[dict]) -> pd.DataFrame:
         o = job.get("open_loop") or {}
         out += [_open_loop_row(c, o["saturation"]) | {"env": env_of(job)} for c in o.get("cells", [])]
     return pd.DataFrame(out, columns=OPEN_LOOP_COLUMNS)
+
+
+SLO_SEARCH_COLUMNS = ["subject", "status", "highest rate meeting the SLO (requests/s)", "interval", "brackets",
+                      "goodput there (requests/s)", "probes", "cache on vs off", "env"]
+
+
+def _rate(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3g}"
+
+
+def _interval(a: dict) -> str:
+    kind = "95% CI" if a["interval"] == "ci95" else f"range, {a['coverage']:.0%} coverage"
+    return f"[{_rate(a['lo'])}, {_rate(a['hi']) if a['hi'] is not None else 'over ' + _rate(a['highest'])}] ({kind})"
+
+
+def slo_search_table(jobs: list[dict]) -> pd.DataFrame:
+    """Per subject (method, workload, prefix cache) of the SLO search: the highest rate meeting the SLO (the median
+    over the schedules of the highest rate each met) with the interval of their brackets and its coverage, each
+    schedule's bracket, the goodput at it (held below the arrival rate), and the prefix cache's verdict, all as
+    decisions.slo_search_answer holds them."""
+    out = []
+    for job in records.ok(jobs):
+        o = job.get("slo_search") or {}
+        d = decisions.slo_search_answer(o) or {"subjects": {}, "caching": {}}
+        verdicts = {c["on"]: c["verdict"] for c in d["caching"].values()}
+        for x in o.get("subjects", []):
+            row = {"subject": x["name"], "status": status_text(x), "env": env_of(job)}
+            if x["name"] in d["subjects"]:
+                a, g = d["subjects"][x["name"]]["answer"], d["subjects"][x["name"]]["goodput"]
+                row |= {"highest rate meeting the SLO (requests/s)": _rate(a["value"]) + (
+                            f" ({a['censored']})" if a["censored"] else ""), "interval": _interval(a),
+                        "brackets": "; ".join(f"{_rate(lo)}-{_rate(hi)}" for lo, hi in a["brackets"]),
+                        "goodput there (requests/s)": _rate(g["value"]), "probes": a["probes"],
+                        "cache on vs off": brief(verdicts.get(x["name"], "-"))}
+            out.append(row)
+    return pd.DataFrame(out, columns=SLO_SEARCH_COLUMNS)
