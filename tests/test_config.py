@@ -32,6 +32,9 @@ def _del(path):
 
 
 # (edit, text the one-line error must contain)
+SLO_SEARCH = {"methods": ["continuous"], "workloads": ["chat"], "prefix_tokens": 8, "prefix_caching": [False],
+              "page_tokens": 16, "concurrency": 2, "percentile": 50, "schedules": 2, "start_rate": 4,
+              "range": [0.5, 64], "steps": 0}
 MALFORMED = [
     (_set(["quantize", "schemes", "int8", "method"], "int9"), "quantize.schemes.int8.method: 'int9' is not one of"),
     (_set(["finetune", "defaults", "learning_rate"], "fast"), "finetune.defaults.learning_rate"),
@@ -69,6 +72,11 @@ MALFORMED = [
     (_set(["runtime", "device"], "tpu"), "runtime.device: 'tpu' is not one of"),
     (_set(["prepare_data", "validation_fraction"], 1.5), "prepare_data.validation_fraction"),
     (_set(["surprise"], 1), "unknown key 'surprise'"),
+    (_set(["bench_serving", "slo_search"], SLO_SEARCH | {"range": [8, 2]}),
+     "bench_serving.slo_search.range: [8, 2] (expected [lowest, highest] with lowest < highest"),
+    (_set(["bench_serving", "slo_search"], SLO_SEARCH | {"start_rate": 100}),
+     "bench_serving.slo_search.start_rate: 100 (expected a rate in range [0.5, 64])"),
+    (_set(["bench_serving", "slo_search"], SLO_SEARCH | {"percentile": 100}), "bench_serving.slo_search.percentile"),
 ]
 
 

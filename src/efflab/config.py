@@ -150,6 +150,21 @@ def _cross_check(cfg: dict, source: str) -> None:
     for name, variant in cfg["bench_inference"]["variants"].items():
         _check_variant(cfg, f"{source}: bench_inference.variants.{name}", variant["kind"], variant.get("of"))
     _check_speculative(cfg, source)
+    _check_slo_search(cfg, source)
+
+
+def _check_slo_search(cfg: dict, source: str) -> None:
+    """The SLO search's rate range runs upwards and its start lies in it."""
+    o = cfg["bench_serving"].get("slo_search")
+    if not o or not o["methods"]:
+        return
+    lowest, highest = o["range"]
+    if not lowest < highest:
+        raise UserError(f"{source}: bench_serving.slo_search.range: [{lowest:g}, {highest:g}] (expected [lowest, "
+                        "highest] with lowest < highest, requests/s)")
+    if not lowest <= o["start_rate"] <= highest:
+        raise UserError(f"{source}: bench_serving.slo_search.start_rate: {o['start_rate']:g} (expected a rate in "
+                        f"range [{lowest:g}, {highest:g}])")
 
 
 def _check_speculative(cfg: dict, source: str) -> None:

@@ -12,9 +12,9 @@ rate, and every figure is recomputed from the rows a probe returns.
 - **A probe** (probe_figures): the percentiles against the SLO's bounds, and the goodput, requests meeting every
   bound per second over max(the schedule's window, the last finish): at most the requests/s served, which is at
   most the achieved arrival rate, by construction. A probe meets the SLO where every percentile is within its
-  bound and the server kept up: it served at least measure.load.KEPT_UP of the arrival rate (its last request
-  finished within the schedule's window / KEPT_UP), so that a schedule which ends before an overloaded server's
-  queue reaches the bound does not make a rate the server cannot sustain pass.
+  bound and the server kept up (`kept_up`, sustained: its requests left, first finish to last, at least
+  measure.load.KEPT_UP as fast as they arrived, first arrival to last), so that a schedule which ends before an
+  overloaded server's queue reaches the bound does not make a rate the server cannot sustain pass.
 - **The search** (search): per (subject, schedule), a rate that meets is doubled and one that fails halved until a
   pair brackets the threshold (or the range [lowest, highest] ends), then `steps` geometric bisections. The
   subjects' searches advance a probe each per round, in a balanced order, so that compared subjects are
@@ -82,11 +82,21 @@ def probe_figures(rows: list[dict], rate: float, window: float, slo: dict, q: fl
     tails = {k: _tail([t[k] for t in times], q) for k in BOUNDS if slo.get(k) is not None}
     span = max(window, max(r["finished_s"] for r in rows))
     good = sum(load.meets(r, slo) for r in rows)
-    kept_up = window / span  # the requests/s served over the arrival rate
+    kept_up = sustained(rows)
     return {"rate": rate, "requests": len(rows), "arrival_per_s": len(rows) / window, "span_s": span,
             "requests_per_s": len(rows) / span, "goodput_per_s": good / span, "met_slo": good,
             "attainment": good / len(rows), f"p{q:g}": tails, "kept_up": kept_up,
             "meets": kept_up >= load.KEPT_UP and all(v <= slo[k] for k, v in tails.items())}
+
+
+def sustained(rows: list[dict]) -> float:
+    """The rate the requests left at over the rate they arrived at: the span of their arrivals over the span of their
+    finishes, first to last (about 1 where the server keeps up, its departures following its arrivals; its service
+    rate over the arrival rate where it does not). Unlike requests/s over the whole run, it does not charge the last
+    request's service time, which on a schedule of 20 requests is a tenth of it."""
+    arrived = max(r["arrival_s"] for r in rows) - min(r["arrival_s"] for r in rows)
+    left = max(r["finished_s"] for r in rows) - min(r["finished_s"] for r in rows)
+    return arrived / left if left > 0 else 1.0
 
 
 @dataclass
