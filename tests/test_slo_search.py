@@ -9,9 +9,10 @@ import pytest
 
 from efflab.measure import load, rate_search
 from efflab.stages.bench_serving import slo_search
-from efflab.stages.report import decisions
-from efflab.stages.report.ledger import Statement, check
-from tests.helpers import run_stage
+from efflab.stages.report import decisions, glance, ledger, short_glance
+from efflab.stages.report.ledger import Ledger, Statement, check
+from efflab.stages.report.tables import bench_serving as tables
+from tests.helpers import run_stage, serving_record
 
 SLOTS, PREFILL, PER_TOKEN, TOKENS = 4, 0.05, 0.01, 6
 SERVICE_RATE = SLOTS / (PREFILL + PER_TOKEN * (TOKENS - 1))  # 40 requests/s: the server's saturation
@@ -161,3 +162,24 @@ def test_the_slo_search_harness_serves_every_probe_at_its_schedule_and_its_figur
         assert {k: again[k] for k in ("meets", "goodput_per_s", "kept_up")} == pytest.approx(
             {k: p[k] for k in ("meets", "goodput_per_s", "kept_up")})
         assert p["goodput_per_s"] <= p["requests_per_s"] <= p["arrival_per_s"] + 1e-12
+
+
+def test_every_line_that_states_the_search_says_only_what_its_statements_hold():
+    """The serving question with an SLO search: its glance lines, full and short, and the table's verdict column say
+    the decisions' rates and verdicts, and the ledger finds nothing to refuse (no vocabulary word in a title)."""
+    off, on = "continuous shared_prefix cache off", "continuous shared_prefix cache on"
+    record = {"percentile": 50, "slo": {"ttft_s": 2.0, "tpot_s": None}, "requests_per_probe": 20,
+              "subjects": [_searched(off, [[2, 4]] * 3), _searched(on, [[8, 16]] * 3)]}
+    job = serving_record({("naive", 1): [10.0] * 6, ("continuous", 4): [30.0] * 6}) | {"slo_search": record}
+    made = {"questions": {"serving": decisions._serving(job)}, "facts": [], "tolerance_pct": 5.0}
+    book = Ledger()
+    book.from_decisions(made)
+    assert ledger.check(book.statements) == []
+    for lines, file in ((glance.by_question(made), "details.md"), (short_glance.lines(made), "report.md")):
+        assert f"{on}: 8" in lines["serving"] and f"{off}: 2" in lines["serving"]
+        assert ledger.check_lines(book.statements, lines, file) == []
+    table = tables.slo_search_table([job]).set_index("subject")
+    assert table.loc[on, "cache on vs off"].startswith("not decided at this size") and table.loc[off, "cache on vs off"] == "-"
+    assert table.loc[on, "interval"] == "[8, 16] (range, 75% coverage)"
+    said = [s for s in book.statements if s.metric == "goodput"]
+    assert said and all(s.value <= s.bound for s in said)

@@ -107,8 +107,8 @@ def run(cfg: dict, job: Job) -> dict:
     open_rows, open_record = open_loop.sweep(s, model, serve, device)
     slo_rows, slo_record = slo_search.search(
         s, model, tokenizer, device, requests(cfg, layout, slo_search.requests_per_probe(s)),
-        read_split(layout.split("train")), lambda method, caching: engines.load(
-            method, layout.base_model(), dtype, s["seed"], caching))
+        read_split(layout.split("train")), lambda method, caching: engines.load(  # beside the bursts' engine (0.3)
+            method, layout.base_model(), dtype, s["seed"], caching, memory_fraction=0.2))
     write_csv(Path(job.out) / "requests.csv", REQUEST_COLUMNS, log_rows)
     write_csv(Path(job.out) / "open_loop_requests.csv", open_loop.OPEN_COLUMNS, open_rows)
     write_csv(Path(job.out) / "slo_search_requests.csv", slo_search.COLUMNS, slo_rows)

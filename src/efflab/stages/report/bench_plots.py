@@ -27,6 +27,29 @@ from .writing import speedup_verdict
 METHOD_COLOURS = {"naive": "tab:gray", "static": "tab:blue", "continuous": "tab:green"}
 
 
+def _plot_slo_search(ax, o: dict) -> None:
+    """The SLO search's probes: per subject, each probe's percentile of TTFT against its rate (filled: met the SLO;
+    hollow: did not), the TTFT bound, and the answer's interval as a band of the subject's colour."""
+    q = f"p{o['percentile']:g}"
+    palette = ("tab:red", "tab:green", "tab:blue", "tab:purple", "tab:orange", "tab:brown")
+    for colour, x in zip(palette, records.ok(o["subjects"])):
+        a = x["answer"]
+        ax.axvspan(max(a["lo"], a["lowest"]), a["hi"] or a["highest"], color=colour, alpha=0.12)
+        for met in (True, False):
+            probes = [p for p in x["probes"] if p["meets"] is met and "ttft_s" in p[q]]
+            ax.scatter([p["rate"] for p in probes], [p[q]["ttft_s"] for p in probes], color=colour,
+                       facecolors=colour if met else "none", label=x["name"] if met else None, zorder=3)
+    if (o.get("slo") or {}).get("ttft_s"):
+        ax.axhline(o["slo"]["ttft_s"], color="black", lw=0.8, ls="--")
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+    ax.set_xlabel(f"offered rate (requests/s; {o['requests_per_probe']} Poisson requests a probe)")
+    ax.set_ylabel(f"{q} TTFT of a probe (s): filled met the SLO\nand kept up; hollow did not; band: the answer's "
+                  "interval")
+    ax.set_title("Highest rate meeting the SLO")
+    ax.legend(fontsize=7, loc="upper left")
+
+
 def plot_serving(jobs: list[dict], path: Path) -> None:
     """Per method and concurrency: output tokens/s (median over the bursts), the throughput over naive serving
     paired burst round by burst round against a line at 1 (continuous batching's over static batching written
@@ -34,7 +57,12 @@ def plot_serving(jobs: list[dict], path: Path) -> None:
     where the bursts give one, dashed ranges where they are too few."""
     cells = [c for job in records.ok(jobs) for c in records.ok(job["cells"])]
     x, colours = list(range(len(cells))), [METHOD_COLOURS.get(c["method"], "tab:olive") for c in cells]
-    fig, (tps_ax, vs_ax, lat_ax) = plt.subplots(1, 3, figsize=(max(13, 3 * len(cells) + 3), 4.4))
+    search = next((j["slo_search"] for j in records.ok(jobs) if records.ok((j.get("slo_search") or {})
+                                                                            .get("subjects") or [])), None)
+    fig, axes = plt.subplots(1, 4 if search else 3, figsize=(max(13, 3 * len(cells) + 3) + (5 if search else 0), 4.4))
+    tps_ax, vs_ax, lat_ax = axes[:3]
+    if search:
+        _plot_slo_search(axes[3], search)
     rates = [of_median(c.get("output_tokens_per_s")) for c in cells]
     tps_ax.bar(x, spread_values(rates), color=colours, alpha=0.8)
     kinds = spread_bars(tps_ax, x, rates)

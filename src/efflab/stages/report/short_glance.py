@@ -19,7 +19,7 @@ FULL = "details.md#every-answer-in-full"
 # efflab.questions' order and labels, with the open loop after the serving method it belongs to
 ORDER = tuple(k for q in QUESTIONS for k in ((q.kind, "open_loop", "slo_search") if q.kind == "serving" else (q.kind,)))
 TITLES = {q.kind: q.title for q in QUESTIONS} | {"open_loop": "Open-loop serving",
-                                                  "slo_search": "Highest rate within the SLO"}
+                                                  "slo_search": "Highest rate meeting the SLO"}
 
 
 def _said(a: dict | None, unit: str = "×", signed: bool = False) -> str:
@@ -124,7 +124,7 @@ def slo_search(o: dict) -> str:
     """Each subject's highest rate meeting the SLO, and each prefix cache's verdict."""
     each = "; ".join(f"{name}: {x['answer']['value']:.3g}/s" for name, x in o["subjects"].items())
     caching = "".join(f"; prefix cache ({pair}): {brief(c['verdict'])}" for pair, c in o["caching"].items())
-    return f"p{o['percentile']:g} within the SLO up to: {each or 'none searched'}{caching}"
+    return f"p{o['percentile']:g} meets the SLO up to: {each or 'none searched'}{caching}"
 
 
 def capacity(d: dict) -> str:
