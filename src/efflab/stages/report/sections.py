@@ -234,8 +234,15 @@ def run_size(cfg: dict, metrics: dict, larger: Path = GPU_PROFILE) -> str:
     minutes = sum(m.get("wall_s") or 0 for ms in metrics.values() for m in ms) / 60
     served = records.ok(metrics.get("bench_serving", []))  # what ran, where it ran: a run older than open loop had none
     open_loop = served[0].get("open_loop") if served else cfg["bench_serving"].get("open_loop")
+    # the SLO search of the run's record; a record older than the search says nothing of it
+    slo = (served[0].get("slo_search") if served else cfg["bench_serving"].get("slo_search")) or {}
+    slo_clause = "" if served and "slo_search" not in served[0] else (
+        f" SLO search: {', '.join(slo['methods'])} on {', '.join(slo['workloads'])}, prefix cache "
+        f"{'/'.join('on' if c else 'off' for c in slo['prefix_caching'])}, {slo['schedules']} schedules at "
+        f"p{slo['percentile']:g}, {slo['steps']} bisection(s);" if slo.get("methods") else " SLO search left out;")
     return render("sections/run_size.md.j2", ft=cfg["finetune"]["defaults"], q=cfg["quantize"],
                   a=cfg["bench_attention"], i=cfg["bench_inference"], sv=cfg["bench_serving"], ol=open_loop or {},
+                  slo_clause=slo_clause,
                   qt=cfg["qat"],
                   cap=cfg["capacity"], prompts=prompt_count(cfg, metrics), minutes=minutes,
                   slices=slices.text(cfg, metrics),
