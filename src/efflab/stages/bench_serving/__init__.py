@@ -106,8 +106,8 @@ def run(cfg: dict, job: Job) -> dict:
                  (c["ttft_s"] or {}).get("p50", float("nan")), c["latency_s"]["p90"])
     open_rows, open_record = open_loop.sweep(s, model, serve, device)
     slo_rows, slo_record = slo_search.search(
-        s, model, tokenizer, device, requests(cfg, layout, slo_search.requests_per_probe(s)),
-        read_split(layout.split("train")), lambda method, caching: engines.load(  # beside the bursts' engine (0.3)
+        s, model, tokenizer, device, lambda n: (requests(cfg, layout, n), read_split(layout.split("train"))),
+        lambda method, caching: engines.load(  # beside the bursts' engine (0.3)
             method, layout.base_model(), dtype, s["seed"], caching, memory_fraction=0.2))
     write_csv(Path(job.out) / "requests.csv", REQUEST_COLUMNS, log_rows)
     write_csv(Path(job.out) / "open_loop_requests.csv", open_loop.OPEN_COLUMNS, open_rows)

@@ -117,20 +117,16 @@ def run_search(o: dict, slo: dict, live: list[dict], requests_of, serve, seed: i
     return rows, [{k: v for k, v in sch.items() if k != "arrivals"} for sch in schedules]
 
 
-def requests_per_probe(s: dict) -> int:
-    """The requests a probe sends (0: the search is left out)."""
-    o = s.get("slo_search")
-    return rate_search.requests_for(o["percentile"]) if o and o["methods"] else 0
-
-
-def search(s: dict, model, tokenizer, device, reqs: list[dict], train_rows: list[dict], load_engine):
-    """The SLO search of `slo_search` (None: left out): its rows and record."""
+def search(s: dict, model, tokenizer, device, inputs, load_engine):
+    """The SLO search of `slo_search` (None: left out): its rows and record. `inputs(n)`: n requests (the burst's
+    prompts and output lengths) and the training rows (the shared prefix's text), read only where the search runs."""
     o, slo = s.get("slo_search"), s.get("slo") or {}
     if not o or not o["methods"]:
         return [], None
     if not any(v is not None for v in slo.values()):
         return [], {"status": "unavailable", "reason": "bench_serving.slo sets no bound: no rate is the highest"}
-    listed = subjects(o, model)
+    listed, n = subjects(o, model), rate_search.requests_for(o["percentile"])
+    reqs, train_rows = inputs(n)
     prefix = shared_prefix(train_rows, o["prefix_tokens"])
     requests_of = lambda subject: workload_requests(reqs, subject["workload"], prefix)  # noqa: E731
     serve = make_server(model, tokenizer, device, o, load_engine)
@@ -140,7 +136,7 @@ def search(s: dict, model, tokenizer, device, reqs: list[dict], train_rows: list
         log.info("slo search %s: meets the SLO at p%g up to %.3g requests/s (%s [%.3g, %s] of %d schedules)%s",
                  x["name"], o["percentile"], a["value"], a["interval"], a["lo"],
                  "-" if a["hi"] is None else f"{a['hi']:.3g}", a["n"], f"; {a['censored']}" if a["censored"] else "")
-    return rows, o | {"slo": slo, "requests_per_probe": rate_search.requests_for(o["percentile"]),
+    return rows, o | {"slo": slo, "requests_per_probe": n,
                       "beyond_percentile": rate_search.BEYOND, "rate_tolerance": rate_search.RATE_TOLERANCE,
                       "prefix_tokens_sent": len(prefix), "schedules_drawn": schedules, "subjects": listed,
                       "rule": rate_search.RULE}

@@ -154,8 +154,11 @@ def _at_answer(subject: dict, key: str) -> dict:
     """The median over the schedules of a probe figure at each schedule's highest rate met (those met nowhere: left
     out), with the arrival rate's median as its bound (goodput <= arrival rate schedule by schedule, so the medians
     keep the order)."""
-    met = {(b[0], k) for k, b in enumerate(subject["answer"]["brackets"]) if b[0]}
-    probes = [p for p in subject["probes"] if (p["rate"], p["schedule"]) in met and p["meets"]]
+    top: dict[int, dict] = {}
+    for p in (p for p in subject["probes"] if p["meets"]):
+        if p["schedule"] not in top or p["rate"] > top[p["schedule"]]["rate"]:
+            top[p["schedule"]] = p
+    probes = list(top.values())
     if not probes:
         return {"value": None, "bound": None, "n": 0}
     return {"value": statistics.median(p[key] for p in probes),

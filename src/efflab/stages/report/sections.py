@@ -140,12 +140,12 @@ def serving_body(cfg: dict, metrics: dict, table) -> str:
     job = records.ok(metrics["bench_serving"])[0]
     versus = [{"concurrency": c["concurrency"], "ratio": format_ratio(ratio), "verdict": brief(ratio["verdict"])}
               for c in records.ok(job["cells"]) if (ratio := records.serving_ratio(c, "continuous_vs_static"))]
+    slo = job.get("slo_search") if (job.get("slo_search") or {}).get("subjects") else None
     return render("sections/serving.md.j2", job=job, bursts=job.get("bursts", 1), versus=versus,
                   table=table("bench_serving"), latency=table("bench_serving_latency"),
                   open_loop=job.get("open_loop"),
                   open_table=table("bench_serving_open_loop") if (job.get("open_loop") or {}).get("cells") else "",
-                  slo=slo if (slo := job.get("slo_search") or {}).get("subjects") else None,
-                  slo_table=table("bench_serving_slo_search") if slo.get("subjects") else "")
+                  slo=slo, slo_table=table("bench_serving_slo_search") if slo else "")
 
 
 def capacity_body(cfg: dict, metrics: dict, table) -> str:
